@@ -1,0 +1,76 @@
+"""The ``kvshare`` command.
+
+Core commands live here (``size``). Commands that need the cluster or the router (``up``,
+``status``, ``down``, ``gateway``, ``sim``) are plugins registered under the
+``kvshare.commands`` entry-point group, so this package never imports ``actors`` or
+``router``. A plugin is ``register(subparsers) -> None`` and sets ``func`` on its parser.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections.abc import Sequence
+from importlib.metadata import entry_points
+
+from kvshare.layout import KVLayout, format_bytes
+
+
+def _size(args: argparse.Namespace) -> int:
+    layout = KVLayout.from_hf_config(args.config, dtype=args.dtype, block_tokens=args.block_tokens)
+    total = layout.bytes_per_token * args.tokens
+    if args.json:
+        print(json.dumps({
+            "bytes_per_token": layout.bytes_per_token,
+            "bytes_per_block": layout.bytes_per_block,
+            "total_bytes": total,
+            "tokens": args.tokens,
+            "layout": layout.to_dict(),
+        }))
+    else:
+        print(f"layout          {layout.num_layers} layers x {layout.num_kv_heads} kv heads x "
+              f"head_dim {layout.head_dim}, {layout.dtype}")
+        print(f"bytes/token     {layout.bytes_per_token:,} ({format_bytes(layout.bytes_per_token)})")
+        print(f"bytes/block     {layout.bytes_per_block:,} ({format_bytes(layout.bytes_per_block)}, "
+              f"{layout.block_tokens} tokens)")
+        print(f"{args.tokens:,} tokens  {total:,} ({format_bytes(total)})")
+    return 0
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvshare", description="Cluster-wide KV-cache sharing")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO")
+    sub = parser.add_subparsers(dest="command", required=True)
+    size = sub.add_parser("size", help="KV cache size of a model from its config.json")
+    size.add_argument("config", help="path to a Hugging Face config.json")
+    size.add_argument("--tokens", type=_positive_int, required=True, help="number of tokens")
+    size.add_argument("--dtype", default=None, help="KV dtype (default: the config's dtype)")
+    size.add_argument("--block-tokens", type=_positive_int, default=256)
+    size.add_argument("--json", action="store_true", help="print one JSON object")
+    size.set_defaults(func=_size)
+    for ep in sorted(entry_points(group="kvshare.commands"), key=lambda e: e.name):
+        ep.load()(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING)
+    try:
+        return int(args.func(args) or 0)
+    except (ValueError, KeyError, FileNotFoundError) as exc:
+        print(f"kvshare {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,154 @@
+"""Chained block hashes (scheme version 1).
+
+::
+
+    root = H(b"kvshare-root", u32 scheme_version, field(model_id), field(layout_fp), field(salt))
+    h_i  = H(h_{i-1}, tokens_i as little-endian u32, field(extra_i))      h_{-1} = root
+
+``field(x)`` is ``u32 len(x) || x`` so that no two different field tuples encode to the same
+bytes. Only full blocks are hashed. The default function is sha256 (32 bytes, cryptographic,
+so a crafted prompt cannot forge another prompt's hash); blake3 (32 bytes) and xxh3-128
+(16 bytes, non-cryptographic: single-tenant clusters only) are explicit choices. The scheme
+never uses Python's ``hash()`` or a per-process seed: the same input gives the same bytes in
+any process on any machine.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Callable, Sequence
+from enum import StrEnum
+
+import numpy as np
+import numpy.typing as npt
+
+from kvshare.types import BlockHash
+
+SCHEME_VERSION = 1
+_U32 = struct.Struct("<I")
+
+
+class HashFn(StrEnum):
+    """Hash functions the scheme can use."""
+
+    SHA256 = "sha256"
+    BLAKE3 = "blake3"
+    XXH3_128 = "xxh3_128"
+
+    @property
+    def digest_size(self) -> int:
+        return 16 if self is HashFn.XXH3_128 else 32
+
+
+DEFAULT_HASH_FN = HashFn.SHA256
+
+
+def _digest_fn(fn: HashFn) -> Callable[[bytes], bytes]:
+    if fn is HashFn.SHA256:
+        sha = hashlib.sha256
+        return lambda data: sha(data).digest()
+    if fn is HashFn.BLAKE3:
+        from blake3 import blake3
+
+        return lambda data: blake3(data).digest()
+    if fn is HashFn.XXH3_128:
+        import xxhash
+
+        return xxhash.xxh3_128_digest
+    raise ValueError(f"unknown hash function {fn!r}; choose one of {[f.value for f in HashFn]}")
+
+
+def _field(value: bytes) -> bytes:
+    return _U32.pack(len(value)) + value
+
+
+def _as_bytes(value: str | bytes, what: str) -> bytes:
+    if isinstance(value, bytes):
+        return value
+    if isinstance(value, str):
+        return value.encode("utf-8")
+    raise TypeError(f"{what} must be str or bytes, got {type(value).__name__}")
+
+
+def namespace_root(
+    model_id: str | bytes,
+    layout_fingerprint: str | bytes,
+    tenant_salt: str | bytes = b"",
+    *,
+    scheme_version: int = SCHEME_VERSION,
+    fn: HashFn = DEFAULT_HASH_FN,
+) -> BlockHash:
+    """The root of every chain in one namespace (model x layout x tenant x scheme)."""
+    if scheme_version < 0 or scheme_version >= 2**32:
+        raise ValueError(f"scheme_version must fit in u32, got {scheme_version}")
+    payload = (
+        b"kvshare-root"
+        + _U32.pack(scheme_version)
+        + _field(_as_bytes(model_id, "model_id"))
+        + _field(_as_bytes(layout_fingerprint, "layout_fingerprint"))
+        + _field(_as_bytes(tenant_salt, "tenant_salt"))
+    )
+    return BlockHash(_digest_fn(HashFn(fn))(payload))
+
+
+def tokens_to_u32le(tokens: Sequence[int] | npt.NDArray[np.integer]) -> bytes:
+    """Token ids as little-endian u32 bytes; ValueError for non-integers or ids outside [0, 2**32)."""
+    arr = np.asarray(tokens)
+    if arr.ndim != 1:
+        raise ValueError(f"token ids must be a 1-D sequence, got shape {arr.shape}")
+    if arr.size == 0:
+        return b""
+    if arr.dtype.kind not in "iu":
+        raise ValueError(
+            f"token ids must be integers, got dtype {arr.dtype}: convert them with int() first"
+        )
+    if arr.dtype.kind == "i" or arr.dtype.itemsize > 4:
+        lo, hi = int(arr.min()), int(arr.max())
+        if lo < 0 or hi >= 2**32:
+            bad = lo if lo < 0 else hi
+            raise ValueError(f"token id {bad} is outside [0, 2**32); token ids must fit in u32")
+    return arr.astype("<u4", copy=False).tobytes()
+
+
+def block_hashes(
+    root: BlockHash,
+    tokens: Sequence[int] | npt.NDArray[np.integer],
+    block_tokens: int,
+    extra_keys: Sequence[bytes | None] | None = None,
+    *,
+    fn: HashFn = DEFAULT_HASH_FN,
+    parent: BlockHash | None = None,
+) -> list[BlockHash]:
+    """Hashes of the full blocks of ``tokens`` (a trailing partial block is not hashed).
+
+    ``extra_keys[i]`` (LoRA id, multimodal digests, canonically encoded by the caller) joins
+    block ``i``'s hash. ``parent`` continues a chain whose earlier blocks were hashed before
+    (defaults to ``root``, i.e. ``tokens`` starts at position 0).
+    """
+    if block_tokens <= 0:
+        raise ValueError(f"block_tokens must be positive, got {block_tokens}")
+    fn = HashFn(fn)
+    if len(root) != fn.digest_size:
+        raise ValueError(
+            f"root is {len(root)} bytes but {fn.value} digests are {fn.digest_size}: "
+            "build the root with the same hash function"
+        )
+    data = tokens_to_u32le(tokens)
+    n_blocks = len(data) // (4 * block_tokens)
+    if extra_keys is not None and len(extra_keys) < n_blocks:
+        raise ValueError(
+            f"extra_keys has {len(extra_keys)} entries but there are {n_blocks} full blocks"
+        )
+    digest = _digest_fn(fn)
+    view = memoryview(data)
+    step = 4 * block_tokens
+    empty = _field(b"")
+    prev = bytes(parent if parent is not None else root)
+    out: list[BlockHash] = []
+    for i in range(n_blocks):
+        extra = extra_keys[i] if extra_keys is not None else None
+        tail = empty if extra is None else _field(extra)
+        prev = digest(b"".join((prev, view[i * step : (i + 1) * step], tail)))
+        out.append(BlockHash(prev))
+    return out

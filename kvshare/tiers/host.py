@@ -1,0 +1,158 @@
+"""Host tier: one pre-allocated, pre-touched slab of fixed slots in POSIX shared memory.
+
+The slab is a file in ``/dev/shm`` named ``kvshare-{namespace}-{node}-{generation}``, created
+with ``os.open`` + ``mmap`` (not ``multiprocessing.shared_memory``, whose resource tracker
+unlinks a segment when any attached process exits). Other processes on the node attach with
+:meth:`HostSlab.attach` and read or write slots in place; the pool's slot epochs, not
+checksums, guard those reads. With ``name=None`` the slab is anonymous (single process).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import logging
+import mmap
+import os
+import re
+
+import numpy as np
+
+from kvshare.tiers.base import ByteArray, TierStore
+from kvshare.types import BlockHash, Tier
+
+log = logging.getLogger(__name__)
+
+SHM_DIR = "/dev/shm"
+_PAGE = mmap.PAGESIZE
+_SAFE = re.compile(r"^[A-Za-z0-9._-]+$")
+
+
+def segment_name(namespace: str, node: str, generation: int) -> str:
+    """The shared-memory segment name of one pool generation."""
+    for what, value in (("namespace", namespace), ("node", node)):
+        if not _SAFE.match(value):
+            raise ValueError(f"{what} {value!r} may only hold letters, digits, '.', '_' and '-'")
+    return f"kvshare-{namespace}-{node}-{generation}"
+
+
+def remove_stale_segments(namespace: str, node: str, keep: str | None = None) -> list[str]:
+    """Unlink this node's older slabs of ``namespace`` (a pool that died left them)."""
+    removed = []
+    for path in glob.glob(os.path.join(SHM_DIR, f"kvshare-{namespace}-{node}-*")):
+        name = os.path.basename(path)
+        if name == keep or not name.removeprefix(f"kvshare-{namespace}-{node}-").isdigit():
+            continue
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+            removed.append(name)
+    return removed
+
+
+def shm_free_bytes() -> int:
+    """Free bytes in ``/dev/shm`` (containers often give it only 64 MiB)."""
+    st = os.statvfs(SHM_DIR)
+    return st.f_bavail * st.f_frsize
+
+
+class HostSlab(TierStore):
+    """``num_slots`` slots of ``slot_bytes`` each in one shared mapping."""
+
+    tier = Tier.HOST
+
+    def __init__(
+        self,
+        slot_bytes: int,
+        num_slots: int,
+        name: str | None = None,
+        *,
+        create: bool = True,
+        pin_cuda: bool = True,
+    ) -> None:
+        if slot_bytes <= 0 or num_slots <= 0:
+            raise ValueError(
+                f"host slab needs positive slot_bytes and num_slots, got {slot_bytes}, {num_slots}"
+            )
+        self.slot_bytes = slot_bytes
+        self.num_slots = num_slots
+        self.name = name
+        self._owner = create and name is not None
+        size = slot_bytes * num_slots
+        if name is None:
+            self._mm = mmap.mmap(-1, size)
+        else:
+            path = os.path.join(SHM_DIR, name)
+            if create:
+                if size > shm_free_bytes():
+                    raise MemoryError(
+                        f"host slab of {size} bytes does not fit in {SHM_DIR} "
+                        f"({shm_free_bytes()} bytes free): lower --host-gb or enlarge /dev/shm"
+                    )
+                fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+            else:
+                fd = os.open(path, os.O_RDWR)
+            try:
+                if create:
+                    os.ftruncate(fd, size)
+                elif os.fstat(fd).st_size != size:
+                    raise ValueError(
+                        f"slab {name} is {os.fstat(fd).st_size} bytes, expected {size}: "
+                        "the pool was restarted with another size; re-attach"
+                    )
+                self._mm = mmap.mmap(fd, size)
+            finally:
+                os.close(fd)
+        self.array: ByteArray = np.frombuffer(self._mm, dtype=np.uint8).reshape(
+            num_slots, slot_bytes
+        )
+        if create:
+            self.array.reshape(-1)[::_PAGE] = 0  # pre-touch: page faults now, not per store
+            if pin_cuda:
+                self._pin_cuda()
+
+    @classmethod
+    def attach(cls, name: str, slot_bytes: int, num_slots: int) -> HostSlab:
+        """Map an existing slab created by a pool on this node (read-write)."""
+        return cls(slot_bytes, num_slots, name, create=False, pin_cuda=False)
+
+    def _pin_cuda(self) -> None:
+        try:
+            import torch
+
+            if torch.cuda.is_available():
+                t = torch.from_numpy(self.array.reshape(-1))
+                torch.cuda.cudart().cudaHostRegister(  # type: ignore[no-untyped-call]
+                    t.data_ptr(), t.numel(), 0)
+        except Exception as exc:  # pinning is an optimisation only
+            log.warning("could not pin host slab with CUDA: %s", exc)
+
+    def view(self, slot: int) -> ByteArray:
+        """The slot's bytes, writable, zero-copy."""
+        self._check(slot)
+        row: ByteArray = self.array[slot]
+        return row
+
+    def write(self, slot: int, data: ByteArray, block_hash: BlockHash, checksum: int) -> None:
+        self._check(slot, data)
+        np.copyto(self.array[slot], data, casting="no")
+
+    def read_into(self, slot: int, out: ByteArray, block_hash: BlockHash, checksum: int) -> None:
+        self._check(slot, out)
+        np.copyto(out, self.array[slot], casting="no")
+
+    def checksum(self, slot: int) -> int:
+        from kvshare.tiers.base import block_checksum
+
+        return block_checksum(self.view(slot))
+
+    def discard(self, slot: int) -> None:
+        self._check(slot)
+
+    def close(self) -> None:
+        """Unmap; the owner also unlinks the segment."""
+        self.array = np.empty((0, self.slot_bytes), dtype=np.uint8)
+        with contextlib.suppress(BufferError):
+            self._mm.close()
+        if self._owner and self.name is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(SHM_DIR, self.name))

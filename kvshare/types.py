@@ -1,0 +1,58 @@
+"""Identifiers shared by every kvshare component.
+
+Identifiers are ``NewType``s so that a node id cannot be passed where a worker id is
+expected; tiers are a small string enum so they travel through Arrow and JSON unchanged.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import NewType
+
+BlockHash = NewType("BlockHash", bytes)
+"""A chained block hash: 32 bytes (sha256/blake3) or 16 bytes (xxh3-128)."""
+
+NodeId = NewType("NodeId", str)
+"""A Ray node id (hex) or, outside Ray, any stable node name."""
+
+WorkerId = NewType("WorkerId", str)
+"""An inference worker's id, unique in the cluster."""
+
+Location = NewType("Location", str)
+"""Where blocks live, as the index sees it: ``node:<NodeId>`` or ``worker:<WorkerId>``."""
+
+
+class Tier(StrEnum):
+    """Storage tiers, fastest first."""
+
+    GPU = "gpu"
+    HOST = "host"
+    DISK = "disk"
+
+    @property
+    def rank(self) -> int:
+        """0 for the fastest tier; smaller is faster."""
+        return _TIER_RANK[self]
+
+
+_TIER_RANK = {Tier.GPU: 0, Tier.HOST: 1, Tier.DISK: 2}
+
+
+def node_location(node: str) -> Location:
+    """The index location of a node's pool."""
+    return Location(f"node:{node}")
+
+
+def worker_location(worker: str) -> Location:
+    """The index location of a worker's own (gpu-tier) cache."""
+    return Location(f"worker:{worker}")
+
+
+def parse_location(location: str) -> tuple[str, str]:
+    """Split ``kind:id``; raise ValueError naming the expected form otherwise."""
+    kind, sep, ident = location.partition(":")
+    if not sep or kind not in ("node", "worker") or not ident:
+        raise ValueError(
+            f"location {location!r} is malformed: expected 'node:<id>' or 'worker:<id>'"
+        )
+    return kind, ident
