@@ -1,0 +1,81 @@
+"""Shared fixtures. Cluster tests start real Ray clusters (``ray.cluster_utils.Cluster``)."""
+
+from __future__ import annotations
+
+import os
+
+# Before ray is imported anywhere: keep loopback addresses, no usage stats, no auth token file.
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import tempfile  # noqa: E402
+from collections.abc import Iterator  # noqa: E402
+from typing import Any  # noqa: E402
+
+import pytest  # noqa: E402
+
+# Fast failure detection so a removed node is noticed within seconds (ENVIRONMENT.md).
+FAST_HEALTH = {
+    "health_check_period_ms": 500,
+    "health_check_failure_threshold": 3,
+    "health_check_timeout_ms": 500,
+}
+
+
+def start_cluster(num_workers: int = 2, object_store_mb: int = 300) -> Any:
+    """A head (no CPUs for work) plus ``num_workers`` nodes, with ``ray.init`` connected.
+
+    Each worker node gets a custom resource ``node_<i>`` to pin actors with. The caller
+    shuts it down with :func:`stop_cluster`.
+    """
+    import ray
+    from ray.cluster_utils import Cluster
+
+    os.makedirs("/tmp/ray", exist_ok=True)  # Ray records the head's address there
+    tmp = tempfile.mkdtemp(prefix="kvs-ray-", dir="/tmp")
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={
+            "num_cpus": 1,
+            "object_store_memory": object_store_mb * 2**20,
+            "_system_config": FAST_HEALTH,
+            "temp_dir": tmp,
+        },
+    )
+    for i in range(num_workers):
+        cluster.add_node(
+            num_cpus=2, object_store_memory=object_store_mb * 2**20, resources={f"node_{i}": 1}
+        )
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, namespace="kvshare-test", log_to_driver=False)
+    return cluster
+
+
+def stop_cluster(cluster: Any) -> None:
+    import ray
+
+    ray.shutdown()
+    cluster.shutdown()
+
+
+@pytest.fixture(scope="module")
+def ray_cluster() -> Iterator[Any]:
+    """A head + 2-node Ray cluster shared by one test module."""
+    cluster = start_cluster()
+    try:
+        yield cluster
+    finally:
+        stop_cluster(cluster)
+
+
+@pytest.fixture
+def fresh_cluster() -> Iterator[Any]:
+    """A head + 2-node cluster of its own, for tests that kill or remove nodes."""
+    cluster = start_cluster()
+    try:
+        yield cluster
+    finally:
+        stop_cluster(cluster)
