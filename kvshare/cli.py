@@ -15,11 +15,12 @@ import sys
 from collections.abc import Sequence
 from importlib.metadata import entry_points
 
-from kvshare.layout import KVLayout, format_bytes
+from kvshare.layout import KVLayout, format_bytes, resolve_config
 
 
 def _size(args: argparse.Namespace) -> int:
-    layout = KVLayout.from_hf_config(args.config, dtype=args.dtype, block_tokens=args.block_tokens)
+    path = resolve_config(args.config)
+    layout = KVLayout.from_hf_config(path, dtype=args.dtype, block_tokens=args.block_tokens)
     total = layout.bytes_per_token * args.tokens
     if args.json:
         print(json.dumps({
@@ -51,14 +52,21 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO")
     sub = parser.add_subparsers(dest="command", required=True)
     size = sub.add_parser("size", help="KV cache size of a model from its config.json")
-    size.add_argument("config", help="path to a Hugging Face config.json")
+    size.add_argument(
+        "config", help="path to a Hugging Face config.json, or a bundled config's name"
+    )
     size.add_argument("--tokens", type=_positive_int, required=True, help="number of tokens")
     size.add_argument("--dtype", default=None, help="KV dtype (default: the config's dtype)")
     size.add_argument("--block-tokens", type=_positive_int, default=256)
     size.add_argument("--json", action="store_true", help="print one JSON object")
     size.set_defaults(func=_size)
     for ep in sorted(entry_points(group="kvshare.commands"), key=lambda e: e.name):
-        ep.load()(sub)
+        try:
+            register = ep.load()
+        except ImportError as exc:  # a plugin that is not installed must not break `size`
+            logging.getLogger(__name__).debug("kvshare plugin %s unavailable: %s", ep.name, exc)
+            continue
+        register(sub)
     return parser
 
 

@@ -124,7 +124,10 @@ class KVLayout:
         ``num_key_value_heads`` falls back to ``num_attention_heads``; ``head_dim`` falls back
         to ``hidden_size / num_attention_heads``; dtype comes from ``dtype`` /
         ``torch_dtype`` unless given; a nested ``text_config`` (multimodal models) is used
-        when present.
+        when present. A key the config omits is taken from the transformers default of its
+        ``model_type`` (as transformers itself does when it loads the config; real configs
+        such as llava-1.5's ``text_config`` rely on that); without a ``model_type`` that
+        transformers knows, a missing key is a ValueError naming it.
         """
         source = str(config) if not isinstance(config, dict) else "config"
         if not isinstance(config, dict):
@@ -142,7 +145,10 @@ class KVLayout:
 
         def need(key: str) -> int:
             if cfg.get(key) is None:
-                raise ValueError(f"{source}: missing key {key!r} needed for the KV layout")
+                default = _transformers_default(cfg.get("model_type"), key)
+                if default is None:
+                    raise ValueError(f"{source}: missing key {key!r} needed for the KV layout")
+                return default
             return int(cfg[key])
 
         num_layers = need("num_hidden_layers")
@@ -165,6 +171,45 @@ class KVLayout:
                     f"{source}: missing key 'torch_dtype' (or 'dtype'); pass dtype= explicitly"
                 )
         return cls(num_layers, kv_heads, head_dim, str(dtype), block_tokens, kind)
+
+
+CONFIG_DIR = Path(__file__).parent / "configs"
+
+
+def bundled_configs() -> dict[str, Path]:
+    """Model configs shipped with kvshare, by name (file name without ``.json``)."""
+    return {p.stem: p for p in sorted(CONFIG_DIR.glob("*.json"))}
+
+
+def resolve_config(name_or_path: str | Path) -> Path:
+    """An existing path as given, else a bundled config of that name (``Llama-3.1-8B``)."""
+    path = Path(name_or_path)
+    if path.exists():
+        return path
+    bundled = bundled_configs()
+    name = path.name.removesuffix(".json")
+    if name in bundled and path.parent == Path("."):
+        return bundled[name]
+    raise FileNotFoundError(
+        f"no config file {str(name_or_path)!r}; give a path to a config.json or one of the "
+        f"bundled configs: {', '.join(bundled)}"
+    )
+
+
+def _transformers_default(model_type: object, key: str) -> int | None:
+    """The default of ``key`` in transformers' config class for ``model_type``, if any."""
+    if not isinstance(model_type, str) or key not in _DEFAULTABLE:
+        return None
+    try:
+        from transformers import AutoConfig
+
+        value = getattr(AutoConfig.for_model(model_type), key, None)
+    except Exception:  # transformers missing or model_type unknown: no default
+        return None
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+_DEFAULTABLE = ("num_hidden_layers", "num_attention_heads", "hidden_size")
 
 
 def _attention_kind(cfg: dict[str, Any], source: str) -> str:
