@@ -15,10 +15,13 @@ any process on any machine.
 
 from __future__ import annotations
 
+import array
 import hashlib
 import struct
+import sys
 from collections.abc import Callable, Sequence
 from enum import StrEnum
+from typing import Any, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -44,19 +47,24 @@ class HashFn(StrEnum):
 DEFAULT_HASH_FN = HashFn.SHA256
 
 
-def _digest_fn(fn: HashFn) -> Callable[[bytes], bytes]:
+def _hasher(fn: HashFn) -> Callable[[bytes], Any]:
+    """The streaming hasher class of ``fn`` (``h = cls(data); h.update(...); h.digest()``)."""
     if fn is HashFn.SHA256:
-        sha = hashlib.sha256
-        return lambda data: sha(data).digest()
+        return hashlib.sha256
     if fn is HashFn.BLAKE3:
         from blake3 import blake3
 
-        return lambda data: blake3(data).digest()
+        return blake3  # type: ignore[no-any-return]
     if fn is HashFn.XXH3_128:
         import xxhash
 
-        return xxhash.xxh3_128_digest
+        return xxhash.xxh3_128
     raise ValueError(f"unknown hash function {fn!r}; choose one of {[f.value for f in HashFn]}")
+
+
+def _digest_fn(fn: HashFn) -> Callable[[bytes], bytes]:
+    cls = _hasher(fn)
+    return lambda data: cls(data).digest()  # type: ignore[no-any-return]
 
 
 def _field(value: bytes) -> bytes:
@@ -94,6 +102,16 @@ def namespace_root(
 
 def tokens_to_u32le(tokens: Sequence[int] | npt.NDArray[np.integer]) -> bytes:
     """Token ids as little-endian u32 bytes; ValueError for non-integers or ids outside [0, 2**32)."""
+    if isinstance(tokens, list | tuple):
+        try:  # C loop with range checks, ~4x faster than numpy for a list of Python ints
+            packed = array.array("I", tokens)
+        except (OverflowError, TypeError):
+            pass  # numpy below names the offending id or dtype
+        else:
+            if packed.itemsize == 4:
+                if sys.byteorder != "little":
+                    packed.byteswap()
+                return packed.tobytes()
     arr = np.asarray(tokens)
     if arr.ndim != 1:
         raise ValueError(f"token ids must be a 1-D sequence, got shape {arr.shape}")
@@ -140,15 +158,28 @@ def block_hashes(
         raise ValueError(
             f"extra_keys has {len(extra_keys)} entries but there are {n_blocks} full blocks"
         )
-    digest = _digest_fn(fn)
+    new = _hasher(fn)
     view = memoryview(data)
     step = 4 * block_tokens
     empty = _field(b"")
     prev = bytes(parent if parent is not None else root)
-    out: list[BlockHash] = []
-    for i in range(n_blocks):
-        extra = extra_keys[i] if extra_keys is not None else None
-        tail = empty if extra is None else _field(extra)
-        prev = digest(b"".join((prev, view[i * step : (i + 1) * step], tail)))
-        out.append(BlockHash(prev))
-    return out
+    out: list[bytes] = []
+    append = out.append
+    # Hot loop (one C-level hasher per block, no per-block concatenation): h_i over
+    # h_{i-1} || tokens_i || field(extra_i).
+    if extra_keys is None:
+        for off in range(0, n_blocks * step, step):
+            h = new(prev)
+            h.update(view[off : off + step])
+            h.update(empty)
+            prev = h.digest()
+            append(prev)
+    else:
+        for i, off in enumerate(range(0, n_blocks * step, step)):
+            extra = extra_keys[i]
+            h = new(prev)
+            h.update(view[off : off + step])
+            h.update(empty if extra is None else _field(extra))
+            prev = h.digest()
+            append(prev)
+    return cast(list[BlockHash], out)
