@@ -165,9 +165,9 @@ def test_same_bytes_under_another_pythonhashseed() -> None:
     code = (
         "from kvshare.hashing import HashFn, block_hashes, namespace_root\n"
         "for fn in HashFn:\n"
-        "    r = namespace_root(%r, %r, %r, fn=fn)\n"
+        f"    r = namespace_root({MODEL!r}, {LAYOUT_FP!r}, {SALT!r}, fn=fn)\n"
         "    print(fn.value, r.hex(), *(h.hex() for h in block_hashes(r, list(range(40)), 16, fn=fn)))\n"
-    ) % (MODEL, LAYOUT_FP, SALT)
+    )
     outputs = []
     for seed in ("0", "12345"):
         env = {**os.environ, "PYTHONHASHSEED": seed}
