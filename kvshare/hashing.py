@@ -54,7 +54,7 @@ def _hasher(fn: HashFn) -> Callable[[bytes], Any]:
     if fn is HashFn.BLAKE3:
         from blake3 import blake3
 
-        return blake3  # type: ignore[no-any-return]
+        return blake3
     if fn is HashFn.XXH3_128:
         import xxhash
 
@@ -64,7 +64,7 @@ def _hasher(fn: HashFn) -> Callable[[bytes], Any]:
 
 def _digest_fn(fn: HashFn) -> Callable[[bytes], bytes]:
     cls = _hasher(fn)
-    return lambda data: cls(data).digest()  # type: ignore[no-any-return]
+    return lambda data: cls(data).digest()
 
 
 def _field(value: bytes) -> bytes:
