@@ -1,0 +1,189 @@
+"""What the worker SDK hands back: plans, per-block outcomes, KV destinations.
+
+A :class:`Plan` is the scheduler side's answer ("load blocks 0..k-1 from here"); it is plain
+data (``to_dict``/``from_dict``) so a scheduler process can send it to every TP rank.
+:class:`LoadResult` reports per block what happened; only the contiguous run of good blocks
+from block 0 (``loaded_blocks``) may be used, the rest is recomputed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+from kvshare.types import BlockHash, Tier
+
+# Where a planned block comes from, cheapest first.
+SOURCE_GPU = "gpu"  # the worker's own gpu tier
+SOURCE_SHM = "shm"  # this node's pool (host slab mapped; disk blocks promoted first)
+SOURCE_NIXL = "nixl"  # another node's pool over NIXL
+SOURCE_OBJSTORE = "objstore"  # another node's pool through Ray's object store
+SOURCE_LOCAL = "local"  # an in-process pool (no Ray)
+
+
+@dataclass(frozen=True)
+class PlannedBlock:
+    """One block of the plan: where it is and how it will travel."""
+
+    block_hash: BlockHash
+    location: str
+    tier: Tier
+    transport: str
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How much of a prompt's prefix to load, and from where.
+
+    ``available_blocks``: the longest prefix held anywhere (the index's combined prefix, or
+    what the local pool holds). ``blocks``: the cut point chosen (``<= available_blocks``), one
+    :class:`PlannedBlock` each. ``hashes``: every full block of the prompt.
+    """
+
+    namespace: str
+    num_tokens: int
+    block_tokens: int
+    hashes: tuple[BlockHash, ...]
+    available_blocks: int
+    blocks: tuple[PlannedBlock, ...] = ()
+    reason: str = ""
+
+    @property
+    def load_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def load_tokens(self) -> int:
+        """Prefix tokens the plan brings (the engine still recomputes the last prompt token)."""
+        return len(self.blocks) * self.block_tokens
+
+    def by_transport(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for b in self.blocks:
+            out[b.transport] = out.get(b.transport, 0) + 1
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "namespace": self.namespace,
+            "num_tokens": self.num_tokens,
+            "block_tokens": self.block_tokens,
+            "hashes": [h.hex() for h in self.hashes],
+            "available_blocks": self.available_blocks,
+            "blocks": [[b.block_hash.hex(), b.location, b.tier.value, b.transport] for b in self.blocks],
+            "reason": self.reason,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Plan:
+        return cls(
+            namespace=str(data["namespace"]),
+            num_tokens=int(data["num_tokens"]),
+            block_tokens=int(data["block_tokens"]),
+            hashes=tuple(BlockHash(bytes.fromhex(h)) for h in data["hashes"]),
+            available_blocks=int(data["available_blocks"]),
+            blocks=tuple(
+                PlannedBlock(BlockHash(bytes.fromhex(h)), str(loc), Tier(t), str(tr))
+                for h, loc, t, tr in data["blocks"]
+            ),
+            reason=str(data.get("reason", "")),
+        )
+
+
+@dataclass(frozen=True)
+class BlockOutcome:
+    """What happened to one planned block."""
+
+    index: int
+    ok: bool
+    transport: str
+    reason: str = ""
+    nbytes: int = 0
+
+
+@dataclass
+class LoadResult:
+    """Per-block outcomes of a load; ``loaded_blocks`` good blocks from block 0 are usable."""
+
+    outcomes: list[BlockOutcome] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def loaded_blocks(self) -> int:
+        n = 0
+        for o in sorted(self.outcomes, key=lambda o: o.index):
+            if not o.ok or o.index != n:
+                break
+            n += 1
+        return n
+
+    @property
+    def failed(self) -> list[BlockOutcome]:
+        return [o for o in self.outcomes if not o.ok]
+
+    def bytes_by_transport(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for o in self.outcomes:
+            if o.ok:
+                out[o.transport] = out.get(o.transport, 0) + o.nbytes
+        return out
+
+
+@dataclass(frozen=True)
+class PagedKV:
+    """An engine's paged KV memory as a load/store destination.
+
+    ``pages[l]`` is layer ``l``'s ``[2, num_pages, page_tokens, kv_heads, head_dim]`` tensor;
+    ``page_table`` lists the sequence's pages in token order.
+    """
+
+    pages: Sequence[torch.Tensor]
+    page_table: Sequence[int]
+
+    def block_pages(self, index: int, block_tokens: int) -> Sequence[int]:
+        per = block_tokens // int(self.pages[0].shape[2])
+        return self.page_table[index * per : (index + 1) * per]
+
+
+KVTarget = torch.Tensor | PagedKV
+"""Contiguous ``[layers, 2, kv_heads, tokens, head_dim]`` tensor, or paged KV."""
+
+KVSource = torch.Tensor | PagedKV | Sequence[tuple[torch.Tensor, torch.Tensor]]
+"""What ``store`` accepts: a KVTarget, or per-layer ``(keys, values)`` ``[1, H, T, D]``."""
+
+
+@dataclass(frozen=True)
+class StoreResult:
+    """Outcome of one store: blocks written, already present, skipped (no space, in flight)."""
+
+    stored: int = 0
+    present: int = 0
+    skipped: int = 0
+    nbytes: int = 0
+    reason: str = ""
+
+
+@runtime_checkable
+class KVClient(Protocol):
+    """The SDK surface an engine uses (cluster client and in-process client alike)."""
+
+    namespace: str
+    block_tokens: int
+
+    def hashes(self, tokens: Sequence[int]) -> list[BlockHash]: ...
+
+    def lookup(self, tokens: Sequence[int], hashes: Sequence[BlockHash] | None = None) -> Plan: ...
+
+    def load(self, plan: Plan, into: KVTarget) -> LoadResult: ...
+
+    def store(
+        self,
+        tokens: Sequence[int],
+        kv: KVSource,
+        start_block: int = 0,
+        hashes: Sequence[BlockHash] | None = None,
+    ) -> Future[StoreResult]: ...

@@ -1,0 +1,219 @@
+"""The reference engine: a Hugging Face transformers causal LM with an external prefix cache.
+
+:class:`HFEngine` builds the model from a local path (any Llama/Qwen/Mistral-style model) or,
+by default, a small Llama from ``kvshare/configs/tiny-llama.json`` with seeded random weights.
+Its prefill takes a cached prefix as a contiguous KV tensor (see :mod:`kv_convert`), puts it
+into a fresh ``DynamicCache`` (``cache.update`` per layer) and computes only the remaining
+tokens; decoding is greedy. It knows nothing about where the prefix came from: the worker
+(:mod:`kvshare.engines.worker`) pairs it with the SDK.
+
+Lossless: the KV of a token depends only on the tokens before it, so cached KV equals what
+recomputation would produce; in fp32 the next-token logits match full recomputation to 1e-4.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from importlib import resources
+from typing import Any
+
+import torch
+
+from kvshare.engines.identity import model_namespace_root, path_identity, random_init_identity
+from kvshare.engines.kv_convert import TORCH_DTYPES, check_contiguous
+from kvshare.engines.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
+from kvshare.hashing import block_hashes
+from kvshare.layout import KVLayout
+from kvshare.types import BlockHash
+
+
+def default_model_config() -> dict[str, Any]:
+    """The built-in random-init model's config (``kvshare/configs/tiny-llama.json``)."""
+    text = resources.files("kvshare").joinpath("configs/tiny-llama.json").read_text("utf-8")
+    cfg: dict[str, Any] = json.loads(text)
+    cfg.pop("_comment", None)
+    return cfg
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How to build the reference engine.
+
+    ``model_path``: a local Hugging Face model directory; None builds a Llama from
+    ``model_config`` (default: tiny-llama) with weights drawn from ``seed``.
+    ``overrides`` patch the random-init config (e.g. ``{"num_hidden_layers": 2}`` for tests).
+    ``dtype``: weights and KV dtype. ``threads``: torch intra-op threads (0 = leave as is).
+    """
+
+    model_path: str | None = None
+    model_config: dict[str, Any] | None = None
+    overrides: dict[str, Any] = field(default_factory=dict)
+    seed: int = 0
+    dtype: str = "fp32"
+    block_tokens: int = 256
+    tenant_salt: str = ""
+    device: str = "cpu"
+    threads: int = 0
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("fp32", "fp16", "bf16"):
+            raise ValueError(f"engine dtype must be fp32, fp16 or bf16, got {self.dtype!r}")
+        if self.model_path is not None and (self.model_config is not None or self.overrides):
+            raise ValueError("give either model_path or model_config/overrides, not both")
+
+
+@dataclass
+class Prefill:
+    """Result of a prefill: logits of the next token, the filled cache, what was computed."""
+
+    logits: torch.Tensor  # [vocab], fp32
+    cache: Any  # transformers DynamicCache holding every prompt token but the last generated
+    reused_tokens: int
+    computed_tokens: int
+    seconds: float
+
+
+class HFEngine:
+    """A causal LM on one device, with prefill-from-cached-prefix and greedy decoding."""
+
+    def __init__(self, config: EngineConfig | None = None) -> None:
+        from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
+
+        self.config = cfg = config or EngineConfig()
+        if cfg.threads:
+            torch.set_num_threads(cfg.threads)
+        dtype = TORCH_DTYPES[cfg.dtype]
+        if cfg.model_path is not None:
+            hf_config = AutoConfig.from_pretrained(cfg.model_path, local_files_only=True)
+            self.model: Any = AutoModelForCausalLM.from_pretrained(
+                cfg.model_path, dtype=dtype, local_files_only=True
+            )
+            self.identity = path_identity(cfg.model_path, cfg.dtype)
+            config_dict = hf_config.to_dict()
+        else:
+            config_dict = {**(cfg.model_config or default_model_config()), **cfg.overrides}
+            config_dict["torch_dtype"] = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}[cfg.dtype]
+            hf_config = LlamaConfig(**config_dict)
+            torch.manual_seed(cfg.seed)
+            self.model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)  # type: ignore[no-untyped-call]
+            self.identity = random_init_identity(config_dict, cfg.seed, cfg.dtype)
+        self.model.to(cfg.device).eval()
+        self.hf_config = hf_config
+        self.tokenizer: ByteTokenizer | HFTokenizer = load_tokenizer(
+            cfg.model_path, int(config_dict.get("vocab_size", 512))
+        )
+        self.layout = KVLayout.from_hf_config(
+            config_dict, dtype=cfg.dtype, block_tokens=cfg.block_tokens
+        )
+        self.root: BlockHash = model_namespace_root(self.identity, self.layout, cfg.tenant_salt)
+        self.vocab_size = int(config_dict["vocab_size"])
+        self.max_positions = int(config_dict.get("max_position_embeddings", 2**31))
+
+    # ------------------------------------------------------------------ keys
+    def hashes(self, tokens: Sequence[int]) -> list[BlockHash]:
+        """Chained hashes of the full blocks of ``tokens`` in this engine's namespace."""
+        return block_hashes(self.root, tokens, self.layout.block_tokens)
+
+    def check_tokens(self, tokens: Sequence[int]) -> None:
+        """ValueError naming the fix for an empty, too long or out-of-vocabulary prompt."""
+        if len(tokens) == 0:
+            raise ValueError("the prompt is empty: send at least one token")
+        if len(tokens) > self.max_positions:
+            raise ValueError(
+                f"the prompt has {len(tokens)} tokens; this model takes at most {self.max_positions}"
+            )
+        lo, hi = min(tokens), max(tokens)
+        if lo < 0 or hi >= self.vocab_size:
+            raise ValueError(f"token id {lo if lo < 0 else hi} is outside [0, {self.vocab_size})")
+
+    # ------------------------------------------------------------------ compute
+    def new_cache(self, prefix_kv: torch.Tensor | None = None, prefix_tokens: int = 0) -> Any:
+        """A fresh ``DynamicCache`` holding the first ``prefix_tokens`` of ``prefix_kv``."""
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=self.hf_config)
+        if prefix_kv is not None and prefix_tokens > 0:
+            check_contiguous(prefix_kv, self.layout, prefix_tokens)
+            dev = self.config.device
+            for layer in range(self.layout.num_layers):
+                k = prefix_kv[layer, 0, :, :prefix_tokens].unsqueeze(0).to(dev)
+                v = prefix_kv[layer, 1, :, :prefix_tokens].unsqueeze(0).to(dev)
+                cache.update(k, v, layer)
+        return cache
+
+    @torch.inference_mode()
+    def prefill(
+        self,
+        tokens: Sequence[int],
+        prefix_kv: torch.Tensor | None = None,
+        prefix_tokens: int = 0,
+    ) -> Prefill:
+        """Compute the prompt's cache and next-token logits, reusing ``prefix_tokens`` cached.
+
+        At least the last prompt token is always computed (a full hit still recomputes it).
+        """
+        self.check_tokens(tokens)
+        start = time.perf_counter()
+        reuse = max(0, min(prefix_tokens, len(tokens) - 1))
+        cache = self.new_cache(prefix_kv, reuse)
+        ids = torch.tensor([list(tokens[reuse:])], dtype=torch.long, device=self.config.device)
+        pos = torch.arange(reuse, len(tokens), device=self.config.device).unsqueeze(0)
+        out = self.model(
+            input_ids=ids, past_key_values=cache, use_cache=True, position_ids=pos,
+            logits_to_keep=1,
+        )
+        logits = out.logits[0, -1].float()
+        return Prefill(logits, out.past_key_values, reuse, len(tokens) - reuse,
+                       time.perf_counter() - start)
+
+    @torch.inference_mode()
+    def step(self, cache: Any, token: int, position: int) -> torch.Tensor:
+        """Feed one token at ``position``; returns next-token logits (fp32)."""
+        ids = torch.tensor([[token]], dtype=torch.long, device=self.config.device)
+        pos = torch.tensor([[position]], device=self.config.device)
+        out = self.model(input_ids=ids, past_key_values=cache, use_cache=True, position_ids=pos)
+        logits: torch.Tensor = out.logits[0, -1].float()
+        return logits
+
+    def greedy(
+        self, prefill: Prefill, prompt_len: int, max_new_tokens: int, stop_ids: Sequence[int] = ()
+    ) -> Iterator[int]:
+        """Greedy tokens after a prefill; the cache grows as tokens are consumed."""
+        logits = prefill.logits
+        for i in range(max_new_tokens):
+            token = int(torch.argmax(logits))
+            yield token
+            if token in stop_ids or i + 1 == max_new_tokens or prompt_len + i + 1 >= self.max_positions:
+                return
+            logits = self.step(prefill.cache, token, prompt_len + i)
+
+    def generate(
+        self,
+        tokens: Sequence[int],
+        max_new_tokens: int,
+        prefix_kv: torch.Tensor | None = None,
+        prefix_tokens: int = 0,
+        stop_ids: Sequence[int] = (),
+    ) -> tuple[list[int], Prefill]:
+        """Greedy generation (a convenience over :meth:`prefill` + :meth:`greedy`)."""
+        pre = self.prefill(tokens, prefix_kv, prefix_tokens)
+        return list(self.greedy(pre, len(tokens), max_new_tokens, stop_ids)), pre
+
+
+def cache_layers(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per-layer ``(keys, values)`` ``[batch, kv_heads, tokens, head_dim]`` of a DynamicCache.
+
+    The tensors are the cache's current ones; a DynamicCache replaces (never mutates) them as it
+    grows, so holding these references keeps their bytes valid for an asynchronous store.
+    """
+    return [(layer.keys, layer.values) for layer in cache.layers]
+
+
+def engine_from_env() -> HFEngine:
+    """An engine configured from ``KVSHARE_MODEL`` (a path) and ``KVSHARE_SEED``."""
+    path = os.environ.get("KVSHARE_MODEL") or None
+    return HFEngine(EngineConfig(model_path=path, seed=int(os.environ.get("KVSHARE_SEED", "0"))))

@@ -1,0 +1,134 @@
+"""The reference engine on its own: tokenizer, model identity, KV conversion, prefix reuse."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from test_engine_helpers import BLOCK, prompt, small_engine
+
+from kvshare.client_types import PagedKV, Plan, PlannedBlock
+from kvshare.engines.hf import HFEngine, cache_layers
+from kvshare.engines.identity import path_identity, random_init_identity
+from kvshare.engines.kv_convert import (
+    block_from_source,
+    block_into_target,
+    block_view,
+    new_contiguous,
+)
+from kvshare.engines.tokenizer import ByteTokenizer, tokenizer_from_spec, tokenizer_spec
+from kvshare.layout import KVLayout
+from kvshare.types import BlockHash, Tier
+
+
+@pytest.fixture(scope="module")
+def engine() -> HFEngine:
+    return small_engine()
+
+
+def test_byte_tokenizer_round_trip_and_chat_template() -> None:
+    tok = ByteTokenizer()
+    assert tok.decode(tok.encode("héllo ✓")) == "héllo ✓"
+    ids = tok.apply_chat_template([{"role": "system", "content": "be brief"},
+                                   {"role": "user", "content": "hi"}])
+    assert ids[0] == 256 and ids[-1] == tok.special["<|assistant|>"]
+    assert ids[1] == tok.special["<|system|>"] and tok.decode(ids) == "be briefhi"
+    assert tokenizer_from_spec(json.dumps(tokenizer_spec(tok))).vocab_size == 512
+    with pytest.raises(ValueError, match="role"):
+        tok.apply_chat_template([{"role": "wizard", "content": "x"}])
+
+
+def test_identity_depends_on_config_seed_and_files(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    cfg = {"hidden_size": 8}
+    a = random_init_identity(cfg, 0, "fp32")
+    assert a == random_init_identity(dict(cfg), 0, "fp32")
+    assert a != random_init_identity(cfg, 1, "fp32")
+    assert a != random_init_identity({"hidden_size": 9}, 0, "fp32")
+    assert a != random_init_identity(cfg, 0, "bf16")
+    (tmp_path / "config.json").write_text('{"a": 1}')
+    (tmp_path / "model.safetensors").write_bytes(b"\x02\x00\x00\x00\x00\x00\x00\x00{}")
+    (tmp_path / "tokenizer.json").write_text("{}")
+    first = path_identity(str(tmp_path), "fp32")
+    (tmp_path / "model.safetensors").write_bytes(b"\x02\x00\x00\x00\x00\x00\x00\x00{}xx")
+    assert path_identity(str(tmp_path), "fp32") != first  # new weights never match old blocks
+    with pytest.raises(ValueError, match="not a directory"):
+        path_identity(str(tmp_path / "nope"), "fp32")
+    (tmp_path / "config.json").unlink()
+    with pytest.raises(ValueError, match="config.json"):
+        path_identity(str(tmp_path), "fp32")
+
+
+def test_engines_with_other_seeds_have_other_namespaces(engine: HFEngine) -> None:
+    other = small_engine(seed=1)
+    toks = prompt(3 * BLOCK)
+    assert engine.hashes(toks) == small_engine().hashes(toks)
+    assert set(engine.hashes(toks)).isdisjoint(other.hashes(toks))
+    assert len(engine.hashes(toks[: 3 * BLOCK - 1])) == 2  # only full blocks are hashed
+
+
+def test_contiguous_and_paged_conversions_round_trip() -> None:
+    layout = KVLayout(2, 2, 8, "fp32", block_tokens=8)
+    kv = torch.randn(2, 2, 2, 24, 8)
+    blocks = [np.empty(layout.bytes_per_block, np.uint8) for _ in range(3)]
+    for i, b in enumerate(blocks):
+        block_from_source(kv, i, b, layout)
+    assert torch.equal(block_view(blocks[1], layout), kv[:, :, :, 8:16])
+    layers = [(kv[i, 0].unsqueeze(0), kv[i, 1].unsqueeze(0)) for i in range(2)]
+    other = np.empty(layout.bytes_per_block, np.uint8)
+    block_from_source(layers, 2, other, layout)
+    assert np.array_equal(other, blocks[2])
+    back = new_contiguous(layout, 24)
+    pages = [torch.zeros(2, 10, 4, 2, 8) for _ in range(2)]  # 4-token pages
+    paged = PagedKV(pages, [9, 3, 5, 0, 7, 1])
+    for i, b in enumerate(blocks):
+        block_into_target(b, back, i, layout)
+        block_into_target(b, paged, i, layout) if i < 3 else None
+    assert torch.equal(back, kv)
+    assert torch.equal(pages[1][0, 3].transpose(0, 1), kv[1, 0, :, 4:8])
+    again = np.empty(layout.bytes_per_block, np.uint8)
+    block_from_source(paged, 1, again, layout)
+    assert np.array_equal(again, blocks[1])
+    with pytest.raises(ValueError, match="bytes"):
+        block_view(np.empty(5, np.uint8), layout)
+    with pytest.raises(ValueError, match="kv_heads"):
+        block_into_target(blocks[0], torch.zeros(2, 2, 3, 8, 8), 0, layout)
+
+
+def test_prefill_from_cached_prefix_equals_full_recompute(engine: HFEngine) -> None:
+    toks = prompt(5 * BLOCK + 7, seed=3)
+    full_out, full = engine.generate(toks, 12)
+    kv = new_contiguous(engine.layout, 4 * BLOCK)
+    for i in range(4):
+        buf = np.empty(engine.layout.bytes_per_block, np.uint8)
+        block_from_source(cache_layers(full.cache), i, buf, engine.layout)
+        block_into_target(buf, kv, i, engine.layout)
+    out, pre = engine.generate(toks, 12, kv, 4 * BLOCK)
+    assert pre.reused_tokens == 4 * BLOCK and pre.computed_tokens == BLOCK + 7
+    assert float((pre.logits - full.logits).abs().max()) <= 1e-4
+    assert out == full_out
+
+
+def test_full_hit_still_recomputes_the_last_token(engine: HFEngine) -> None:
+    toks = prompt(2 * BLOCK, seed=4)
+    full_out, full = engine.generate(toks, 6)
+    kv = torch.stack([torch.stack([k[0], v[0]]) for k, v in cache_layers(full.cache)])
+    out, pre = engine.generate(toks, 6, kv, 2 * BLOCK)
+    assert pre.reused_tokens == 2 * BLOCK - 1 and pre.computed_tokens == 1
+    assert float((pre.logits - full.logits).abs().max()) <= 1e-4
+    assert out == full_out
+
+
+def test_bad_prompts_are_rejected_with_the_fix(engine: HFEngine) -> None:
+    with pytest.raises(ValueError, match="empty"):
+        engine.prefill([])
+    with pytest.raises(ValueError, match="outside"):
+        engine.prefill([1, 2, 10_000])
+
+
+def test_plan_is_serialisable() -> None:
+    h = BlockHash(bytes(range(32)))
+    plan = Plan("ns", 40, 16, (h, h), 2, (PlannedBlock(h, "node:a", Tier.HOST, "shm"),), "x")
+    again = Plan.from_dict(json.loads(json.dumps(plan.to_dict())))
+    assert again == plan and again.load_tokens == 16 and again.by_transport() == {"shm": 1}
