@@ -152,8 +152,13 @@ class ReferenceWorker:
         hashes: Sequence[BlockHash] | None = None,
         stop_ids: Sequence[int] | None = None,
         on_token: Callable[[int], None] | None = None,
+        on_prefill: Callable[[RequestStats], None] | None = None,
     ) -> Completion:
-        """Greedy completion of ``tokens``; ``on_token`` sees each token as it is produced."""
+        """Greedy completion of ``tokens``.
+
+        ``on_prefill`` sees the request's stats once the prompt is prefilled (before the first
+        token); ``on_token`` sees each token as it is produced.
+        """
         self.engine.check_tokens(tokens)
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
@@ -168,6 +173,8 @@ class ReferenceWorker:
             del kv
             stats.reused_tokens, stats.computed_tokens = pre.reused_tokens, pre.computed_tokens
             stats.prefill_s = pre.seconds
+            if on_prefill is not None:
+                on_prefill(stats)
             stores: list[Future[StoreResult]] = []
             out: list[int] = []
             first_logits = pre.logits
