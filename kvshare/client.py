@@ -1,0 +1,413 @@
+"""KVShareClient: the worker SDK (find, load and store KV blocks anywhere in the cluster).
+
+Scheduler side: :meth:`KVShareClient.lookup` asks the index who holds the prompt's blocks and
+returns a serialisable :class:`~kvshare.client_types.Plan` (where each block of the prefix
+comes from and how it travels: ``shm`` from this node's pool, ``nixl``/``objstore`` from
+another node's pool), cut where the cut policy says. Worker side: :meth:`load` fills the
+caller's KV memory (contiguous tensor or paged) and reports per-block outcomes;
+:meth:`store` writes new full blocks into this node's pool through shared memory on a
+background thread, never blocking generation. ``start_load`` / ``wait_for_layer`` /
+``save_layer`` / ``wait_for_save`` mirror vLLM's KV-connector split; ``*_async`` variants
+serve asyncio engines.
+
+Faults are misses, never errors: an unreachable index gives an empty plan; a dead holder, a
+corrupt block, a timed-out transfer fail those blocks (``LoadResult.failed``) and the engine
+recomputes from the first failed block. Everything is counted in :attr:`counters`.
+
+Inside Ray, :meth:`KVShareClient.connect` finds the index and the node pools of a
+deployment (``kvshare up`` / ``kvshare.deploy``). Outside, pass them in.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from importlib import import_module
+from typing import Any
+
+import numpy as np
+
+from kvshare.client_types import (
+    SOURCE_NIXL,
+    SOURCE_OBJSTORE,
+    SOURCE_SHM,
+    BlockOutcome,
+    KVSource,
+    KVTarget,
+    LoadResult,
+    Plan,
+    PlannedBlock,
+    StoreResult,
+)
+from kvshare.engines.kv_convert import block_from_source, block_into_target, source_tokens
+from kvshare.hashing import block_hashes
+from kvshare.layout import KVLayout
+from kvshare.transfer.base import NIXL_UNAVAILABLE, SOURCE_DEAD, Transfer, Transport
+from kvshare.transfer.objstore import ObjStoreTransport
+from kvshare.transfer.shm import ShmTransport
+from kvshare.transfer.wire import BlockControl
+from kvshare.types import BlockHash, Tier, node_location
+from kvshare.workers import IndexQuery
+
+log = logging.getLogger(__name__)
+
+CutPolicy = Callable[[int, Sequence[str]], int]
+"""``(prompt_tokens, sources) -> blocks to load``; ``sources[i]`` is one of ``local_host``,
+``local_disk``, ``remote_host``, ``remote_disk`` for the leading available blocks."""
+
+
+def load_everything(prompt_tokens: int, sources: Sequence[str]) -> int:
+    """The default cut: every available block (fetching beats recompute on every path here)."""
+    return len(sources)
+
+
+class KVShareClient:
+    """The SDK for one worker process on node ``node`` and one ``namespace``.
+
+    ``control_for(node_id)`` returns the :class:`BlockControl` of that node's pool (None if it
+    has none). ``index`` answers matches (the sharded index client). ``remote`` picks the
+    transport for other nodes' blocks: ``nixl`` (falls back to ``objstore`` when NIXL is
+    unavailable) or ``objstore``.
+    """
+
+    def __init__(
+        self,
+        *,
+        namespace: str,
+        layout: KVLayout,
+        root: BlockHash,
+        node: str,
+        index: IndexQuery | None,
+        control_for: Callable[[str], BlockControl | None],
+        worker_id: str = "worker",
+        remote: str = SOURCE_NIXL,
+        cut_policy: CutPolicy = load_everything,
+        load_deadline_s: float = 5.0,
+        store_deadline_s: float = 10.0,
+    ) -> None:
+        if remote not in (SOURCE_NIXL, SOURCE_OBJSTORE):
+            raise ValueError(f"remote transport must be 'nixl' or 'objstore', got {remote!r}")
+        self.namespace = namespace
+        self.layout = layout
+        self.block_tokens = layout.block_tokens
+        self.root = root
+        self.node = node
+        self.location = node_location(node)
+        self.index = index
+        self.control_for = control_for
+        self.worker_id = worker_id
+        self.cut_policy = cut_policy
+        self.load_deadline_s = load_deadline_s
+        self.store_deadline_s = store_deadline_s
+        self._controls: dict[str, BlockControl | None] = {}
+        self._load_shm = ShmTransport(node, holder=f"{worker_id}-load")
+        self._store_shm = ShmTransport(node, holder=f"{worker_id}-store")
+        self._objstore = ObjStoreTransport(holder=f"{worker_id}-obj")
+        self._nixl: Transport | None = None
+        self.nixl_error = ""
+        if remote == SOURCE_NIXL:
+            self._nixl = self._start_nixl()
+        self.remote = SOURCE_NIXL if self._nixl is not None else SOURCE_OBJSTORE
+        self._staging = np.empty((0, layout.bytes_per_block), dtype=np.uint8)
+        self._load_lock = threading.Lock()
+        self._store_pool = ThreadPoolExecutor(1, thread_name_prefix="kvshare-store")
+        self._load_pool = ThreadPoolExecutor(1, thread_name_prefix="kvshare-load")
+        self._counters: dict[str, float] = {}
+        self._clock = threading.Lock()
+        self._pending_load: Future[LoadResult] | None = None
+        self._pending_saves: list[Future[StoreResult]] = []
+        self._layers: dict[int, tuple[Any, Any]] = {}
+
+    # ------------------------------------------------------------------ setup
+    @classmethod
+    def connect(
+        cls, namespace: str, layout: KVLayout, root: BlockHash, **kwargs: Any
+    ) -> KVShareClient:
+        """Inside Ray: the deployment's index client and this node's (and peers') pool actors.
+
+        Imports the cluster layer (``actors``) lazily, so the SDK has no hard Ray dependency.
+        """
+        import ray
+
+        from kvshare.transfer.control import ActorControl
+
+        config = import_module("actors.config")
+        index = import_module("actors.index_client").IndexClient.connect(config.RAY_NAMESPACE)
+        node = kwargs.pop("node", None) or ray.get_runtime_context().get_node_id()
+
+        def control_for(node_id: str) -> BlockControl | None:
+            try:
+                actor = ray.get_actor(config.pool_name(node_id), namespace=config.RAY_NAMESPACE)
+            except ValueError:
+                return None
+            return ActorControl(actor, namespace)
+
+        return cls(namespace=namespace, layout=layout, root=root, node=node, index=index,
+                   control_for=control_for, **kwargs)
+
+    def _start_nixl(self) -> Transport | None:
+        try:
+            from kvshare.transfer.nixl import NixlTransport
+
+            return NixlTransport(f"{self.namespace}/worker/{self.worker_id}/{time.time_ns()}")
+        except Exception as exc:  # TransportUnavailable, missing package: objstore instead
+            self.nixl_error = str(exc)
+            log.warning("NIXL unavailable for %s, remote blocks use the object store: %s",
+                        self.worker_id, exc)
+            return None
+
+    def _control(self, node_id: str) -> BlockControl | None:
+        if node_id not in self._controls:
+            self._controls[node_id] = self.control_for(node_id)
+        return self._controls[node_id]
+
+    def _count(self, key: str, amount: float = 1) -> None:
+        with self._clock:
+            self._counters[key] = self._counters.get(key, 0) + amount
+
+    @property
+    def counters(self) -> dict[str, float]:
+        """Lookups, planned/loaded/failed blocks, bytes per transport and tier, misses by reason."""
+        with self._clock:
+            return dict(self._counters)
+
+    # ------------------------------------------------------------------ scheduler side
+    def hashes(self, tokens: Sequence[int]) -> list[BlockHash]:
+        return block_hashes(self.root, tokens, self.block_tokens)
+
+    def lookup(self, tokens: Sequence[int], hashes: Sequence[BlockHash] | None = None) -> Plan:
+        """Where the prompt's cached prefix is and how much of it to load."""
+        hs = tuple(hashes if hashes is not None else self.hashes(tokens))
+        self._count("lookups")
+        if self.index is None or not hs:
+            return Plan(self.namespace, len(tokens), self.block_tokens, hs, 0, (), "no index")
+        unavailable = getattr(self.index, "unavailable", 0)
+        match = self.index.match(self.namespace, list(hs))
+        if getattr(self.index, "unavailable", 0) != unavailable:
+            self._count("index_unavailable")
+            return Plan(self.namespace, len(tokens), self.block_tokens, hs, 0, (),
+                        "index unavailable")
+        return self._plan(tokens, hs, match)
+
+    async def lookup_async(
+        self, tokens: Sequence[int], hashes: Sequence[BlockHash] | None = None
+    ) -> Plan:
+        """:meth:`lookup` without blocking the event loop."""
+        hs = tuple(hashes if hashes is not None else self.hashes(tokens))
+        self._count("lookups")
+        if self.index is None or not hs:
+            return Plan(self.namespace, len(tokens), self.block_tokens, hs, 0, (), "no index")
+        unavailable = getattr(self.index, "unavailable", 0)
+        match = await self.index.match_async(self.namespace, list(hs))
+        if getattr(self.index, "unavailable", 0) != unavailable:
+            self._count("index_unavailable")
+            return Plan(self.namespace, len(tokens), self.block_tokens, hs, 0, (),
+                        "index unavailable")
+        return self._plan(tokens, hs, match)
+
+    def _plan(self, tokens: Sequence[int], hs: tuple[BlockHash, ...], match: Any) -> Plan:
+        blocks: list[PlannedBlock] = []
+        kinds: list[str] = []
+        for i in range(match.combined_prefix):
+            best = self._best_holder(match.holders(i))
+            if best is None:
+                break
+            loc, tier, transport = best
+            blocks.append(PlannedBlock(hs[i], loc, tier, transport))
+            side = "local" if transport == SOURCE_SHM else "remote"
+            kinds.append(f"{side}_{tier.value}")
+        cut = max(0, min(len(blocks), int(self.cut_policy(len(tokens), kinds))))
+        self._count("planned_blocks", cut)
+        return Plan(self.namespace, len(tokens), self.block_tokens, hs, len(blocks),
+                    tuple(blocks[:cut]), f"cut {cut}/{len(blocks)}")
+
+    def _best_holder(self, holders: dict[Any, Tier]) -> tuple[str, Tier, str] | None:
+        """This node's pool first, then the remote pool with the fastest tier."""
+        own = holders.get(self.location)
+        if own is not None and own != Tier.GPU:
+            return str(self.location), own, SOURCE_SHM
+        remote = sorted(
+            (t.rank, str(loc)) for loc, t in holders.items()
+            if str(loc).startswith("node:") and t != Tier.GPU
+        )
+        if not remote:
+            return None
+        loc = remote[0][1]
+        return loc, holders[loc], self.remote
+
+    # ------------------------------------------------------------------ worker side: loads
+    def _staging_rows(self, n: int) -> np.ndarray:
+        if self._staging.shape[0] < n:
+            self._staging = np.zeros((max(n, 2 * self._staging.shape[0]),
+                                      self.layout.bytes_per_block), dtype=np.uint8)
+            if self._nixl is not None:
+                self._nixl.register(self._staging)  # type: ignore[attr-defined]
+        return self._staging
+
+    def load(self, plan: Plan, into: KVTarget) -> LoadResult:
+        """Fetch the planned blocks and copy the usable prefix into ``into``.
+
+        Blocks travel in one batch per (holder, transport); every block gets a
+        :class:`BlockOutcome`. Only ``loaded_blocks`` leading blocks are written to ``into``.
+        """
+        if plan.namespace != self.namespace or plan.block_tokens != self.block_tokens:
+            raise ValueError(
+                f"plan is for namespace {plan.namespace!r} with {plan.block_tokens}-token "
+                f"blocks; this client serves {self.namespace!r} with {self.block_tokens}"
+            )
+        start = time.perf_counter()
+        with self._load_lock:
+            n = plan.load_blocks
+            staging = self._staging_rows(n)
+            reasons = self._fetch(plan, staging)
+            outcomes: list[BlockOutcome] = []
+            good = True
+            for i, b in enumerate(plan.blocks):
+                ok = reasons[i] == ""
+                good = good and ok
+                if good:  # only the contiguous prefix is usable: copy just that
+                    block_into_target(staging[i], into, i, self.layout)
+                outcomes.append(BlockOutcome(i, ok, b.transport, reasons[i],
+                                             self.layout.bytes_per_block if ok else 0))
+        result = LoadResult(outcomes, time.perf_counter() - start)
+        self._count("loaded_blocks", result.loaded_blocks)
+        for o in outcomes:
+            if o.ok:
+                self._count(f"bytes_{o.transport}", o.nbytes)
+                self._count(f"blocks_{plan.blocks[o.index].tier.value}")
+            else:
+                self._count(f"miss_{o.reason}")
+        return result
+
+    def _fetch(self, plan: Plan, staging: np.ndarray) -> list[str]:
+        groups: dict[tuple[str, str], list[int]] = {}
+        for i, b in enumerate(plan.blocks):
+            groups.setdefault((b.location, b.transport), []).append(i)
+        reasons = [""] * plan.load_blocks
+        running: list[tuple[Transport, Transfer, list[int]]] = []
+        retry: list[tuple[str, list[int]]] = []
+        for (loc, transport), idx in groups.items():
+            node = loc.removeprefix("node:")
+            control = self._control(node)
+            if control is None:
+                for i in idx:
+                    reasons[i] = SOURCE_DEAD
+                continue
+            tr = self._transport(transport)
+            hs = [plan.blocks[i].block_hash for i in idx]
+            t = tr.submit_read(control, hs, [staging[i] for i in idx], deadline_s=self.load_deadline_s)
+            running.append((tr, t, idx))
+        for tr, t, idx in running:
+            res = tr.wait(t)
+            for i, o in zip(idx, res.outcomes, strict=True):
+                reasons[i] = "" if o.ok else o.reason
+            if tr is self._nixl and all(reasons[i] == NIXL_UNAVAILABLE for i in idx):
+                retry.append((plan.blocks[idx[0]].location, idx))
+        for loc, idx in retry:  # the holder has no NIXL agent: the object store always works
+            control = self._control(loc.removeprefix("node:"))
+            assert control is not None
+            hs = [plan.blocks[i].block_hash for i in idx]
+            res = self._objstore.read(control, hs, [staging[i] for i in idx],
+                                      deadline_s=self.load_deadline_s)
+            for i, o in zip(idx, res.outcomes, strict=True):
+                reasons[i] = "" if o.ok else o.reason
+        return reasons
+
+    def _transport(self, name: str) -> Transport:
+        if name == SOURCE_SHM:
+            return self._load_shm
+        if name == SOURCE_NIXL and self._nixl is not None:
+            return self._nixl
+        return self._objstore
+
+    async def load_async(self, plan: Plan, into: KVTarget) -> LoadResult:
+        """:meth:`load` on a worker thread."""
+        return await asyncio.wrap_future(self._load_pool.submit(self.load, plan, into))
+
+    def start_load(self, plan: Plan, into: KVTarget) -> Future[LoadResult]:
+        """Begin loading (worker side); :meth:`wait_for_layer` waits for it."""
+        self._pending_load = self._load_pool.submit(self.load, plan, into)
+        return self._pending_load
+
+    def wait_for_layer(self, layer: int, timeout: float | None = None) -> LoadResult | None:
+        """Block until layer ``layer`` of the pending load is in place (v1: the whole load)."""
+        if not 0 <= layer < self.layout.num_layers:
+            raise ValueError(f"layer {layer} is outside [0, {self.layout.num_layers})")
+        fut = self._pending_load
+        return fut.result(timeout) if fut is not None else None
+
+    # ------------------------------------------------------------------ worker side: stores
+    def store(
+        self,
+        tokens: Sequence[int],
+        kv: KVSource,
+        start_block: int = 0,
+        hashes: Sequence[BlockHash] | None = None,
+    ) -> Future[StoreResult]:
+        """Write-through of full blocks ``start_block..`` of ``kv`` into this node's pool.
+
+        Returns at once; the copy runs on a background thread. The caller keeps ``kv``'s
+        memory unchanged until the future is done (a DynamicCache never mutates old tensors).
+        """
+        n_blocks = min(len(tokens), source_tokens(kv)) // self.block_tokens
+        hs = list(hashes if hashes is not None
+                  else self.hashes(tokens[: n_blocks * self.block_tokens]))[:n_blocks]
+        fut = self._store_pool.submit(self._store, hs, kv, start_block)
+        self._pending_saves = [f for f in self._pending_saves if not f.done()] + [fut]
+        return fut
+
+    async def store_async(
+        self, tokens: Sequence[int], kv: KVSource, start_block: int = 0,
+        hashes: Sequence[BlockHash] | None = None,
+    ) -> StoreResult:
+        return await asyncio.wrap_future(self.store(tokens, kv, start_block, hashes))
+
+    def _store(self, hs: list[BlockHash], kv: KVSource, start: int) -> StoreResult:
+        todo = hs[start:]
+        if not todo:
+            return StoreResult()
+        control = self._control(self.node)
+        if control is None:
+            self._count("store_no_pool", len(todo))
+            return StoreResult(skipped=len(todo), reason="no pool on this node")
+        data = np.empty((len(todo), self.layout.bytes_per_block), dtype=np.uint8)
+        for j in range(len(todo)):
+            block_from_source(kv, start + j, data[j], self.layout)
+        res = self._store_shm.write(control, todo, list(data), deadline_s=self.store_deadline_s)
+        stored = res.num_ok
+        reasons = res.reasons()
+        for reason, count in reasons.items():
+            self._count(f"store_miss_{reason}", count)
+        self._count("stored_blocks", stored)
+        self._count("bytes_stored", res.nbytes)
+        return StoreResult(stored, 0, len(todo) - stored, res.nbytes,
+                           ",".join(sorted(reasons)))
+
+    def save_layer(
+        self, layer: int, keys: Any, values: Any, tokens: Sequence[int], start_block: int = 0
+    ) -> None:
+        """Hand over one layer's ``[1, H, T, D]`` KV; the store starts once all layers are in."""
+        if not 0 <= layer < self.layout.num_layers:
+            raise ValueError(f"layer {layer} is outside [0, {self.layout.num_layers})")
+        self._layers[layer] = (keys, values)
+        if len(self._layers) == self.layout.num_layers:
+            layers = [self._layers[i] for i in range(self.layout.num_layers)]
+            self._layers = {}
+            self.store(tokens, layers, start_block)
+
+    def wait_for_save(self, timeout: float | None = None) -> list[StoreResult]:
+        """Wait for every store submitted so far."""
+        pending, self._pending_saves = self._pending_saves, []
+        return [f.result(timeout) for f in pending]
+
+    def close(self) -> None:
+        self._store_pool.shutdown(wait=True)
+        self._load_pool.shutdown(wait=True)
+        self._load_shm.close()
+        self._store_shm.close()
+        if self._nixl is not None:
+            self._nixl.close()

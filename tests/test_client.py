@@ -1,0 +1,151 @@
+"""KVShareClient without Ray: two in-process node pools, the real GlobalIndex, real transports.
+
+Node "A" is the worker's own node (shared memory); node "B" is another node (NIXL or the
+object store; in one process both are real). Scenarios: store through shm, plan + load from
+each place, paged destinations, a corrupt remote block, an index that is gone.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import torch
+
+from actors.index import GlobalIndex
+from kvshare.client import KVShareClient
+from kvshare.client_types import PagedKV
+from kvshare.engines.kv_convert import block_view, new_contiguous
+from kvshare.hashing import namespace_root
+from kvshare.layout import KVLayout
+from kvshare.transfer.control import LocalControl
+from kvshare.transfer.local import make_local_source
+from kvshare.transfer.source import BlockSource
+
+LAYOUT = KVLayout(2, 2, 16, "fp32", block_tokens=8)
+ROOT = namespace_root("client-test-model", LAYOUT.fingerprint())
+
+
+class Cluster:
+    """Two node pools, their controls and an index fed from their events."""
+
+    def __init__(self, namespace: str, nixl: bool) -> None:
+        self.ns = namespace
+        self.sources: dict[str, BlockSource] = {
+            n: make_local_source(namespace, n, LAYOUT, 32, nixl=nixl) for n in ("A", "B")
+        }
+        self.index = GlobalIndex()
+        self.controls = {n: LocalControl(s) for n, s in self.sources.items()}
+
+    def publish(self) -> None:
+        for s in self.sources.values():
+            self.index.apply(s.pool.take_events())
+
+    def client(self, node: str = "A", remote: str = "objstore") -> KVShareClient:
+        return KVShareClient(namespace=self.ns, layout=LAYOUT, root=ROOT, node=node,
+                             index=self.index, control_for=self.controls.get,
+                             worker_id=f"w{node}", remote=remote)
+
+    def close(self) -> None:
+        for s in self.sources.values():
+            s.close()
+            s.pool.close()
+
+
+@pytest.fixture
+def cluster() -> Iterator[Cluster]:
+    c = Cluster(f"ct-{uuid.uuid4().hex[:8]}", nixl=True)
+    yield c
+    c.close()
+
+
+def kv_for(tokens: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(2, 2, 2, tokens, 16, generator=g)
+
+
+def test_store_on_one_node_load_on_the_other(cluster: Cluster) -> None:
+    toks = list(range(5 * 8 + 3))
+    kv = kv_for(len(toks), 0)
+    writer = cluster.client("B")
+    assert writer.store(toks, kv).result(timeout=10).stored == 5
+    cluster.publish()
+    for remote in ("objstore", "nixl"):
+        reader = cluster.client("A", remote=remote)
+        plan = reader.lookup(toks)
+        assert plan.available_blocks == 5 and plan.by_transport() == {remote: 5}
+        into = new_contiguous(LAYOUT, plan.load_tokens)
+        res = reader.load(plan, into)
+        assert res.loaded_blocks == 5 and not res.failed
+        assert torch.equal(into, kv[:, :, :, :40])
+        assert reader.counters[f"bytes_{remote}"] == 5 * LAYOUT.bytes_per_block
+        reader.close()
+    writer.close()
+
+
+def test_own_node_blocks_come_through_shared_memory_into_pages(cluster: Cluster) -> None:
+    toks = list(range(100, 100 + 4 * 8))
+    kv = kv_for(len(toks), 1)
+    client = cluster.client("A")
+    client.save_layer(0, kv[0, 0].unsqueeze(0), kv[0, 1].unsqueeze(0), toks)
+    client.save_layer(1, kv[1, 0].unsqueeze(0), kv[1, 1].unsqueeze(0), toks)
+    assert [r.stored for r in client.wait_for_save(10)] == [4]
+    cluster.publish()
+    plan = client.lookup(toks + [7])
+    assert plan.by_transport() == {"shm": 4}
+    pages = [torch.zeros(2, 16, 4, 2, 16) for _ in range(2)]  # 4-token pages
+    table = list(range(15, 7, -1))
+    res = client.load(plan, PagedKV(pages, table))
+    assert res.loaded_blocks == 4
+    assert torch.equal(pages[1][1, table[3]].transpose(0, 1), kv[1, 1, :, 12:16])
+    client.close()
+
+
+def test_corrupt_remote_block_is_a_miss_and_later_blocks_are_not_used(cluster: Cluster) -> None:
+    toks = list(range(3 * 8))
+    kv = kv_for(len(toks), 2)
+    cluster.client("B").store(toks, kv).result(timeout=10)
+    cluster.publish()
+    pool = cluster.sources["B"].pool
+    h1 = cluster.client("B").hashes(toks)[1]
+    lease = pool.pin([h1], "t")[0]
+    assert lease is not None
+    slab = cluster.sources["B"].slab
+    assert slab is not None
+    slab.array[lease.slot][:64] ^= 0xFF  # bit rot in B's host slab
+    pool.unpin([lease.lease_id])
+    reader = cluster.client("A", remote="objstore")
+    into = new_contiguous(LAYOUT, 24)
+    res = reader.load(reader.lookup(toks), into)
+    assert [o.ok for o in res.outcomes] == [True, False, True]
+    assert res.failed[0].reason == "corrupt" and res.loaded_blocks == 1
+    assert reader.counters["miss_corrupt"] == 1
+
+
+def test_index_gone_or_holder_gone_means_an_empty_or_failed_plan(cluster: Cluster) -> None:
+    toks = list(range(2 * 8))
+    cluster.client("B").store(toks, kv_for(16, 3)).result(timeout=10)
+    cluster.publish()
+    lonely = KVShareClient(namespace=cluster.ns, layout=LAYOUT, root=ROOT, node="A", index=None,
+                           control_for=cluster.controls.get, remote="objstore")
+    assert lonely.lookup(toks).load_blocks == 0
+    orphan = KVShareClient(namespace=cluster.ns, layout=LAYOUT, root=ROOT, node="A",
+                           index=cluster.index, control_for=lambda n: None, remote="objstore")
+    res = orphan.load(orphan.lookup(toks), new_contiguous(LAYOUT, 16))
+    assert res.loaded_blocks == 0 and {o.reason for o in res.outcomes} == {"source_dead"}
+
+
+def test_wrong_plan_or_target_is_rejected(cluster: Cluster) -> None:
+    client = cluster.client("A")
+    other = KVShareClient(namespace="other-ns", layout=LAYOUT, root=ROOT, node="A",
+                          index=None, control_for=cluster.controls.get, remote="objstore")
+    with pytest.raises(ValueError, match="namespace"):
+        client.load(other.lookup(list(range(8))), new_contiguous(LAYOUT, 8))
+    with pytest.raises(ValueError, match="remote transport"):
+        KVShareClient(namespace="x", layout=LAYOUT, root=ROOT, node="A", index=None,
+                      control_for=cluster.controls.get, remote="carrier-pigeon")
+    assert block_view(np.zeros(LAYOUT.bytes_per_block, np.uint8), LAYOUT).shape == LAYOUT.block_shape
+    assert os.path.exists(f"/dev/shm/kvshare-{cluster.ns}-A-0")
