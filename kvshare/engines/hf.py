@@ -77,41 +77,72 @@ class Prefill:
     seconds: float
 
 
+_HF_DTYPE = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
+
+
+@dataclass(frozen=True)
+class ModelKeys:
+    """What makes a model's blocks shareable, computed without building the model.
+
+    The gateway uses the same keys to tokenize and hash requests for this worker.
+    """
+
+    config: dict[str, Any]  # the HF config the model is built from
+    identity: str
+    layout: KVLayout
+    root: BlockHash
+    tokenizer: ByteTokenizer | HFTokenizer
+
+    def hashes(self, tokens: Sequence[int]) -> list[BlockHash]:
+        return block_hashes(self.root, tokens, self.layout.block_tokens)
+
+
+def model_keys(cfg: EngineConfig) -> ModelKeys:
+    """Identity, layout, namespace root and tokenizer of the model ``cfg`` describes."""
+    if cfg.model_path is not None:
+        with open(os.path.join(cfg.model_path, "config.json"), encoding="utf-8") as f:
+            config_dict: dict[str, Any] = json.load(f)
+        identity = path_identity(cfg.model_path, cfg.dtype)
+    else:
+        config_dict = {**(cfg.model_config or default_model_config()), **cfg.overrides}
+        config_dict["torch_dtype"] = _HF_DTYPE[cfg.dtype]
+        identity = random_init_identity(config_dict, cfg.seed, cfg.dtype)
+    layout = KVLayout.from_hf_config(config_dict, dtype=cfg.dtype, block_tokens=cfg.block_tokens)
+    vocab = int(config_dict.get("vocab_size") or config_dict.get("text_config", {}).get("vocab_size", 512))
+    tokenizer = load_tokenizer(cfg.model_path, vocab)
+    root = model_namespace_root(identity, layout, cfg.tenant_salt)
+    return ModelKeys(config_dict, identity, layout, root, tokenizer)
+
+
 class HFEngine:
     """A causal LM on one device, with prefill-from-cached-prefix and greedy decoding."""
 
     def __init__(self, config: EngineConfig | None = None) -> None:
-        from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
+        from transformers import AutoModelForCausalLM, LlamaConfig
 
         self.config = cfg = config or EngineConfig()
         if cfg.threads:
             torch.set_num_threads(cfg.threads)
         dtype = TORCH_DTYPES[cfg.dtype]
+        self.keys = keys = model_keys(cfg)
         if cfg.model_path is not None:
-            hf_config = AutoConfig.from_pretrained(cfg.model_path, local_files_only=True)
             self.model: Any = AutoModelForCausalLM.from_pretrained(
                 cfg.model_path, dtype=dtype, local_files_only=True
             )
-            self.identity = path_identity(cfg.model_path, cfg.dtype)
-            config_dict = hf_config.to_dict()
+            hf_config = self.model.config
         else:
-            config_dict = {**(cfg.model_config or default_model_config()), **cfg.overrides}
-            config_dict["torch_dtype"] = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}[cfg.dtype]
-            hf_config = LlamaConfig(**config_dict)
+            hf_config = LlamaConfig(**keys.config)
             torch.manual_seed(cfg.seed)
             self.model = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)  # type: ignore[no-untyped-call]
-            self.identity = random_init_identity(config_dict, cfg.seed, cfg.dtype)
         self.model.to(cfg.device).eval()
         self.hf_config = hf_config
-        self.tokenizer: ByteTokenizer | HFTokenizer = load_tokenizer(
-            cfg.model_path, int(config_dict.get("vocab_size", 512))
-        )
-        self.layout = KVLayout.from_hf_config(
-            config_dict, dtype=cfg.dtype, block_tokens=cfg.block_tokens
-        )
-        self.root: BlockHash = model_namespace_root(self.identity, self.layout, cfg.tenant_salt)
-        self.vocab_size = int(config_dict["vocab_size"])
-        self.max_positions = int(config_dict.get("max_position_embeddings", 2**31))
+        self.identity = keys.identity
+        self.tokenizer = keys.tokenizer
+        self.layout = keys.layout
+        self.root = keys.root
+        text = hf_config.get_text_config(decoder=True) if hasattr(hf_config, "get_text_config") else hf_config
+        self.vocab_size = int(text.vocab_size)
+        self.max_positions = int(getattr(text, "max_position_embeddings", None) or 2**31)
 
     # ------------------------------------------------------------------ keys
     def hashes(self, tokens: Sequence[int]) -> list[BlockHash]:
