@@ -249,16 +249,26 @@ class TieredBlockPool:
         with self._lock:
             self._expire()
             leases = [self._lease(lid, write=True) for lid in lease_ids]
+            if len({lease.lease_id for lease in leases}) != len(leases):
+                raise ValueError("commit got the same lease twice: pass each lease id once")
             if checksums is not None and len(checksums) != len(leases):
                 raise ValueError("commit got a different number of checksums than leases")
-            done: list[BlockHash] = []
+            # every checksum before any change, so that a failing store commits nothing
+            sums: list[int] = []
             for i, lease in enumerate(leases):
                 e = self._entries[lease.block_hash]
                 st = self._tiers[e.tier]
                 if checksums is not None:
-                    e.checksum = int(checksums[i])
+                    sums.append(int(checksums[i]))
                 elif e.checksum < 0:
-                    e.checksum = st.store.checksum(e.slot) if st.store is not None else 0
+                    sums.append(st.store.checksum(e.slot) if st.store is not None else 0)
+                else:
+                    sums.append(e.checksum)
+            done: list[BlockHash] = []
+            for lease, checksum in zip(leases, sums, strict=True):
+                e = self._entries[lease.block_hash]
+                st = self._tiers[e.tier]
+                e.checksum = checksum
                 e.committed = True
                 del self._leases[lease.lease_id]
                 st.counters["stores"] += 1
@@ -315,7 +325,7 @@ class TieredBlockPool:
                     self._tiers[self._order[0]].counters["misses"] += 1
                     out.append(None)
                     continue
-                if promote and e.tier != self._order[0]:
+                if promote and e.tier != self._order[0] and e.pins == 0:
                     self._promote(e)
                     if self._entries.get(h) is not e:  # corrupt: dropped
                         self._tiers[self._order[0]].counters["misses"] += 1
@@ -363,6 +373,17 @@ class TieredBlockPool:
                 lease = self._leases.get(lid)
                 if lease is not None and not lease.write:
                     self._end_read(lease)
+
+    def leases_alive(self, lease_ids: Sequence[int]) -> list[bool]:
+        """Whether each lease is still held (not ended, not expired).
+
+        A live read lease means its slot still holds the block it was taken for (the slot is
+        never reused while leased), so a reader that copied out of shared memory checks this
+        after the copy instead of comparing epochs itself.
+        """
+        with self._lock:
+            self._expire()
+            return [lid in self._leases for lid in lease_ids]
 
     def get(self, block_hash: BlockHash) -> ByteArray | None:
         """A verified copy of one block, or None on a miss (pin, read, unpin)."""
@@ -534,8 +555,10 @@ class TieredBlockPool:
         idx = self._order.index(tier)
         if idx + 1 < len(self._order) and e.hits >= self.config.demote_min_hits:
             e.pins += 1  # not evictable while we make room below
-            ok = self._move(e, self._order[idx + 1])
-            e.pins -= 1
+            try:
+                ok = self._move(e, self._order[idx + 1])
+            finally:
+                e.pins -= 1
             if ok:
                 st.counters["demotions"] += 1
                 return True
@@ -613,13 +636,18 @@ class TieredBlockPool:
             st = self._tiers[tier]
             if st.store is None:
                 continue
+            taken: set[int] = set()
             for slot, h, checksum in st.store.recover():
                 if slot >= st.num_slots or h in self._entries or len(h) != self.config.hash_size:
                     st.store.discard(slot)
                     continue
-                st.free.remove(slot)
+                taken.add(slot)
                 st.epochs[slot] += 1
                 self._entries[h] = _Entry(h, tier, slot, checksum, committed=True)
                 st.lru[h] = None
                 self.recovered += 1
                 self._emit_stored(h, tier)
+            if taken:
+                st.free = [slot for slot in st.free if slot not in taken]
+            # torn and corrupt files the store deleted while recovering
+            st.counters["corrupt"] += int(getattr(st.store, "discarded", 0))

@@ -1,0 +1,8 @@
+"""Moving KV blocks: ``shm`` (same node), ``nixl`` (UCX/RDMA), ``objstore`` (Ray), peer fetch.
+
+Importing this package imports neither Ray nor NIXL; each transport imports what it needs.
+"""
+
+from kvshare.transfer.base import BlockOutcome, Transfer, TransferResult, Transport
+
+__all__ = ["BlockOutcome", "Transfer", "TransferResult", "Transport"]

@@ -1,0 +1,324 @@
+"""NIXL transport: one-sided READ (or WRITE) of a batch of host-slab slots over UCX.
+
+The pulling process (a worker, or a pool fetching for its node) owns one agent and registers
+its destination memory once per buffer (cached, LRU-bounded). For each batch it asks the
+source pool to pin the blocks (one control message), posts ONE transfer with batched
+descriptor lists, polls ``check_xfer_state`` until done or the deadline (then cancels),
+verifies every block's checksum, and ends the pins (one control message). Remote agent
+metadata is cached per source agent name ``{namespace}/{node}/{generation}``; when a source's
+generation changes the old agent is removed with ``remove_remote_agent``. Connections are
+reused across batches.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from kvshare.tiers.base import ByteArray, block_checksum
+from kvshare.transfer.base import (
+    CORRUPT,
+    DEADLINE,
+    NIXL_UNAVAILABLE,
+    SOURCE_DEAD,
+    TRANSFER_ERROR,
+    BlockOutcome,
+    Transfer,
+    TransferResult,
+    Transport,
+    TransportUnavailable,
+    check_batch,
+    holder_name,
+)
+from kvshare.transfer.control import call, finish_quietly, lease_ttl
+from kvshare.transfer.nixl_agent import dram_reg, make_agent
+from kvshare.transfer.wire import BlockControl, NixlPeerInfo, SourceBlock, SourceGone
+from kvshare.types import BlockHash
+
+log = logging.getLogger(__name__)
+
+MAX_REGIONS = 16
+
+
+def _root(a: np.ndarray) -> np.ndarray:
+    while isinstance(a.base, np.ndarray):
+        a = a.base
+    return a
+
+
+def _descs(addrs: Sequence[int], size: int) -> np.ndarray:
+    n = len(addrs)
+    out = np.zeros((n, 3), dtype=np.uint64)
+    out[:, 0] = np.asarray(addrs, dtype=np.uint64)
+    out[:, 1] = size
+    return out
+
+
+def _classify(exc: BaseException) -> str:
+    text = f"{type(exc).__name__} {exc}"
+    return SOURCE_DEAD if "DISCONNECT" in text.upper() or "REMOTE" in text.upper() else TRANSFER_ERROR
+
+
+class NixlTransport(Transport):
+    """A NIXL agent named ``name`` that pulls blocks from (or pushes into) pools' host slabs.
+
+    Raises :class:`TransportUnavailable` (reason ``nixl_unavailable``) if NIXL cannot start.
+    """
+
+    name = "nixl"
+
+    def __init__(self, name: str, *, verify: bool = True) -> None:
+        self.agent_name = name
+        self.verify = verify
+        self.agent = make_agent(name)
+        self._regions: OrderedDict[tuple[int, int], tuple[np.ndarray, Any]] = OrderedDict()
+        self._peers: dict[str, tuple[str, NixlPeerInfo]] = {}  # agent name -> (remote, info)
+        self._by_source: dict[str, str] = {}  # "{namespace}/{node}/" -> current agent name
+
+    # ------------------------------------------------------------------ memory and peers
+    def register(self, array: np.ndarray) -> None:
+        """Register a host buffer (its whole underlying allocation) once; kept until close."""
+        self._ensure_registered(array)
+
+    def _ensure_registered(self, view: np.ndarray, keep: set[tuple[int, int]] | None = None) -> None:
+        """Make ``view``'s memory registered; ``keep``: regions the current batch uses."""
+        addr, end = int(view.ctypes.data), int(view.ctypes.data) + int(view.nbytes)
+        for (base, size) in self._regions:
+            if base <= addr and end <= base + size:
+                self._regions.move_to_end((base, size))
+                if keep is not None:
+                    keep.add((base, size))
+                return
+        root = _root(view)
+        if not root.flags.c_contiguous:
+            root = view
+        key = (int(root.ctypes.data), int(root.nbytes))
+        reg = self.agent.register_memory(dram_reg(root.reshape(-1).view(np.uint8)), "DRAM")
+        self._regions[key] = (root, reg)
+        if keep is not None:
+            keep.add(key)
+        for old in [k for k in self._regions if k not in (keep or {key})]:
+            if len(self._regions) <= MAX_REGIONS:
+                break
+            self.agent.deregister_memory(self._regions.pop(old)[1])
+
+    def _peer(self, control: BlockControl, agent: str, timeout: float) -> tuple[str, NixlPeerInfo]:
+        cached = self._peers.get(agent)
+        if cached is not None:
+            return cached
+        info = call(control.nixl_info(), timeout)
+        if info is None or info.agent != agent:
+            raise TransportUnavailable(NIXL_UNAVAILABLE, f"source agent {agent} is gone")
+        prefix = agent.rsplit("/", 1)[0] + "/"
+        old = self._by_source.get(prefix)
+        if old is not None and old != agent:  # the source restarted: new generation
+            remote, _ = self._peers.pop(old)
+            try:
+                self.agent.remove_remote_agent(remote)
+            except Exception as exc:
+                log.debug("remove_remote_agent(%s): %s", remote, exc)
+        raw = self.agent.add_remote_agent(info.metadata)
+        remote = raw.decode() if isinstance(raw, bytes) else str(raw)
+        try:
+            self.agent.make_connection(remote)
+        except Exception as exc:  # the first transfer connects instead
+            log.debug("make_connection(%s): %s", remote, exc)
+        self._by_source[prefix] = agent
+        self._peers[agent] = (remote, info)
+        return remote, info
+
+    # ------------------------------------------------------------------ reads
+    def submit_read(
+        self, source: BlockControl, hashes: Sequence[BlockHash], dest: Sequence[ByteArray],
+        *, deadline_s: float,
+    ) -> Transfer:
+        return self._submit("read", source, hashes, dest, deadline_s)
+
+    def submit_write(
+        self, sink: BlockControl, hashes: Sequence[BlockHash], data: Sequence[ByteArray],
+        *, deadline_s: float,
+    ) -> Transfer:
+        return self._submit("write", sink, hashes, data, deadline_s)
+
+    def _submit(
+        self, op: str, control: BlockControl, hashes: Sequence[BlockHash],
+        bufs: Sequence[ByteArray], deadline_s: float,
+    ) -> Transfer:
+        if hashes:
+            check_batch(hashes, bufs, bufs[0].nbytes)
+        t = Transfer(self.name, op, tuple(hashes), time.monotonic() + deadline_s, "")
+        t.holder = holder_name(self.agent_name, t.transfer_id)
+        t.state.update(control=control, bufs=list(bufs), handle=None, outcome={})
+        if not hashes:
+            t.finish([], 0)
+            return t
+        try:
+            return self._start(t, control, bufs, deadline_s)
+        except BaseException:  # a caller mistake or a bug: end the leases, then raise
+            self._release(t)
+            finish_quietly(control, t.holder, [])
+            raise
+
+    def _start(
+        self, t: Transfer, control: BlockControl, bufs: Sequence[ByteArray], deadline_s: float
+    ) -> Transfer:
+        try:
+            if t.op == "read":
+                prep = call(control.prepare_read(t.hashes, t.holder, lease_ttl(deadline_s)), t.remaining)
+                entries, agent = prep.blocks, prep.nixl_agent
+            else:
+                prepw = call(control.prepare_write(t.hashes, t.holder, lease_ttl(deadline_s)), t.remaining)
+                entries, agent = prepw.slots, prepw.nixl_agent
+        except TimeoutError:
+            return self._end(t, DEADLINE)
+        except SourceGone:
+            return self._end(t, SOURCE_DEAD)
+        outcome: dict[int, str] = t.state["outcome"]
+        moving: list[int] = []
+        for i, e in enumerate(entries):
+            if isinstance(e, SourceBlock):
+                moving.append(i)
+            else:
+                outcome[i] = "" if e == "present" else e
+        t.state.update(entries=entries, moving=moving)
+        if not moving:
+            return self._end(t, None)
+        if not agent:
+            return self._end(t, NIXL_UNAVAILABLE)
+        if t.remaining <= 0:
+            return self._end(t, DEADLINE)
+        try:
+            remote, info = self._peer(control, agent, max(t.remaining, 0.001))
+            size = info.slot_bytes
+            if bufs[0].nbytes != size:
+                raise ValueError(
+                    f"buffers hold {bufs[0].nbytes} bytes but the pool's blocks are {size} "
+                    "bytes: check the KV layout of the namespace"
+                )
+            if t.op == "write":
+                t.state["sums"] = [block_checksum(bufs[i]) for i in moving]
+            keep: set[tuple[int, int]] = set()
+            for i in moving:
+                self._ensure_registered(bufs[i], keep)
+            slots = [entries[i].slot for i in moving]  # type: ignore[union-attr]
+            rdesc = _descs([info.base_addr + s * size for s in slots], size)
+            ldesc = _descs([int(bufs[i].ctypes.data) for i in moving], size)
+            handle = self.agent.initialize_xfer(
+                "READ" if t.op == "read" else "WRITE",
+                self.agent.get_xfer_descs(ldesc, "DRAM"),
+                self.agent.get_xfer_descs(rdesc, "DRAM"),
+                remote,
+            )
+            t.state["handle"] = handle
+            t.state["status"] = self.agent.transfer(handle)
+        except TimeoutError:
+            return self._end(t, DEADLINE)
+        except SourceGone:
+            return self._end(t, SOURCE_DEAD)
+        except TransportUnavailable:
+            return self._end(t, NIXL_UNAVAILABLE)
+        except ValueError:
+            raise
+        except Exception as exc:
+            log.warning("nixl %s from %s failed: %s", t.op, agent, exc)
+            return self._end(t, _classify(exc))
+        return t
+
+    def poll(self, transfer: Transfer) -> TransferResult | None:
+        t = transfer
+        if t.result is not None:
+            return t.result
+        handle = t.state["handle"]
+        status = t.state["status"]
+        try:
+            if status == "PROC":
+                status = t.state["status"] = self.agent.check_xfer_state(handle)
+        except Exception as exc:
+            self._end(t, _classify(exc))
+            return t.result
+        if status == "DONE" and t.remaining < 0:  # arrived, but later than the caller can use
+            self._end(t, DEADLINE)
+            return t.result
+        if status == "DONE":
+            self._release(t)
+            return self._done(t)
+        if status != "PROC":
+            self._end(t, SOURCE_DEAD if t.state.get("dead") else TRANSFER_ERROR)
+            return t.result
+        if t.remaining <= 0:
+            self._end(t, DEADLINE)
+            return t.result
+        return None
+
+    def _done(self, t: Transfer) -> TransferResult:
+        outcome: dict[int, str] = t.state["outcome"]
+        entries = t.state["entries"]
+        bufs: list[ByteArray] = t.state["bufs"]
+        bad: list[BlockHash] = []
+        lease_ids = [entries[i].lease_id for i in t.state["moving"]]
+        if t.op == "read":
+            for i in t.state["moving"]:
+                if self.verify and block_checksum(bufs[i]) != entries[i].checksum:
+                    outcome[i] = CORRUPT
+                    bad.append(t.hashes[i])
+                else:
+                    outcome[i] = ""
+            control: BlockControl = t.state["control"]
+            if bad:
+                control.report_corrupt(bad)
+            finish_quietly(control, t.holder, [])
+        else:
+            try:
+                done = set(call(t.state["control"].commit_write(t.holder, lease_ids, t.state["sums"]), 5.0))
+            except (TimeoutError, SourceGone):
+                done = set()
+            for i in t.state["moving"]:
+                outcome[i] = "" if t.hashes[i] in done else SOURCE_DEAD
+        return self._result(t)
+
+    def _end(self, t: Transfer, reason: str | None) -> Transfer:
+        """Stop the transfer: blocks still moving miss with ``reason``; leases end."""
+        self._release(t)
+        outcome: dict[int, str] = t.state["outcome"]
+        if reason is not None:
+            for i in range(len(t.hashes)):
+                outcome.setdefault(i, reason)
+        finish_quietly(t.state["control"], t.holder, [])
+        self._result(t)
+        return t
+
+    def _release(self, t: Transfer) -> None:
+        handle = t.state.get("handle")
+        if handle is None:
+            return
+        t.state["handle"] = None
+        try:
+            self.agent.release_xfer_handle(handle)
+        except Exception as exc:  # could not cancel: keep the handle out of reuse
+            log.warning("nixl transfer %d could not be released: %s", t.transfer_id, exc)
+
+    def _result(self, t: Transfer) -> TransferResult:
+        outcome: dict[int, str] = t.state["outcome"]
+        outs = [BlockOutcome(h, outcome.get(i, TRANSFER_ERROR) == "", outcome.get(i, TRANSFER_ERROR))
+                for i, h in enumerate(t.hashes)]
+        nbytes = sum(t.state["bufs"][i].nbytes for i, o in enumerate(outs) if o.ok)
+        return t.finish(outs, nbytes)
+
+    def close(self) -> None:
+        for remote, _ in self._peers.values():
+            try:
+                self.agent.remove_remote_agent(remote)
+            except Exception as exc:
+                log.debug("remove_remote_agent(%s): %s", remote, exc)
+        self._peers.clear()
+        for _, reg in self._regions.values():
+            try:
+                self.agent.deregister_memory(reg)
+            except Exception as exc:
+                log.debug("deregister: %s", exc)
+        self._regions.clear()

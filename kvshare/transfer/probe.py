@@ -1,0 +1,99 @@
+"""Bandwidth probe: how fast each transport moves blocks from a given pool, measured at start.
+
+Every node pool stores a few *probe blocks* in its own namespace under hashes derived from its
+node id (:func:`probe_hashes`), so any process can read them without asking. :func:`probe`
+reads them through each transport a few times and keeps the best batch bandwidth (GB/s).
+:class:`Bandwidths` holds the measured figures, lets a config override any of them, and ranks
+transports for :class:`~kvshare.transfer.fetch.PeerFetcher` and the router's cost model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvshare.pool import TieredBlockPool
+from kvshare.tiers.base import ByteArray
+from kvshare.transfer.base import Transport
+from kvshare.transfer.wire import BlockControl
+from kvshare.types import BlockHash
+
+log = logging.getLogger(__name__)
+
+PROBE_BLOCKS = 4
+
+
+def probe_hashes(node: str, n: int = PROBE_BLOCKS, hash_size: int = 32) -> list[BlockHash]:
+    """The hashes of node ``node``'s probe blocks (deterministic, never a real prefix)."""
+    return [
+        BlockHash(hashlib.sha256(f"kvshare-probe/{node}/{i}".encode()).digest()[:hash_size])
+        for i in range(n)
+    ]
+
+
+def seed_probe_blocks(pool: TieredBlockPool, node: str, n: int = PROBE_BLOCKS) -> int:
+    """Store ``n`` probe blocks (random bytes) in ``pool``; returns how many were new."""
+    rng = np.random.default_rng(0)
+    stored = 0
+    for h in probe_hashes(node, n, pool.config.hash_size):
+        if h not in pool and pool.put(h, rng.integers(0, 255, pool.block_bytes, dtype=np.uint8), "probe"):
+            stored += 1
+    return stored
+
+
+def probe(
+    transports: Mapping[str, Transport],
+    control: BlockControl,
+    node: str,
+    dest: Sequence[ByteArray],
+    *,
+    repeats: int = 3,
+    deadline_s: float = 5.0,
+    hash_size: int = 32,
+) -> dict[str, float]:
+    """Best-of-``repeats`` GB/s of reading ``len(dest)`` probe blocks of ``node`` per transport.
+
+    A transport that fails (unreachable, NIXL missing) measures 0.0.
+    """
+    hashes = probe_hashes(node, len(dest), hash_size)
+    out: dict[str, float] = {}
+    for name, transport in transports.items():
+        best = 0.0
+        for _ in range(repeats):
+            res = transport.read(control, hashes, dest, deadline_s=deadline_s)
+            if not res.ok:
+                log.info("probe %s of %s: %s", name, node, res.reasons())
+                break
+            best = max(best, res.gbps)
+        out[name] = best
+    return out
+
+
+@dataclass
+class Bandwidths:
+    """Measured GB/s per transport, with config overrides taking precedence."""
+
+    measured: dict[str, float] = field(default_factory=dict)
+    overrides: dict[str, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name, v in self.overrides.items():
+            if v < 0:
+                raise ValueError(f"bandwidth override for {name!r} must be >= 0 GB/s, got {v}")
+
+    def get(self, name: str) -> float:
+        return self.overrides.get(name, self.measured.get(name, 0.0))
+
+    def as_dict(self) -> dict[str, float]:
+        return {n: self.get(n) for n in sorted({*self.measured, *self.overrides})}
+
+    def update(self, measured: Mapping[str, float]) -> None:
+        self.measured.update(measured)
+
+    def rank(self, names: Sequence[str]) -> list[str]:
+        """``names`` fastest first; those measured at 0 (unusable) last."""
+        return sorted(names, key=lambda n: -self.get(n))

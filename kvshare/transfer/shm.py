@@ -1,0 +1,180 @@
+"""Shared-memory transport: same node, straight between the pool's host slab and caller memory.
+
+The process maps the node pool's slab (``HostSlab.attach``, once per pool generation) and
+copies slots directly into the destination (reads) or from the source buffers (writes); only
+control messages go to the pool: one ``prepare_read`` (pins) and one ``finish`` (which reports
+whether every pin was still valid after the copy: the epoch re-check) per batch, or
+``prepare_write`` + ``commit_write`` for stores. Reads rely on the slot epoch, not on
+checksums (``verify=True`` checks them too, at checksum speed).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+
+import numpy as np
+
+from kvshare.tiers.base import ByteArray, block_checksum
+from kvshare.tiers.host import HostSlab
+from kvshare.transfer.base import (
+    CORRUPT,
+    DEADLINE,
+    NOT_SAME_NODE,
+    SLOT_REUSED,
+    SOURCE_DEAD,
+    BlockOutcome,
+    Transfer,
+    TransferResult,
+    Transport,
+    check_batch,
+    holder_name,
+)
+from kvshare.transfer.control import call, finish_quietly, lease_ttl
+from kvshare.transfer.wire import BlockControl, SlabInfo, SourceBlock, SourceGone
+from kvshare.types import BlockHash
+
+log = logging.getLogger(__name__)
+
+
+class ShmTransport(Transport):
+    """Reads and writes through the host slab of a pool on node ``node``."""
+
+    name = "shm"
+
+    def __init__(self, node: str, *, holder: str = "shm", verify: bool = False) -> None:
+        self.node = node
+        self.holder = holder
+        self.verify = verify
+        self._slabs: dict[str, HostSlab] = {}  # segment name -> mapping
+
+    def _slab(self, info: SlabInfo) -> HostSlab:
+        slab = self._slabs.get(info.name)
+        if slab is None:
+            prefix = info.name.rsplit("-", 1)[0] + "-"
+            for old in [n for n in self._slabs if n.startswith(prefix)]:  # older generation
+                self._slabs.pop(old).close()
+            slab = self._slabs[info.name] = HostSlab.attach(info.name, info.slot_bytes, info.num_slots)
+        return slab
+
+    def _start(self, op: str, hashes: Sequence[BlockHash], deadline_s: float) -> Transfer:
+        t = Transfer(self.name, op, tuple(hashes), time.monotonic() + deadline_s, "")
+        t.holder = holder_name(self.holder, t.transfer_id)
+        return t
+
+    def submit_read(
+        self, source: BlockControl, hashes: Sequence[BlockHash], dest: Sequence[ByteArray],
+        *, deadline_s: float,
+    ) -> Transfer:
+        if hashes:
+            check_batch(hashes, dest, dest[0].nbytes)
+        t = self._start("read", hashes, deadline_s)
+        reasons = [""] * len(hashes)
+        try:
+            prep = call(source.prepare_read(hashes, t.holder, lease_ttl(deadline_s)), t.remaining)
+        except TimeoutError:
+            finish_quietly(source, t.holder, [])
+            return _done(t, [DEADLINE] * len(hashes), dest)
+        except SourceGone:
+            return _done(t, [SOURCE_DEAD] * len(hashes), dest)
+        _check_size(source, t.holder, prep.slab, dest)
+        copied: list[int] = []
+        slab = None
+        if prep.slab is not None and prep.slab.node == self.node:
+            try:
+                slab = self._slab(prep.slab)
+            except (OSError, ValueError) as exc:
+                log.warning("cannot map slab %s: %s", prep.slab.name, exc)
+        for i, b in enumerate(prep.blocks):
+            if not isinstance(b, SourceBlock):
+                reasons[i] = b
+            elif slab is None:
+                reasons[i] = NOT_SAME_NODE
+            elif t.remaining <= 0:
+                reasons[i] = DEADLINE
+            else:
+                np.copyto(dest[i], slab.array[b.slot], casting="no")
+                copied.append(i)
+        lease_ids = [prep.blocks[i].lease_id for i in copied]  # type: ignore[union-attr]
+        valid = finish_quietly(source, t.holder, lease_ids)
+        bad: list[BlockHash] = []
+        for k, i in enumerate(copied):
+            if k >= len(valid):
+                reasons[i] = SOURCE_DEAD
+            elif not valid[k]:
+                reasons[i] = SLOT_REUSED
+            elif self.verify and block_checksum(dest[i]) != prep.blocks[i].checksum:  # type: ignore[union-attr]
+                reasons[i] = CORRUPT
+                bad.append(hashes[i])
+        if bad:
+            source.report_corrupt(bad)
+        return _done(t, reasons, dest)
+
+    def submit_write(
+        self, sink: BlockControl, hashes: Sequence[BlockHash], data: Sequence[ByteArray],
+        *, deadline_s: float,
+    ) -> Transfer:
+        if hashes:
+            check_batch(hashes, data, data[0].nbytes)
+        t = self._start("write", hashes, deadline_s)
+        reasons = [""] * len(hashes)
+        try:
+            prep = call(sink.prepare_write(hashes, t.holder, lease_ttl(deadline_s)), t.remaining)
+        except TimeoutError:
+            finish_quietly(sink, t.holder, [])
+            return _done(t, [DEADLINE] * len(hashes), data)
+        except SourceGone:
+            return _done(t, [SOURCE_DEAD] * len(hashes), data)
+        _check_size(sink, t.holder, prep.slab, data)
+        slab = None
+        if prep.slab is not None and prep.slab.node == self.node:
+            slab = self._slab(prep.slab)
+        written: list[int] = []
+        sums: list[int] = []
+        for i, s in enumerate(prep.slots):
+            if isinstance(s, str):
+                reasons[i] = "" if s == "present" else s
+            elif slab is None:
+                reasons[i] = NOT_SAME_NODE
+            elif t.remaining <= 0:
+                reasons[i] = DEADLINE
+            else:
+                np.copyto(slab.array[s.slot], data[i], casting="no")
+                sums.append(block_checksum(data[i]))
+                written.append(i)
+        lease_ids = [prep.slots[i].lease_id for i in written]  # type: ignore[union-attr]
+        try:
+            done = set(call(sink.commit_write(t.holder, lease_ids, sums), max(t.remaining, 2.0)))
+        except (TimeoutError, SourceGone):
+            finish_quietly(sink, t.holder, [])
+            done = set()
+        for i in written:
+            if hashes[i] not in done:
+                reasons[i] = SOURCE_DEAD
+        return _done(t, reasons, data)
+
+    def poll(self, transfer: Transfer) -> TransferResult | None:
+        return transfer.result  # shared-memory batches complete inside submit
+
+    def close(self) -> None:
+        for slab in self._slabs.values():
+            slab.close()
+        self._slabs.clear()
+
+
+def _done(t: Transfer, reasons: Sequence[str], bufs: Sequence[ByteArray]) -> Transfer:
+    outs = [BlockOutcome(h, r == "", r) for h, r in zip(t.hashes, reasons, strict=True)]
+    t.finish(outs, sum(b.nbytes for b, o in zip(bufs, outs, strict=True) if o.ok))
+    return t
+
+
+def _check_size(
+    control: BlockControl, holder: str, slab: SlabInfo | None, bufs: Sequence[ByteArray]
+) -> None:
+    if slab is not None and bufs and bufs[0].nbytes != slab.slot_bytes:
+        finish_quietly(control, holder, [])
+        raise ValueError(
+            f"buffers hold {bufs[0].nbytes} bytes but the pool's blocks are {slab.slot_bytes} "
+            "bytes: check the KV layout of the namespace"
+        )

@@ -1,0 +1,214 @@
+"""The pool side of every transport: serve control messages over one TieredBlockPool.
+
+A :class:`BlockSource` lives in the process that owns the pool (a NodePoolActor, one per
+namespace) and answers the :class:`~kvshare.transfer.wire.BlockControl` calls: it pins blocks
+for readers (promoting disk blocks into the host slab so they can be mapped or read over
+NIXL), copies blocks out for the object-store path, reserves and commits slots for writers,
+and owns the NIXL source agent that exposes the host slab. Leases are taken under the
+transfer's holder name, and ``finish`` ends them all, so a reader that dies or times out
+leaves nothing pinned beyond the lease TTL.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import numpy as np
+
+from kvshare.pool import TieredBlockPool
+from kvshare.pool_types import AlreadyPresent, InFlight, NoSpace, Reserved
+from kvshare.tiers.base import ByteArray, CorruptBlock, block_checksum
+from kvshare.tiers.host import HostSlab
+from kvshare.transfer.base import CORRUPT, IN_FLIGHT, MISSING, NO_SPACE, TransportUnavailable
+from kvshare.transfer.wire import (
+    BlockBatch,
+    NixlPeerInfo,
+    PreparedRead,
+    PreparedWrite,
+    SlabInfo,
+    SourceBlock,
+)
+from kvshare.types import BlockHash, Tier
+
+log = logging.getLogger(__name__)
+
+PRESENT = "present"
+
+
+class BlockSource:
+    """Transport control over ``pool`` on node ``node``; ``nixl=True`` starts a NIXL agent.
+
+    NIXL failing to start is not an error: ``nixl_error`` records why and replies carry no
+    agent, so pullers fall back to another transport.
+    """
+
+    def __init__(self, pool: TieredBlockPool, node: str, *, nixl: bool = True) -> None:
+        self.pool = pool
+        self.node = node
+        self.block_bytes = pool.block_bytes
+        store = pool.store(Tier.HOST)
+        self.slab: HostSlab | None = store if isinstance(store, HostSlab) else None
+        self.nixl_error = ""
+        self._nixl = None
+        if nixl and self.slab is not None:
+            from kvshare.transfer.nixl_agent import NixlSource
+
+            try:
+                self._nixl = NixlSource(self.agent_name, self.slab)
+            except TransportUnavailable as exc:
+                self.nixl_error = str(exc)
+                log.warning("NIXL source for %s unavailable: %s", self.agent_name, exc)
+        elif nixl:
+            self.nixl_error = "nixl_unavailable: the pool has no host slab to expose"
+
+    @property
+    def generation(self) -> int:
+        return self.pool.config.generation
+
+    @property
+    def agent_name(self) -> str:
+        """``{namespace}/{node}/{generation}``: new pool generation, new agent."""
+        return f"{self.pool.config.namespace}/{self.node}/{self.generation}"
+
+    # ------------------------------------------------------------------ discovery
+    def slab_info(self) -> SlabInfo | None:
+        s = self.slab
+        if s is None or s.name is None:
+            return None
+        return SlabInfo(s.name, s.slot_bytes, s.num_slots, self.generation, self.node)
+
+    def nixl_info(self) -> NixlPeerInfo | None:
+        if self._nixl is None:
+            return None
+        return self._nixl.info(self.generation)
+
+    def _nixl_fields(self) -> tuple[str, str]:
+        return (self._nixl.name if self._nixl is not None else "", self.nixl_error)
+
+    # ------------------------------------------------------------------ reads
+    def prepare_read(
+        self, hashes: Sequence[BlockHash], holder: str, ttl_s: float
+    ) -> PreparedRead:
+        """Pin ``hashes`` in the host slab for ``holder``; a miss says missing or corrupt."""
+        known = [h in self.pool for h in hashes]
+        leases = self.pool.pin(hashes, holder, ttl_s, promote=True)
+        blocks: list[SourceBlock | str] = []
+        for was, lease in zip(known, leases, strict=True):
+            if lease is None:
+                blocks.append(CORRUPT if was else MISSING)
+            elif lease.tier != Tier.HOST:  # promotion found no room in the host tier
+                self.pool.unpin([lease.lease_id])
+                blocks.append(NO_SPACE)
+            else:
+                blocks.append(SourceBlock(lease.lease_id, lease.slot, lease.epoch, lease.checksum))
+        agent, err = self._nixl_fields()
+        return PreparedRead(self.generation, tuple(blocks), self.slab_info(), agent, err)
+
+    def finish(self, holder: str, lease_ids: Sequence[int]) -> list[bool]:
+        """Report which of ``lease_ids`` were still valid, then end every lease of ``holder``."""
+        alive = self.pool.leases_alive(lease_ids)
+        self.pool.release_holder(holder)
+        return alive
+
+    def read_blocks(self, hashes: Sequence[BlockHash]) -> BlockBatch:
+        """Copy the held blocks out (object-store path); disk blocks are verified on read."""
+        holder = "objstore-read"
+        known = [h in self.pool for h in hashes]
+        leases = self.pool.pin(hashes, holder, 30.0)
+        n = sum(1 for x in leases if x is not None)
+        data = np.empty((n, self.block_bytes), dtype=np.uint8)
+        rows = [-1] * len(hashes)
+        sums = [0] * len(hashes)
+        reasons = [""] * len(hashes)
+        row = 0
+        try:
+            for i, (was, lease) in enumerate(zip(known, leases, strict=True)):
+                if lease is None:
+                    reasons[i] = CORRUPT if was else MISSING
+                    continue
+                res = self.pool.read_into(lease, data[row])
+                if res.ok:
+                    rows[i], sums[i] = row, lease.checksum
+                    row += 1
+                else:
+                    reasons[i] = CORRUPT if res.reason.startswith("corrupt") else MISSING
+        finally:
+            self.pool.unpin([x.lease_id for x in leases if x is not None])
+        return BlockBatch(data[:row], tuple(rows), tuple(sums), tuple(reasons))
+
+    def report_corrupt(self, hashes: Sequence[BlockHash]) -> int:
+        """A reader saw bad bytes: re-verify those blocks and drop the corrupt ones."""
+        return sum(1 for h in hashes if h in self.pool and not self.pool.verify(h))
+
+    # ------------------------------------------------------------------ writes
+    def prepare_write(
+        self, hashes: Sequence[BlockHash], holder: str, ttl_s: float
+    ) -> PreparedWrite:
+        """Reserve a host slot per new hash for ``holder`` (``"present"`` if already held)."""
+        res = self.pool.reserve(hashes, holder, ttl_s)
+        slots: list[SourceBlock | str] = []
+        for r in res:
+            if isinstance(r, Reserved):
+                if r.tier != Tier.HOST:
+                    self.pool.abort([r.lease_id])
+                    slots.append(NO_SPACE)
+                else:
+                    slots.append(SourceBlock(r.lease_id, r.slot, r.epoch, -1))
+            elif isinstance(r, AlreadyPresent):
+                slots.append(PRESENT)
+            elif isinstance(r, InFlight):
+                slots.append(IN_FLIGHT)
+            else:
+                assert isinstance(r, NoSpace)
+                slots.append(NO_SPACE)
+        agent, err = self._nixl_fields()
+        return PreparedWrite(self.generation, tuple(slots), self.slab_info(), agent, err)
+
+    def commit_write(
+        self, holder: str, lease_ids: Sequence[int], checksums: Sequence[int]
+    ) -> list[BlockHash]:
+        """Commit the reservations that are still live; abort every other one of ``holder``."""
+        alive = self.pool.leases_alive(lease_ids)
+        keep = [(lid, ck) for lid, ck, ok in zip(lease_ids, checksums, alive, strict=True) if ok]
+        done = self.pool.commit([k[0] for k in keep], [k[1] for k in keep]) if keep else []
+        self.pool.release_holder(holder)
+        return done
+
+    def write_blocks(
+        self, hashes: Sequence[BlockHash], data: ByteArray, checksums: Sequence[int]
+    ) -> list[str]:
+        """Store blocks that arrived as bytes (object-store path); ``""`` = stored or present.
+
+        A payload whose checksum differs from the sender's was damaged on the way: not stored.
+        """
+        if data.shape != (len(hashes), self.block_bytes) or len(checksums) != len(hashes):
+            raise ValueError(
+                f"write_blocks needs data of shape ({len(hashes)}, {self.block_bytes}) and one "
+                "checksum per hash"
+            )
+        out: list[str] = []
+        for i, h in enumerate(hashes):
+            if block_checksum(data[i]) != checksums[i]:
+                out.append(CORRUPT)
+                continue
+            (r,) = self.pool.reserve([h], "objstore-write")
+            if isinstance(r, AlreadyPresent):
+                out.append("")
+            elif isinstance(r, Reserved):
+                try:
+                    self.pool.write(r.lease_id, data[i])
+                    self.pool.commit([r.lease_id], [checksums[i]])
+                    out.append("")
+                except (CorruptBlock, OSError) as exc:
+                    log.warning("write of %s failed: %s", h.hex()[:16], exc)
+                    self.pool.abort([r.lease_id])
+                    out.append(CORRUPT)
+            else:
+                out.append(IN_FLIGHT if isinstance(r, InFlight) else NO_SPACE)
+        return out
+
+    def close(self) -> None:
+        if self._nixl is not None:
+            self._nixl.close()
+            self._nixl = None

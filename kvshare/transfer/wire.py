@@ -1,0 +1,162 @@
+"""Control messages between a transport and the pool that holds the blocks.
+
+Bytes never travel in these messages except for the object-store path (``BlockBatch``); the
+others carry slot numbers, epochs, checksums and lease ids. :class:`BlockControl` is what a
+transport calls; :class:`~kvshare.transfer.control.LocalControl` serves it in-process and
+:class:`~kvshare.transfer.control.ActorControl` through a NodePoolActor. Every call returns a
+:class:`Reply` so that transports can bound control messages by their deadline too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Generic, Protocol, TypeVar
+
+import numpy as np
+
+from kvshare.tiers.base import ByteArray
+from kvshare.types import BlockHash
+
+T = TypeVar("T")
+T_co = TypeVar("T_co", covariant=True)
+
+
+class SourceGone(Exception):
+    """The pool behind a control handle died or cannot be reached."""
+
+
+@dataclass(frozen=True)
+class SlabInfo:
+    """Where a pool's host slab lives, for processes on the same node to map it."""
+
+    name: str
+    slot_bytes: int
+    num_slots: int
+    generation: int
+    node: str
+
+
+@dataclass(frozen=True)
+class NixlPeerInfo:
+    """A pool's NIXL agent: name, metadata (for ``add_remote_agent``) and its slab address."""
+
+    agent: str
+    metadata: bytes
+    base_addr: int
+    slot_bytes: int
+    num_slots: int
+    generation: int
+
+
+@dataclass(frozen=True)
+class SourceBlock:
+    """One pinned block at the source: its host slot, the slot epoch and its checksum."""
+
+    lease_id: int
+    slot: int
+    epoch: int
+    checksum: int
+
+
+@dataclass(frozen=True)
+class PreparedRead:
+    """Reply to ``prepare_read``: per requested hash a pinned block or a miss reason."""
+
+    generation: int
+    blocks: tuple[SourceBlock | str, ...]
+    slab: SlabInfo | None = None
+    nixl_agent: str = ""  # "" = the source has no working NIXL agent
+    nixl_error: str = ""
+
+
+@dataclass(frozen=True)
+class PreparedWrite:
+    """Reply to ``prepare_write``: per hash a reserved slot (lease, slot, epoch) or a reason.
+
+    ``"present"`` means the pool already holds the block (counts as stored).
+    """
+
+    generation: int
+    slots: tuple[SourceBlock | str, ...]
+    slab: SlabInfo | None = None
+    nixl_agent: str = ""
+    nixl_error: str = ""
+
+
+@dataclass(frozen=True)
+class BlockBatch:
+    """Blocks copied out by the source for the object-store path.
+
+    ``data`` is ``[n, block_bytes]`` uint8 holding the found blocks in request order;
+    ``rows[i]`` is the row of request ``i`` or -1 (then ``reasons[i]`` says why).
+    """
+
+    data: ByteArray
+    rows: tuple[int, ...]
+    checksums: tuple[int, ...]
+    reasons: tuple[str, ...]
+
+    @staticmethod
+    def empty(n: int, reason: str, block_bytes: int) -> BlockBatch:
+        return BlockBatch(
+            np.empty((0, block_bytes), np.uint8), (-1,) * n, (0,) * n, (reason,) * n
+        )
+
+
+class Reply(Protocol[T_co]):
+    """A control call in flight (or done)."""
+
+    def done(self) -> bool: ...
+
+    def get(self, timeout: float) -> T_co:
+        """The reply; TimeoutError after ``timeout`` s, SourceGone if the pool is dead."""
+        ...
+
+
+class Ready(Generic[T]):
+    """A reply that is already there (in-process control)."""
+
+    def __init__(self, value: T) -> None:
+        self._value = value
+
+    def done(self) -> bool:
+        return True
+
+    def get(self, timeout: float) -> T:
+        return self._value
+
+
+class BlockControl(Protocol):
+    """What transports ask of the pool that holds (or receives) the blocks.
+
+    Leases are taken under ``holder``; ``finish`` ends every lease of ``holder`` and reports,
+    for the given read leases, whether each was still valid (lease alive, slot epoch unchanged),
+    which is the shared-memory reader's epoch re-check.
+    """
+
+    def slab_info(self) -> Reply[SlabInfo | None]: ...
+
+    def nixl_info(self) -> Reply[NixlPeerInfo | None]: ...
+
+    def prepare_read(
+        self, hashes: Sequence[BlockHash], holder: str, ttl_s: float
+    ) -> Reply[PreparedRead]: ...
+
+    def finish(self, holder: str, lease_ids: Sequence[int]) -> Reply[list[bool]]: ...
+
+    def read_blocks(self, hashes: Sequence[BlockHash]) -> Reply[BlockBatch]: ...
+
+    def prepare_write(
+        self, hashes: Sequence[BlockHash], holder: str, ttl_s: float
+    ) -> Reply[PreparedWrite]: ...
+
+    def commit_write(
+        self, holder: str, lease_ids: Sequence[int], checksums: Sequence[int]
+    ) -> Reply[list[BlockHash]]: ...
+
+    def write_blocks(
+        self, hashes: Sequence[BlockHash], data: ByteArray, checksums: Sequence[int]
+    ) -> Reply[list[str]]: ...
+
+    def report_corrupt(self, hashes: Sequence[BlockHash]) -> Reply[int]: ...

@@ -1,0 +1,239 @@
+"""Transports in one process (no Ray): one conformance suite run against shm, nixl and objstore.
+
+Sources are real pools over named /dev/shm slabs (and disk), served by BlockSource through
+LocalControl; NIXL runs for real (two UCX agents in this process).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvshare.layout import KVLayout
+from kvshare.match import build_match
+from kvshare.tiers.disk import DiskStore
+from kvshare.tiers.host import HostSlab
+from kvshare.transfer.base import (
+    CORRUPT,
+    DEADLINE,
+    MISSING,
+    NIXL_UNAVAILABLE,
+    Transport,
+    TransportUnavailable,
+)
+from kvshare.transfer.control import LocalControl
+from kvshare.transfer.fetch import PeerFetcher
+from kvshare.transfer.local import make_local_source
+from kvshare.transfer.nixl import NixlTransport
+from kvshare.transfer.nixl_agent import make_agent
+from kvshare.transfer.objstore import ObjStoreTransport
+from kvshare.transfer.probe import Bandwidths, probe, seed_probe_blocks
+from kvshare.transfer.shm import ShmTransport
+from kvshare.transfer.source import BlockSource
+from kvshare.types import BlockHash, Location, Tier, node_location
+
+LAYOUT = KVLayout(1, 1, 8, "fp32", 64)  # 4 KiB blocks
+B = LAYOUT.bytes_per_block
+NODE = "ut-a"
+
+
+def h(i: int, tag: int = 0) -> BlockHash:
+    return BlockHash(i.to_bytes(4, "little") + bytes([tag]) * 28)
+
+
+def payload(i: int) -> np.ndarray:
+    return np.random.default_rng(i).integers(0, 255, B, dtype=np.uint8)
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BlockSource]:
+    disk = tmp_path_factory.mktemp("disk")
+    src = make_local_source(
+        f"ut{os.getpid()}", NODE, LAYOUT, 1200, disk_dir=str(disk), disk_blocks=64
+    )
+    for i in range(1000):
+        assert src.pool.put(h(i), payload(i))
+    yield src
+    src.close()
+    src.pool.close()
+
+
+@pytest.fixture(scope="module")
+def transports() -> Iterator[dict[str, Transport]]:
+    ts: dict[str, Transport] = {
+        "shm": ShmTransport(NODE, verify=True),
+        "nixl": NixlTransport(f"ut{os.getpid()}/reader/0"),
+        "objstore": ObjStoreTransport(),
+    }
+    yield ts
+    for t in ts.values():
+        t.close()
+
+
+NAMES = ["shm", "nixl", "objstore"]
+
+
+def consistent(src: BlockSource) -> None:
+    st = src.pool.stats()
+    assert st["active_leases"] == 0 and st["pinned_blocks"] == 0, st
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("n", [1, 64, 1000])
+def test_read_batches_byte_identical(source: BlockSource, transports: dict[str, Transport], name: str, n: int) -> None:
+    dest = np.zeros((n, B), np.uint8)
+    res = transports[name].read(LocalControl(source), [h(i) for i in range(n)], list(dest))
+    assert res.ok and res.num_ok == n and res.nbytes == n * B
+    assert all(np.array_equal(dest[i], payload(i)) for i in range(n))
+    consistent(source)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_mixed_batch_reports_exactly_the_missing(source: BlockSource, transports: dict[str, Transport], name: str) -> None:
+    ids = [3, 9999, 5, 8888, 7]
+    dest = np.zeros((len(ids), B), np.uint8)
+    res = transports[name].read(LocalControl(source), [h(i) for i in ids], list(dest))
+    assert res.misses() == {h(9999): MISSING, h(8888): MISSING}
+    for k in (0, 2, 4):
+        assert np.array_equal(dest[k], payload(ids[k]))
+    consistent(source)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_flipped_byte_in_slab_is_corrupt_and_dropped(source: BlockSource, transports: dict[str, Transport], name: str) -> None:
+    victim = h(1000 + NAMES.index(name), 7)
+    assert source.pool.put(victim, payload(5))
+    lease = source.pool.pin([victim], "test")[0]
+    assert lease is not None and lease.tier == Tier.HOST
+    source.pool.unpin([lease.lease_id])
+    slab = source.pool.store(Tier.HOST)
+    assert isinstance(slab, HostSlab)
+    slab.array[lease.slot, 17] ^= 0xFF  # a bit rot in shared memory
+    dest = np.zeros((2, B), np.uint8)
+    res = transports[name].read(LocalControl(source), [h(0), victim], list(dest))
+    assert res.misses() == {victim: CORRUPT}
+    assert victim not in source.pool  # the reader reported it; the pool re-verified and dropped it
+    consistent(source)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_flipped_byte_in_disk_file_is_corrupt(tmp_path: Path, transports: dict[str, Transport], name: str) -> None:
+    src = make_local_source(f"ud{os.getpid()}{name}", NODE, LAYOUT, 4, disk_dir=str(tmp_path), disk_blocks=8, nixl=name == "nixl")
+    try:
+        for i in range(6):  # 4 host slots: the first two are demoted to disk
+            assert src.pool.put(h(i), payload(i))
+        assert src.pool.tier_of(h(0)) == Tier.DISK
+        disk = src.pool.store(Tier.DISK)
+        assert isinstance(disk, DiskStore)
+        files = sorted(tmp_path.glob("slot-*.blk"))
+        with open(files[0], "r+b") as f:
+            f.seek(-5, os.SEEK_END)
+            b = f.read(1)
+            f.seek(-5, os.SEEK_END)
+            f.write(bytes([b[0] ^ 0x55]))
+        dest = np.zeros((4, B), np.uint8)
+        ids = [0, 1, 4, 5]
+        res = transports[name].read(LocalControl(src), [h(i) for i in ids], list(dest))
+        assert res.misses() == {h(0): CORRUPT} and res.num_ok == 3
+        assert all(np.array_equal(dest[k], payload(ids[k])) for k in (1, 2, 3))
+        st = src.pool.stats()
+        assert st["tiers"]["disk"]["corrupt"] == 1 and st["active_leases"] == 0
+    finally:
+        src.close()
+        src.pool.close()
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_one_millisecond_deadline(source: BlockSource, transports: dict[str, Transport], name: str) -> None:
+    dest = np.zeros((1000, B), np.uint8)
+    res = transports[name].read(LocalControl(source), [h(i) for i in range(1000)], list(dest), deadline_s=0.001)
+    assert res.reasons().get(DEADLINE, 0) > 0 and set(res.reasons()) == {DEADLINE}
+    for o, row, i in zip(res.outcomes, dest, range(1000), strict=True):
+        if o.ok:  # whatever made it is exact
+            assert np.array_equal(row, payload(i))
+    consistent(source)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_write_then_read_back(source: BlockSource, transports: dict[str, Transport], name: str) -> None:
+    tag = 10 + NAMES.index(name)
+    hs = [h(i, tag) for i in range(20)] + [h(0)]  # the last one is already present
+    res = transports[name].write(LocalControl(source), hs, [payload(i + 50) for i in range(20)] + [payload(0)])
+    assert res.ok, res.reasons()
+    for i in range(20):
+        got = source.pool.get(hs[i])
+        assert got is not None and np.array_equal(got, payload(i + 50))
+    consistent(source)
+    source.pool.remove(hs[:-1])
+
+
+def test_bad_input_names_the_fix(source: BlockSource, transports: dict[str, Transport]) -> None:
+    for t in transports.values():
+        with pytest.raises(ValueError, match="one buffer per block"):
+            t.read(LocalControl(source), [h(0), h(1)], [np.zeros(B, np.uint8)])
+        with pytest.raises(ValueError, match="check the KV layout"):
+            t.read(LocalControl(source), [h(0)], [np.zeros(B - 1, np.uint8)])
+    consistent(source)
+
+
+def test_nixl_failing_to_initialise_is_reported(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("UCX_TLS", "sm,self")  # no tcp: UCX cannot create the agent's endpoints
+    with pytest.raises(TransportUnavailable) as err:
+        make_agent("ut-broken")
+    assert err.value.reason == NIXL_UNAVAILABLE
+
+
+def test_nixl_not_installed_is_reported(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "nixl._api", None)  # import fails as if not installed
+    with pytest.raises(TransportUnavailable, match="not importable"):
+        NixlTransport("ut-missing")
+
+
+def test_fetch_falls_back_to_objstore_when_source_has_no_nixl(transports: dict[str, Transport]) -> None:
+    """Node A holds blocks but its NIXL failed; node B fetches, keeps a copy, unpins."""
+    a = make_local_source(f"uf{os.getpid()}", "ut-fa", LAYOUT, 64, nixl=False)
+    b = make_local_source(f"uf{os.getpid()}", "ut-fb", LAYOUT, 64, nixl=False)
+    try:
+        for i in range(8):
+            a.pool.put(h(i), payload(i))
+        controls: dict[Location, LocalControl] = {node_location("ut-fa"): LocalControl(a), node_location("ut-fb"): LocalControl(b)}
+        shm_b = ShmTransport("ut-fb")
+        fetcher = PeerFetcher(
+            "ut-fb", a.pool.config.namespace, controls.get,
+            {"shm": shm_b, "nixl": transports["nixl"], "objstore": transports["objstore"]},
+        )
+        loc = node_location("ut-fa")
+        match = build_match([{loc: Tier.HOST}] * 8 + [{}])
+        dest = np.zeros((9, B), np.uint8)
+        res = fetcher.fetch([h(i) for i in range(9)], list(dest), match=match, keep_local=True)
+        assert res.prefix_ok == 8 and res.reasons() == {MISSING: 1}
+        assert set(res.served_by[:8]) == {f"{loc}/objstore"}
+        assert res.kept_local == 8 and all(h(i) in b.pool for i in range(8))
+        assert all(np.array_equal(dest[i], payload(i)) for i in range(8))
+        consistent(a)
+        consistent(b)
+        # next time node B serves itself over shared memory
+        res2 = fetcher.fetch([h(i) for i in range(8)], list(dest[:8]), match=build_match([{loc: Tier.HOST, node_location("ut-fb"): Tier.HOST}] * 8))
+        assert res2.ok and set(res2.served_by) == {f"{node_location('ut-fb')}/shm"}
+        shm_b.close()
+    finally:
+        for s in (a, b):
+            s.close()
+            s.pool.close()
+
+
+def test_probe_measures_and_overrides(source: BlockSource, transports: dict[str, Transport]) -> None:
+    seed_probe_blocks(source.pool, NODE)
+    dest = np.zeros((4, B), np.uint8)
+    gbps = probe(transports, LocalControl(source), NODE, list(dest), repeats=2)
+    assert set(gbps) == set(NAMES) and all(v > 0 for v in gbps.values())
+    bw = Bandwidths(gbps, overrides={"objstore": 1e6})
+    assert bw.rank(NAMES)[0] == "objstore" and bw.get("nixl") == gbps["nixl"]
+    with pytest.raises(ValueError, match=">= 0"):
+        Bandwidths({}, {"nixl": -1.0})
+    consistent(source)
