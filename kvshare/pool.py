@@ -229,11 +229,7 @@ class TieredBlockPool:
         with self._lock:
             lease = self._lease(lease_id, write=True)
             e = self._entries[lease.block_hash]
-            if payload.nbytes != self.block_bytes:
-                raise ValueError(
-                    f"block payload is {payload.nbytes} bytes but this pool's blocks are "
-                    f"{self.block_bytes} bytes: check the KV layout (dtype, block_tokens, heads)"
-                )
+            self._check_payload(payload)
             st = self._tiers[e.tier]
             e.checksum = block_checksum(payload)
             if st.store is not None:
@@ -289,12 +285,18 @@ class TieredBlockPool:
                     self._drop_reservation(lease)
 
     def put(self, block_hash: BlockHash, data: object, holder: str = "put") -> bool:
-        """reserve + write + commit in one call; False if present, in flight or no space."""
+        """reserve + write + commit in one call; False if present, in flight or no space.
+
+        A payload of the wrong size raises ValueError before anything (eviction included)
+        happens.
+        """
+        payload = as_u8(data)
+        self._check_payload(payload)
         (res,) = self.reserve([block_hash], holder)
         if not isinstance(res, Reserved):
             return False
         try:
-            self.write(res.lease_id, data)
+            self.write(res.lease_id, payload)
         except BaseException:
             self.abort([res.lease_id])
             raise
@@ -484,6 +486,13 @@ class TieredBlockPool:
                     f"block hashes must be {size}-byte bytes, got "
                     f"{type(h).__name__} of length {len(h) if hasattr(h, '__len__') else '?'}"
                 )
+
+    def _check_payload(self, payload: ByteArray) -> None:
+        if payload.nbytes != self.block_bytes:
+            raise ValueError(
+                f"block payload is {payload.nbytes} bytes but this pool's blocks are "
+                f"{self.block_bytes} bytes: check the KV layout (dtype, block_tokens, heads)"
+            )
 
     def _new_lease(self, holder: str, h: BlockHash, ttl_s: float | None, write: bool) -> int:
         lid = next(self._lease_ids)
