@@ -1,0 +1,131 @@
+"""Configs and small wire types of the cluster layer (no Ray imports here).
+
+One frozen config per component: :class:`IndexConfig` for the index shards,
+:class:`PoolSettings` (with one :class:`NamespaceSpec` per namespace) for the node pools.
+Actor names live in one Ray namespace (:data:`RAY_NAMESPACE`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvshare.layout import KVLayout
+from kvshare.pool_types import check_namespace
+
+RAY_NAMESPACE = "kvshare"
+"""Ray namespace of every kvshare actor (named, detached)."""
+
+INDEX_NAME = "kvshare-index-{shard}"
+POOL_PREFIX = "kvshare-pool-"
+WATCHER_NAME = "kvshare-watcher"
+
+GiB = 2**30
+
+
+def pool_name(node_id: str) -> str:
+    """The Ray actor name of the pool on ``node_id``."""
+    return f"{POOL_PREFIX}{node_id}"
+
+
+def index_name(shard: int) -> str:
+    return INDEX_NAME.format(shard=shard)
+
+
+@dataclass(frozen=True)
+class NamespaceSpec:
+    """One namespace a node pool serves: its layout and per-node byte quotas.
+
+    ``host_bytes`` sizes the shared-memory slab, ``disk_bytes`` the disk tier (0 = none).
+    ``hash_size`` is the block hash length (32 for sha256/blake3, 16 for xxh3-128).
+    """
+
+    name: str
+    layout: KVLayout
+    host_bytes: int
+    disk_bytes: int = 0
+    hash_size: int = 32
+
+    def __post_init__(self) -> None:
+        check_namespace(self.name)
+        if not isinstance(self.layout, KVLayout):
+            raise ValueError(f"namespace {self.name}: layout must be a KVLayout")
+        if self.host_bytes < self.layout.bytes_per_block:
+            raise ValueError(
+                f"namespace {self.name}: host_bytes {self.host_bytes} is smaller than one block "
+                f"({self.layout.bytes_per_block} bytes): raise --host-gb"
+            )
+        if self.disk_bytes < 0:
+            raise ValueError(f"namespace {self.name}: disk_bytes must be >= 0")
+        if self.hash_size not in (16, 32):
+            raise ValueError(f"namespace {self.name}: hash_size must be 16 or 32 bytes")
+
+
+@dataclass(frozen=True)
+class PoolSettings:
+    """What every node pool runs with.
+
+    ``disk_dir``: root of the disk tier; each node uses ``{disk_dir}/{node_id}/{namespace}``
+    so pools on one machine (fake multi-node clusters) never share files.
+    ``publish_interval_s`` / ``publish_max_events``: events reach the index at most that late,
+    or as soon as that many are pending. ``holder_check_s``: how often leases of dead
+    holders are looked for.
+    """
+
+    namespaces: tuple[NamespaceSpec, ...]
+    disk_dir: str = "/tmp/kvshare-disk"
+    lease_ttl_s: float = 30.0
+    demote_min_hits: int = 0
+    publish_interval_s: float = 0.05
+    publish_max_events: int = 4096
+    maintain_interval_s: float = 0.05
+    holder_check_s: float = 1.0
+    ray_namespace: str = RAY_NAMESPACE
+
+    def __post_init__(self) -> None:
+        names = [ns.name for ns in self.namespaces]
+        if len(names) != len(set(names)):
+            raise ValueError(f"namespaces must be distinct, got {names}")
+        if self.publish_interval_s <= 0 or self.publish_max_events <= 0:
+            raise ValueError("publish_interval_s and publish_max_events must be positive")
+
+    @property
+    def host_bytes(self) -> int:
+        return sum(ns.host_bytes for ns in self.namespaces)
+
+
+@dataclass(frozen=True)
+class IndexConfig:
+    """One index shard. ``worker_ttl_s``: a worker whose load reports stop is dropped
+    after this long. ``snapshot_path``: Parquet file to warm-start from (optional)."""
+
+    shard: int = 0
+    num_shards: int = 1
+    worker_ttl_s: float = 3.0
+    snapshot_path: str = ""
+    ray_namespace: str = RAY_NAMESPACE
+
+    def __post_init__(self) -> None:
+        if self.num_shards < 1 or not 0 <= self.shard < self.num_shards:
+            raise ValueError(
+                f"index shard {self.shard} of {self.num_shards} is invalid: need 0 <= shard < n"
+            )
+        if self.worker_ttl_s <= 0:
+            raise ValueError("worker_ttl_s must be positive")
+
+
+@dataclass(frozen=True)
+class SlabInfo:
+    """How a worker on the node maps a namespace's host slab (reply of ``slab_info``).
+
+    The slab is ``/dev/shm/{shm_name}``: ``num_slots`` slots of ``slot_bytes``. It changes
+    with ``generation``: a worker remaps when a reply carries another generation.
+    """
+
+    namespace: str
+    node_id: str
+    shm_name: str
+    slot_bytes: int
+    num_slots: int
+    generation: int
+    layout: dict[str, Any] = field(default_factory=dict)

@@ -1,0 +1,250 @@
+"""Launching kvshare on a Ray cluster: ``deploy``, ``status``, ``shutdown``.
+
+``deploy`` connects to a cluster (``address``), to the one already running on this machine,
+or starts an embedded local Ray; it then starts, in the Ray namespace ``kvshare``, the index
+shard(s) ``kvshare-index-<i>``, the watcher ``kvshare-watcher`` and through it one pool
+``kvshare-pool-<node_id>`` on every alive node (all detached, restartable). Calling it again
+adds namespaces to a running deployment. Other components find the pieces with
+:func:`get_index_client` and :func:`get_pool`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from actors.config import (
+    POOL_PREFIX,
+    RAY_NAMESPACE,
+    WATCHER_NAME,
+    GiB,
+    IndexConfig,
+    NamespaceSpec,
+    PoolSettings,
+    index_name,
+    pool_name,
+)
+from actors.index_client import IndexClient
+from kvshare.layout import KVLayout
+from kvshare.tiers.host import SHM_DIR, shm_free_bytes
+
+log = logging.getLogger(__name__)
+
+DEFAULT_LAYOUT = KVLayout(num_layers=4, num_kv_heads=4, head_dim=64, dtype="fp32", block_tokens=256)
+"""The reference worker's small Llama (2 MiB blocks); real models pass their own layout."""
+
+_clients: dict[str, IndexClient] = {}
+
+
+def connect(address: str | None = None, ray_namespace: str = RAY_NAMESPACE) -> None:
+    """Attach this process to Ray: ``address``, else a running local cluster, else a new
+    embedded one. A process already connected stays as it is."""
+    if ray.is_initialized():
+        return
+    if address:
+        ray.init(address=address, namespace=ray_namespace, log_to_driver=False)
+        return
+    try:
+        ray.init(address="auto", namespace=ray_namespace, log_to_driver=False)
+    except ConnectionError:
+        log.info("no running Ray cluster found: starting an embedded local one")
+        ray.init(namespace=ray_namespace, log_to_driver=False)
+
+
+def namespace_specs(
+    namespaces: Mapping[str, KVLayout] | Sequence[NamespaceSpec] | None,
+    namespace: str,
+    host_gb: float,
+    disk_gb: float,
+    layout: KVLayout | None = None,
+) -> tuple[NamespaceSpec, ...]:
+    """Specs for ``namespaces`` (or the single ``namespace``); quotas split evenly."""
+    if namespaces is None:
+        namespaces = {namespace: layout or DEFAULT_LAYOUT}
+    if isinstance(namespaces, Mapping):
+        items = list(namespaces.items())
+        if not items:
+            raise ValueError("deploy needs at least one namespace")
+        host = int(host_gb * GiB) // len(items)
+        disk = int(disk_gb * GiB) // len(items)
+        return tuple(NamespaceSpec(name, lay, host, disk) for name, lay in items)
+    specs = tuple(namespaces)
+    if not specs or not all(isinstance(s, NamespaceSpec) for s in specs):
+        raise ValueError("namespaces must map names to KVLayouts or be NamespaceSpecs")
+    return specs
+
+
+def check_shm(settings: PoolSettings) -> None:
+    """Refuse when the slabs plus Ray's object stores of this machine exceed free /dev/shm."""
+    here = ray.util.get_node_ip_address()  # type: ignore[no-untyped-call]
+    local = [n for n in ray.nodes() if n["Alive"] and n["NodeManagerAddress"] == here]  # type: ignore[no-untyped-call]
+    store = sum(int(n["Resources"].get("object_store_memory", 0)) for n in local)
+    slabs = settings.host_bytes * max(1, len(local))
+    free = shm_free_bytes()
+    if slabs + store > free:
+        raise MemoryError(
+            f"kvshare needs {slabs / GiB:.2f} GiB of host slabs ({len(local)} node(s) x "
+            f"{settings.host_bytes / GiB:.2f} GiB) plus {store / GiB:.2f} GiB of Ray object "
+            f"store in {SHM_DIR}, which has {free / GiB:.2f} GiB free: lower --host-gb or "
+            f"enlarge {SHM_DIR}"
+        )
+
+
+def deploy(
+    address: str | None = None,
+    *,
+    host_gb: float = 1.0,
+    disk_dir: str | None = None,
+    disk_gb: float = 0.0,
+    namespace: str = "default",
+    layout: KVLayout | None = None,
+    namespaces: Mapping[str, KVLayout] | Sequence[NamespaceSpec] | None = None,
+    index_shards: int = 1,
+    ray_namespace: str = RAY_NAMESPACE,
+    worker_ttl_s: float = 3.0,
+    snapshot_path: str = "",
+    wait_s: float = 60.0,
+    **pool_options: Any,
+) -> dict[str, Any]:
+    """Start (or extend) kvshare on a Ray cluster; returns :func:`status`.
+
+    ``host_gb``/``disk_gb`` are per node and split evenly over the namespaces; ``disk_dir``
+    defaults to ``/tmp/kvshare-disk`` when ``disk_gb > 0``. ``pool_options`` go to
+    :class:`PoolSettings` (``lease_ttl_s``, ``publish_interval_s``, ...).
+    """
+    if host_gb <= 0 or disk_gb < 0 or index_shards < 1:
+        raise ValueError("need host_gb > 0, disk_gb >= 0 and index_shards >= 1")
+    connect(address, ray_namespace)
+    specs = namespace_specs(namespaces, namespace, host_gb, disk_gb, layout)
+    settings = PoolSettings(namespaces=specs, disk_dir=disk_dir or "/tmp/kvshare-disk",
+                            ray_namespace=ray_namespace, **pool_options)
+    existing = _find_watcher(ray_namespace)
+    if existing is None:
+        check_shm(settings)
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
+    from actors.index_actor import GlobalIndexActor
+
+    shards = [
+        GlobalIndexActor.options(
+            name=index_name(i), namespace=ray_namespace, lifetime="detached",
+            get_if_exists=True, scheduling_strategy=here,
+        ).remote(IndexConfig(i, index_shards, worker_ttl_s, snapshot_path, ray_namespace))
+        for i in range(index_shards)
+    ]
+    ray.get([s.ready.remote() for s in shards], timeout=wait_s)
+    client = IndexClient(shards)
+    _clients[ray_namespace] = client
+    for spec in specs:
+        client.declare_namespace(spec.name, spec.hash_size, spec.layout.fingerprint())
+    if existing is not None:
+        for spec in specs:
+            ray.get(existing.add_namespace.remote(spec), timeout=wait_s)
+        watcher = existing
+    else:
+        from actors.watcher import WatcherActor
+
+        watcher = WatcherActor.options(
+            name=WATCHER_NAME, namespace=ray_namespace, lifetime="detached",
+            get_if_exists=True, scheduling_strategy=here,
+        ).remote(settings, snapshot_every_s=10.0 if snapshot_path else 0.0)
+    ray.get(watcher.reconcile.remote(wait_s=wait_s), timeout=wait_s + 10)
+    return status(ray_namespace)
+
+
+def _find_watcher(ray_namespace: str) -> Any | None:
+    try:
+        return ray.get_actor(WATCHER_NAME, namespace=ray_namespace)
+    except ValueError:
+        return None
+
+
+def _named(ray_namespace: str, prefix: str) -> list[str]:
+    return sorted(
+        a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+        if a.get("namespace") == ray_namespace and str(a.get("name", "")).startswith(prefix)
+    )
+
+
+def get_index_client(ray_namespace: str = RAY_NAMESPACE, timeout_s: float = 5.0) -> IndexClient:
+    """The index client of the running deployment (cached per process)."""
+    client = _clients.get(ray_namespace)
+    if client is None:
+        client = _clients[ray_namespace] = IndexClient.connect(ray_namespace, timeout_s)
+    return client
+
+
+def get_pool(node_id: str | None = None, ray_namespace: str = RAY_NAMESPACE) -> Any:
+    """The pool actor of ``node_id`` (default: this process's node). ValueError if none."""
+    node = node_id or ray.get_runtime_context().get_node_id()
+    try:
+        return ray.get_actor(pool_name(node), namespace=ray_namespace)
+    except ValueError:
+        raise ValueError(
+            f"no kvshare pool on node {node}: run `kvshare up` (or kvshare.deploy()) first"
+        ) from None
+
+
+def status(ray_namespace: str = RAY_NAMESPACE, timeout_s: float = 5.0) -> dict[str, Any]:
+    """Nodes (alive, pool stats per namespace and tier), index shards and workers."""
+    nodes = {n["NodeID"]: n for n in ray.nodes()}  # type: ignore[no-untyped-call]
+    out: dict[str, Any] = {"ray_namespace": ray_namespace, "nodes": [], "index": [],
+                           "workers": []}
+    refs: dict[str, Any] = {}
+    for name in _named(ray_namespace, POOL_PREFIX):
+        node = name[len(POOL_PREFIX):]
+        refs[node] = ray.get_actor(name, namespace=ray_namespace).stats.remote()
+    for node_id, info in nodes.items():
+        entry: dict[str, Any] = {"node_id": node_id, "alive": bool(info["Alive"]),
+                                 "address": info.get("NodeManagerAddress", "")}
+        if node_id in refs:
+            try:
+                entry["pool"] = ray.get(refs[node_id], timeout=timeout_s)
+            except Exception as exc:
+                entry["pool_error"] = f"{type(exc).__name__}: {exc}"[:200]
+        if info["Alive"] or node_id in refs:
+            out["nodes"].append(entry)
+    try:
+        client = get_index_client(ray_namespace)
+        out["index"] = client.stats()
+        out["workers"] = [
+            {"worker_id": w.worker_id, "node": w.node, "namespaces": list(w.namespaces),
+             "endpoint": w.endpoint} for w in client.workers()
+        ]
+    except Exception as exc:
+        out["index_error"] = f"{type(exc).__name__}: {exc}"[:200]
+    return out
+
+
+def shutdown(ray_namespace: str = RAY_NAMESPACE, address: str | None = None,
+             timeout_s: float = 10.0) -> int:
+    """Stop the watcher, every pool (slabs unlinked; disk blocks stay) and the index.
+
+    Returns the number of actors removed.
+    """
+    connect(address, ray_namespace)
+    n = 0
+    watcher = _find_watcher(ray_namespace)
+    if watcher is not None:
+        try:
+            ray.get(watcher.stop.remote(), timeout=timeout_s)
+        except Exception as exc:
+            log.warning("watcher did not stop cleanly: %s", exc)
+        ray.kill(watcher)
+        n += 1
+    pools = [ray.get_actor(name, namespace=ray_namespace)
+             for name in _named(ray_namespace, POOL_PREFIX)]
+    closing: list[Any] = [p.close.remote() for p in pools]
+    if closing:
+        ray.wait(closing, num_returns=len(closing), timeout=timeout_s)
+    for p in pools:
+        ray.kill(p)
+        n += 1
+    for name in _named(ray_namespace, "kvshare-index-"):
+        ray.kill(ray.get_actor(name, namespace=ray_namespace))
+        n += 1
+    _clients.pop(ray_namespace, None)
+    return n

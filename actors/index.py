@@ -1,0 +1,551 @@
+"""GlobalIndex: which location holds which block, in which tier (plain class, no Ray).
+
+Per namespace ``hash -> holder state`` (an interned ``{location: tier}``, see
+:mod:`actors.holders`) plus a reverse map ``location -> hashes`` so a dead location goes at
+once. Rules (DESIGN.md, "Index and events"):
+
+- **Generations** are issued here (:meth:`new_generation`), increase per location (and across
+  index restarts: they never go below the wall clock in ms). Events of a generation older than
+  the location's current one, or of a generation that was dropped, are ignored. A newer
+  generation replaces the location's entries (its pool restarted and republishes).
+- **Sequence numbers** are tracked per ``(namespace, location, generation)``; events at or
+  below the last applied seq are duplicates and ignored; a gap marks ``(namespace, location)``
+  for resync (the publisher then sends :meth:`replace_inventory`).
+- ``BlockRemoved(tier)`` removes a holder only if its recorded tier is that tier (a demotion is
+  ``Stored(new)`` then ``Removed(old)``).
+
+Not thread-safe: one actor thread owns it. Reads are :meth:`lookup` and the fast
+:meth:`match` (same result as :func:`kvshare.match.build_match` over :meth:`lookup`).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable, Iterable, Sequence
+from itertools import groupby, repeat
+from typing import Any, NamedTuple
+
+import numpy as np
+import pyarrow as pa
+
+from actors.holders import EMPTY, TIER_BY_NAME, TIERS, HolderStates
+from actors.index_io import (
+    all_stored_one_tier,
+    check_event_batch,
+    column_np,
+    columns_of,
+    hash_list,
+    inventory_rows,
+    single_group,
+    validate_events,
+)
+from actors.registry import WorkerRegistry
+from kvshare.events import AllCleared, BlockStored, Event, EventKind
+from kvshare.match import LocationMatch, MatchResult
+from kvshare.pool_types import check_namespace
+from kvshare.types import BlockHash, Location, NodeId, Tier, WorkerId, node_location, parse_location
+from kvshare.types import worker_location as worker_loc
+from kvshare.workers import WorkerInfo, WorkerLoad
+
+Row = tuple[int, str, str, str, bytes, int, int]  # kind, ns, loc, tier, hash, gen, seq
+
+
+class PublishAck(NamedTuple):
+    """Reply to a publish: the index ``epoch`` (changes when the index restarts), how many
+    events were applied / ignored as stale, and the ``(namespace, location)`` pairs that must
+    resync (send their whole inventory with ``replace_inventory``)."""
+
+    epoch: str
+    applied: int
+    stale: int
+    resync: tuple[tuple[str, str], ...]
+
+
+class _Namespace:
+    __slots__ = ("name", "hash_size", "layout_fingerprint", "table", "by_loc")
+
+    def __init__(self, name: str, hash_size: int, layout_fingerprint: str) -> None:
+        self.name = name
+        self.hash_size = hash_size
+        self.layout_fingerprint = layout_fingerprint
+        self.table: dict[bytes, int] = {}
+        self.by_loc: dict[int, set[bytes]] = {}
+
+
+class GlobalIndex:
+    """The cluster's block directory (one shard of it)."""
+
+    def __init__(self, worker_ttl_s: float = 3.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.epoch = uuid.uuid4().hex[:12]
+        self._s = HolderStates()
+        self._ns: dict[str, _Namespace] = {}
+        self._gen: dict[str, int] = {}
+        self._floor: dict[str, int] = {}  # events of generations <= floor are ignored
+        self._seq: dict[tuple[str, str, int], int] = {}
+        self._resync: set[tuple[str, str]] = set()
+        self.registry = WorkerRegistry(worker_ttl_s, clock)
+        self.counters = dict.fromkeys(
+            ("applied", "stale", "duplicate", "gaps", "replaced", "dropped_locations"), 0
+        )
+
+    # ------------------------------------------------------------------ namespaces
+    def declare_namespace(self, namespace: str, hash_size: int = 32, layout_fingerprint: str = "") -> None:
+        """Make ``namespace`` known; ValueError if it is known with another hash size or layout."""
+        check_namespace(namespace)
+        if hash_size not in (16, 32):
+            raise ValueError(f"hash_size must be 16 or 32 bytes, got {hash_size}")
+        ns = self._ns.get(namespace)
+        if ns is None:
+            self._ns[namespace] = _Namespace(namespace, hash_size, layout_fingerprint)
+            return
+        if ns.hash_size != hash_size:
+            raise ValueError(
+                f"namespace {namespace!r} uses {ns.hash_size}-byte hashes, not {hash_size}"
+            )
+        if layout_fingerprint and ns.layout_fingerprint and ns.layout_fingerprint != layout_fingerprint:
+            raise ValueError(
+                f"namespace {namespace!r} has layout {ns.layout_fingerprint}, not "
+                f"{layout_fingerprint}: use another namespace for another layout"
+            )
+        if layout_fingerprint and not ns.layout_fingerprint:
+            ns.layout_fingerprint = layout_fingerprint
+
+    def namespaces(self) -> dict[str, dict[str, Any]]:
+        return {
+            n: {"hash_size": ns.hash_size, "layout_fingerprint": ns.layout_fingerprint,
+                "blocks": len(ns.table)}
+            for n, ns in self._ns.items()
+        }
+
+    def _get_ns(self, namespace: str) -> _Namespace:
+        ns = self._ns.get(namespace)
+        if ns is None:
+            raise KeyError(
+                f"unknown namespace {namespace!r}; known: {sorted(self._ns)} "
+                "(deploy kvshare with this namespace or add it to the pools first)"
+            )
+        return ns
+
+    def _check_hashes(self, ns: _Namespace, hashes: Sequence[BlockHash]) -> None:
+        if isinstance(hashes, bytes | str) or not isinstance(hashes, Sequence):
+            raise ValueError("hashes must be a list of block hashes (bytes), not one value")
+        if hashes and (
+            set(map(type, hashes)) != {bytes} or set(map(len, hashes)) != {ns.hash_size}
+        ):
+            bad = next(h for h in hashes if type(h) is not bytes or len(h) != ns.hash_size)
+            raise ValueError(
+                f"block hashes of namespace {ns.name!r} must be {ns.hash_size}-byte bytes; got "
+                f"{type(bad).__name__} of length {len(bad) if hasattr(bad, '__len__') else '?'}"
+            )
+
+    # ------------------------------------------------------------------ generations
+    def new_generation(self, location: str) -> int:
+        """A fresh generation for ``location``; its older entries are dropped now."""
+        parse_location(location)
+        gen = max(self._gen.get(location, 0), self._floor.get(location, 0)) + 1
+        gen = max(gen, int(time.time() * 1000))
+        self.fence(location, gen)
+        return gen
+
+    def generation(self, location: str) -> int | None:
+        return self._gen.get(location)
+
+    def fence(self, location: str, generation: int) -> bool:
+        """Adopt ``generation`` for ``location`` if it is the newest; False if it is stale."""
+        cur = self._gen.get(location)
+        if generation <= self._floor.get(location, -1) or (cur is not None and generation < cur):
+            return False
+        if cur is None or generation > cur:
+            if cur is not None:
+                self._drop_entries(location)
+            self._gen[location] = generation
+        return True
+
+    # ------------------------------------------------------------------ events
+    def apply_arrow(
+        self, batch: pa.RecordBatch, seq_range: tuple[int, int] | None = None
+    ) -> PublishAck:
+        """Apply one event batch (:func:`kvshare.events.events_to_arrow`).
+
+        ``seq_range``: the (first, last) seq of the publisher's whole batch when this is one
+        shard's part of it (single-group batches only), so gaps are judged on the whole.
+        """
+        batch = check_event_batch(batch)
+        group = single_group(batch)
+        validate_events(batch, group)
+        names = [group[0]] if group is not None else batch.column(1).unique().to_pylist()
+        for name in names:
+            ns = self._ns.get(str(name))
+            if ns is not None and ns.hash_size != _hash_width(batch):
+                raise ValueError(
+                    f"namespace {name!r} block hashes are {ns.hash_size} bytes, the batch's "
+                    f"are {_hash_width(batch)}"
+                )
+        applied0, stale0 = self.counters["applied"], self.counters["stale"]
+        resync: set[tuple[str, str]] = set()
+        if group is not None:
+            self._apply_group(batch, group, seq_range, resync)
+        elif seq_range is not None and batch.num_rows:
+            raise ValueError(
+                "seq_range is only valid for a batch of one (namespace, location, generation)"
+            )
+        else:
+            self._apply_rows(zip(*columns_of(batch), strict=True), resync)
+        return self._ack(applied0, stale0, resync)
+
+    def publish(
+        self, batch: pa.RecordBatch, seq_range: tuple[int, int] | None = None
+    ) -> PublishAck:
+        """Same as :meth:`apply_arrow` (the name publishers call)."""
+        return self.apply_arrow(batch, seq_range)
+
+    def apply(self, events: Iterable[Event]) -> PublishAck:
+        """Apply event objects (BlockStored / BlockRemoved / AllCleared) in order."""
+        applied0, stale0 = self.counters["applied"], self.counters["stale"]
+        resync: set[tuple[str, str]] = set()
+        rows: list[Row] = []
+        for ev in events:
+            if isinstance(ev, AllCleared):
+                rows.append((EventKind.CLEARED, ev.namespace, ev.location, "", b"",
+                             ev.generation, ev.seq))
+            else:
+                kind = EventKind.STORED if isinstance(ev, BlockStored) else EventKind.REMOVED
+                rows.append((kind, ev.namespace, ev.location, Tier(ev.tier).value,
+                             ev.block_hash, ev.generation, ev.seq))
+        self._apply_rows(rows, resync)
+        return self._ack(applied0, stale0, resync)
+
+    def _ack(self, applied0: int, stale0: int, resync: set[tuple[str, str]]) -> PublishAck:
+        return PublishAck(self.epoch, self.counters["applied"] - applied0,
+                          self.counters["stale"] - stale0, tuple(sorted(resync)))
+
+    def needs_resync(self, namespace: str, location: str) -> bool:
+        return (namespace, location) in self._resync
+
+    def _admit(self, ns: str, loc: str, gen: int, first: int, last: int, n: int,
+               resync: set[tuple[str, str]]) -> int:
+        """Generation and sequence check of a run of ``n`` events with seqs first..last.
+
+        Returns the seq floor (events at or below it are duplicates) or -1 if the run is
+        stale. A run that does not start right after the last applied seq is a gap.
+        """
+        if not self.fence(loc, gen):
+            self.counters["stale"] += n
+            return -1
+        key = (ns, loc, gen)
+        prev = self._seq.get(key)
+        if first > (1 if prev is None else prev + 1):
+            self._resync.add((ns, loc))
+            self.counters["gaps"] += 1
+        if (ns, loc) in self._resync:
+            resync.add((ns, loc))
+        if prev is None or last > prev:
+            self._seq[key] = last
+        return 0 if prev is None else prev
+
+    def _apply_group(self, batch: pa.RecordBatch, group: tuple[str, str, int],
+                     seq_range: tuple[int, int] | None, resync: set[tuple[str, str]]) -> None:
+        ns_name, loc, gen = group
+        parse_location(loc)
+        if ns_name not in self._ns:
+            self.declare_namespace(ns_name, _hash_width(batch))
+        seqs = column_np(batch, "seq")
+        n = len(seqs)
+        first, last = seq_range if seq_range is not None else (int(seqs[0]), int(seqs[-1]))
+        if seq_range is None and n > 1 and not (np.diff(seqs) == 1).all():
+            self._resync.add((ns_name, loc))
+            self.counters["gaps"] += 1
+        floor = self._admit(ns_name, loc, gen, first, last, n, resync)
+        if floor < 0 or n == 0:
+            return
+        if int(seqs.min()) <= floor:
+            keep = seqs > floor
+            self.counters["duplicate"] += int(n - keep.sum())
+            batch = batch.filter(pa.array(keep))
+            if batch.num_rows == 0:
+                return
+        ns = self._ns[ns_name]
+        lid = self._s.loc_id(loc)
+        tier = all_stored_one_tier(batch)
+        if tier is not None:
+            code = TIER_BY_NAME.get(tier)
+            if code is None:
+                raise ValueError(f"event batch has unknown tier {tier!r}")
+            self._bulk_store(ns, lid, code, hash_list(batch.column(4)))
+            return
+        kinds, _, _, tiers, hashes, _, _ = columns_of(batch)
+        for kind, t, h in zip(kinds, tiers, hashes, strict=True):
+            self._one(ns, lid, kind, t, h)
+
+    def _bulk_store(self, ns: _Namespace, lid: int, tier: int, hashes: list[bytes]) -> None:
+        """Store many hashes at one location and tier (C-level loops; the hot path)."""
+        table = ns.table
+        olds = list(map(table.get, hashes, repeat(EMPTY, len(hashes))))
+        add = self._s.add
+        trans = {s: add(s, lid, tier) for s in set(olds)}
+        table.update(zip(hashes, map(trans.__getitem__, olds), strict=True))
+        rev = ns.by_loc.get(lid)
+        if rev is None:
+            rev = ns.by_loc[lid] = set()
+        rev.update(hashes)
+        self.counters["applied"] += len(hashes)
+
+    def _apply_rows(self, rows: Iterable[Row], resync: set[tuple[str, str]]) -> None:
+        for kind, ns_name, loc, tier, h, gen, seq in rows:
+            if ns_name not in self._ns:
+                self.declare_namespace(ns_name, len(h) if h else 32)
+            floor = self._admit(ns_name, loc, gen, seq, seq, 1, resync)
+            if floor < 0:
+                continue
+            if seq <= floor:
+                self.counters["duplicate"] += 1
+                continue
+            self._one(self._ns[ns_name], self._s.loc_id(loc), kind, tier, h)
+
+    def _one(self, ns: _Namespace, lid: int, kind: int, tier: str, h: bytes) -> None:
+        self.counters["applied"] += 1
+        if kind == EventKind.CLEARED:
+            self._drop_ns_loc(ns, lid)
+            return
+        code = TIER_BY_NAME.get(tier)
+        if code is None:
+            raise ValueError(f"event has unknown tier {tier!r}")
+        if len(h) != ns.hash_size:
+            raise ValueError(f"namespace {ns.name!r} block hashes are {ns.hash_size} bytes")
+        s = ns.table.get(h, EMPTY)
+        if kind == EventKind.STORED:
+            ns.table[h] = self._s.add(s, lid, code)
+            ns.by_loc.setdefault(lid, set()).add(h)
+            return
+        t = self._s.remove(s, lid, code)
+        if t == s:
+            return
+        if t == EMPTY:
+            del ns.table[h]
+        else:
+            ns.table[h] = t
+        rev = ns.by_loc.get(lid)
+        if rev is not None:
+            rev.discard(h)
+
+    # ------------------------------------------------------------------ inventory
+    def replace_inventory(self, location: str, generation: int, batch: pa.RecordBatch,
+                          seq: int, namespace: str | None = None) -> bool:
+        """Replace ``location``'s entries of the batch's namespace with the batch's blocks.
+
+        ``batch`` holds BlockStored rows (hash, tier); ``seq`` is the publisher's last seq at
+        the time of the snapshot (later events continue from it). Empty batches need
+        ``namespace``. False (nothing changed) if ``generation`` is stale.
+        """
+        parse_location(location)
+        rows = inventory_rows(batch)
+        names = {r[0] for r in rows} | ({namespace} if namespace else set())
+        if len(names) != 1:
+            raise ValueError(f"an inventory covers exactly one namespace, got {sorted(names)}")
+        ns_name = names.pop()
+        if ns_name not in self._ns:
+            self.declare_namespace(ns_name, _hash_width(batch))
+        if not self.fence(location, generation):
+            self.counters["stale"] += len(rows)
+            return False
+        ns = self._ns[ns_name]
+        lid = self._s.loc_id(location)
+        self._drop_ns_loc(ns, lid)
+        for _, tier, h in rows:
+            self._one(ns, lid, EventKind.STORED, tier, h)
+        for key in [k for k in self._seq if k[0] == ns_name and k[1] == location]:
+            del self._seq[key]
+        self._seq[(ns_name, location, generation)] = seq
+        self._resync.discard((ns_name, location))
+        self.counters["replaced"] += 1
+        return True
+
+    # ------------------------------------------------------------------ drops
+    def drop_location(self, location: str, up_to_generation: int | None = None) -> int:
+        """Forget every entry of ``location`` (its pool or worker died); returns how many.
+
+        With ``up_to_generation`` nothing happens if the location already has a newer
+        generation (it restarted meanwhile). Later events of the dropped generation are ignored.
+        """
+        cur = self._gen.get(location)
+        if up_to_generation is not None and cur is not None and cur > up_to_generation:
+            return 0
+        n = self._drop_entries(location)
+        top = max(cur or 0, up_to_generation or 0)
+        self._floor[location] = max(self._floor.get(location, 0), top)
+        self._gen.pop(location, None)
+        for key in [k for k in self._seq if k[1] == location]:
+            del self._seq[key]
+        self._resync = {k for k in self._resync if k[1] != location}
+        self.counters["dropped_locations"] += 1
+        return n
+
+    def drop_node(self, node: NodeId | str) -> int:
+        """Drop a node's pool entries and every worker registered on it."""
+        n = self.drop_location(node_location(node))
+        for wid in self.registry.on_node(node):
+            n += self.unregister_worker(wid)
+        return n
+
+    def _drop_entries(self, location: str) -> int:
+        lid = self._s.loc_ids.get(location)
+        if lid is None:
+            return 0
+        return sum(self._drop_ns_loc(ns, lid) for ns in self._ns.values())
+
+    def _drop_ns_loc(self, ns: _Namespace, lid: int) -> int:
+        hashes = ns.by_loc.pop(lid, None)
+        if not hashes:
+            return 0
+        table, drop = ns.table, self._s.drop
+        for h in hashes:
+            s = table.get(h)
+            if s is None:
+                continue
+            t = drop(s, lid)
+            if t == EMPTY:
+                del table[h]
+            else:
+                table[h] = t
+        return len(hashes)
+
+    # ------------------------------------------------------------------ queries
+    def lookup(self, namespace: str, hashes: Sequence[BlockHash]) -> list[dict[Location, Tier]]:
+        """Per block, ``{location: tier}`` of every holder ({} if none)."""
+        ns = self._get_ns(namespace)
+        self._check_hashes(ns, hashes)
+        self._expire_workers()
+        as_map = self._s.as_map
+        return [dict(as_map(s)) for s in map(ns.table.get, hashes, [EMPTY] * len(hashes))]
+
+    def match(self, namespace: str, hashes: Sequence[BlockHash]) -> MatchResult:
+        """Per location, the prefix of ``hashes`` it holds (see :class:`MatchResult`)."""
+        ns = self._get_ns(namespace)
+        self._check_hashes(ns, hashes)
+        self._expire_workers()
+        states = list(map(ns.table.get, hashes))
+        try:
+            k = states.index(None)
+        except ValueError:
+            k = len(states)
+        rows: dict[int, list[Tier | None]] = {}
+        held: dict[int, int] = {}  # leading blocks held without a break
+        counts: dict[int, dict[Tier, int]] = {}
+        pos = 0
+        items = self._s.items
+        for s, run in groupby(states[:k]):
+            ln = sum(1 for _ in run)
+            end = pos + ln
+            for lid, code in items[s]:  # type: ignore[index]
+                tier = TIERS[code]
+                row = rows.get(lid)
+                if row is None:
+                    row = rows[lid] = [None] * pos
+                    held[lid] = 0
+                    counts[lid] = {}
+                elif len(row) < pos:
+                    row.extend([None] * (pos - len(row)))
+                row.extend([tier] * ln)
+                if held[lid] == pos:
+                    held[lid] = end
+                    c = counts[lid]
+                    c[tier] = c.get(tier, 0) + ln
+            pos = end
+        names = self._s.loc_names
+        out: dict[Location, LocationMatch] = {}
+        for lid, row in rows.items():
+            if len(row) < k:
+                row.extend([None] * (k - len(row)))
+            out[names[lid]] = LocationMatch(names[lid], held[lid], counts[lid], tuple(row))
+        return MatchResult(len(hashes), k, out)
+
+    # ------------------------------------------------------------------ workers
+    def register_worker(self, info: WorkerInfo) -> int:
+        """Register (or re-register) a worker; returns the generation of ``worker:<id>``."""
+        self.registry.check(info)
+        for name in info.namespaces:
+            ns = self._get_ns(name)
+            if info.layout_fingerprint and ns.layout_fingerprint and info.layout_fingerprint != ns.layout_fingerprint:
+                raise ValueError(
+                    f"worker {info.worker_id} has layout {info.layout_fingerprint} but namespace "
+                    f"{name!r} holds layout {ns.layout_fingerprint}: fix the worker's KV layout"
+                )
+        self.registry.register(info)
+        return self.new_generation(worker_loc(info.worker_id))
+
+    def report_load(self, load: WorkerLoad) -> bool:
+        """Renew a worker's lease; False if unknown (register again, then republish)."""
+        self._expire_workers()
+        return self.registry.report(load)
+
+    def unregister_worker(self, worker_id: WorkerId | str) -> int:
+        self.registry.remove(WorkerId(worker_id))
+        return self.drop_location(worker_loc(worker_id))
+
+    def workers(self) -> list[WorkerInfo]:
+        self._expire_workers()
+        return self.registry.workers()
+
+    def loads(self) -> dict[WorkerId, WorkerLoad]:
+        self._expire_workers()
+        return self.registry.loads()
+
+    def _expire_workers(self) -> None:
+        for wid in self.registry.expire():
+            self.drop_location(worker_loc(wid))
+
+    # ------------------------------------------------------------------ introspection
+    def locations(self, namespace: str | None = None) -> dict[str, int]:
+        """Block count per location (all namespaces unless one is named)."""
+        out: dict[str, int] = {}
+        for ns in self._ns.values() if namespace is None else [self._get_ns(namespace)]:
+            for lid, hs in ns.by_loc.items():
+                if hs:
+                    name = self._s.loc_names[lid]
+                    out[name] = out.get(name, 0) + len(hs)
+        return out
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "epoch": self.epoch,
+            "namespaces": self.namespaces(),
+            "locations": self.locations(),
+            "generations": dict(self._gen),
+            "holder_states": len(self._s),
+            "workers": len(self.registry.workers()),
+            "pending_resync": sorted(self._resync),
+            **self.counters,
+        }
+
+    def snapshot(self) -> pa.Table:
+        """Every entry as rows (namespace, location, tier, hash, generation, seq)."""
+        from actors.index_io import snapshot_table
+
+        entries = []
+        for ns in self._ns.values():
+            for h, s in ns.table.items():
+                for lid, code in self._s.items[s]:
+                    loc = self._s.loc_names[lid]
+                    gen = self._gen.get(loc, 0)
+                    entries.append((ns.name, loc, TIERS[code].value, h, gen,
+                                    self._seq.get((ns.name, loc, gen), 0)))
+        return snapshot_table(entries)
+
+    def load_snapshot(self, table: pa.Table) -> int:
+        """Warm-start from :meth:`snapshot` output; returns the number of entries loaded."""
+        from actors.index_io import inventory_groups
+
+        n = 0
+        for (ns_name, loc, gen, seq), batch in inventory_groups(table):
+            if ns_name not in self._ns:
+                self.declare_namespace(ns_name, _hash_width(batch))
+            if self.replace_inventory(loc, gen, batch, seq, namespace=ns_name):
+                n += batch.num_rows
+                self._resync.add((ns_name, loc))  # still ask the owner to confirm
+        return n
+
+
+def _hash_width(batch: pa.RecordBatch) -> int:
+    t = batch.schema.field("hash").type
+    return int(t.byte_width) if pa.types.is_fixed_size_binary(t) else 32

@@ -1,0 +1,81 @@
+"""GlobalIndexActor: one index shard as a restartable Ray actor (thin wrapper).
+
+The actor *is* a :class:`~actors.index.GlobalIndex` (every public method is callable
+remotely) plus what only an actor needs: it starts from its Parquet snapshot when one is
+configured, and on every start (including a restart after a crash) it asks every node pool
+found among the named actors of its Ray namespace to republish its inventory.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import ray
+
+from actors.config import POOL_PREFIX, IndexConfig
+from actors.index import GlobalIndex
+from actors.index_io import read_snapshot, write_snapshot
+
+log = logging.getLogger(__name__)
+
+
+class IndexService(GlobalIndex):
+    """The body of :data:`GlobalIndexActor` (usable in-process too)."""
+
+    def __init__(self, config: IndexConfig) -> None:
+        super().__init__(worker_ttl_s=config.worker_ttl_s)
+        self.config = config
+        self.restarted = False
+        if config.snapshot_path and os.path.exists(config.snapshot_path):
+            try:
+                n = self.load_snapshot(read_snapshot(config.snapshot_path))
+                log.info("index shard %d warm-started with %d entries", config.shard, n)
+            except Exception as exc:  # a bad snapshot only costs the warm start
+                log.warning("ignoring index snapshot %s: %s", config.snapshot_path, exc)
+        if ray.is_initialized():
+            ctx = ray.get_runtime_context()
+            self.restarted = bool(ctx.was_current_actor_reconstructed)
+            self.ask_pools_to_republish()
+
+    def ready(self) -> dict[str, Any]:
+        """Shard facts: ``epoch`` (new on every start), ``shard``, ``num_shards``, ``restarted``."""
+        return {"epoch": self.epoch, "shard": self.config.shard,
+                "num_shards": self.config.num_shards, "restarted": self.restarted}
+
+    def get_epoch(self) -> str:
+        return self.epoch
+
+    def ask_pools_to_republish(self) -> int:
+        """Fire-and-forget ``republish()`` to every named pool actor; returns how many."""
+        ns = self.config.ray_namespace
+        n = 0
+        try:
+            names = ray.util.list_named_actors(all_namespaces=True)
+        except Exception as exc:
+            log.warning("cannot list pool actors: %s", exc)
+            return 0
+        for entry in names:
+            if entry.get("namespace") != ns or not str(entry.get("name", "")).startswith(POOL_PREFIX):
+                continue
+            try:
+                ray.get_actor(entry["name"], namespace=ns).republish.remote()
+                n += 1
+            except Exception as exc:  # the pool may be dying; the watcher handles it
+                log.info("pool %s not asked to republish: %s", entry["name"], exc)
+        return n
+
+    def save_snapshot(self, path: str = "") -> int:
+        """Write :meth:`snapshot` as Parquet to ``path`` (default: the configured one)."""
+        path = path or self.config.snapshot_path
+        if not path:
+            raise ValueError("no snapshot path: pass one or set IndexConfig.snapshot_path")
+        table = self.snapshot()
+        write_snapshot(table, path)
+        return int(table.num_rows)
+
+
+GlobalIndexActor: Any = ray.remote(
+    max_restarts=-1, max_task_retries=0, num_cpus=0)(IndexService)
+"""``GlobalIndexActor.options(name=index_name(i), namespace=..., lifetime="detached").remote(cfg)``."""

@@ -1,0 +1,245 @@
+"""IndexClient: one object in front of N index shards (hash-range sharding).
+
+Shard of a block = ``hash[0] * N // 256``. Queries fan out to the shards that own the hashes
+and are merged; event batches are split by shard, each part carrying the batch's seq range
+so every shard judges gaps on the whole batch. Generations and the worker registry live on
+shard 0. Implements :class:`kvshare.workers.IndexQuery` (sync ``match`` and async
+``match_async``, which awaits object refs and never blocks the event loop).
+
+An unreachable index (restarting, dead, timed out) is a miss, not an error: ``match`` returns
+an empty result and counts it in ``unavailable``. Caller mistakes (unknown namespace,
+malformed hashes) raise ``KeyError``/``ValueError`` from the shard.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError
+
+from actors.config import RAY_NAMESPACE, index_name
+from actors.index import PublishAck
+from actors.index_io import check_event_batch, column_np, single_group
+from kvshare.events import events_from_arrow, events_to_arrow
+from kvshare.match import MatchResult, build_match
+from kvshare.types import BlockHash, Location, NodeId, Tier, WorkerId
+from kvshare.workers import WorkerInfo, WorkerLoad
+
+log = logging.getLogger(__name__)
+
+UNAVAILABLE = (RayActorError, GetTimeoutError, asyncio.TimeoutError)
+
+
+class IndexClient:
+    """Sharded access to the global index. Picklable: pass it to actors."""
+
+    def __init__(self, shards: Sequence[Any], timeout_s: float = 5.0) -> None:
+        if not shards:
+            raise ValueError("IndexClient needs at least one index shard handle")
+        self.shards = list(shards)
+        self.timeout_s = timeout_s
+        self.unavailable = 0
+
+    @classmethod
+    def connect(cls, ray_namespace: str = RAY_NAMESPACE, timeout_s: float = 5.0) -> IndexClient:
+        """Find the named shards of a deployment (``kvshare-index-0`` knows how many)."""
+        first = ray.get_actor(index_name(0), namespace=ray_namespace)
+        info: dict[str, Any] = ray.get(first.ready.remote(), timeout=60)  # type: ignore[assignment]
+        shards = [first] + [
+            ray.get_actor(index_name(i), namespace=ray_namespace)
+            for i in range(1, int(info["num_shards"]))
+        ]
+        return cls(shards, timeout_s)
+
+    @property
+    def num_shards(self) -> int:
+        return len(self.shards)
+
+    def shard_of(self, block_hash: bytes) -> int:
+        return block_hash[0] * len(self.shards) // 256
+
+    def _get(self, ref: Any, timeout: float | None = None) -> Any:
+        return ray.get(ref, timeout=timeout or self.timeout_s)
+
+    def _all(self, method: str, *args: Any) -> list[Any]:
+        return list(self._get([getattr(s, method).remote(*args) for s in self.shards]))
+
+    # ------------------------------------------------------------------ namespaces, generations
+    def declare_namespace(self, namespace: str, hash_size: int = 32, layout_fingerprint: str = "") -> None:
+        self._all("declare_namespace", namespace, hash_size, layout_fingerprint)
+
+    def namespaces(self) -> dict[str, dict[str, Any]]:
+        out: dict[str, dict[str, Any]] = {}
+        for part in self._all("namespaces"):
+            for name, info in part.items():
+                cur = out.setdefault(name, dict(info, blocks=0))
+                cur["blocks"] += info["blocks"]
+        return out
+
+    def epoch(self) -> str:
+        """Joined shard epochs: changes whenever any shard restarted."""
+        return ",".join(self._all("get_epoch"))
+
+    def new_generation(self, location: str) -> int:
+        """A fresh generation for ``location`` (issued by shard 0, fenced on every shard)."""
+        gen = int(self._get(self.shards[0].new_generation.remote(location)))
+        if len(self.shards) > 1:
+            self._get([s.fence.remote(location, gen) for s in self.shards[1:]])
+        return gen
+
+    # ------------------------------------------------------------------ publishing
+    def _split(self, batch: pa.RecordBatch) -> list[pa.RecordBatch]:
+        if len(self.shards) == 1:
+            return [batch]
+        col = batch.column(batch.schema.get_field_index("hash"))
+        size = col.type.byte_width
+        raw = np.frombuffer(col.buffers()[1], dtype=np.uint8)
+        first = raw[col.offset * size : (col.offset + len(col)) * size : size].astype(np.int64)
+        shard = first * len(self.shards) // 256
+        kinds = column_np(batch, "kind")
+        out = []
+        for i in range(len(self.shards)):
+            mask = (shard == i) | (kinds == 2)  # AllCleared rows go to every shard
+            out.append(batch.filter(pa.array(mask)))
+        return out
+
+    def publish(self, batch: pa.RecordBatch) -> PublishAck:
+        """Send one event batch; the ack says whether the publisher must resync."""
+        batch = check_event_batch(batch)
+        if len(self.shards) > 1 and batch.num_rows and single_group(batch) is None:
+            acks = [self.publish(part) for part in _groups(batch)]
+            return _merge(acks)._replace(epoch=acks[-1].epoch)
+        seqs = column_np(batch, "seq")
+        seq_range = (int(seqs[0]), int(seqs[-1])) if len(seqs) and len(self.shards) > 1 else None
+        parts = self._split(batch)
+        refs = [s.publish.remote(p, seq_range) for s, p in zip(self.shards, parts, strict=True)]
+        return _merge(self._get(refs))
+
+    def replace_inventory(self, location: str, generation: int, batch: pa.RecordBatch,
+                          seq: int, namespace: str | None = None) -> bool:
+        """Replace ``location``'s blocks of one namespace on every shard (see GlobalIndex)."""
+        parts = self._split(check_event_batch(batch))
+        refs = [s.replace_inventory.remote(location, generation, p, seq, namespace)
+                for s, p in zip(self.shards, parts, strict=True)]
+        return all(self._get(refs))
+
+    def drop_location(self, location: str, up_to_generation: int | None = None) -> int:
+        return sum(self._all("drop_location", location, up_to_generation))
+
+    def drop_node(self, node: NodeId | str) -> int:
+        return sum(self._all("drop_node", node))
+
+    # ------------------------------------------------------------------ queries
+    def _lookup_refs(self, namespace: str, hashes: Sequence[BlockHash]) -> tuple[list[Any], list[list[int]]]:
+        if isinstance(hashes, bytes | str) or not isinstance(hashes, Sequence):
+            raise ValueError("hashes must be a list of block hashes (bytes), not one value")
+        idx: list[list[int]] = [[] for _ in self.shards]
+        for i, h in enumerate(hashes):
+            if not isinstance(h, bytes) or not h:
+                raise ValueError(f"block hash {i} is {type(h).__name__}, expected bytes")
+            idx[self.shard_of(h)].append(i)
+        refs = [s.lookup.remote(namespace, [hashes[i] for i in ix])
+                for s, ix in zip(self.shards, idx, strict=True)]
+        return refs, idx
+
+    @staticmethod
+    def _merge_lookup(n: int, parts: list[list[dict[Location, Tier]]], idx: list[list[int]]) -> MatchResult:
+        per_block: list[dict[Location, Tier]] = [{}] * n
+        for part, ix in zip(parts, idx, strict=True):
+            for i, holders in zip(ix, part, strict=True):
+                per_block[i] = holders
+        return build_match(per_block)
+
+    def match(self, namespace: str, hashes: Sequence[BlockHash]) -> MatchResult:
+        """Per-location prefix holdings of ``hashes``; empty if the index is unreachable."""
+        try:
+            if len(self.shards) == 1:
+                return self._get(self.shards[0].match.remote(namespace, list(hashes)))  # type: ignore[no-any-return]
+            refs, idx = self._lookup_refs(namespace, hashes)
+            return self._merge_lookup(len(hashes), self._get(refs), idx)
+        except UNAVAILABLE as exc:
+            self.unavailable += 1
+            log.warning("index unavailable, treating match as a miss: %s", exc)
+            return MatchResult(len(hashes), 0, {})
+
+    async def match_async(self, namespace: str, hashes: Sequence[BlockHash]) -> MatchResult:
+        """Same as :meth:`match`, awaiting object refs (never blocks the event loop)."""
+        try:
+            if len(self.shards) == 1:
+                ref = self.shards[0].match.remote(namespace, list(hashes))
+                result: MatchResult = await asyncio.wait_for(ref, self.timeout_s)
+                return result
+            refs, idx = self._lookup_refs(namespace, hashes)
+            parts = await asyncio.wait_for(asyncio.gather(*refs), self.timeout_s)
+            return self._merge_lookup(len(hashes), list(parts), idx)
+        except UNAVAILABLE as exc:
+            self.unavailable += 1
+            log.warning("index unavailable, treating match as a miss: %s", exc)
+            return MatchResult(len(hashes), 0, {})
+
+    def lookup(self, namespace: str, hashes: Sequence[BlockHash]) -> list[dict[Location, Tier]]:
+        refs, idx = self._lookup_refs(namespace, hashes)
+        per_block: list[dict[Location, Tier]] = [{}] * len(hashes)
+        for part, ix in zip(self._get(refs), idx, strict=True):
+            for i, holders in zip(ix, part, strict=True):
+                per_block[i] = holders
+        return per_block
+
+    # ------------------------------------------------------------------ workers (shard 0)
+    def register_worker(self, info: WorkerInfo) -> int:
+        """Register a worker; returns the generation its gpu-tier events must carry."""
+        gen = int(self._get(self.shards[0].register_worker.remote(info)))
+        if len(self.shards) > 1:
+            loc = f"worker:{info.worker_id}"
+            self._get([s.fence.remote(loc, gen) for s in self.shards[1:]])
+        return gen
+
+    def report_load(self, load: WorkerLoad) -> bool:
+        """Renew the worker's lease; False: unknown to the index, register again."""
+        return bool(self._get(self.shards[0].report_load.remote(load)))
+
+    async def report_load_async(self, load: WorkerLoad) -> bool:
+        return bool(await asyncio.wait_for(self.shards[0].report_load.remote(load), self.timeout_s))
+
+    def unregister_worker(self, worker_id: WorkerId | str) -> int:
+        n = int(self._get(self.shards[0].unregister_worker.remote(worker_id)))
+        for s in self.shards[1:]:
+            n += int(self._get(s.drop_location.remote(f"worker:{worker_id}")))
+        return n
+
+    def workers(self) -> list[WorkerInfo]:
+        return list(self._get(self.shards[0].workers.remote()))
+
+    def loads(self) -> dict[WorkerId, WorkerLoad]:
+        return dict(self._get(self.shards[0].loads.remote()))
+
+    async def workers_async(self) -> list[WorkerInfo]:
+        return list(await asyncio.wait_for(self.shards[0].workers.remote(), self.timeout_s))
+
+    async def loads_async(self) -> dict[WorkerId, WorkerLoad]:
+        return dict(await asyncio.wait_for(self.shards[0].loads.remote(), self.timeout_s))
+
+    def stats(self) -> list[dict[str, Any]]:
+        """Per-shard statistics."""
+        return self._all("stats")
+
+
+def _merge(acks: Sequence[PublishAck]) -> PublishAck:
+    resync = sorted({r for a in acks for r in a.resync})
+    return PublishAck(",".join(a.epoch for a in acks), sum(a.applied for a in acks),
+                      sum(a.stale for a in acks), tuple(resync))
+
+
+def _groups(batch: pa.RecordBatch) -> list[pa.RecordBatch]:
+    """Split a mixed batch into single (namespace, location, generation) batches, in order."""
+    groups: dict[tuple[str, str, int], list[Any]] = {}
+    for ev in events_from_arrow(batch):
+        groups.setdefault((ev.namespace, ev.location, ev.generation), []).append(ev)
+    size = batch.schema.field("hash").type.byte_width
+    return [events_to_arrow(evs, size) for evs in groups.values()]

@@ -1,0 +1,487 @@
+"""NodePool: one node's tiered block pools (one per namespace) and their link to the index.
+
+Plain class, usable without Ray (give it any :class:`IndexSink`, e.g. a ``GlobalIndex``);
+:data:`NodePoolActor` is the Ray actor over it: one per node, named ``kvshare-pool-<node>``,
+threaded (``max_concurrency``) so a slow call never blocks the control path.
+
+- **Generation**: taken from the index at start; the host slab of namespace ``ns`` is
+  ``/dev/shm/kvshare-{ns}-{node}-{generation}`` (older slabs of this node are removed), the
+  disk tier is ``{disk_dir}/{node}/{ns}`` and survives restarts.
+- **Events** are drained by a background thread every ``publish_interval_s`` (sooner when
+  ``publish_max_events`` are pending) and published as one Arrow batch per namespace.
+- **Resync**: the whole inventory is republished on start, when the index asks (after its
+  restart, or a sequence gap), and when a publish failed or the index epoch changed.
+- **Control API** for workers on the node: ``slab_info``, ``reserve``/``commit``/``abort``
+  (the worker writes the slot through shared memory in between), ``pin``/``unpin`` (disk
+  blocks are promoted to host so shm readers can map them), and the object-store path
+  ``read_blocks``/``write_blocks`` (numpy uint8, batched). Every method takes the namespace
+  first; an unknown namespace is a KeyError naming the known ones.
+- **Leases** end on unpin/commit/abort, at their deadline, or when the holder died: holders
+  named ``pid:<n>`` (a process on this node) or a Ray actor id are checked every
+  ``holder_check_s``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+import numpy as np
+import pyarrow as pa
+
+from actors.config import NamespaceSpec, PoolSettings, SlabInfo
+from actors.index import PublishAck
+from kvshare.events import Event, events_to_arrow
+from kvshare.pool import TieredBlockPool
+from kvshare.pool_types import (
+    AlreadyPresent,
+    InFlight,
+    PoolConfig,
+    ReadLease,
+    Reserved,
+    ReserveResult,
+    TierSpec,
+)
+from kvshare.tiers.base import TierStore
+from kvshare.tiers.disk import DiskStore
+from kvshare.tiers.host import HostSlab, remove_stale_segments, segment_name
+from kvshare.types import BlockHash, Tier, node_location
+
+log = logging.getLogger(__name__)
+
+
+class IndexSink(Protocol):
+    """What a pool needs from the index (``IndexClient`` or an in-process ``GlobalIndex``)."""
+
+    def new_generation(self, location: str) -> int: ...
+    def declare_namespace(self, namespace: str, hash_size: int = 32, layout_fingerprint: str = "") -> None: ...
+    def publish(self, batch: pa.RecordBatch) -> PublishAck: ...
+    def replace_inventory(self, location: str, generation: int, batch: pa.RecordBatch,
+                          seq: int, namespace: str | None = None) -> bool: ...
+
+
+def pid_alive(holder: str) -> bool | None:
+    """Liveness of a ``pid:<n>`` holder on this node; None if the holder is not a pid."""
+    if not holder.startswith("pid:") or not holder[4:].isdigit():
+        return None
+    try:
+        os.kill(int(holder[4:]), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+class NodePool:
+    """The pools of one node, publishing to the index."""
+
+    def __init__(
+        self,
+        node_id: str,
+        settings: PoolSettings,
+        index: IndexSink,
+        *,
+        holder_alive: Callable[[str], bool | None] = pid_alive,
+        background: bool = True,
+    ) -> None:
+        self.node_id = node_id
+        self.settings = settings
+        self.index = index
+        self.location = node_location(node_id)
+        self._holder_alive = holder_alive
+        self._lock = threading.RLock()  # pools and specs
+        self._publish_lock = threading.Lock()  # orders drains with their index calls
+        self._pools: dict[str, TieredBlockPool] = {}
+        self._specs: dict[str, NamespaceSpec] = {}
+        self._slabs: dict[str, HostSlab] = {}
+        self._seq: dict[str, int] = {}
+        self._holders: dict[str, float] = {}
+        self._pending = 0
+        self._wake = threading.Event()
+        self._closed = threading.Event()
+        self._epoch: str | None = None
+        self._resync_all = False
+        self.counters = dict.fromkeys(
+            ("published_events", "batches", "publish_errors", "republishes", "stale_acks",
+             "holders_released"), 0)
+        self.generation = int(index.new_generation(self.location))
+        for spec in settings.namespaces:
+            self._open(spec)
+        self.republish()
+        self._thread: threading.Thread | None = None
+        if background:
+            self._thread = threading.Thread(target=self._run, name="kvshare-pool-pump", daemon=True)
+            self._thread.start()
+
+    # ------------------------------------------------------------------ namespaces
+    def _open(self, spec: NamespaceSpec) -> None:
+        layout = spec.layout
+        bb = layout.bytes_per_block
+        name = segment_name(spec.name, self.node_id, self.generation)
+        remove_stale_segments(spec.name, self.node_id, keep=name)
+        slab = HostSlab(bb, spec.host_bytes // bb, name)
+        stores: dict[Tier, TierStore] = {Tier.HOST: slab}
+        tiers = [TierSpec(Tier.HOST, slab.num_slots * bb)]
+        if spec.disk_bytes >= bb:
+            directory = os.path.join(self.settings.disk_dir, self.node_id, spec.name)
+            stores[Tier.DISK] = DiskStore(directory, bb, spec.disk_bytes // bb, layout.fingerprint())
+            tiers.append(TierSpec(Tier.DISK, (spec.disk_bytes // bb) * bb))
+        config = PoolConfig(
+            namespace=spec.name, layout=layout, tiers=tuple(tiers), location=self.location,
+            generation=self.generation, lease_ttl_s=self.settings.lease_ttl_s,
+            demote_min_hits=self.settings.demote_min_hits, hash_size=spec.hash_size,
+        )
+        try:
+            pool = TieredBlockPool(config, stores)
+        except BaseException:
+            slab.close()
+            raise
+        self.index.declare_namespace(spec.name, spec.hash_size, layout.fingerprint())
+        self._pools[spec.name] = pool
+        self._specs[spec.name] = spec
+        self._slabs[spec.name] = slab
+        self._seq[spec.name] = 0
+
+    def add_namespace(self, spec: NamespaceSpec) -> bool:
+        """Serve another namespace; False if it is already served with the same spec."""
+        with self._lock:
+            cur = self._specs.get(spec.name)
+            if cur is not None:
+                if cur.layout != spec.layout or cur.hash_size != spec.hash_size:
+                    raise ValueError(
+                        f"namespace {spec.name!r} is served with layout {cur.layout.to_dict()}; "
+                        "another layout needs another namespace"
+                    )
+                return False
+            self._open(spec)
+        self.republish([spec.name])
+        return True
+
+    def namespaces(self) -> list[str]:
+        return list(self._specs)
+
+    def _pool(self, namespace: str) -> TieredBlockPool:
+        pool = self._pools.get(namespace)
+        if pool is None:
+            raise KeyError(
+                f"unknown namespace {namespace!r}; this pool serves {sorted(self._pools)} "
+                "(deploy with this namespace or call add_namespace first)"
+            )
+        return pool
+
+    def slab_info(self, namespace: str, layout_fingerprint: str | None = None) -> SlabInfo:
+        """Where the namespace's host slab lives; ValueError if the caller's layout differs."""
+        pool = self._pool(namespace)
+        spec = self._specs[namespace]
+        if layout_fingerprint is not None and layout_fingerprint != spec.layout.fingerprint():
+            raise ValueError(
+                f"namespace {namespace!r} stores layout {spec.layout.fingerprint()} "
+                f"{spec.layout.to_dict()}, not {layout_fingerprint}: fix the worker's KV layout"
+            )
+        slab = self._slabs[namespace]
+        return SlabInfo(namespace, self.node_id, str(slab.name), slab.slot_bytes,
+                        pool.config.slots(Tier.HOST), self.generation, spec.layout.to_dict())
+
+    # ------------------------------------------------------------------ control API
+    def _seen(self, holder: str, n: int) -> None:
+        if not isinstance(holder, str) or not holder:
+            raise ValueError("holder must be a non-empty string (e.g. 'pid:<n>' or an actor id)")
+        self._holders[holder] = time.monotonic()
+        self._pending += n
+
+    def reserve(self, namespace: str, hashes: Sequence[BlockHash], holder: str,
+                ttl_s: float | None = None) -> list[ReserveResult]:
+        """Hold host slots for new blocks (then write them via shm, then ``commit``)."""
+        pool = self._pool(namespace)
+        self._seen(holder, 0)
+        return pool.reserve(list(hashes), holder, ttl_s)
+
+    def commit(self, namespace: str, lease_ids: Sequence[int],
+               checksums: Sequence[int] | None = None) -> list[BlockHash]:
+        """Make reserved blocks visible; KeyError (nothing committed) if a lease expired."""
+        done = self._pool(namespace).commit(list(lease_ids), checksums)
+        self._kick(len(done))
+        return done
+
+    def abort(self, namespace: str, lease_ids: Sequence[int]) -> None:
+        self._pool(namespace).abort(list(lease_ids))
+
+    def pin(self, namespace: str, hashes: Sequence[BlockHash], holder: str,
+            ttl_s: float | None = None, promote: bool = True) -> list[ReadLease | None]:
+        """Lease blocks for reading (None = miss); disk blocks move to host when ``promote``."""
+        pool = self._pool(namespace)
+        self._seen(holder, 0)
+        out = pool.pin(list(hashes), holder, ttl_s, promote=promote)
+        self._kick(0)
+        return out
+
+    def unpin(self, namespace: str, lease_ids: Sequence[int]) -> None:
+        self._pool(namespace).unpin(list(lease_ids))
+
+    def read_blocks(self, namespace: str, hashes: Sequence[BlockHash]) -> tuple[np.ndarray[Any, Any], list[str]]:
+        """Verified copies: ``(data[n, block_bytes] uint8, reasons)``; ``reasons[i] == ""`` if
+        block ``i`` is in ``data[i]``, else why it is a miss (its row is undefined)."""
+        pool = self._pool(namespace)
+        leases = pool.pin(list(hashes), "read_blocks", promote=False)
+        out = np.empty((len(leases), pool.block_bytes), dtype=np.uint8)
+        reasons: list[str] = []
+        try:
+            for i, lease in enumerate(leases):
+                if lease is None:
+                    reasons.append("not cached")
+                    continue
+                res = pool.read_into(lease, out[i])
+                reasons.append("" if res.ok else res.reason)
+        finally:
+            pool.unpin([lease.lease_id for lease in leases if lease is not None])
+        return out, reasons
+
+    def write_blocks(self, namespace: str, hashes: Sequence[BlockHash], data: Any) -> list[str]:
+        """Store blocks from ``data`` (``[n, block_bytes]`` uint8, or any array of n blocks'
+        bytes). Per block: ``stored``, ``present``, ``in_flight`` or ``no_space``."""
+        pool = self._pool(namespace)
+        hashes = list(hashes)
+        arr = np.ascontiguousarray(np.asarray(data)).reshape(-1).view(np.uint8)
+        if arr.nbytes != len(hashes) * pool.block_bytes:
+            raise ValueError(
+                f"write_blocks got {arr.nbytes} bytes for {len(hashes)} blocks of "
+                f"{pool.block_bytes} bytes: check the KV layout (dtype, block_tokens, heads)"
+            )
+        rows = arr.reshape(len(hashes), pool.block_bytes) if hashes else arr.reshape(0, pool.block_bytes)
+        results = pool.reserve(hashes, "write_blocks")
+        out: list[str] = []
+        ok: list[int] = []
+        try:
+            for i, res in enumerate(results):
+                if isinstance(res, Reserved):
+                    pool.write(res.lease_id, rows[i])
+                    ok.append(res.lease_id)
+                    out.append("stored")
+                else:
+                    out.append("present" if isinstance(res, AlreadyPresent) else
+                               "in_flight" if isinstance(res, InFlight) else "no_space")
+        except BaseException:
+            pool.abort([r.lease_id for r in results if isinstance(r, Reserved)])
+            raise
+        pool.commit(ok)
+        self._kick(len(ok))
+        return out
+
+    def release_holder(self, holder: str) -> int:
+        """End every lease of ``holder`` in every namespace (it died); returns how many."""
+        n = sum(p.release_holder(holder) for p in list(self._pools.values()))
+        self._holders.pop(holder, None)
+        self.counters["holders_released"] += n
+        return n
+
+    def prefix_len(self, namespace: str, hashes: Sequence[BlockHash]) -> int:
+        return self._pool(namespace).prefix_len(list(hashes))
+
+    def clear(self, namespace: str) -> int:
+        n = self._pool(namespace).clear()
+        self._kick(n)
+        return n
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "node_id": self.node_id,
+            "location": self.location,
+            "generation": self.generation,
+            "namespaces": {
+                ns: {**pool.stats(), "shm_name": self._slabs[ns].name}
+                for ns, pool in list(self._pools.items())
+            },
+            "holders": len(self._holders),
+            **self.counters,
+        }
+
+    # ------------------------------------------------------------------ publishing
+    def _kick(self, n: int) -> None:
+        self._pending += n
+        if self._pending >= self.settings.publish_max_events:
+            self._wake.set()
+
+    def flush(self) -> int:
+        """Publish pending events now; returns how many were sent."""
+        sent = 0
+        resync: list[str] = []
+        with self._publish_lock:
+            for ns in list(self._pools):
+                with self._lock:
+                    events: list[Event] = self._pools[ns].take_events()
+                if not events:
+                    continue
+                self._seq[ns] = events[-1].seq
+                try:
+                    ack = self.index.publish(events_to_arrow(events, self._specs[ns].hash_size))
+                except Exception as exc:  # index down: its entries for us are unknown now
+                    self.counters["publish_errors"] += 1
+                    self._resync_all = True
+                    log.warning("publishing %d events failed (%s); will resync", len(events), exc)
+                    continue
+                sent += len(events)
+                self.counters["batches"] += 1
+                self.counters["published_events"] += len(events)
+                self.counters["stale_acks"] += int(ack.stale > 0)
+                if self._epoch is not None and ack.epoch != self._epoch:
+                    self._resync_all = True
+                self._epoch = ack.epoch
+                resync += [n for n, loc in ack.resync if loc == self.location and n in self._pools]
+        self._pending = 0
+        if self._resync_all:
+            self.republish()
+        elif resync:
+            self.republish(sorted(set(resync)))
+        return sent
+
+    def republish(self, namespaces: Sequence[str] | None = None) -> int:
+        """Send the whole inventory of (some) namespaces; returns the number of blocks."""
+        total = 0
+        with self._publish_lock:
+            if namespaces is None:
+                self._resync_all = False
+            for ns in list(namespaces or self._pools):
+                pool = self._pool(ns)
+                with self._lock:
+                    events = pool.take_events()
+                    inv = pool.inventory()
+                if events:
+                    self._seq[ns] = events[-1].seq
+                batch = _inventory_batch(ns, self.location, self.generation, inv,
+                                         self._specs[ns].hash_size)
+                try:
+                    self.index.replace_inventory(self.location, self.generation, batch,
+                                                 self._seq[ns], ns)
+                except Exception as exc:
+                    self._resync_all = True
+                    log.warning("republishing %s failed (%s); will retry", ns, exc)
+                    continue
+                total += len(inv)
+            self.counters["republishes"] += 1
+            epoch = getattr(self.index, "epoch", None)
+            try:
+                self._epoch = epoch() if callable(epoch) else self._epoch
+            except Exception:
+                self._resync_all = True
+        return total
+
+    # ------------------------------------------------------------------ background
+    def maintain(self) -> int:
+        """Demote over-full host tiers, expire leases; returns blocks moved."""
+        moved = 0
+        for pool in list(self._pools.values()):
+            moved += pool.maintain()
+            pool.expire_leases()
+        return moved
+
+    def check_holders(self) -> int:
+        """Release leases of holders that died; forget holders idle past the lease ttl."""
+        released = 0
+        now = time.monotonic()
+        for holder, seen in list(self._holders.items()):
+            alive = self._holder_alive(holder)
+            if alive is False:
+                released += self.release_holder(holder)
+            elif now - seen > self.settings.lease_ttl_s:
+                self._holders.pop(holder, None)
+        return released
+
+    def _run(self) -> None:
+        last_check = time.monotonic()
+        while not self._closed.is_set():
+            self._wake.wait(self.settings.publish_interval_s)
+            self._wake.clear()
+            if self._closed.is_set():
+                break
+            try:
+                self.maintain()
+                self.flush()
+                if time.monotonic() - last_check >= self.settings.holder_check_s:
+                    last_check = time.monotonic()
+                    self.check_holders()
+            except Exception:  # keep pumping; one bad round must not stop publishing
+                log.exception("pool background round failed")
+
+    def watch(self, timeout_s: float = 30.0) -> int:
+        """Block until the pool closes or ``timeout_s`` passes; returns the generation.
+
+        The watcher keeps one such call outstanding: when the actor dies, the call fails
+        with Ray's actor-death error, which is how the index learns of it at once.
+        """
+        self._closed.wait(max(0.0, timeout_s))
+        return self.generation
+
+    def close(self) -> None:
+        """Stop publishing and unmap/unlink the slabs (disk blocks stay for the next start)."""
+        self._closed.set()
+        self._wake.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=5)
+        with self._lock:
+            for pool in self._pools.values():
+                pool.close()
+
+
+def _inventory_batch(ns: str, location: str, generation: int,
+                     inv: list[tuple[BlockHash, Tier]], hash_size: int) -> pa.RecordBatch:
+    from kvshare.events import BlockStored
+    from kvshare.types import Location
+
+    loc = Location(location)
+    return events_to_arrow(
+        (BlockStored(ns, loc, tier, h, generation, 0) for h, tier in inv), hash_size
+    )
+
+
+def ray_holder_alive(holder: str) -> bool | None:
+    """Liveness of a ``pid:<n>`` or Ray-actor-id holder (Ray's actor table); None: unknown."""
+    alive = pid_alive(holder)
+    if alive is not None or len(holder) != 32:
+        return alive
+    try:
+        int(holder, 16)
+        import ray._private.state as ray_state
+
+        info = ray_state.actors(actor_id=holder)
+    except Exception:
+        return None
+    state = info.get("State") if isinstance(info, dict) else None
+    return None if state is None else state != "DEAD"
+
+
+class NodePoolService(NodePool):
+    """The body of :data:`NodePoolActor`: a NodePool on the node it runs on."""
+
+    def __init__(self, settings: PoolSettings, index: IndexSink | None = None) -> None:
+        import ray
+
+        from actors.index_client import IndexClient
+
+        node_id = ray.get_runtime_context().get_node_id()
+        super().__init__(node_id, settings, index or IndexClient.connect(settings.ray_namespace),
+                         holder_alive=ray_holder_alive)
+
+    def ready(self) -> dict[str, Any]:
+        """``node_id``, ``generation`` and the namespaces served."""
+        return {"node_id": self.node_id, "generation": self.generation,
+                "namespaces": self.namespaces()}
+
+
+def _make_actor() -> Any:
+    import ray
+
+    return ray.remote(  # type: ignore[call-overload]
+        max_restarts=-1, max_task_retries=0, max_concurrency=32, num_cpus=0
+    )(
+        NodePoolService
+    )
+
+
+NodePoolActor: Any = _make_actor()
+"""One per node: ``NodePoolActor.options(name=pool_name(node), namespace=..., lifetime="detached",
+scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote(settings)``."""

@@ -1,0 +1,182 @@
+"""ClusterWatcher: keeps one pool on every alive node and tells the index about deaths.
+
+It relies on Ray's own signals, not heartbeats of its own:
+- **node state** (``ray.nodes()``, polled every ``poll_s``): a node that joins gets a pool
+  (``NodeAffinitySchedulingStrategy(node, soft=False)``, detached, named per node); a node
+  marked dead has its pool's and its workers' entries dropped from the index;
+- **actor death errors**: one ``watch()`` call is kept outstanding on every pool; when the pool
+  dies (node removed, process killed) that call fails at once with a ``RayActorError`` and the
+  pool's entries up to its generation are dropped. A restarted pool registers a new
+  generation itself; a pool that is gone for good is created again.
+
+Runs as a detached, restartable actor (:data:`WatcherActor`) with one background thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import replace
+from typing import Any
+
+import ray
+from ray.exceptions import RayActorError, RayError
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from actors.config import NamespaceSpec, PoolSettings, pool_name
+from actors.index_client import IndexClient
+from actors.node_pool import NodePoolActor
+from kvshare.types import node_location
+
+log = logging.getLogger(__name__)
+
+
+def alive_nodes() -> dict[str, bool]:
+    """``node_id -> alive`` for every node Ray knows (dead ones included)."""
+    return {n["NodeID"]: bool(n["Alive"]) for n in ray.nodes()}  # type: ignore[no-untyped-call]
+
+
+def start_pool(node_id: str, settings: PoolSettings) -> Any:
+    """The pool actor of ``node_id`` (created if missing; an existing one is returned)."""
+    return NodePoolActor.options(
+        name=pool_name(node_id),
+        namespace=settings.ray_namespace,
+        lifetime="detached",
+        get_if_exists=True,
+        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+    ).remote(settings)
+
+
+class ClusterWatcher:
+    """Reconciles pools with Ray's node table; see the module docstring."""
+
+    def __init__(self, settings: PoolSettings, poll_s: float = 0.5, watch_s: float = 10.0,
+                 snapshot_every_s: float = 0.0) -> None:
+        self.settings = settings
+        self.poll_s = poll_s
+        self.watch_s = watch_s
+        self.snapshot_every_s = snapshot_every_s
+        self.index = IndexClient.connect(settings.ray_namespace)
+        self.pools: dict[str, Any] = {}
+        self.generations: dict[str, int] = {}
+        self._watch: dict[Any, str] = {}  # outstanding watch ref -> node
+        self.dead: set[str] = set()
+        self.events: list[str] = []
+        self._lock = threading.RLock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kvshare-watcher", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ API
+    def reconcile(self, wait_s: float = 0.0) -> dict[str, int]:
+        """One round now; with ``wait_s`` also wait for every pool to be up.
+
+        Returns ``node_id -> generation`` of the pools that answered.
+        """
+        with self._lock:
+            self._round()
+            pools = dict(self.pools)
+        if wait_s <= 0:
+            return dict(self.generations)
+        refs = {node: pool.ready.remote() for node, pool in pools.items()}
+        out: dict[str, int] = {}
+        for node, ref in refs.items():
+            try:
+                out[node] = int(ray.get(ref, timeout=wait_s)["generation"])
+            except (RayError, TimeoutError) as exc:
+                log.warning("pool on node %s not ready: %s", node, exc)
+        return out
+
+    def add_namespace(self, spec: NamespaceSpec) -> int:
+        """Serve ``spec`` on every pool (and on pools created later); returns pools updated."""
+        with self._lock:
+            if spec.name not in {s.name for s in self.settings.namespaces}:
+                self.settings = replace(self.settings, namespaces=(*self.settings.namespaces, spec))
+            pools = list(self.pools.values())
+        self.index.declare_namespace(spec.name, spec.hash_size, spec.layout.fingerprint())
+        ray.get([p.add_namespace.remote(spec) for p in pools], timeout=60)
+        return len(pools)
+
+    def get_settings(self) -> PoolSettings:
+        return self.settings
+
+    def status(self) -> dict[str, Any]:
+        with self._lock:
+            return {"pools": {n: self.generations.get(n) for n in self.pools},
+                    "dead_nodes": sorted(self.dead), "events": self.events[-50:]}
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    # ------------------------------------------------------------------ loop
+    def _note(self, what: str) -> None:
+        log.info("%s", what)
+        self.events.append(what)
+
+    def _round(self) -> None:
+        for node, alive in alive_nodes().items():
+            if alive and node not in self.pools:
+                self.dead.discard(node)
+                pool = start_pool(node, self.settings)
+                self.pools[node] = pool
+                self._watch[pool.watch.remote(0.0)] = node
+                self._note(f"pool placed on node {node}")
+            elif not alive and node not in self.dead:
+                self.dead.add(node)
+                pool = self.pools.pop(node, None)
+                self._watch = {r: n for r, n in self._watch.items() if n != node}
+                self.generations.pop(node, None)
+                self.index.drop_node(node)
+                if pool is not None:
+                    ray.kill(pool)
+                self._note(f"node {node} dead: its entries were dropped")
+
+    def _check_watches(self) -> None:
+        refs = list(self._watch)
+        if not refs:
+            self._stop.wait(self.poll_s)
+            return
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self.poll_s)
+        with self._lock:
+            for ref in ready:
+                self._settle(ref)
+
+    def _settle(self, ref: Any) -> None:
+        if ref not in self._watch:
+            return
+        node = self._watch.pop(ref)
+        pool = self.pools.get(node)
+        try:
+            gen = int(ray.get(ref))
+        except (RayActorError, RayError) as exc:
+            last = self.generations.pop(node, None)
+            n = self.index.drop_location(node_location(node), last or 0)
+            self.pools.pop(node, None)  # next round: get_if_exists finds or re-creates it
+            self._note(f"pool on node {node} died ({type(exc).__name__}); "
+                       f"dropped {n} entries up to generation {last}")
+            return
+        if pool is None:
+            return
+        self.generations[node] = gen
+        self._watch[pool.watch.remote(self.watch_s)] = node
+
+    def _run(self) -> None:
+        ticks = 0
+        while not self._stop.is_set():
+            try:
+                with self._lock:
+                    self._round()
+                self._check_watches()
+                ticks += 1
+                if self.snapshot_every_s and ticks % max(1, int(self.snapshot_every_s / self.poll_s)) == 0:
+                    for shard in self.index.shards:
+                        shard.save_snapshot.remote()
+            except Exception:
+                log.exception("watcher round failed")
+                self._stop.wait(self.poll_s)
+
+
+WatcherActor: Any = ray.remote(max_restarts=-1, max_task_retries=0, max_concurrency=4, num_cpus=0)(  # type: ignore[call-overload]
+    ClusterWatcher
+)
