@@ -1,0 +1,353 @@
+"""Routing policies behind one interface, and a registry by name.
+
+A policy gets a request (namespace, block hashes, token count), the index's
+:class:`~kvshare.match.MatchResult` and every candidate worker's info and load, and returns a
+:class:`Decision`: the worker, the reason, and the cost model's estimate for that worker.
+
+- ``round_robin``, ``least_loaded``: baselines that ignore the cache.
+- ``prefix_affinity``: Ray Serve LLM's PrefixCacheAffinityRouter rule. If the queue lengths
+  differ by more than ``imbalanced_threshold`` requests, least loaded; else if the best match
+  rate (cached prefix tokens / prompt tokens, on the worker's own gpu and node) reaches
+  ``match_rate_threshold``, the best-matching workers; else the "smallest tenants" (fewest
+  tokens routed to them so far); ties go to the shortest queue.
+- ``kv_overlap``: NVIDIA Dynamo's KV router rule. ``logit = overlap_score_weight *
+  potential_prefill_blocks + decode_blocks`` where prefill blocks are the worker's queued
+  prefill tokens plus this prompt's tokens not covered by its local overlap, over the block
+  size, and decode blocks are the blocks active on the worker; lowest wins, or softmax
+  sampling of the max-normalised logits at ``temperature`` > 0.
+- ``cost`` (default): estimated TTFT = queue wait + the cost model's best plan (fetch from
+  the worker's gpu/node/other nodes + prefill of the rest, see :mod:`router.cost`).
+
+All policies are namespace- and tenant-aware: only workers that serve the request's namespace
+(and, if a worker lists ``meta["tenants"]``, that tenant) are candidates; tenants' blocks
+already differ by hash root, so one tenant never matches another's blocks.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from kvshare.match import MatchResult
+from kvshare.types import BlockHash, WorkerId
+from kvshare.workers import WorkerInfo, WorkerLoad
+from router.cost import CostModel, Plan
+from router.sources import Sharing, SourceMap
+
+
+@dataclass(frozen=True)
+class RouteRequest:
+    """What a policy knows about a request: its namespace, block hashes and token count."""
+
+    namespace: str
+    hashes: Sequence[BlockHash]
+    num_tokens: int
+    tenant: str = ""
+    request_id: str = ""
+
+    def __post_init__(self) -> None:
+        if self.num_tokens <= 0:
+            raise ValueError(f"a request needs at least one token, got num_tokens={self.num_tokens}")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A worker the request may go to. ``active_blocks``: blocks of requests in flight there
+    (tracked by the router, as Dynamo does); used by ``kv_overlap``."""
+
+    info: WorkerInfo
+    load: WorkerLoad
+    active_blocks: int = 0
+
+
+@dataclass(frozen=True)
+class Decision:
+    """Where a request goes and why, with the cost model's estimate for that worker."""
+
+    worker: WorkerId
+    endpoint: str
+    policy: str
+    reason: str
+    est_ttft_s: float
+    est_ttft_saved_s: float
+    cached_blocks: int
+    remote_blocks: int
+    plan: Plan | None = field(default=None, compare=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "worker": self.worker, "endpoint": self.endpoint, "policy": self.policy,
+            "reason": self.reason, "est_ttft_s": self.est_ttft_s,
+            "est_ttft_saved_s": self.est_ttft_saved_s, "cached_blocks": self.cached_blocks,
+            "remote_blocks": self.remote_blocks,
+        }
+
+
+class NoEligibleWorker(ValueError):
+    """No registered worker serves this namespace/tenant."""
+
+
+def eligible(candidates: Sequence[Candidate], namespace: str, tenant: str = "") -> list[Candidate]:
+    """Workers serving ``namespace`` (and ``tenant`` where a worker restricts tenants)."""
+    out = []
+    for c in candidates:
+        if c.info.namespaces and namespace not in c.info.namespaces:
+            continue
+        allowed = c.info.meta.get("tenants", "")
+        if allowed and tenant not in allowed.split(","):
+            continue
+        out.append(c)
+    return out
+
+
+class Policy(ABC):
+    """Chooses a worker for a request. Stateful policies (round robin) are not thread-safe:
+    one instance per router, called from one event loop."""
+
+    name: ClassVar[str]
+
+    def __init__(self, cost: CostModel, sharing: Sharing = Sharing.GLOBAL) -> None:
+        self.cost = cost
+        self.sharing = Sharing(sharing)
+
+    def choose(
+        self,
+        request: RouteRequest,
+        match: MatchResult,
+        candidates: Sequence[Candidate],
+        pending: MatchResult | None = None,
+    ) -> Decision:
+        """Pick a worker; NoEligibleWorker if none serves the request's namespace/tenant.
+
+        ``match``: the index's answer; ``pending``: blocks the router's own recent decisions
+        are about to create (:class:`~router.pending.PendingBlocks`), local to their workers.
+        """
+        cands = eligible(candidates, request.namespace, request.tenant)
+        if not cands:
+            raise NoEligibleWorker(
+                f"no worker serves namespace {request.namespace!r}"
+                + (f" for tenant {request.tenant!r}" if request.tenant else "")
+                + ": register one with that namespace"
+            )
+        view = SourceMap(match, {c.info.worker_id: c.info.node for c in cands}, pending)
+        idx, reason = self._select(request, view, cands)
+        chosen = cands[idx]
+        plan = self.plan_for(request, view, chosen)
+        queue = self.queue_s(chosen.load)
+        est = queue + plan.total_s
+        saved = max(0.0, self.cost.recompute_s(request.num_tokens) - plan.total_s)
+        decision = Decision(
+            chosen.info.worker_id, chosen.info.endpoint, self.name, reason, est, saved,
+            plan.cut, plan.remote_blocks, plan,
+        )
+        self.observe(request, decision)
+        return decision
+
+    def plan_for(self, request: RouteRequest, view: SourceMap, cand: Candidate) -> Plan:
+        """The cost model's best plan for this request on ``cand``."""
+        srcs = view.sources_for(
+            cand.info.worker_id, cand.info.node, self.sharing, self.cost.block_fetch_s
+        )
+        return self.cost.plan(request.num_tokens, srcs)
+
+    def queue_s(self, load: WorkerLoad) -> float:
+        """Queue wait: queued prefill tokens at the worker's measured speed (else the model's)."""
+        tps = load.prefill_tokens_per_s if load.prefill_tokens_per_s > 0 else self.cost.prefill.tokens_per_s
+        return load.queued_prefill_tokens / tps
+
+    def observe(self, request: RouteRequest, decision: Decision) -> None:
+        """Hook for stateful policies; called with every decision this policy made."""
+
+    @abstractmethod
+    def _select(
+        self, request: RouteRequest, view: SourceMap, cands: list[Candidate]
+    ) -> tuple[int, str]:
+        """Index into ``cands`` and the reason."""
+
+
+class _Rotation:
+    """Tie-breaking: least queued tokens, then fewest running, then the worker after the one
+    this rotation picked last (so ties do not always land on the first worker)."""
+
+    def __init__(self) -> None:
+        self._turn = 0
+
+    def pick(self, ties: Sequence[int], cands: Sequence[Candidate]) -> int:
+        key = [(cands[i].load.queued_prefill_tokens, cands[i].load.running) for i in ties]
+        low = min(key)
+        best = [i for i, k in zip(ties, key, strict=True) if k == low]
+        self._turn += 1
+        return best[self._turn % len(best)]
+
+
+def _least_loaded_index(cands: Sequence[Candidate], rotation: _Rotation) -> int:
+    return rotation.pick(range(len(cands)), cands)
+
+
+class RoundRobin(Policy):
+    name = "round_robin"
+
+    def __init__(self, cost: CostModel, sharing: Sharing = Sharing.GLOBAL) -> None:
+        super().__init__(cost, sharing)
+        self._next = 0
+
+    def _select(self, request: RouteRequest, view: SourceMap, cands: list[Candidate]) -> tuple[int, str]:
+        i = self._next % len(cands)
+        self._next += 1
+        return i, "round_robin"
+
+
+class LeastLoaded(Policy):
+    name = "least_loaded"
+
+    def __init__(self, cost: CostModel, sharing: Sharing = Sharing.GLOBAL) -> None:
+        super().__init__(cost, sharing)
+        self._rotate = _Rotation()
+
+    def _select(self, request: RouteRequest, view: SourceMap, cands: list[Candidate]) -> tuple[int, str]:
+        return _least_loaded_index(cands, self._rotate), "least_loaded"
+
+
+class PrefixAffinity(Policy):
+    """Ray Serve LLM's PrefixCacheAffinityRouter rule (see module docstring).
+
+    Ray's code default for ``imbalanced_threshold`` is infinity (never imbalanced); ours is
+    10 queued requests so the load check is active.
+    """
+
+    name = "prefix_affinity"
+
+    def __init__(
+        self,
+        cost: CostModel,
+        sharing: Sharing = Sharing.GLOBAL,
+        imbalanced_threshold: float = 10,
+        match_rate_threshold: float = 0.1,
+    ) -> None:
+        super().__init__(cost, sharing)
+        if not 0 <= match_rate_threshold <= 1:
+            raise ValueError("match_rate_threshold must be in [0, 1]")
+        self.imbalanced_threshold = imbalanced_threshold
+        self.match_rate_threshold = match_rate_threshold
+        self._routed_tokens: dict[WorkerId, int] = {}
+        self._rotate = _Rotation()
+
+    def _select(self, request: RouteRequest, view: SourceMap, cands: list[Candidate]) -> tuple[int, str]:
+        queues = [c.load.running for c in cands]
+        if max(queues) - min(queues) > self.imbalanced_threshold:
+            return _least_loaded_index(cands, self._rotate), "imbalanced"
+        matched = [
+            self.cost.cached_tokens(view.local_prefix(c.info.worker_id, c.info.node), request.num_tokens)
+            for c in cands
+        ]
+        best = max(matched)
+        if best > 0 and best / request.num_tokens >= self.match_rate_threshold:
+            pool = [i for i, m in enumerate(matched) if m == best]
+            reason = "prefix_match"
+        else:
+            sizes = [self._routed_tokens.get(c.info.worker_id, 0) for c in cands]
+            pool = [i for i, s in enumerate(sizes) if s == min(sizes)]
+            reason = "smallest_tenant"
+        return min(pool, key=lambda i: (queues[i], cands[i].info.worker_id)), reason
+
+    def observe(self, request: RouteRequest, decision: Decision) -> None:
+        w = decision.worker
+        self._routed_tokens[w] = self._routed_tokens.get(w, 0) + request.num_tokens
+
+
+class KvOverlap(Policy):
+    """NVIDIA Dynamo's KV router rule (see module docstring)."""
+
+    name = "kv_overlap"
+
+    def __init__(
+        self,
+        cost: CostModel,
+        sharing: Sharing = Sharing.GLOBAL,
+        overlap_score_weight: float = 1.0,
+        temperature: float = 0.0,
+        seed: int = 0,
+    ) -> None:
+        super().__init__(cost, sharing)
+        if temperature < 0 or overlap_score_weight < 0:
+            raise ValueError("temperature and overlap_score_weight must be >= 0")
+        self.weight = overlap_score_weight
+        self.temperature = temperature
+        self._rng = random.Random(seed)
+
+    def _select(self, request: RouteRequest, view: SourceMap, cands: list[Candidate]) -> tuple[int, str]:
+        bt = self.cost.block_tokens
+        logits = []
+        for c in cands:
+            overlap = view.local_prefix(c.info.worker_id, c.info.node)
+            new = max(0, request.num_tokens - overlap * bt)
+            prefill_blocks = (c.load.queued_prefill_tokens + new) / bt
+            logits.append(self.weight * prefill_blocks + c.active_blocks)
+        return self._sample(logits), "kv_overlap"
+
+    def _sample(self, logits: list[float]) -> int:
+        if self.temperature == 0:
+            low = min(logits)
+            ties = [i for i, x in enumerate(logits) if x == low]
+            return ties[0] if len(ties) == 1 else self._rng.choice(ties)
+        top = max(logits) or 1.0
+        weights = [math.exp(-(x / top) / self.temperature) for x in logits]
+        return self._rng.choices(range(len(logits)), weights)[0]
+
+
+class CostPolicy(Policy):
+    """Lowest estimated TTFT: queue wait + fetch + prefill of the rest (kvshare's default)."""
+
+    name = "cost"
+
+    def __init__(
+        self, cost: CostModel, sharing: Sharing = Sharing.GLOBAL, tie_s: float = 0.001
+    ) -> None:
+        super().__init__(cost, sharing)
+        self.tie_s = tie_s
+        self._plans: dict[WorkerId, Plan] = {}
+        self._rotate = _Rotation()
+
+    def _select(self, request: RouteRequest, view: SourceMap, cands: list[Candidate]) -> tuple[int, str]:
+        self._plans = {}
+        ests = []
+        for c in cands:
+            plan = super().plan_for(request, view, c)
+            self._plans[c.info.worker_id] = plan
+            ests.append(self.queue_s(c.load) + plan.total_s)
+        best = min(ests)
+        # Near-ties (e.g. a new prefix on idle workers) rotate, so new blocks spread over nodes.
+        ties = [i for i, e in enumerate(ests) if e <= best + self.tie_s]
+        best_i = self._rotate.pick(ties, cands)
+        plan = self._plans[cands[best_i].info.worker_id]
+        if plan.cut == 0:
+            reason = "load"
+        elif plan.remote_blocks:
+            reason = "cache_remote"
+        else:
+            reason = "cache_local"
+        return best_i, reason
+
+    def plan_for(self, request: RouteRequest, view: SourceMap, cand: Candidate) -> Plan:
+        return self._plans.get(cand.info.worker_id) or super().plan_for(request, view, cand)
+
+
+POLICIES: dict[str, Callable[..., Policy]] = {
+    cls.name: cls for cls in (RoundRobin, LeastLoaded, PrefixAffinity, KvOverlap, CostPolicy)
+}
+DEFAULT_POLICY = "cost"
+
+
+def make_policy(
+    name: str, cost: CostModel, sharing: Sharing | str = Sharing.GLOBAL, **options: Any
+) -> Policy:
+    """A fresh policy by registry name; KeyError listing the names if unknown."""
+    try:
+        factory = POLICIES[name]
+    except KeyError:
+        raise KeyError(f"unknown policy {name!r}: choose one of {sorted(POLICIES)}") from None
+    return factory(cost, Sharing(sharing), **options)

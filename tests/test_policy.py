@@ -1,0 +1,223 @@
+"""Cost model, block sources, pending blocks and the routing policies (no Ray, no HTTP)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from kvshare.match import EMPTY_MATCH, MatchResult, build_match
+from kvshare.types import (
+    BlockHash,
+    Location,
+    NodeId,
+    Tier,
+    WorkerId,
+    node_location,
+    worker_location,
+)
+from kvshare.workers import WorkerInfo, WorkerLoad
+from router.cost import Bandwidths, CostModel, PrefillModel, Source
+from router.pending import PendingBlocks
+from router.policy import (
+    POLICIES,
+    Candidate,
+    NoEligibleWorker,
+    RouteRequest,
+    make_policy,
+)
+from router.sources import Sharing, SourceMap
+
+BT = 16  # tokens per block in these scenarios
+NS = "m"
+
+
+def H(i: int) -> BlockHash:
+    return BlockHash(i.to_bytes(32, "big"))
+
+
+HASHES = [H(i) for i in range(1, 9)]  # an 8-block, 128-token prompt
+
+
+def cost_model(a: float = 1e-3, b: float = 0.0, bpt: int = 1000, **bw: float) -> CostModel:
+    return CostModel(PrefillModel(a, b), Bandwidths(**bw), BT, bpt)
+
+
+def cand(i: int, node: str | None = None, queued: int = 0, running: int = 0, ns: tuple[str, ...] = (NS,),
+         **meta: str) -> Candidate:
+    info = WorkerInfo(WorkerId(f"w{i}"), NodeId(node or f"n{i}"), ns, f"http://w{i}", meta=meta)
+    return Candidate(info, WorkerLoad(info.worker_id, queued, running))
+
+
+def held(layout: dict[Location, tuple[int, Tier]], n: int = 8) -> MatchResult:
+    """A match where each location holds its first k blocks in one tier."""
+    return build_match([
+        {loc: t for loc, (k, t) in layout.items() if i < k} for i in range(n)
+    ])
+
+
+# ---------------------------------------------------------------- cost model
+def test_prefill_fit_recovers_linear_and_attention_terms() -> None:
+    truth = PrefillModel(2e-4, 3e-9)
+    samples = [(n, c, truth.time(n, c)) for n in (256, 1024, 4096, 16384) for c in (0, 8192)]
+    fit = PrefillModel.fit(samples)
+    assert fit.a == pytest.approx(2e-4, rel=1e-6)
+    assert fit.b == pytest.approx(3e-9, rel=1e-6)
+    assert fit.time(1000, 500) == pytest.approx(truth.time(1000, 500))
+
+
+def test_prefill_fit_rejects_too_few_samples_and_drops_negative_attention() -> None:
+    with pytest.raises(ValueError, match="at least 2"):
+        PrefillModel.fit([(100, 0, 0.1)])
+    noisy = PrefillModel.fit([(100, 0, 0.1), (200, 0, 0.19), (400, 0, 0.37)])
+    assert noisy.b == 0.0 and noisy.a > 0
+
+
+def test_bandwidths_from_measured_takes_best_remote_and_rejects_unknown_keys() -> None:
+    bw = Bandwidths.from_measured({"shm": 20e9, "nixl": 8e9, "objstore": 1.5e9})
+    assert (bw.host, bw.remote) == (20e9, 8e9)
+    with pytest.raises(ValueError, match="unknown bandwidth keys"):
+        Bandwidths.from_measured({"infiniband": 1.0})
+
+
+def test_plan_uses_remote_blocks_only_when_pulling_beats_recomputing() -> None:
+    # recompute: 1 ms/token -> 16 ms per block. Remote fetch: 16 kB / bw.
+    fast = cost_model(remote=16e9 / 16, remote_latency_s=0.0)  # 1 ms per block: pull
+    slow = cost_model(remote=16e6 / 100, remote_latency_s=0.0)  # 100 ms per block: recompute
+    srcs = [Source.REMOTE_HOST] * 8
+    assert fast.plan(128, srcs).cut == 8
+    assert slow.plan(128, srcs).cut == 0
+    # local host blocks first, remote after: the cut stops where remote gets too dear
+    mixed = [Source.LOCAL_HOST] * 3 + [Source.REMOTE_HOST] * 5
+    plan = slow.plan(128, mixed)
+    assert plan.cut == 3 and plan.remote_blocks == 0 and plan.sources == {Source.LOCAL_HOST: 3}
+
+
+def test_plan_full_hit_still_computes_the_last_token() -> None:
+    m = cost_model()
+    plan = m.plan(128, [Source.LOCAL_GPU] * 8)
+    assert plan.cut == 8 and plan.cached_tokens == 127
+    assert plan.prefill_s == pytest.approx(1e-3)
+    with pytest.raises(ValueError):
+        m.plan(0, [])
+
+
+# ---------------------------------------------------------------- sources
+def test_source_map_local_remote_and_sharing_modes() -> None:
+    n0, n1 = node_location("n0"), node_location("n1")
+    match = held({n0: (3, Tier.HOST), n1: (6, Tier.DISK)})
+    view = SourceMap(match, {WorkerId("w0"): NodeId("n0"), WorkerId("w1"): NodeId("n1")})
+    fetch = cost_model().block_fetch_s
+    w0 = view.sources_for(WorkerId("w0"), NodeId("n0"), Sharing.GLOBAL, fetch)
+    assert w0 == [Source.LOCAL_HOST] * 3 + [Source.REMOTE_DISK] * 3
+    assert view.sources_for(WorkerId("w0"), NodeId("n0"), Sharing.LOCAL, fetch) == [Source.LOCAL_HOST] * 3
+    # w1's own node has them on disk; a remote host copy is cheaper only if the network is
+    w1 = view.sources_for(WorkerId("w1"), NodeId("n1"), Sharing.GLOBAL, fetch)
+    assert w1[:3] == [Source.REMOTE_HOST] * 3 and w1[3:] == [Source.LOCAL_DISK] * 3
+    slow_net = cost_model(remote=1e6).block_fetch_s
+    assert view.sources_for(WorkerId("w1"), NodeId("n1"), Sharing.GLOBAL, slow_net) == [Source.LOCAL_DISK] * 6
+
+
+def test_pending_blocks_count_only_for_their_own_worker_and_expire() -> None:
+    now = [0.0]
+    pending = PendingBlocks(ttl_s=5, clock=lambda: now[0])
+    pending.add(NS, node_location("n1"), HASHES[:4], Tier.HOST)
+    pm = pending.match(NS, HASHES)
+    assert pm.combined_prefix == 4
+    view = SourceMap(EMPTY_MATCH, {WorkerId("w0"): NodeId("n0")}, pm)
+    assert view.sources_for(WorkerId("w1"), NodeId("n1"), Sharing.GLOBAL) == [Source.LOCAL_HOST] * 4
+    assert view.sources_for(WorkerId("w0"), NodeId("n0"), Sharing.GLOBAL) == []
+    assert pending.match("other-ns", HASHES) is EMPTY_MATCH
+    now[0] = 6.0
+    assert pending.match(NS, HASHES).combined_prefix == 0 and len(pending) == 0
+
+
+# ---------------------------------------------------------------- policies
+def test_registry_has_every_policy_and_rejects_unknown_names() -> None:
+    assert set(POLICIES) == {"round_robin", "least_loaded", "prefix_affinity", "kv_overlap", "cost"}
+    with pytest.raises(KeyError, match="choose one of"):
+        make_policy("random", cost_model())
+
+
+def test_round_robin_cycles_and_least_loaded_picks_the_emptiest_queue() -> None:
+    cands = [cand(0, queued=50), cand(1, queued=10), cand(2, queued=30)]
+    rr = make_policy("round_robin", cost_model())
+    req = RouteRequest(NS, HASHES, 128)
+    assert [rr.choose(req, EMPTY_MATCH, cands).worker for _ in range(4)] == ["w0", "w1", "w2", "w0"]
+    d = make_policy("least_loaded", cost_model()).choose(req, EMPTY_MATCH, cands)
+    assert d.worker == "w1" and d.reason == "least_loaded" and d.cached_blocks == 0
+
+
+def test_prefix_affinity_follows_the_match_unless_load_is_imbalanced() -> None:
+    match = held({node_location("n2"): (6, Tier.HOST)})
+    pol = make_policy("prefix_affinity", cost_model(), imbalanced_threshold=4)
+    req = RouteRequest(NS, HASHES, 128)
+    balanced = [cand(0, running=1), cand(1, running=0), cand(2, running=3)]
+    d = pol.choose(req, match, balanced)
+    assert (d.worker, d.reason) == ("w2", "prefix_match")
+    skewed = [cand(0, running=0), cand(1, running=1), cand(2, running=9)]
+    assert pol.choose(req, match, skewed).reason == "imbalanced"
+    # below the match-rate threshold: the worker that was routed the fewest tokens
+    low = held({node_location("n2"): (1, Tier.HOST)})
+    pol2 = make_policy("prefix_affinity", cost_model(), match_rate_threshold=0.5)
+    d = pol2.choose(req, low, balanced)
+    assert d.reason == "smallest_tenant" and d.worker == "w1"  # all 0 routed: shortest queue
+
+
+def test_kv_overlap_is_dynamos_logit_and_temperature_samples() -> None:
+    match = held({node_location("n0"): (8, Tier.HOST)})
+    req = RouteRequest(NS, HASHES, 128)
+    # w0 holds everything but has 200 queued tokens: (200 + 0)/16 = 12.5 blocks
+    # w1 holds nothing, queue 0: 128/16 = 8 blocks -> w1 wins
+    cands = [cand(0, queued=200), cand(1, queued=0)]
+    assert make_policy("kv_overlap", cost_model()).choose(req, match, cands).worker == "w1"
+    cands = [cand(0, queued=100), cand(1, queued=0)]  # 6.25 < 8 -> w0
+    assert make_policy("kv_overlap", cost_model()).choose(req, match, cands).worker == "w0"
+    hot = make_policy("kv_overlap", cost_model(), temperature=5.0, seed=1)
+    picks = {hot.choose(req, match, cands).worker for _ in range(50)}
+    assert picks == {"w0", "w1"}
+
+
+def test_cost_policy_trades_queue_wait_against_prefill_and_transfer() -> None:
+    m = cost_model(a=1e-3)  # 128-token prompt: 128 ms cold
+    match = held({node_location("n0"): (8, Tier.HOST)})
+    req = RouteRequest(NS, HASHES, 128)
+    pol = make_policy("cost", m, Sharing.LOCAL)
+    # w0 holds it all, queue 50 tokens = 50 ms < 127 ms saved: go to w0
+    d = pol.choose(req, match, [cand(0, queued=50), cand(1)])
+    assert (d.worker, d.reason, d.cached_blocks) == ("w0", "cache_local", 8)
+    assert d.est_ttft_s == pytest.approx(0.05 + 0.001 + 8 * 16 * 1000 / 25e9, rel=1e-6)
+    assert d.est_ttft_saved_s > 0.1
+    # queue of 500 ms: recompute on the idle worker is faster
+    d = pol.choose(req, match, [cand(0, queued=500), cand(1)])
+    assert (d.worker, d.reason) == ("w1", "load")
+    # global sharing: the idle worker pulls the blocks remotely
+    d = make_policy("cost", m, Sharing.GLOBAL).choose(req, match, [cand(0, queued=500), cand(1)])
+    assert (d.worker, d.reason, d.remote_blocks) == ("w1", "cache_remote", 8)
+
+
+def test_policies_respect_namespace_and_tenant_restrictions() -> None:
+    req = RouteRequest(NS, HASHES, 128, tenant="acme")
+    cands = [cand(0, ns=("other",)), cand(1, tenants="globex"), cand(2, tenants="acme,initech")]
+    for name in POLICIES:
+        assert make_policy(name, cost_model()).choose(req, EMPTY_MATCH, cands).worker == "w2"
+    with pytest.raises(NoEligibleWorker, match="namespace 'm'"):
+        make_policy("cost", cost_model()).choose(req, EMPTY_MATCH, cands[:2])
+    with pytest.raises(ValueError, match="at least one token"):
+        RouteRequest(NS, [], 0)
+
+
+def test_cost_policy_spreads_ties_over_idle_workers() -> None:
+    pol = make_policy("cost", cost_model())
+    req = RouteRequest(NS, HASHES, 128)
+    cands = [cand(i) for i in range(4)]
+    picks = [pol.choose(req, EMPTY_MATCH, cands).worker for _ in range(8)]
+    assert len(set(picks)) == 4
+    assert all(math.isfinite(pol.choose(req, EMPTY_MATCH, cands).est_ttft_s) for _ in range(2))
+
+
+def test_worker_gpu_tier_is_free_and_prefers_that_worker() -> None:
+    m = cost_model(a=1e-3)
+    match = held({worker_location("w1"): (8, Tier.GPU), node_location("n0"): (8, Tier.HOST)})
+    d = make_policy("cost", m).choose(RouteRequest(NS, HASHES, 128), match, [cand(0), cand(1)])
+    assert d.worker == "w1" and d.plan is not None and d.plan.fetch_s == 0.0
