@@ -49,6 +49,7 @@ from kvshare.pool_types import (
 from kvshare.tiers.base import TierStore
 from kvshare.tiers.disk import DiskStore
 from kvshare.tiers.host import HostSlab, remove_stale_segments, segment_name
+from kvshare.transfer.serve import TransferEndpoints, TransferService
 from kvshare.types import BlockHash, Tier, node_location
 
 log = logging.getLogger(__name__)
@@ -77,8 +78,8 @@ def pid_alive(holder: str) -> bool | None:
     return True
 
 
-class NodePool:
-    """The pools of one node, publishing to the index."""
+class NodePool(TransferEndpoints):
+    """The pools of one node, publishing to the index; ``transfer_*`` serve the data plane."""
 
     def __init__(
         self,
@@ -110,6 +111,7 @@ class NodePool:
             ("published_events", "batches", "publish_errors", "republishes", "stale_acks",
              "holders_released"), 0)
         self.generation = int(index.new_generation(self.location))
+        self.transfer = TransferService(node_id)  # shm/nixl/objstore source side per namespace
         for spec in settings.namespaces:
             self._open(spec)
         self.republish()
@@ -145,6 +147,7 @@ class NodePool:
         self._pools[spec.name] = pool
         self._specs[spec.name] = spec
         self._slabs[spec.name] = slab
+        self.transfer.add_pool(pool)
         self._seq[spec.name] = 0
 
     def add_namespace(self, spec: NamespaceSpec) -> bool:
@@ -423,6 +426,7 @@ class NodePool:
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=5)
         with self._lock:
+            self.transfer.close()  # NIXL deregisters the slabs before they are unmapped
             for pool in self._pools.values():
                 pool.close()
 

@@ -1,0 +1,183 @@
+"""Transfer benchmark: node B pulls 256 MiB from node A's pool in 2 MiB and 16 MiB blocks.
+
+Two fake nodes (``ray.cluster_utils.Cluster``): a pool actor on node A serves two namespaces
+(2 MiB and 16 MiB blocks, 256 MiB each, random bytes); a reader actor on node B pulls every
+block through ``nixl`` (default UCX transports: cma here, the stand-in for RDMA) and
+``objstore``; a reader on node A pulls through ``shm`` (shared memory is same-node only). The
+NIXL case runs again with a second pool/reader pair started with ``UCX_TLS=tcp,self`` (what
+hosts without RDMA get). Each figure is the median of 5 timed batches after one warm-up, with
+checksums verified as in production. Baseline: plain numpy copy of the same 256 MiB in the
+reader. Last line: one JSON object (16 MiB-block figures and ratios).
+
+    .venv/bin/python benchmarks/transfer.py
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+
+import json  # noqa: E402
+import statistics  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from typing import Any  # noqa: E402
+
+import numpy as np  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import ray  # noqa: E402
+from ray.cluster_utils import Cluster  # noqa: E402
+
+from kvshare.layout import KVLayout  # noqa: E402
+from kvshare.transfer.local import make_local_pool  # noqa: E402
+from kvshare.transfer.serve import TransferService  # noqa: E402
+from kvshare.types import BlockHash  # noqa: E402
+
+MiB = 2**20
+TOTAL = 256 * MiB
+# 2 * layers * kv_heads * head_dim * 2 bytes (fp16) = 32 KiB per token
+LAYOUTS = {2 * MiB: KVLayout(8, 8, 128, "fp16", 64), 16 * MiB: KVLayout(8, 8, 128, "fp16", 512)}
+REPEATS = 5
+
+
+def hashes(block_bytes: int) -> list[BlockHash]:
+    n = TOTAL // block_bytes
+    return [BlockHash(block_bytes.to_bytes(8, "little") + i.to_bytes(24, "little")) for i in range(n)]
+
+
+class PoolHost(TransferService):
+    """Node A: one pool per block size, filled with random bytes."""
+
+    def __init__(self, node: str) -> None:
+        super().__init__(node)
+        rng = np.random.default_rng(1)
+        for bb, layout in LAYOUTS.items():
+            pool = make_local_pool(f"bench{bb // MiB}m", node, layout, TOTAL // bb)
+            for h in hashes(bb):
+                assert pool.put(h, rng.integers(0, 255, bb, dtype=np.uint8))
+            self.add_pool(pool)
+
+    def ready(self) -> bool:
+        return True
+
+    def shutdown(self) -> None:
+        pools = [self.source(ns).pool for ns in list(self._sources)]
+        self.close()
+        for p in pools:
+            p.close()  # unmaps and unlinks the /dev/shm slab
+
+
+class Reader:
+    """Pulls every block of a namespace into pre-touched memory and times it."""
+
+    def __init__(self, node: str, pool: Any, agent: str) -> None:
+        from kvshare.transfer.control import ActorControl
+        from kvshare.transfer.objstore import ObjStoreTransport
+        from kvshare.transfer.shm import ShmTransport
+
+        self.node = node
+        self.pool = pool
+        self.dest = np.ones(TOTAL, dtype=np.uint8)  # pre-touched
+        self.src = np.ones(TOTAL, dtype=np.uint8)
+        self.transports: dict[str, Any] = {"shm": ShmTransport(node), "objstore": ObjStoreTransport()}
+        try:
+            from kvshare.transfer.nixl import NixlTransport
+
+            self.transports["nixl"] = NixlTransport(agent)
+            self.transports["nixl"].register(self.dest)
+        except Exception as exc:
+            print(f"nixl unavailable on {node}: {exc}", flush=True)
+        self.control = ActorControl
+
+    def memcpy(self) -> float:
+        times = []
+        for _ in range(REPEATS + 1):
+            t = time.perf_counter()
+            np.copyto(self.dest, self.src)
+            times.append(time.perf_counter() - t)
+        return TOTAL / statistics.median(times[1:]) / 1e9
+
+    def pull(self, name: str, block_bytes: int) -> float:
+        tr = self.transports[name]
+        ctl = self.control(self.pool, f"bench{block_bytes // MiB}m")
+        hs = hashes(block_bytes)
+        dest = list(self.dest.reshape(len(hs), block_bytes))
+        times = []
+        for _ in range(REPEATS + 1):
+            t = time.perf_counter()
+            res = tr.read(ctl, hs, dest, deadline_s=60.0)
+            times.append(time.perf_counter() - t)
+            if not res.ok:
+                raise RuntimeError(f"{name} read failed: {res.reasons()}")
+        return TOTAL / statistics.median(times[1:]) / 1e9
+
+
+def main() -> None:
+    tmp = tempfile.mkdtemp(prefix="kvs-bench-", dir="/tmp")
+    os.makedirs("/tmp/ray", exist_ok=True)
+    cluster = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 0, "object_store_memory": 200 * MiB, "temp_dir": tmp})
+    for name in ("bench_a", "bench_b"):
+        cluster.add_node(num_cpus=2, object_store_memory=700 * MiB, resources={name: 10})
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, log_to_driver=False)
+    host_cls = ray.remote(num_cpus=0)(PoolHost)
+    reader_cls = ray.remote(num_cpus=0)(Reader)
+    out: dict[str, dict[int, float]] = {}
+    try:
+        host = host_cls.options(resources={"bench_a": 1}).remote("bench-a")
+        b = reader_cls.options(resources={"bench_b": 1}).remote("bench-b", host, "bench/b/reader")
+        a = reader_cls.options(resources={"bench_a": 1}).remote("bench-a", host, "bench/a/reader")
+        ray.get([host.ready.remote(), a.memcpy.remote()])  # pools filled, readers started
+        memcpy = ray.get(b.memcpy.remote())
+        print(f"memcpy (node B, 256 MiB): {memcpy:.2f} GB/s", flush=True)
+        for bb in LAYOUTS:
+            for name, reader in (("shm", a), ("nixl", b), ("objstore", b)):
+                gbps = ray.get(reader.pull.remote(name, bb))
+                out.setdefault(name, {})[bb] = gbps
+                print(f"{name:9s} {bb // MiB:2d} MiB blocks: {gbps:6.2f} GB/s "
+                      f"({gbps / memcpy:.2f}x memcpy)", flush=True)
+        again = ray.get(b.memcpy.remote())
+        print(f"memcpy again: {again:.2f} GB/s (baseline = the faster of the two)", flush=True)
+        memcpy = max(memcpy, again)
+        ray.get(host.shutdown.remote())
+        for actor in (host, a, b):
+            ray.kill(actor)
+        env = {"env_vars": {"UCX_TLS": "tcp,self", "NIXL_LOG_LEVEL": "WARN"}}
+        host = host_cls.options(resources={"bench_a": 1}, runtime_env=env).remote("bench-a-tcp")
+        b = reader_cls.options(resources={"bench_b": 1}, runtime_env=env).remote(
+            "bench-b-tcp", host, "bench/b/reader-tcp")
+        for bb in LAYOUTS:
+            gbps = ray.get(b.pull.remote("nixl", bb))
+            out.setdefault("nixl_tcp", {})[bb] = gbps
+            print(f"nixl_tcp  {bb // MiB:2d} MiB blocks: {gbps:6.2f} GB/s "
+                  f"({gbps / memcpy:.2f}x memcpy)", flush=True)
+        ray.get(host.shutdown.remote())
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+    big = 16 * MiB
+    result = {
+        "memcpy_GBps": round(memcpy, 3),
+        "shm_GBps": round(out["shm"][big], 3),
+        "nixl_GBps": round(out["nixl"][big], 3),
+        "nixl_tcp_GBps": round(out["nixl_tcp"][big], 3),
+        "objstore_GBps": round(out["objstore"][big], 3),
+        "nixl_vs_memcpy": round(out["nixl"][big] / memcpy, 3),
+        "nixl_vs_objstore": round(out["nixl"][big] / out["objstore"][big], 3),
+    }
+    print(f"targets: shm >= 0.8x memcpy: {result['shm_GBps'] / memcpy:.2f}x; "
+          f"nixl >= 0.4x memcpy: {result['nixl_vs_memcpy']:.2f}x; "
+          f"nixl >= 4x objstore: {result['nixl_vs_objstore']:.2f}x", flush=True)
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
