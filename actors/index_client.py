@@ -137,8 +137,7 @@ class IndexClient:
 
     # ------------------------------------------------------------------ queries
     def _lookup_refs(self, namespace: str, hashes: Sequence[BlockHash]) -> tuple[list[Any], list[list[int]]]:
-        if isinstance(hashes, bytes | str) or not isinstance(hashes, Sequence):
-            raise ValueError("hashes must be a list of block hashes (bytes), not one value")
+        _check_list(hashes)
         idx: list[list[int]] = [[] for _ in self.shards]
         for i, h in enumerate(hashes):
             if not isinstance(h, bytes) or not h:
@@ -158,6 +157,7 @@ class IndexClient:
 
     def match(self, namespace: str, hashes: Sequence[BlockHash]) -> MatchResult:
         """Per-location prefix holdings of ``hashes``; empty if the index is unreachable."""
+        _check_list(hashes)
         try:
             if len(self.shards) == 1:
                 return self._get(self.shards[0].match.remote(namespace, list(hashes)))  # type: ignore[no-any-return]
@@ -170,6 +170,7 @@ class IndexClient:
 
     async def match_async(self, namespace: str, hashes: Sequence[BlockHash]) -> MatchResult:
         """Same as :meth:`match`, awaiting object refs (never blocks the event loop)."""
+        _check_list(hashes)
         try:
             if len(self.shards) == 1:
                 ref = self.shards[0].match.remote(namespace, list(hashes))
@@ -228,6 +229,11 @@ class IndexClient:
     def stats(self) -> list[dict[str, Any]]:
         """Per-shard statistics."""
         return self._all("stats")
+
+
+def _check_list(hashes: object) -> None:
+    if isinstance(hashes, bytes | str) or not isinstance(hashes, Sequence):
+        raise ValueError("hashes must be a list of block hashes (bytes), not one value")
 
 
 def _merge(acks: Sequence[PublishAck]) -> PublishAck:

@@ -255,7 +255,16 @@ class NodePool(TransferEndpoints):
                 f"write_blocks got {arr.nbytes} bytes for {len(hashes)} blocks of "
                 f"{pool.block_bytes} bytes: check the KV layout (dtype, block_tokens, heads)"
             )
-        rows = arr.reshape(len(hashes), pool.block_bytes) if hashes else arr.reshape(0, pool.block_bytes)
+        rows = arr.reshape(len(hashes), pool.block_bytes)
+        # in chunks, so a batch larger than the host tier demotes its own head to disk
+        step = max(1, pool.config.slots(Tier.HOST) // 4)
+        out: list[str] = []
+        for start in range(0, len(hashes), step):
+            out += self._write_chunk(pool, hashes[start : start + step], rows[start : start + step])
+        return out
+
+    def _write_chunk(self, pool: TieredBlockPool, hashes: list[BlockHash],
+                     rows: np.ndarray[Any, Any]) -> list[str]:
         results = pool.reserve(hashes, "write_blocks")
         out: list[str] = []
         ok: list[int] = []

@@ -1,0 +1,263 @@
+"""kvshare on a real multi-node Ray cluster (head + 2 nodes): pools, index, liveness.
+
+One module cluster; the scenarios run in file order and the last one removes a node.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.cluster
+
+RAY_NS = "kvs-test-cluster"
+
+
+def hashes(n: int, salt: str) -> list[bytes]:
+    return [hashlib.sha256(f"{salt}/{i}".encode()).digest() for i in range(n)]
+
+
+def wait_for(cond: Callable[[], bool], timeout: float, step: float = 0.02) -> float:
+    """Seconds until ``cond()`` held; fails the test after ``timeout``."""
+    t0 = time.monotonic()
+    while not cond():
+        if time.monotonic() - t0 > timeout:
+            raise AssertionError(f"condition not met within {timeout} s")
+        time.sleep(step)
+    return time.monotonic() - t0
+
+
+@pytest.fixture(scope="module")
+def kv(ray_cluster: Any) -> Iterator[dict[str, Any]]:
+    import ray
+
+    from actors.config import NamespaceSpec
+    from actors.deploy import deploy, get_index_client, shutdown
+    from kvshare.layout import KVLayout
+
+    layout = KVLayout(2, 2, 16, "fp32", 16)  # 8 KiB blocks
+    bb = layout.bytes_per_block
+    spec = NamespaceSpec("m", layout, host_bytes=16 * bb, disk_bytes=64 * bb)
+    deploy(namespaces=[spec], disk_dir=f"{ray_cluster.head_node.get_temp_dir_path()}/disk",
+           ray_namespace=RAY_NS, holder_check_s=0.3)
+    nodes = {}
+    for n in ray.nodes():
+        for key in ("node_0", "node_1"):
+            if n["Alive"] and key in n["Resources"]:
+                nodes[key] = n["NodeID"]
+    try:
+        yield {"layout": layout, "client": get_index_client(RAY_NS), "a": nodes["node_0"],
+               "b": nodes["node_1"], "cluster": ray_cluster}
+    finally:
+        shutdown(RAY_NS)
+
+
+def pool(node: str) -> Any:
+    from actors.deploy import get_pool
+
+    return get_pool(node, RAY_NS)
+
+
+def loc(node: str) -> str:
+    return f"node:{node}"
+
+
+def blocks(n: int, layout: Any, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 255, (n, layout.bytes_per_block), dtype=np.uint8)
+
+
+def test_blocks_on_two_nodes_show_up_within_1s(kv: dict[str, Any]) -> None:
+    import ray
+
+    from kvshare.tiers.base import block_checksum
+    from kvshare.tiers.host import HostSlab
+    from kvshare.types import Tier
+
+    client, layout = kv["client"], kv["layout"]
+    hs = hashes(10, "two-nodes")
+    data = blocks(10, layout, 1)
+    # node A: object-store path, the first 8 blocks
+    assert ray.get(pool(kv["a"]).write_blocks.remote("m", hs[:8], data[:8])) == ["stored"] * 8
+    t_a = wait_for(lambda: client.match("m", hs).prefix_for(loc(kv["a"])) == 8, 1.0)
+    # node B: shared-memory path (reserve, write into the slab, commit), the first 5 blocks
+    pb = pool(kv["b"])
+    info = ray.get(pb.slab_info.remote("m", layout.fingerprint()))
+    slab = HostSlab.attach(info.shm_name, info.slot_bytes, info.num_slots)
+    res = ray.get(pb.reserve.remote("m", hs[:5], "pid:1"))
+    for r, row in zip(res, data[:5], strict=True):
+        slab.view(r.slot)[:] = row
+    ray.get(pb.commit.remote("m", [r.lease_id for r in res], [block_checksum(d) for d in data[:5]]))
+    t_b = wait_for(lambda: client.match("m", hs).prefix_for(loc(kv["b"])) == 5, 1.0)
+    m = client.match("m", hs)
+    assert m.combined_prefix == 8 and m.num_blocks == 10
+    assert m.locations[loc(kv["a"])].tier_counts == {Tier.HOST: 8}
+    assert m.locations[loc(kv["b"])].tier_counts == {Tier.HOST: 5}
+    assert max(t_a, t_b) < 1.0
+    # reads: shm (pin, read the slot, unpin) and object store
+    leases = ray.get(pa_pin := pb.pin.remote("m", hs[:5], "pid:1"))  # noqa: F841
+    assert all(np.array_equal(slab.view(le.slot), d) for le, d in zip(leases, data[:5], strict=True))
+    ray.get(pb.unpin.remote("m", [le.lease_id for le in leases]))
+    got, reasons = ray.get(pool(kv["a"]).read_blocks.remote("m", hs[:9]))
+    assert reasons == [""] * 8 + ["not cached"] and np.array_equal(got[:8], data[:8])
+    slab.close()
+
+
+def test_demoted_blocks_are_advertised_in_the_disk_tier(kv: dict[str, Any]) -> None:
+    import ray
+
+    from kvshare.types import Tier
+
+    client, layout = kv["client"], kv["layout"]
+    hs = hashes(24, "demote")  # the host tier has 16 slots, 8 already used
+    assert set(ray.get(pool(kv["b"]).write_blocks.remote("m", hs, blocks(24, layout, 2)))) == {"stored"}
+    wait_for(lambda: client.match("m", hs).prefix_for(loc(kv["b"])) == 24, 1.0)
+    counts = client.match("m", hs).locations[loc(kv["b"])].tier_counts
+    assert counts[Tier.DISK] > 0 and counts[Tier.HOST] > 0 and sum(counts.values()) == 24
+
+
+def test_bad_input_at_the_actor_boundary_changes_nothing(kv: dict[str, Any]) -> None:
+    import ray
+
+    from actors.config import index_name
+
+    client, layout = kv["client"], kv["layout"]
+    hs = hashes(3, "bad")
+    pa_ = pool(kv["a"])
+    index = ray.get_actor(index_name(0), namespace=RAY_NS)
+    before = (ray.get(pa_.stats.remote())["namespaces"]["m"]["tiers"], client.stats()[0]["locations"])
+    with pytest.raises(ValueError, match="KV layout"):
+        ray.get(pa_.write_blocks.remote("m", hs, np.zeros((3, 100), np.uint8)))
+    with pytest.raises(ValueError, match="fix the worker's KV layout"):
+        ray.get(pa_.slab_info.remote("m", "0123456789abcdef"))
+    with pytest.raises(KeyError, match="unknown namespace 'nope'"):
+        ray.get(pa_.read_blocks.remote("nope", hs))
+    with pytest.raises(ValueError, match="32-byte"):
+        ray.get(pa_.reserve.remote("m", [b"x" * 5], "pid:1"))
+    with pytest.raises(KeyError, match="known: \\['m'\\]"):
+        ray.get(index.match.remote("nope", hs))
+    with pytest.raises(ValueError, match="32-byte"):
+        ray.get(index.match.remote("m", [b"short"]))
+    with pytest.raises(ValueError, match="list of block hashes"):
+        client.match("m", hs[0])
+    from actors.config import NamespaceSpec
+    from kvshare.layout import KVLayout
+
+    other = NamespaceSpec("m", KVLayout(2, 2, 16, "fp16", 16), host_bytes=1 << 20)
+    with pytest.raises(ValueError, match="another layout needs another namespace"):
+        ray.get(pa_.add_namespace.remote(other))
+    after = (ray.get(pa_.stats.remote())["namespaces"]["m"]["tiers"], client.stats()[0]["locations"])
+    assert after == before
+    assert layout.bytes_per_block == 8192
+
+
+def test_leases_of_a_dead_holder_are_released(kv: dict[str, Any]) -> None:
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    @ray.remote(num_cpus=0)
+    class Reader:
+        def hold(self, pool: Any, hs: list[bytes]) -> int:
+            me = ray.get_runtime_context().get_actor_id()
+            return sum(x is not None for x in ray.get(pool.pin.remote("m", hs, me, 60.0)))
+
+    pa_ = pool(kv["a"])
+    reader = Reader.options(scheduling_strategy=NodeAffinitySchedulingStrategy(kv["a"], soft=False)).remote()
+    assert ray.get(reader.hold.remote(pa_, hashes(4, "two-nodes"))) == 4
+    assert ray.get(pa_.stats.remote())["namespaces"]["m"]["active_leases"] == 4
+    ray.kill(reader)
+    wait_for(lambda: ray.get(pa_.stats.remote())["namespaces"]["m"]["active_leases"] == 0, 5.0, 0.1)
+
+
+def test_workers_register_and_match_async(kv: dict[str, Any]) -> None:
+    import asyncio
+
+    from kvshare.events import BlockStored, events_to_arrow
+    from kvshare.types import Tier
+    from kvshare.workers import WorkerInfo, WorkerLoad
+
+    client = kv["client"]
+    gen = client.register_worker(WorkerInfo("w-b", kv["b"], ("m",), endpoint="http://w-b"))
+    hs = hashes(4, "two-nodes")
+    wloc = "worker:w-b"
+    ack = client.publish(events_to_arrow(
+        BlockStored("m", wloc, Tier.GPU, h, gen, i + 1) for i, h in enumerate(hs)))  # type: ignore[arg-type]
+    assert ack.applied == 4 and not ack.resync
+    assert client.report_load(WorkerLoad("w-b", queued_prefill_tokens=3))
+    assert [w.worker_id for w in client.workers()] == ["w-b"]
+    assert client.loads()["w-b"].queued_prefill_tokens == 3
+    m = asyncio.run(client.match_async("m", hs))
+    assert m.prefix_for(wloc) == 4 and m.locations[wloc].tier_counts == {Tier.GPU: 4}
+
+
+def test_index_killed_answers_as_before_within_10s(kv: dict[str, Any]) -> None:
+    import ray
+
+    from actors.config import index_name
+
+    client = kv["client"]
+    hs = hashes(10, "two-nodes")
+    before = client.match("m", hs)
+    nodes_before = {k: v.prefix_blocks for k, v in before.locations.items() if k.startswith("node:")}
+    ray.kill(ray.get_actor(index_name(0), namespace=RAY_NS), no_restart=False)
+    t = wait_for(lambda: {k: v.prefix_blocks for k, v in client.match("m", hs).locations.items()
+                          if k.startswith("node:")} == nodes_before, 10.0, 0.1)
+    assert t < 10.0
+    assert client.match("m", hs).combined_prefix == before.combined_prefix
+
+
+def test_pool_restart_ignores_stale_events_and_readvertises_disk(kv: dict[str, Any]) -> None:
+    import ray
+
+    from kvshare.events import BlockStored, events_to_arrow
+    from kvshare.types import Tier
+
+    client = kv["client"]
+    hs = hashes(24, "demote")
+    pb = pool(kv["b"])
+    old = ray.get(pb.ready.remote())["generation"]
+    before = client.match("m", hs).locations[loc(kv["b"])]
+    on_disk = before.tier_counts[Tier.DISK]
+    ray.kill(pb, no_restart=False)
+    wait_for(lambda: _generation(kv["b"]) > old, 20.0, 0.2)
+    # the restarted pool lost its shm slab but its disk blocks come back, with the new generation
+    wait_for(lambda: client.match("m", hs).locations.get(loc(kv["b"])) is not None
+             and sum(client.lookup("m", hs)[i].get(loc(kv["b"])) == Tier.DISK for i in range(24)) == on_disk, 5.0)
+    assert Tier.HOST not in {t for h in client.lookup("m", hs) for k, t in h.items() if k == loc(kv["b"])}
+    stale = [BlockStored("m", loc(kv["b"]), Tier.HOST, h, old, 10_000 + i)  # type: ignore[arg-type]
+             for i, h in enumerate(hashes(3, "stale"))]
+    ack = client.publish(events_to_arrow(stale))
+    assert ack.stale == 3 and ack.applied == 0
+    assert client.match("m", hashes(3, "stale")).combined_prefix == 0
+
+
+def _generation(node: str) -> int:
+    import ray
+
+    try:
+        return int(ray.get(pool(node).ready.remote(), timeout=5)["generation"])
+    except Exception:
+        return -1
+
+
+def test_node_removed_its_entries_go_within_5s_and_new_nodes_get_a_pool(kv: dict[str, Any]) -> None:
+    import ray
+
+    client, cluster = kv["client"], kv["cluster"]
+    hs = hashes(24, "demote")
+    b = loc(kv["b"])
+    assert b in client.match("m", hs).locations
+    victim = next(n for n in cluster.worker_nodes if n.node_id == kv["b"])
+    cluster.remove_node(victim)
+    assert wait_for(lambda: b not in client.match("m", hs).locations, 5.0) < 5.0
+    assert "w-b" not in [w.worker_id for w in client.workers()]
+    for _ in range(10):  # and it stays gone
+        assert b not in client.match("m", hs).locations and b not in client.match("m", hashes(10, "two-nodes")).locations
+        time.sleep(0.1)
+    new = cluster.add_node(num_cpus=1, object_store_memory=300 * 2**20)
+    wait_for(lambda: _generation(new.node_id) > 0, 30.0, 0.3)
+    assert ray.get(pool(new.node_id).ready.remote())["namespaces"] == ["m"]
