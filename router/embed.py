@@ -1,0 +1,294 @@
+"""CacheAwareRouter: cache-aware routing for any asyncio gateway, in a few lines.
+
+::
+
+    router = CacheAwareRouter(index, StaticWorkers(workers), RouterConfig(namespace="llama"))
+    routed = await router.route(messages=body["messages"], tenant=Tenant("acme", salt="s1"))
+    url = routed.decision.endpoint          # forward there, with routed.kvshare_field()
+    ...
+    router.finished(routed.request_id)      # when the response is complete
+
+Per request: tokenize once (pluggable tokenizer, byte-level by default), hash the full blocks
+under the tenant's namespace root (so tenants never match each other's blocks), ask the index
+(``IndexQuery.match_async``) under a deadline, add the blocks this router's recent decisions
+are about to create (pending, with a TTL), and score every worker with the policy. If the
+index is unreachable or slower than the deadline, the decision is load-only (same policy,
+empty match) and counted as a fallback. Nothing here blocks the event loop. One router per
+event loop (policies and pending state are not thread-safe).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvshare.engines.tokenizer import ByteTokenizer, Tokenizer
+from kvshare.hashing import DEFAULT_HASH_FN, HashFn, block_hashes, namespace_root
+from kvshare.match import EMPTY_MATCH, MatchResult
+from kvshare.pool_types import check_namespace
+from kvshare.types import BlockHash, Tier, worker_location
+from kvshare.workers import IndexQuery, WorkerLoad
+from router.cost import Bandwidths, CostModel, PrefillModel
+from router.metrics import RouterMetrics
+from router.pending import PendingBlocks
+from router.policy import DEFAULT_POLICY, Candidate, Decision, RouteRequest, make_policy
+from router.sources import Sharing
+from router.workers_view import InFlight, WorkerSource
+
+
+@dataclass(frozen=True)
+class Tenant:
+    """A tenant and its cache salt ("" = the shared default root)."""
+
+    name: str = "default"
+    salt: str = ""
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """Everything a router needs besides the index and the workers.
+
+    ``model_id``/``layout_fingerprint``/``block_tokens``/``hash_fn`` must be the workers' (they
+    make the hash root); ``prefill_tokens_per_s`` seeds the prefill model until
+    :meth:`CacheAwareRouter.observe_prefill` timings refit it; ``bandwidths`` in bytes/s.
+    """
+
+    namespace: str = "default"
+    model_id: str = "model"
+    layout_fingerprint: str = ""
+    block_tokens: int = 256
+    hash_fn: HashFn = DEFAULT_HASH_FN
+    bytes_per_token: int = 131_072
+    policy: str = DEFAULT_POLICY
+    policy_options: Mapping[str, Any] = field(default_factory=dict)
+    sharing: Sharing = Sharing.GLOBAL
+    index_timeout_s: float = 0.05
+    pending_ttl_s: float = 10.0
+    prefill_tokens_per_s: float = 5_000.0
+    bandwidths: Bandwidths = field(default_factory=Bandwidths)
+    refit_every: int = 32
+
+    def __post_init__(self) -> None:
+        check_namespace(self.namespace)
+        if self.block_tokens <= 0:
+            raise ValueError("block_tokens must be positive")
+        if self.index_timeout_s <= 0 or self.pending_ttl_s <= 0:
+            raise ValueError("index_timeout_s and pending_ttl_s must be positive seconds")
+
+    @classmethod
+    def from_model_keys(cls, keys: Any, **options: Any) -> RouterConfig:
+        """Hashing settings from a worker's ``kvshare.engines.hf.ModelKeys`` (same root)."""
+        layout = keys.layout
+        return cls(model_id=keys.identity, layout_fingerprint=layout.fingerprint(),
+                   block_tokens=layout.block_tokens, bytes_per_token=layout.bytes_per_token,
+                   **options)
+
+    def cost_model(self, prefill: PrefillModel | None = None) -> CostModel:
+        pm = prefill or PrefillModel.from_tokens_per_s(self.prefill_tokens_per_s)
+        return CostModel(pm, self.bandwidths, self.block_tokens, self.bytes_per_token)
+
+
+@dataclass(frozen=True)
+class Routed:
+    """A routing decision plus what the worker needs so it never re-tokenizes."""
+
+    request_id: str
+    decision: Decision
+    tenant: Tenant
+    namespace: str
+    token_ids: list[int]
+    hashes: list[BlockHash]
+    index_s: float
+    fallback: str = ""
+
+    def kvshare_field(self) -> dict[str, Any]:
+        """The ``kvshare`` JSON field forwarded to the worker."""
+        out: dict[str, Any] = {
+            "token_ids": self.token_ids, "namespace": self.namespace,
+            "hashes_hex": [h.hex() for h in self.hashes], "tenant": self.tenant.name,
+        }
+        if self.tenant.salt:
+            out["cache_salt"] = self.tenant.salt
+        return out
+
+
+class InProcessIndex:
+    """:class:`~kvshare.workers.IndexQuery` over an in-process ``GlobalIndex`` (embedding a
+    router next to its own index, tests, benchmarks). ``match_async`` runs inline: an
+    in-process match takes microseconds and must not hop threads."""
+
+    def __init__(self, index: Any) -> None:
+        self.index = index
+
+    def match(self, namespace: str, hashes: Sequence[BlockHash]) -> MatchResult:
+        result: MatchResult = self.index.match(namespace, hashes)
+        return result
+
+    async def match_async(self, namespace: str, hashes: Sequence[BlockHash]) -> MatchResult:
+        return self.match(namespace, hashes)
+
+
+class CacheAwareRouter:
+    """Tokenize, hash, match, score; see the module docstring."""
+
+    def __init__(
+        self,
+        index: IndexQuery | None,
+        workers: WorkerSource,
+        config: RouterConfig | None = None,
+        tokenizer: Tokenizer | None = None,
+        metrics: RouterMetrics | None = None,
+    ) -> None:
+        self.config = cfg = config or RouterConfig()
+        self.index = index
+        self.workers = workers
+        self.tokenizer: Tokenizer = tokenizer or ByteTokenizer()
+        self.metrics = metrics or RouterMetrics()
+        self.policy = make_policy(cfg.policy, cfg.cost_model(), cfg.sharing, **cfg.policy_options)
+        self._load_only = make_policy("least_loaded", cfg.cost_model(), cfg.sharing)
+        self.pending = PendingBlocks(cfg.pending_ttl_s)
+        self.inflight = InFlight()
+        self._roots: dict[str, BlockHash] = {}
+        self._ids = itertools.count(1)
+        self._samples: list[tuple[float, float, float]] = []
+        self._seen = 0
+        self.decisions = 0
+        self.fallbacks = 0
+
+    # ------------------------------------------------------------------ inputs
+    def tokenize(
+        self,
+        prompt: str | Sequence[int] | None = None,
+        messages: Sequence[Mapping[str, Any]] | None = None,
+    ) -> list[int]:
+        """Token ids of a completion prompt (text or ids) or a chat; ValueError if malformed."""
+        if messages is not None:
+            if not isinstance(messages, list | tuple) or not messages:
+                raise ValueError("'messages' must be a non-empty list of {role, content}")
+            for m in messages:
+                if not isinstance(m, Mapping):
+                    raise ValueError("each chat message must be an object {role, content}")
+            return list(self.tokenizer.apply_chat_template(messages))
+        if isinstance(prompt, str) and prompt:
+            return list(self.tokenizer.encode(prompt))
+        if isinstance(prompt, list | tuple) and prompt and all(
+            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**32 for t in prompt
+        ):
+            return list(prompt)
+        raise ValueError("'prompt' must be a non-empty string or a list of token ids (ints >= 0)")
+
+    def root(self, tenant: Tenant) -> BlockHash:
+        r = self._roots.get(tenant.salt)
+        if r is None:
+            c = self.config
+            r = self._roots[tenant.salt] = namespace_root(
+                c.model_id, c.layout_fingerprint, tenant.salt, fn=c.hash_fn
+            )
+        return r
+
+    def hashes(self, token_ids: Sequence[int], tenant: Tenant) -> list[BlockHash]:
+        c = self.config
+        return block_hashes(self.root(tenant), token_ids, c.block_tokens, fn=c.hash_fn)
+
+    # ------------------------------------------------------------------ routing
+    async def route(
+        self,
+        prompt: str | Sequence[int] | None = None,
+        messages: Sequence[Mapping[str, Any]] | None = None,
+        tenant: Tenant | None = None,
+        request_id: str | None = None,
+        token_ids: Sequence[int] | None = None,
+    ) -> Routed:
+        """Decide where a request goes. ValueError for a malformed prompt;
+        :class:`~router.policy.NoEligibleWorker` if no worker serves the namespace."""
+        t0 = time.perf_counter()
+        tenant = tenant or Tenant()
+        ids = list(token_ids) if token_ids is not None else self.tokenize(prompt, messages)
+        hashes = self.hashes(ids, tenant)
+        ns = self.config.namespace
+        match, fallback, index_s = await self._match(ns, hashes)
+        infos, loads = await self.workers.snapshot()
+        cands = []
+        for info in infos:
+            load, blocks = self.inflight.load(info.worker_id, loads.get(info.worker_id))
+            cands.append(Candidate(info, load, blocks))
+        req = RouteRequest(ns, hashes, len(ids), tenant.name, request_id or "")
+        if fallback:
+            d = self._load_only.choose(req, EMPTY_MATCH, cands)
+            d = Decision(d.worker, d.endpoint, self.policy.name, f"fallback_{fallback}",
+                         d.est_ttft_s, 0.0, 0, 0, d.plan)
+        else:
+            d = self.policy.choose(req, match, cands, self.pending.match(ns, hashes))
+        rid = request_id or f"r{next(self._ids)}"
+        self.pending.add(ns, worker_location(d.worker), hashes, Tier.GPU)
+        cached = d.plan.cached_tokens if d.plan is not None else 0
+        self.inflight.add(rid, d.worker, len(ids) - cached, len(hashes))
+        self._count(d, tenant, len(ids), cached, fallback, time.perf_counter() - t0)
+        return Routed(rid, d, tenant, ns, ids, hashes, index_s, fallback)
+
+    async def _match(self, ns: str, hashes: list[BlockHash]) -> tuple[MatchResult, str, float]:
+        if self.index is None:  # no index configured: pending blocks only (like Dynamo
+            return EMPTY_MATCH, "", 0.0  # without KV events), not a fallback
+        if not hashes:
+            return EMPTY_MATCH, "", 0.0
+        before = getattr(self.index, "unavailable", 0)
+        t = time.perf_counter()
+        try:
+            match = await asyncio.wait_for(
+                self.index.match_async(ns, hashes), self.config.index_timeout_s
+            )
+        except TimeoutError:
+            return EMPTY_MATCH, "index_timeout", time.perf_counter() - t
+        except KeyError:  # namespace not declared yet: nothing cached anywhere
+            return EMPTY_MATCH, "", time.perf_counter() - t
+        except Exception:  # noqa: BLE001 - any index failure means load-only routing
+            return EMPTY_MATCH, "index_error", time.perf_counter() - t
+        dt = time.perf_counter() - t
+        self.metrics.index_latency.observe(dt)
+        if getattr(self.index, "unavailable", 0) != before:
+            return EMPTY_MATCH, "index_unavailable", dt
+        return match, "", dt
+
+    def _count(self, d: Decision, tenant: Tenant, tokens: int, cached: int, fallback: str,
+               dt: float) -> None:
+        m = self.metrics
+        self.decisions += 1
+        m.decisions.labels(d.policy, d.reason).inc()
+        m.prompt_tokens.labels(tenant.name).inc(tokens)
+        m.cached_tokens.inc(cached)
+        m.ttft_saved.inc(d.est_ttft_saved_s)
+        m.decision_latency.observe(dt)
+        if fallback:
+            self.fallbacks += 1
+            m.fallbacks.labels(fallback).inc()
+
+    # ------------------------------------------------------------------ feedback
+    def prefilled(self, request_id: str) -> None:
+        """The worker produced the first token: its prefill no longer loads the queue."""
+        self.inflight.prefilled(request_id)
+
+    def finished(self, request_id: str) -> None:
+        """The request is complete (or failed): stop counting it as load."""
+        self.inflight.done(request_id)
+
+    def report_load(self, load: WorkerLoad) -> None:
+        """Record a worker's load report (for worker sources that accept reports)."""
+        report = getattr(self.workers, "report", None)
+        if report is not None:
+            report(load)
+
+    def observe_prefill(self, new_tokens: int, cached_tokens: int, seconds: float) -> None:
+        """A measured prefill; every ``refit_every`` samples the prefill model is refitted."""
+        if new_tokens <= 0 or seconds <= 0:
+            return
+        self._samples.append((float(new_tokens), float(cached_tokens), float(seconds)))
+        self._samples = self._samples[-512:]
+        self._seen += 1
+        if self._seen % self.config.refit_every == 0 and len(self._samples) >= 2:
+            cost = self.config.cost_model(PrefillModel.fit(self._samples))
+            self.policy.cost = cost
+            self._load_only.cost = cost

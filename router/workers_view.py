@@ -1,0 +1,105 @@
+"""Where a router gets its workers and their loads, and the load it adds itself.
+
+- :class:`StaticWorkers`: a fixed list (``kvshare gateway --workers URL,...``); loads come
+  from :meth:`report` (worker reports) only.
+- :class:`IndexWorkers`: workers registered in the cluster index (``IndexClient``'s
+  ``workers_async``/``loads_async``), refreshed at most every ``refresh_s``.
+- :class:`InFlight`: what this router has sent and not yet seen prefilled or finished, added
+  on top of the last report so a burst between two reports is not all sent to one worker
+  (Dynamo tracks active blocks in the router the same way).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+from kvshare.types import WorkerId
+from kvshare.workers import WorkerInfo, WorkerLoad
+
+
+class WorkerSource(Protocol):
+    async def snapshot(self) -> tuple[list[WorkerInfo], dict[WorkerId, WorkerLoad]]:
+        """Current workers and their latest load reports."""
+        ...
+
+
+class StaticWorkers:
+    """A fixed set of workers; :meth:`report` records their load reports."""
+
+    def __init__(self, workers: Sequence[WorkerInfo]) -> None:
+        ids = [w.worker_id for w in workers]
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"worker ids must be unique, got {ids}")
+        self.workers = list(workers)
+        self._loads: dict[WorkerId, WorkerLoad] = {}
+
+    def report(self, load: WorkerLoad) -> None:
+        self._loads[load.worker_id] = load
+
+    async def snapshot(self) -> tuple[list[WorkerInfo], dict[WorkerId, WorkerLoad]]:
+        return self.workers, dict(self._loads)
+
+
+class IndexWorkers:
+    """Workers registered in the cluster index, cached for ``refresh_s``."""
+
+    def __init__(self, client: Any, refresh_s: float = 0.5) -> None:
+        self.client = client
+        self.refresh_s = refresh_s
+        self._at = -1e18
+        self._cache: tuple[list[WorkerInfo], dict[WorkerId, WorkerLoad]] = ([], {})
+
+    async def snapshot(self) -> tuple[list[WorkerInfo], dict[WorkerId, WorkerLoad]]:
+        now = time.monotonic()
+        if now - self._at >= self.refresh_s:
+            infos = await self.client.workers_async()
+            loads = await self.client.loads_async()
+            self._cache, self._at = (list(infos), dict(loads)), now
+        return self._cache
+
+
+class InFlight:
+    """Requests this router routed: prefill tokens until first token, blocks until done."""
+
+    def __init__(self, clock: Callable[[], float] = time.time, max_age_s: float = 600.0) -> None:
+        self._clock = clock
+        self.max_age_s = max_age_s
+        self._reqs: dict[str, tuple[WorkerId, int, int, float]] = {}  # rid -> (w, tokens, blocks, t)
+
+    def __len__(self) -> int:
+        return len(self._reqs)
+
+    def add(self, rid: str, worker: WorkerId, prefill_tokens: int, blocks: int) -> None:
+        self._reqs[rid] = (worker, prefill_tokens, blocks, self._clock())
+
+    def prefilled(self, rid: str) -> None:
+        r = self._reqs.get(rid)
+        if r is not None:
+            self._reqs[rid] = (r[0], 0, r[2], r[3])
+
+    def done(self, rid: str) -> None:
+        self._reqs.pop(rid, None)
+
+    def load(self, worker: WorkerId, report: WorkerLoad | None) -> tuple[WorkerLoad, int]:
+        """The report plus this router's in-flight work sent after it; and active blocks."""
+        now = self._clock()
+        stale = [rid for rid, r in self._reqs.items() if now - r[3] > self.max_age_s]
+        for rid in stale:  # a caller that never said done: do not count it forever
+            del self._reqs[rid]
+        since = report.ts if report is not None else -1e18
+        tokens = running = blocks = 0
+        for w, t, b, at in self._reqs.values():
+            if w != worker:
+                continue
+            blocks += b
+            if at > since:
+                tokens += t
+                running += 1
+        if report is None:
+            return WorkerLoad(worker, tokens, running, 0.0, now), blocks
+        return WorkerLoad(
+            worker, report.queued_prefill_tokens + tokens, report.running + running,
+            report.prefill_tokens_per_s, report.ts,
+        ), blocks

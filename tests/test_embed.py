@@ -1,0 +1,161 @@
+"""CacheAwareRouter embedded in asyncio: real GlobalIndex in-process, and the real index
+actor through IndexClient (down -> load-only fallback, counted)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator, Sequence
+
+import pytest
+
+from actors.index import GlobalIndex
+from kvshare.events import BlockStored
+from kvshare.hashing import block_hashes, namespace_root
+from kvshare.match import MatchResult
+from kvshare.types import BlockHash, NodeId, Tier, WorkerId, node_location
+from kvshare.workers import IndexQuery, WorkerInfo, WorkerLoad
+from router.embed import CacheAwareRouter, InProcessIndex, RouterConfig, Tenant
+from router.workers_view import StaticWorkers
+
+NS = "llm"
+BT = 16
+CFG = RouterConfig(namespace=NS, model_id="m", layout_fingerprint="fp", block_tokens=BT,
+                   prefill_tokens_per_s=2_000, index_timeout_s=0.05)
+PROMPT = "You are a helpful assistant. " * 20  # 580 bytes -> 36 full blocks
+
+
+def workers(n: int = 3) -> StaticWorkers:
+    return StaticWorkers([
+        WorkerInfo(WorkerId(f"w{i}"), NodeId(f"n{i}"), (NS,), f"http://w{i}") for i in range(n)
+    ])
+
+
+def stored(hashes: Sequence[BlockHash], node: str) -> list[BlockStored]:
+    loc = node_location(node)
+    return [BlockStored(NS, loc, Tier.HOST, h, 0, i + 1) for i, h in enumerate(hashes)]
+
+
+def run(coro):  # type: ignore[no-untyped-def]
+    return asyncio.run(coro)
+
+
+def test_router_hashes_like_kvshare_hashing_per_tenant() -> None:
+    r = CacheAwareRouter(None, workers(), CFG)
+    ids = r.tokenize(PROMPT)
+    assert ids == list(PROMPT.encode())
+    expect = block_hashes(namespace_root("m", "fp", "s1"), ids, BT)
+    assert r.hashes(ids, Tenant("a", "s1")) == expect
+    assert r.hashes(ids, Tenant("b", "s2"))[0] != expect[0]
+    with pytest.raises(ValueError, match="prompt"):
+        r.tokenize(prompt="")
+    with pytest.raises(ValueError, match="prompt"):
+        r.tokenize(prompt=[1, -2])
+    with pytest.raises(ValueError, match="messages"):
+        r.tokenize(messages=[])
+
+
+def test_routes_to_the_worker_holding_the_prefix_and_only_for_that_tenant() -> None:
+    index = GlobalIndex()
+    index.declare_namespace(NS)
+    r = CacheAwareRouter(InProcessIndex(index), workers(), CFG)
+    acme, globex = Tenant("acme", "salt-a"), Tenant("globex", "salt-g")
+    ids = r.tokenize(PROMPT)
+    index.apply(stored(r.hashes(ids, acme), "n2"))
+
+    async def go() -> tuple[object, object]:
+        a = await r.route(prompt=PROMPT, tenant=acme)
+        g = await r.route(prompt=PROMPT, tenant=globex)
+        return a, g
+
+    a, g = run(go())
+    assert a.decision.worker == "w2" and a.decision.reason == "cache_local"  # type: ignore[attr-defined]
+    assert a.decision.cached_blocks == 36 and a.decision.est_ttft_saved_s > 0.2  # type: ignore[attr-defined]
+    # globex's hashes differ: the index holds nothing of theirs; no blocks were cached
+    assert g.decision.cached_blocks == 0 and g.hashes[0] != a.hashes[0]  # type: ignore[attr-defined]
+    assert a.kvshare_field()["cache_salt"] == "salt-a"  # type: ignore[attr-defined]
+    assert a.kvshare_field()["hashes_hex"][0] == a.hashes[0].hex()  # type: ignore[attr-defined]
+
+
+def test_a_burst_sharing_a_new_prefix_is_not_scattered() -> None:
+    index = GlobalIndex()
+    index.declare_namespace(NS)
+    r = CacheAwareRouter(InProcessIndex(index), workers(4), CFG)
+    other = ["Tell me about cats. " * 30, "Tell me about dogs. " * 30, "Explain graphs. " * 30]
+
+    async def burst() -> list[str]:
+        out = []
+        for i in range(6):  # the shared prefix is in no index yet: only pending knows it
+            routed = await r.route(prompt=PROMPT + f" question {i}")
+            out.append(routed.decision.worker)
+            r.prefilled(routed.request_id)
+        for p in other:  # unrelated prompts still spread over the other workers
+            out.append((await r.route(prompt=p)).decision.worker)
+        return out
+
+    picks = run(burst())
+    assert len(set(picks[:6])) == 1, picks
+    assert len(set(picks[6:]) - {picks[0]}) >= 2, picks
+
+
+def test_slow_index_falls_back_to_load_only_and_counts_it() -> None:
+    class SlowIndex:  # a real coroutine that answers after the deadline
+        unavailable = 0
+
+        def match(self, namespace: str, hashes: Sequence[BlockHash]) -> MatchResult:
+            raise AssertionError("the router must not call the blocking match")
+
+        async def match_async(self, namespace: str, hashes: Sequence[BlockHash]) -> MatchResult:
+            await asyncio.sleep(1.0)
+            return MatchResult(len(hashes), 0, {})
+
+    assert isinstance(SlowIndex(), IndexQuery)
+    w = workers()
+    r = CacheAwareRouter(SlowIndex(), w, CFG)
+    w.report(WorkerLoad(WorkerId("w0"), 5000, 3, 2000.0, 0.0))
+    routed = run(r.route(prompt=PROMPT))
+    assert routed.fallback == "index_timeout"
+    assert routed.decision.reason == "fallback_index_timeout" and routed.decision.worker != "w0"
+    assert r.fallbacks == 1
+    assert b'kvshare_router_fallbacks_total{cause="index_timeout"} 1.0' in r.metrics.render()
+
+
+def test_observed_prefill_timings_refit_the_cost_model() -> None:
+    r = CacheAwareRouter(None, workers(), RouterConfig(namespace=NS, refit_every=4))
+    before = r.policy.cost.prefill.a
+    for n in (100, 200, 400, 800):
+        r.observe_prefill(n, 0, n * 1e-3)
+    assert r.policy.cost.prefill.a == pytest.approx(1e-3) != before
+
+
+# ------------------------------------------------------------------ real index actor
+@pytest.fixture(scope="module")
+def local_ray() -> Iterator[None]:
+    import ray
+
+    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False,
+             namespace="kvshare-test-embed", object_store_memory=80 * 2**20)
+    yield
+    ray.shutdown()
+
+
+@pytest.mark.cluster
+def test_index_actor_down_means_load_only_routing(local_ray: None) -> None:
+    import ray
+
+    from actors.config import IndexConfig
+    from actors.index_actor import GlobalIndexActor
+    from actors.index_client import IndexClient
+
+    actor = GlobalIndexActor.remote(IndexConfig())
+    client = IndexClient([actor], timeout_s=2.0)
+    client.declare_namespace(NS)
+    r = CacheAwareRouter(client, workers(), CFG)
+    ids = r.tokenize(PROMPT)
+    ray.get(actor.apply.remote(stored(r.hashes(ids, Tenant()), "n1")))
+
+    first = run(r.route(prompt=PROMPT))
+    assert (first.decision.worker, first.decision.reason, first.fallback) == ("w1", "cache_local", "")
+    ray.kill(actor, no_restart=True)
+    after = run(r.route(prompt=PROMPT + " again"))
+    assert after.fallback in ("index_unavailable", "index_error", "index_timeout")
+    assert after.decision.reason.startswith("fallback_") and r.fallbacks == 1
