@@ -1,0 +1,287 @@
+"""OpenAI-compatible cache-aware gateway (FastAPI): route with CacheAwareRouter, proxy to workers.
+
+Endpoints: ``POST /v1/completions`` and ``POST /v1/chat/completions`` (``stream: true`` is
+passed through as server-sent events), ``POST /v1/route`` (the decision only, for other
+gateways), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus text).
+
+The gateway tokenizes once and forwards the body plus ``kvshare: {token_ids, namespace,
+hashes_hex, tenant[, cache_salt]}``, so the worker never re-tokenizes. API keys
+(``Authorization: Bearer KEY``) map to tenants; a tenant's salt roots its block hashes, so one
+tenant can never be routed by, or hit, another's blocks. With no keys configured every request
+is tenant ``default``. Errors are OpenAI-style JSON (``{"error": {message, type, code}}``)
+with 4xx codes for bad input, 401 for a bad key, 502/503 when no worker can answer; never a
+traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+from collections.abc import AsyncIterator, Mapping
+from contextlib import asynccontextmanager
+from typing import Any
+from urllib.parse import urlparse
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from kvshare.types import NodeId, WorkerId
+from kvshare.workers import WorkerInfo
+from router.embed import CacheAwareRouter, Routed, RouterConfig, Tenant
+from router.policy import NoEligibleWorker
+from router.workers_view import IndexWorkers, StaticWorkers
+
+log = logging.getLogger(__name__)
+_FORWARD_HEADERS = ("content-type", "cache-control")
+
+
+def error(status: int, message: str, etype: str = "invalid_request_error", code: str | None = None,
+          param: str | None = None) -> JSONResponse:
+    """An OpenAI-style error response."""
+    body = {"error": {"message": message, "type": etype, "param": param, "code": code}}
+    return JSONResponse(body, status_code=status)
+
+
+def load_api_keys(path: str | None) -> dict[str, Tenant]:
+    """``{key: {"tenant": name, "salt": s}}`` from a JSON file; the salt defaults to the
+    tenant's name so tenants are isolated unless two share a salt on purpose."""
+    if path is None:
+        return {}
+    with open(path, encoding="utf-8") as f:
+        raw = json.load(f)
+    return parse_api_keys(raw)
+
+
+def parse_api_keys(raw: Any) -> dict[str, Tenant]:
+    if not isinstance(raw, Mapping):
+        raise ValueError("API keys must be a JSON object {key: {tenant, salt}}")
+    out = {}
+    for key, spec in raw.items():
+        if isinstance(spec, str):
+            spec = {"tenant": spec}
+        if not isinstance(spec, Mapping) or not isinstance(spec.get("tenant"), str):
+            raise ValueError(f"API key entry for {key[:4]}... needs a 'tenant' name")
+        out[str(key)] = Tenant(spec["tenant"], str(spec.get("salt", spec["tenant"])))
+    return out
+
+
+def static_workers(urls: str, namespace: str) -> StaticWorkers:
+    """Workers from ``URL,URL,...``; each URL is its own node unless ``URL#node`` says."""
+    infos = []
+    for i, item in enumerate(u.strip() for u in urls.split(",") if u.strip()):
+        url, _, node = item.partition("#")
+        parsed = urlparse(url)
+        if parsed.scheme not in ("http", "https") or not parsed.netloc:
+            raise ValueError(f"worker URL {url!r} must look like http://host:port")
+        infos.append(WorkerInfo(WorkerId(f"w{i}-{parsed.netloc}"), NodeId(node or parsed.netloc),
+                                (namespace,), url.rstrip("/")))
+    if not infos:
+        raise ValueError("no workers: pass --workers http://host:port,... or --address")
+    return StaticWorkers(infos)
+
+
+def create_app(
+    router: CacheAwareRouter,
+    api_keys: Mapping[str, Tenant] | None = None,
+    upstream_timeout_s: float = 300.0,
+) -> FastAPI:
+    """The gateway app around ``router``; ``api_keys`` empty = open (tenant ``default``)."""
+    keys = dict(api_keys or {})
+    state: dict[str, httpx.AsyncClient] = {}
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        state["http"] = httpx.AsyncClient(timeout=httpx.Timeout(upstream_timeout_s, connect=5.0))
+        try:
+            yield
+        finally:
+            await state["http"].aclose()
+
+    app = FastAPI(title="kvshare gateway", lifespan=lifespan)
+    app.state.router = router
+    metrics = router.metrics
+
+    def fail(status: int, message: str, etype: str = "invalid_request_error",
+             code: str | None = None) -> JSONResponse:
+        metrics.errors.labels(str(status)).inc()
+        return error(status, message, etype, code)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return fail(400, f"invalid request: {exc.errors()}")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        etype = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return fail(exc.status_code, str(exc.detail), etype)
+
+    @app.exception_handler(Exception)
+    async def _crash(_: Request, exc: Exception) -> JSONResponse:
+        log.exception("gateway error")
+        return fail(500, f"internal gateway error ({type(exc).__name__})", "server_error")
+
+    def tenant_of(request: Request) -> Tenant | JSONResponse:
+        if not keys:
+            return Tenant()
+        auth = request.headers.get("authorization", "")
+        key = auth[7:].strip() if auth.lower().startswith("bearer ") else ""
+        tenant = keys.get(key)
+        if tenant is None:
+            return fail(401, "invalid or missing API key (Authorization: Bearer <key>)",
+                        "authentication_error", "invalid_api_key")
+        return tenant
+
+    async def parse(request: Request, chat: bool) -> tuple[dict[str, Any], Routed] | JSONResponse:
+        tenant = tenant_of(request)
+        if isinstance(tenant, JSONResponse):
+            return tenant
+        try:
+            body = json.loads(await request.body())
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return fail(400, "the request body must be valid JSON")
+        if not isinstance(body, dict):
+            return fail(400, "the request body must be a JSON object")
+        mt = body.get("max_completion_tokens", body.get("max_tokens"))
+        if mt is not None and (not isinstance(mt, int) or isinstance(mt, bool) or mt < 1):
+            return fail(400, f"max_tokens must be a positive integer, got {mt!r}")
+        if not isinstance(body.get("stream", False), bool):
+            return fail(400, "'stream' must be true or false")
+        try:
+            if chat:
+                if "messages" not in body:
+                    return fail(400, "'messages' is required for chat completions")
+                routed = await router.route(messages=body["messages"], tenant=tenant)
+            else:
+                if "prompt" not in body:
+                    return fail(400, "'prompt' is required for completions")
+                prompt = body["prompt"]
+                if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+                    prompt = prompt[0]
+                routed = await router.route(prompt=prompt, tenant=tenant)
+        except NoEligibleWorker as exc:
+            return fail(503, str(exc), "service_unavailable", "no_worker")
+        except (ValueError, TypeError) as exc:
+            return fail(400, str(exc))
+        return body, routed
+
+    async def proxy(request: Request, path: str, chat: bool) -> Response:
+        parsed = await parse(request, chat)
+        if isinstance(parsed, JSONResponse):
+            return parsed
+        body, routed = parsed
+        d = routed.decision
+        body = {**body, "kvshare": routed.kvshare_field()}
+        url = f"{d.endpoint}{path}"
+        headers = {"x-kvshare-worker": d.worker, "x-kvshare-reason": d.reason}
+        http = state["http"]
+        try:
+            resp = await http.send(http.build_request("POST", url, json=body), stream=True)
+        except httpx.HTTPError as exc:
+            router.finished(routed.request_id)
+            metrics.upstream.labels(d.worker, "unreachable").inc()
+            return fail(502, f"worker {d.worker} unreachable: {type(exc).__name__}",
+                        "upstream_error", "worker_unreachable")
+        metrics.upstream.labels(d.worker, str(resp.status_code)).inc()
+        if resp.status_code != 200 or not body.get("stream"):
+            try:
+                raw = await resp.aread()
+            finally:
+                await resp.aclose()
+                router.finished(routed.request_id)
+            if resp.status_code >= 500:
+                return fail(502, f"worker {d.worker} failed with HTTP {resp.status_code}",
+                            "upstream_error", "worker_error")
+            ctype = resp.headers.get("content-type", "application/json")
+            return Response(raw, resp.status_code, headers=headers, media_type=ctype)
+
+        async def relay() -> AsyncIterator[bytes]:
+            first = True
+            try:
+                async for chunk in resp.aiter_raw():
+                    if first:
+                        router.prefilled(routed.request_id)
+                        first = False
+                    yield chunk
+            finally:
+                await resp.aclose()
+                router.finished(routed.request_id)
+
+        return StreamingResponse(relay(), media_type="text/event-stream", headers=headers)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await proxy(request, "/v1/completions", chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await proxy(request, "/v1/chat/completions", chat=True)
+
+    @app.post("/v1/route")
+    async def route(request: Request) -> Response:
+        """Decision only. Body: ``{"prompt": ...}`` or ``{"messages": [...]}``."""
+        try:
+            probe = json.loads(await request.body())
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return fail(400, "the request body must be valid JSON")
+        parsed = await parse_with(request, probe)
+        if isinstance(parsed, JSONResponse):
+            return parsed
+        _, routed = parsed
+        router.finished(routed.request_id)  # nothing was sent: not in flight
+        return JSONResponse({
+            **routed.decision.to_dict(), "request_id": routed.request_id,
+            "tenant": routed.tenant.name, "namespace": routed.namespace,
+            "num_tokens": len(routed.token_ids), "num_blocks": len(routed.hashes),
+            "index_s": routed.index_s, "fallback": routed.fallback,
+        })
+
+    async def parse_with(request: Request, probe: Any) -> tuple[dict[str, Any], Routed] | JSONResponse:
+        chat = isinstance(probe, dict) and "messages" in probe
+        return await parse(request, chat)
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        ns = router.config.namespace
+        return JSONResponse({"object": "list", "data": [
+            {"id": ns, "object": "model", "created": 0, "owned_by": "kvshare"}]})
+
+    @app.get("/health")
+    async def health() -> Response:
+        infos, _ = await router.workers.snapshot()
+        return JSONResponse({
+            "status": "ok" if infos else "no_workers", "workers": len(infos),
+            "index": router.index is not None, "policy": router.policy.name,
+            "decisions": router.decisions, "fallbacks": router.fallbacks,
+        }, status_code=200 if infos else 503)
+
+    @app.get("/metrics")
+    async def prom() -> Response:
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    return app
+
+
+def serve_from_args(args: argparse.Namespace) -> int:
+    """``kvshare gateway``: static workers (``--workers``) or the cluster's (``--address``)."""
+    import uvicorn
+
+    index: Any = None
+    if args.address:
+        import ray
+
+        from actors.index_client import IndexClient
+
+        ray.init(address=args.address, log_to_driver=False)
+        index = IndexClient.connect()
+        workers: Any = IndexWorkers(index)
+    else:
+        workers = static_workers(args.workers, args.namespace)
+    cfg = RouterConfig(namespace=args.namespace, block_tokens=args.block_tokens, policy=args.policy)
+    router = CacheAwareRouter(index, workers, cfg)
+    app = create_app(router, load_api_keys(args.api_keys))
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    return 0
