@@ -103,7 +103,7 @@ class KVShareClient:
         self.cut_policy = cut_policy
         self.load_deadline_s = load_deadline_s
         self.store_deadline_s = store_deadline_s
-        self._controls: dict[str, BlockControl | None] = {}
+        self._controls: dict[str, BlockControl] = {}
         self._load_shm = ShmTransport(node, holder=f"{worker_id}-load")
         self._store_shm = ShmTransport(node, holder=f"{worker_id}-store")
         self._objstore = ObjStoreTransport(holder=f"{worker_id}-obj")
@@ -161,9 +161,17 @@ class KVShareClient:
             return None
 
     def _control(self, node_id: str) -> BlockControl | None:
-        if node_id not in self._controls:
-            self._controls[node_id] = self.control_for(node_id)
-        return self._controls[node_id]
+        """The node's pool control (cached); None (not cached) when it cannot be found."""
+        control = self._controls.get(node_id)
+        if control is None:
+            try:
+                control = self.control_for(node_id)
+            except Exception as exc:  # its pool died with its node: a miss, not an error
+                log.info("no pool control for node %s: %s", node_id, exc)
+                control = None
+            if control is not None:
+                self._controls[node_id] = control
+        return control
 
     def _count(self, key: str, amount: float = 1) -> None:
         with self._clock:
