@@ -126,7 +126,8 @@ class NodePool(TransferEndpoints):
         bb = layout.bytes_per_block
         name = segment_name(spec.name, self.node_id, self.generation)
         remove_stale_segments(spec.name, self.node_id, keep=name)
-        slab = HostSlab(bb, spec.host_bytes // bb, name)
+        # pinning for CUDA imports torch (seconds); only worth it where a GPU exists
+        slab = HostSlab(bb, spec.host_bytes // bb, name, pin_cuda=os.path.exists("/dev/nvidiactl"))
         stores: dict[Tier, TierStore] = {Tier.HOST: slab}
         tiers = [TierSpec(Tier.HOST, slab.num_slots * bb)]
         if spec.disk_bytes >= bb:

@@ -1,0 +1,146 @@
+"""``kvshare up | status | down``: the cluster commands (a ``kvshare.commands`` plugin).
+
+``up`` with no ``--address`` joins the Ray cluster running on this machine or, if there is
+none, starts one with ``ray start --head`` (so it outlives this command; stop it with
+``ray stop``). Ray is imported only when a command runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+from typing import Any
+
+from kvshare.layout import format_bytes
+
+
+def _ray_env() -> None:
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+
+
+def _connect(address: str | None, ray_namespace: str, start: bool) -> None:
+    _ray_env()
+    import ray
+
+    if address:
+        ray.init(address=address, namespace=ray_namespace, log_to_driver=False)
+        return
+    try:
+        ray.init(address="auto", namespace=ray_namespace, log_to_driver=False)
+    except ConnectionError:
+        if not start:
+            raise ValueError("no running Ray cluster found: pass --address or run `kvshare up`") from None
+        ray_bin = shutil.which("ray") or os.path.join(os.path.dirname(sys.executable), "ray")
+        print("no Ray cluster is running: starting a local one (`ray stop` ends it)", file=sys.stderr)
+        subprocess.run([ray_bin, "start", "--head", "--disable-usage-stats"], check=True,
+                       stdout=subprocess.DEVNULL)
+        ray.init(address="auto", namespace=ray_namespace, log_to_driver=False)
+
+
+def _up(args: argparse.Namespace) -> int:
+    from actors.deploy import DEFAULT_LAYOUT, deploy
+    from kvshare.layout import KVLayout
+
+    layout = DEFAULT_LAYOUT
+    if args.layout:
+        layout = KVLayout.from_hf_config(args.layout, dtype=args.dtype, block_tokens=args.block_tokens)
+    _connect(args.address, args.ray_namespace, start=True)
+    print(f"deploying kvshare (namespace {args.namespace}, {args.host_gb} GiB host, "
+          f"{args.disk_gb} GiB disk per node) ...", file=sys.stderr)
+    try:
+        st = deploy(host_gb=args.host_gb, disk_dir=args.disk_dir, disk_gb=args.disk_gb,
+                    namespace=args.namespace, layout=layout, index_shards=args.index_shards,
+                    ray_namespace=args.ray_namespace)
+    except MemoryError as exc:
+        print(f"kvshare up: refused: {exc}", file=sys.stderr)
+        return 2
+    _print_status(st, args.json)
+    return 0
+
+
+def _status(args: argparse.Namespace) -> int:
+    from actors.deploy import status
+
+    _connect(args.address, args.ray_namespace, start=False)
+    _print_status(status(args.ray_namespace), args.json)
+    return 0
+
+
+def _down(args: argparse.Namespace) -> int:
+    from actors.deploy import shutdown
+
+    _connect(args.address, args.ray_namespace, start=False)
+    n = shutdown(args.ray_namespace)
+    print(f"kvshare stopped ({n} actors removed)")
+    return 0
+
+
+def rows(st: dict[str, Any]) -> list[list[str]]:
+    """Status as table rows: node, alive, namespace, tier, used/capacity, blocks, hit rate."""
+    out = []
+    for node in st["nodes"]:
+        pool = node.get("pool")
+        short = node["node_id"][:12]
+        if pool is None:
+            out.append([short, "yes" if node["alive"] else "no", "-", "-",
+                        node.get("pool_error", "no pool")[:40], "-", "-"])
+            continue
+        for ns, info in pool["namespaces"].items():
+            for tier, t in info["tiers"].items():
+                looked = t["hits"] + t["misses"]
+                rate = f"{t['hits'] / looked:.0%}" if looked else "-"
+                used = f"{format_bytes(t['used_bytes'])} / {format_bytes(t['capacity_bytes'])}"
+                out.append([short, "yes" if node["alive"] else "no", ns, tier, used,
+                            str(t["blocks"]), rate])
+    return out
+
+
+def _print_status(st: dict[str, Any], as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(st, default=str))
+        return
+    table = [["NODE", "ALIVE", "NAMESPACE", "TIER", "USED / CAPACITY", "BLOCKS", "HIT RATE"],
+             *rows(st)]
+    widths = [max(len(r[i]) for r in table) for i in range(len(table[0]))]
+    for r in table:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
+    for shard in st.get("index", []):
+        blocks = {ns: v["blocks"] for ns, v in shard["namespaces"].items()}
+        print(f"index epoch {shard['epoch']}: blocks {blocks}, {len(shard['locations'])} "
+              f"locations, {shard['workers']} workers, {shard['gaps']} gaps, "
+              f"{shard['replaced']} resyncs")
+    if "index_error" in st:
+        print(f"index unreachable: {st['index_error']}")
+
+
+def register(subparsers: Any) -> None:
+    """Add ``up``, ``status`` and ``down`` to the ``kvshare`` command."""
+
+    def common(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--address", default=None, help="Ray cluster address (default: local)")
+        p.add_argument("--ray-namespace", default="kvshare", help=argparse.SUPPRESS)
+
+    up = subparsers.add_parser("up", help="start kvshare on a Ray cluster (pools + index)")
+    common(up)
+    up.add_argument("--host-gb", type=float, default=1.0, help="host slab per node (GiB)")
+    up.add_argument("--disk-dir", default=None, help="disk tier root (default /tmp/kvshare-disk)")
+    up.add_argument("--disk-gb", type=float, default=0.0, help="disk tier per node (GiB, 0 = none)")
+    up.add_argument("--namespace", default="default", help="kvshare namespace (one model/layout)")
+    up.add_argument("--layout", default=None, help="HF config.json giving the KV layout")
+    up.add_argument("--dtype", default=None, help="KV dtype (default: the config's)")
+    up.add_argument("--block-tokens", type=int, default=256)
+    up.add_argument("--index-shards", type=int, default=1)
+    up.add_argument("--json", action="store_true", help="print status as one JSON object")
+    up.set_defaults(func=_up)
+    status = subparsers.add_parser("status", help="nodes, tiers, capacity, blocks, hit rates")
+    common(status)
+    status.add_argument("--json", action="store_true", help="print one JSON object")
+    status.set_defaults(func=_status)
+    down = subparsers.add_parser("down", help="stop kvshare's actors (disk blocks stay)")
+    common(down)
+    down.set_defaults(func=_down)
