@@ -62,7 +62,8 @@ def serve_one(client: KVShareClient, engine: HFEngine, tokens: list[int]) -> lis
     # The reference engine computes on contiguous KV: gather the reused pages into it.
     kv = new_contiguous(layout, reused)
     for layer in range(layout.num_layers):
-        flat = pages[layer][:, : reused // PAGE_TOKENS].reshape(2, reused, layout.num_kv_heads, -1)
+        flat = pages[layer][:, : reused // PAGE_TOKENS].reshape(
+            2, reused, layout.num_kv_heads, layout.head_dim)
         kv[layer] = flat.transpose(1, 2)
     start = time.perf_counter()
     out, pre = engine.generate(tokens, 8, kv, reused)
