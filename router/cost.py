@@ -41,6 +41,9 @@ class Source(IntEnum):
         return self >= Source.REMOTE_GPU
 
 
+_SOURCES = tuple(Source)
+
+
 @dataclass(frozen=True)
 class PrefillModel:
     """Prefill time ``a*n + b*n*(c + n/2)`` for ``n`` new tokens after ``c`` cached ones."""
@@ -187,36 +190,41 @@ class CostModel:
         """Tokens covered by ``blocks`` cached blocks (the last token is always computed)."""
         return max(0, min(blocks * self.block_tokens, total_tokens - 1))
 
-    def plan(self, total_tokens: int, sources: Sequence[Source]) -> Plan:
-        """Best cut point given the cheapest source of each leading block (``sources[i]``)."""
+    def plan(self, total_tokens: int, sources: Sequence[int]) -> Plan:
+        """Best cut point given the cheapest :class:`Source` of each leading block."""
         if total_tokens <= 0:
             raise ValueError(f"total_tokens must be positive, got {total_tokens}")
         fetch = self.block_fetch_s
         bw = self.bandwidths
-        pm = self.prefill
-        best_k, best_total, best_fetch = 0, pm.time(total_tokens, 0), 0.0
-        cum = 0.0
-        any_local = any_remote = False
-        for i, src in enumerate(sources):
-            c = self.cached_tokens(i + 1, total_tokens)
+        a, b, bt = self.prefill.a, self.prefill.b, self.block_tokens
+        p, last = total_tokens, total_tokens - 1
+        lat_r, lat_l = bw.remote_latency_s, bw.local_latency_s
+        best_k, best_total, best_fetch = 0, a * p + b * p * p / 2, 0.0
+        cum = lat = 0.0
+        any_r = any_l = False
+        c = 0
+        for i, src in enumerate(sources):  # hot loop: plain floats and ints only
+            c = (i + 1) * bt
+            if c > last:
+                c = last
             cum += fetch[src]
-            if src.remote:
-                any_remote = True
-            elif src != Source.LOCAL_GPU:
-                any_local = True
-            lat = (bw.remote_latency_s if any_remote else 0.0) + (
-                bw.local_latency_s if any_local else 0.0
-            )
-            total = cum + lat + pm.time(total_tokens - c, c)
+            if src >= 3:
+                if not any_r:
+                    any_r, lat = True, lat + lat_r
+            elif src and not any_l:
+                any_l, lat = True, lat + lat_l
+            n = p - c
+            total = cum + lat + a * n + b * n * (c + n / 2)
             if total <= best_total:
                 best_k, best_total, best_fetch = i + 1, total, cum + lat
-            if c >= total_tokens - 1:
+            if c >= last:
                 break
         counts: dict[Source, int] = {}
         for src in sources[:best_k]:
-            counts[src] = counts.get(src, 0) + 1
+            key = _SOURCES[src]
+            counts[key] = counts.get(key, 0) + 1
         cached = self.cached_tokens(best_k, total_tokens)
-        return Plan(best_k, cached, best_fetch, pm.time(total_tokens - cached, cached), counts)
+        return Plan(best_k, cached, best_fetch, best_total - best_fetch, counts)
 
     def recompute_s(self, total_tokens: int) -> float:
         """Prefill time with nothing cached."""

@@ -19,12 +19,15 @@ event loop (policies and pending state are not thread-safe).
 
 from __future__ import annotations
 
+import array
 import asyncio
 import itertools
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
 
 from kvshare.engines.tokenizer import ByteTokenizer, Tokenizer
 from kvshare.hashing import DEFAULT_HASH_FN, HashFn, block_hashes, namespace_root
@@ -121,6 +124,8 @@ class InProcessIndex:
     router next to its own index, tests, benchmarks). ``match_async`` runs inline: an
     in-process match takes microseconds and must not hop threads."""
 
+    inline = True
+
     def __init__(self, index: Any) -> None:
         self.index = index
 
@@ -192,7 +197,11 @@ class CacheAwareRouter:
 
     def hashes(self, token_ids: Sequence[int], tenant: Tenant) -> list[BlockHash]:
         c = self.config
-        return block_hashes(self.root(tenant), token_ids, c.block_tokens, fn=c.hash_fn)
+        try:  # u32 packing in C (much faster than numpy on a Python list); range-checked
+            ids: Any = np.frombuffer(array.array("I", token_ids), dtype=np.uint32)
+        except (OverflowError, TypeError):
+            raise ValueError("token ids must be integers in [0, 2**32)") from None
+        return block_hashes(self.root(tenant), ids, c.block_tokens, fn=c.hash_fn)
 
     # ------------------------------------------------------------------ routing
     async def route(
@@ -212,6 +221,7 @@ class CacheAwareRouter:
         ns = self.config.namespace
         match, fallback, index_s = await self._match(ns, hashes)
         infos, loads = await self.workers.snapshot()
+        self.inflight.sweep()
         cands = []
         for info in infos:
             load, blocks = self.inflight.load(info.worker_id, loads.get(info.worker_id))
@@ -238,9 +248,12 @@ class CacheAwareRouter:
         before = getattr(self.index, "unavailable", 0)
         t = time.perf_counter()
         try:
-            match = await asyncio.wait_for(
-                self.index.match_async(ns, hashes), self.config.index_timeout_s
-            )
+            if getattr(self.index, "inline", False):  # in-process: no I/O, no deadline needed
+                match = await self.index.match_async(ns, hashes)
+            else:
+                match = await asyncio.wait_for(
+                    self.index.match_async(ns, hashes), self.config.index_timeout_s
+                )
         except TimeoutError:
             return EMPTY_MATCH, "index_timeout", time.perf_counter() - t
         except KeyError:  # namespace not declared yet: nothing cached anywhere

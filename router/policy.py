@@ -314,9 +314,14 @@ class CostPolicy(Policy):
 
     def _select(self, request: RouteRequest, view: SourceMap, cands: list[Candidate]) -> tuple[int, str]:
         self._plans = {}
+        by_sources: dict[tuple[int, ...], Plan] = {}  # workers with equal views share a plan
+        fetch = self.cost.block_fetch_s
         ests = []
         for c in cands:
-            plan = super().plan_for(request, view, c)
+            srcs = tuple(view.sources_for(c.info.worker_id, c.info.node, self.sharing, fetch))
+            plan = by_sources.get(srcs)
+            if plan is None:
+                plan = by_sources[srcs] = self.cost.plan(request.num_tokens, srcs)
             self._plans[c.info.worker_id] = plan
             ests.append(self.queue_s(c.load) + plan.total_s)
         best = min(ests)

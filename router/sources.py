@@ -20,6 +20,7 @@ from kvshare.types import Location, NodeId, WorkerId, node_location, worker_loca
 from router.cost import Source
 
 _NONE = 9  # "nobody holds it" rank sentinel
+_SRC = tuple(Source)
 
 
 class Sharing(StrEnum):
@@ -70,6 +71,8 @@ class SourceMap:
                     best2[i] = r
         pad = [_NONE] * (self.combined - k)
         self._best1, self._best1_node, self._best2 = best1 + pad, best1_node + [None] * len(pad), best2 + pad
+        self._holder_nodes = {n for n in best1_node if n is not None}
+        self._remote_only: list[Source] | None = None
         for ranks in self._ranks.values():
             ranks.extend(pad)
         if pending is not None:
@@ -94,6 +97,18 @@ class SourceMap:
         own_w = self._ranks.get(worker_location(worker))
         own_n = self._ranks.get(node_location(node))
         remote = sharing is Sharing.GLOBAL
+        if own_w is None and own_n is None and (not remote or node not in self._holder_nodes):
+            # the common case: this worker holds nothing; every such worker sees the same list
+            if not remote:
+                return []
+            if self._remote_only is None:
+                out_r: list[Source] = []
+                for r in self._best1:
+                    if r == _NONE:
+                        break
+                    out_r.append(_SRC[r + 3])
+                self._remote_only = out_r
+            return self._remote_only
         b1, b1n, b2 = self._best1, self._best1_node, self._best2
         out: list[Source] = []
         for i in range(self.combined):
@@ -111,7 +126,7 @@ class SourceMap:
                         s = r + 3
             if s == _NONE:
                 break
-            out.append(Source(s))
+            out.append(_SRC[s])
         return out
 
     def local_prefix(self, worker: WorkerId, node: NodeId) -> int:

@@ -82,12 +82,17 @@ class InFlight:
     def done(self, rid: str) -> None:
         self._reqs.pop(rid, None)
 
-    def load(self, worker: WorkerId, report: WorkerLoad | None) -> tuple[WorkerLoad, int]:
-        """The report plus this router's in-flight work sent after it; and active blocks."""
+    def sweep(self) -> None:
+        """Forget requests older than ``max_age_s`` (a caller that never said done)."""
         now = self._clock()
         stale = [rid for rid, r in self._reqs.items() if now - r[3] > self.max_age_s]
-        for rid in stale:  # a caller that never said done: do not count it forever
+        for rid in stale:
             del self._reqs[rid]
+
+    def load(self, worker: WorkerId, report: WorkerLoad | None) -> tuple[WorkerLoad, int]:
+        """The report plus this router's in-flight work sent after it; and active blocks."""
+        if not self._reqs and report is not None:
+            return report, 0
         since = report.ts if report is not None else -1e18
         tokens = running = blocks = 0
         for w, t, b, at in self._reqs.values():
@@ -98,7 +103,7 @@ class InFlight:
                 tokens += t
                 running += 1
         if report is None:
-            return WorkerLoad(worker, tokens, running, 0.0, now), blocks
+            return WorkerLoad(worker, tokens, running, 0.0, self._clock()), blocks
         return WorkerLoad(
             worker, report.queued_prefill_tokens + tokens, report.running + running,
             report.prefill_tokens_per_s, report.ts,

@@ -132,7 +132,7 @@ def test_observed_prefill_timings_refit_the_cost_model() -> None:
 def local_ray() -> Iterator[None]:
     import ray
 
-    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False,
+    ray.init(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False,
              namespace="kvshare-test-embed", object_store_memory=80 * 2**20)
     yield
     ray.shutdown()
