@@ -37,7 +37,7 @@ from ray.cluster_utils import Cluster  # noqa: E402
 
 from kvshare.layout import KVLayout  # noqa: E402
 from kvshare.transfer.local import make_local_pool  # noqa: E402
-from kvshare.transfer.serve import TransferService  # noqa: E402
+from kvshare.transfer.serve import TransferEndpoints, TransferService  # noqa: E402
 from kvshare.types import BlockHash  # noqa: E402
 
 MiB = 2**20
@@ -52,24 +52,24 @@ def hashes(block_bytes: int) -> list[BlockHash]:
     return [BlockHash(block_bytes.to_bytes(8, "little") + i.to_bytes(24, "little")) for i in range(n)]
 
 
-class PoolHost(TransferService):
-    """Node A: one pool per block size, filled with random bytes."""
+class PoolHost(TransferEndpoints):
+    """Node A: one pool per block size, filled with random bytes, served like a NodePool."""
 
     def __init__(self, node: str) -> None:
-        super().__init__(node)
+        self.transfer = TransferService(node, nixl=True)
         rng = np.random.default_rng(1)
         for bb, layout in LAYOUTS.items():
             pool = make_local_pool(f"bench{bb // MiB}m", node, layout, TOTAL // bb)
             for h in hashes(bb):
                 assert pool.put(h, rng.integers(0, 255, bb, dtype=np.uint8))
-            self.add_pool(pool)
+            self.transfer.add_pool(pool)
 
     def ready(self) -> bool:
         return True
 
     def shutdown(self) -> None:
-        pools = [self.source(ns).pool for ns in list(self._sources)]
-        self.close()
+        pools = [self.transfer.source(f"bench{bb // MiB}m").pool for bb in LAYOUTS]
+        self.transfer.close()
         for p in pools:
             p.close()  # unmaps and unlinks the /dev/shm slab
 

@@ -12,6 +12,8 @@ leaves nothing pinned beyond the lease TTL.
 from __future__ import annotations
 
 import logging
+import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 
 import numpy as np
@@ -20,7 +22,14 @@ from kvshare.pool import TieredBlockPool
 from kvshare.pool_types import AlreadyPresent, InFlight, NoSpace, Reserved
 from kvshare.tiers.base import ByteArray, CorruptBlock, block_checksum
 from kvshare.tiers.host import HostSlab
-from kvshare.transfer.base import CORRUPT, IN_FLIGHT, MISSING, NO_SPACE, TransportUnavailable
+from kvshare.transfer.base import (
+    CORRUPT,
+    DEADLINE,
+    IN_FLIGHT,
+    MISSING,
+    NO_SPACE,
+    TransportUnavailable,
+)
 from kvshare.transfer.wire import (
     BlockBatch,
     NixlPeerInfo,
@@ -34,6 +43,7 @@ from kvshare.types import BlockHash, Tier
 log = logging.getLogger(__name__)
 
 PRESENT = "present"
+FINISHED_MEMORY = 4096  # holders remembered as finished (a late prepare for them pins nothing)
 
 
 class BlockSource:
@@ -51,6 +61,10 @@ class BlockSource:
         self.slab: HostSlab | None = store if isinstance(store, HostSlab) else None
         self.nixl_error = ""
         self._nixl = None
+        # A reader that timed out sends ``finish`` while its ``prepare`` may still be queued or
+        # running (threaded actors): remember finished holders so that nothing stays pinned.
+        self._lock = threading.Lock()
+        self._finished: OrderedDict[str, None] = OrderedDict()
         if nixl and self.slab is not None:
             from kvshare.transfer.nixl_agent import NixlSource
 
@@ -91,8 +105,11 @@ class BlockSource:
         self, hashes: Sequence[BlockHash], holder: str, ttl_s: float
     ) -> PreparedRead:
         """Pin ``hashes`` in the host slab for ``holder``; a miss says missing or corrupt."""
-        known = [h in self.pool for h in hashes]
-        leases = self.pool.pin(hashes, holder, ttl_s, promote=True)
+        with self._lock:
+            if holder in self._finished:
+                return PreparedRead(self.generation, (DEADLINE,) * len(hashes))
+            known = [h in self.pool for h in hashes]
+            leases = self.pool.pin(hashes, holder, ttl_s, promote=True)
         blocks: list[SourceBlock | str] = []
         for was, lease in zip(known, leases, strict=True):
             if lease is None:
@@ -107,9 +124,13 @@ class BlockSource:
 
     def finish(self, holder: str, lease_ids: Sequence[int]) -> list[bool]:
         """Report which of ``lease_ids`` were still valid, then end every lease of ``holder``."""
-        alive = self.pool.leases_alive(lease_ids)
-        self.pool.release_holder(holder)
-        return alive
+        with self._lock:
+            alive = self.pool.leases_alive(lease_ids)
+            self.pool.release_holder(holder)
+            self._finished[holder] = None
+            while len(self._finished) > FINISHED_MEMORY:
+                self._finished.popitem(last=False)
+            return alive
 
     def read_blocks(self, hashes: Sequence[BlockHash]) -> BlockBatch:
         """Copy the held blocks out (object-store path); disk blocks are verified on read."""
@@ -146,7 +167,10 @@ class BlockSource:
         self, hashes: Sequence[BlockHash], holder: str, ttl_s: float
     ) -> PreparedWrite:
         """Reserve a host slot per new hash for ``holder`` (``"present"`` if already held)."""
-        res = self.pool.reserve(hashes, holder, ttl_s)
+        with self._lock:
+            if holder in self._finished:
+                return PreparedWrite(self.generation, (DEADLINE,) * len(hashes))
+            res = self.pool.reserve(hashes, holder, ttl_s)
         slots: list[SourceBlock | str] = []
         for r in res:
             if isinstance(r, Reserved):
@@ -169,11 +193,13 @@ class BlockSource:
         self, holder: str, lease_ids: Sequence[int], checksums: Sequence[int]
     ) -> list[BlockHash]:
         """Commit the reservations that are still live; abort every other one of ``holder``."""
-        alive = self.pool.leases_alive(lease_ids)
-        keep = [(lid, ck) for lid, ck, ok in zip(lease_ids, checksums, alive, strict=True) if ok]
-        done = self.pool.commit([k[0] for k in keep], [k[1] for k in keep]) if keep else []
-        self.pool.release_holder(holder)
-        return done
+        with self._lock:
+            alive = self.pool.leases_alive(lease_ids)
+            keep = [(lid, ck) for lid, ck, ok in zip(lease_ids, checksums, alive, strict=True) if ok]
+            done = self.pool.commit([k[0] for k in keep], [k[1] for k in keep]) if keep else []
+            self.pool.release_holder(holder)
+            self._finished[holder] = None
+            return done
 
     def write_blocks(
         self, hashes: Sequence[BlockHash], data: ByteArray, checksums: Sequence[int]

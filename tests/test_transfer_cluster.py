@@ -1,0 +1,371 @@
+"""The data plane on a real Ray cluster (head + 2 nodes): deployed NodePoolActors serve blocks.
+
+Reader actors play inference workers: ``reader_a`` on node A (same node as pool A: shm) and
+``reader_b`` on node B (nixl, objstore). Faults are injected for real: bytes flipped in pool
+A's /dev/shm slab and in its disk files, a 1 ms deadline, a NIXL agent that cannot start
+(``UCX_TLS=sm,self``), and a node removed from the cluster. After every scenario both pools
+must be consistent: no lease or pin left, no reserved-but-uncommitted slot.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import os
+import sys
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+from kvshare.layout import KVLayout
+from kvshare.transfer.base import (
+    CORRUPT,
+    DEADLINE,
+    MISSING,
+    NIXL_UNAVAILABLE,
+    SOURCE_DEAD,
+    Transport,
+    TransportUnavailable,
+)
+from kvshare.transfer.serve import TransferEndpoints
+
+pytestmark = pytest.mark.cluster
+
+RAY_NS = "kvs-test-transfer"
+NS = "xfer"  # 16 KiB blocks, room for 1,100 in host
+SMALL = "xfer-small"  # 8 host slots + 64 on disk: blocks get demoted
+LAYOUT = KVLayout(2, 2, 16, "fp32", 32)
+B = LAYOUT.bytes_per_block
+
+
+def bhash(tag: str, seed: int) -> bytes:
+    return hashlib.sha256(f"{tag}/{seed}".encode()).digest()
+
+
+def payload(seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 255, B, dtype=np.uint8)
+
+
+class Reader:
+    """A worker process on some node that reads/writes pools through every transport."""
+
+    def __init__(self, tag: str) -> None:
+        import ray
+
+        from kvshare.transfer.nixl import NixlTransport
+        from kvshare.transfer.objstore import ObjStoreTransport
+        from kvshare.transfer.shm import ShmTransport
+
+        self.node = ray.get_runtime_context().get_node_id()
+        self.dest = np.zeros((1000, B), np.uint8)
+        self.transports: dict[str, Transport] = {
+            "shm": ShmTransport(self.node, holder=f"pid:{os.getpid()}"),
+            "objstore": ObjStoreTransport(f"pid:{os.getpid()}"),
+        }
+        self.nixl_error = ""
+        try:
+            nixl = NixlTransport(f"{NS}/{self.node[:12]}/{tag}-{os.getpid()}")
+            nixl.register(self.dest)
+            self.transports["nixl"] = nixl
+        except TransportUnavailable as exc:
+            self.nixl_error = str(exc)
+        self.pending: Any = None
+
+    def info(self) -> dict[str, str]:
+        return {"node": self.node, "nixl_error": self.nixl_error}
+
+    def write(self, name: str, pool: Any, ns: str, tag: str, seeds: list[int]) -> list[str]:
+        from kvshare.transfer.control import ActorControl
+
+        res = self.transports[name].write(
+            ActorControl(pool, ns), [bhash(tag, s) for s in seeds], [payload(s) for s in seeds]
+        )
+        return [o.reason for o in res.outcomes]
+
+    def read(self, name: str, pool: Any, ns: str, tag: str, seeds: list[int],
+             deadline_s: float = 10.0) -> list[tuple[str, bool]]:
+        """Per block: (reason, bytes identical to what was written)."""
+        self.submit(name, pool, ns, tag, seeds, deadline_s)
+        return self.collect()
+
+    def submit(self, name: str, pool: Any, ns: str, tag: str, seeds: list[int],
+               deadline_s: float = 10.0) -> None:
+        from kvshare.transfer.control import ActorControl
+
+        self.dest[: len(seeds)] = 0
+        t = self.transports[name].submit_read(
+            ActorControl(pool, ns), [bhash(tag, s) for s in seeds], list(self.dest[: len(seeds)]),
+            deadline_s=deadline_s,
+        )
+        self.pending = (name, t, seeds)
+
+    def collect(self) -> list[tuple[str, bool]]:
+        name, t, seeds = self.pending
+        res = self.transports[name].wait(t)
+        return [(o.reason, bool(np.array_equal(self.dest[i], payload(s))))
+                for i, (o, s) in enumerate(zip(res.outcomes, seeds, strict=True))]
+
+    def fetch(self, tag: str, seeds: list[int], keep_local: bool) -> dict[str, Any]:
+        """Peer fetch planned from the index, as the worker SDK does it."""
+        from actors.deploy import get_index_client, get_pool
+        from kvshare.transfer.control import ActorControl
+        from kvshare.transfer.fetch import PeerFetcher
+        from kvshare.types import parse_location
+
+        def control(loc: Any) -> Any:
+            try:
+                return ActorControl(get_pool(parse_location(loc)[1], RAY_NS), NS)
+            except Exception:
+                return None
+
+        fetcher = PeerFetcher(self.node, NS, control, self.transports, index=get_index_client(RAY_NS))
+        hs = [bhash(tag, s) for s in seeds]
+        res = fetcher.fetch(hs, list(self.dest[: len(hs)]), keep_local=keep_local)
+        return {
+            "reasons": [o.reason for o in res.outcomes],
+            "served_by": list(res.served_by),
+            "kept": res.kept_local,
+            "identical": [bool(np.array_equal(self.dest[i], payload(s))) for i, s in enumerate(seeds)],
+        }
+
+
+class SmallPool(TransferEndpoints):
+    """A test-only pool actor (TieredBlockPool + TransferService) for nodes we break."""
+
+    def __init__(self, ns: str, blocks: int) -> None:
+        import ray
+
+        from kvshare.transfer.local import make_local_pool
+        from kvshare.transfer.serve import TransferService
+
+        node = ray.get_runtime_context().get_node_id()
+        self.transfer = TransferService(node)
+        self.pool = make_local_pool(ns, node, LAYOUT, blocks)
+        self.transfer.add_pool(self.pool)
+
+    def stats(self) -> dict[str, Any]:
+        return {**self.pool.stats(), "nixl_error": self.transfer.nixl_errors()}
+
+    def close(self) -> None:
+        self.transfer.close()
+        self.pool.close()
+
+
+@pytest.fixture(scope="module")
+def kv(ray_cluster: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    import ray
+    import ray.cloudpickle
+
+    from actors.config import NamespaceSpec
+    from actors.deploy import deploy, get_pool, shutdown
+
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    disk = str(tmp_path_factory.mktemp("disk"))
+    deploy(namespaces=[NamespaceSpec(NS, LAYOUT, 1100 * B), NamespaceSpec(SMALL, LAYOUT, 8 * B, 64 * B)],
+           disk_dir=disk, ray_namespace=RAY_NS)
+    nodes = {key: n["NodeID"] for n in ray.nodes() for key in ("node_0", "node_1")
+             if n["Alive"] and key in n["Resources"]}
+    reader = ray.remote(num_cpus=0)(Reader)
+    ra = reader.options(resources={"node_0": 0.1}).remote("ra")
+    rb = reader.options(resources={"node_1": 0.1}).remote("rb")
+    env = {
+        "a": nodes["node_0"], "b": nodes["node_1"], "disk": disk, "cluster": ray_cluster,
+        "pa": get_pool(nodes["node_0"], RAY_NS), "pb": get_pool(nodes["node_1"], RAY_NS),
+        "ra": ra, "rb": rb,
+    }
+    assert ray.get(ra.info.remote())["node"] == env["a"]
+    # 1,000 blocks written on node A over shared memory by the worker there
+    assert set(ray.get(ra.write.remote("shm", env["pa"], NS, "base", list(range(1000))))) == {""}
+    try:
+        yield env
+    finally:
+        shutdown(RAY_NS)
+
+
+def assert_consistent(pool: Any, ns: str = NS, wait_s: float = 0.0) -> None:
+    """No lease, no pin, no reserved-but-uncommitted slot in any tier."""
+    import ray
+
+    deadline = time.monotonic() + wait_s
+    while True:
+        st = ray.get(pool.stats.remote())
+        st = st["namespaces"][ns] if "namespaces" in st else st
+        ok = st["active_leases"] == 0 and st["pinned_blocks"] == 0 and all(
+            t["used_slots"] == t["blocks"] for t in st["tiers"].values())
+        if ok or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert ok, st
+
+
+def reader_for(kv: dict[str, Any], name: str) -> Any:
+    return kv["ra"] if name == "shm" else kv["rb"]
+
+
+@pytest.mark.parametrize("name", ["shm", "nixl", "objstore"])
+@pytest.mark.parametrize("n", [1, 64, 1000])
+def test_blocks_written_on_a_read_byte_identical(kv: dict[str, Any], name: str, n: int) -> None:
+    import ray
+
+    out = ray.get(reader_for(kv, name).read.remote(name, kv["pa"], NS, "base", list(range(n))))
+    assert out == [("", True)] * n
+    assert_consistent(kv["pa"])
+    assert_consistent(kv["pb"])
+
+
+@pytest.mark.parametrize("name", ["shm", "nixl", "objstore"])
+def test_mixed_batch_misses_exactly_the_missing(kv: dict[str, Any], name: str) -> None:
+    import ray
+
+    seeds = [0, 5000, 1, 2, 5001, 3]  # 5000/5001 were never written
+    out = ray.get(reader_for(kv, name).read.remote(name, kv["pa"], NS, "base", seeds))
+    assert [r for r, _ in out] == ["", MISSING, "", "", MISSING, ""]
+    assert all(same for (r, same) in out if r == "")
+    assert_consistent(kv["pa"])
+
+
+@pytest.mark.parametrize("name", ["shm", "nixl", "objstore"])
+def test_writes_over_each_transport_land_whole(kv: dict[str, Any], name: str) -> None:
+    import ray
+
+    tag = f"w-{name}"
+    assert ray.get(reader_for(kv, name).write.remote(name, kv["pa"], NS, tag, list(range(40)))) == [""] * 40
+    out = ray.get(kv["rb"].read.remote("objstore", kv["pa"], NS, tag, list(range(40))))
+    assert out == [("", True)] * 40
+    assert_consistent(kv["pa"])
+
+
+@pytest.mark.parametrize("name", ["nixl", "objstore"])
+def test_flipped_byte_in_slab_is_a_corrupt_miss(kv: dict[str, Any], name: str) -> None:
+    import ray
+
+    from kvshare.tiers.host import HostSlab
+    from kvshare.transfer.control import ActorControl, call
+
+    tag = f"rot-{name}"
+    ray.get(kv["ra"].write.remote("shm", kv["pa"], NS, tag, [0, 1, 2]))
+    ctl = ActorControl(kv["pa"], NS)
+    prep = call(ctl.prepare_read([bhash(tag, 1)], f"test-rot-{name}", 5.0), 5.0)
+    call(ctl.finish(f"test-rot-{name}", []), 5.0)
+    assert prep.slab is not None
+    slab = HostSlab.attach(prep.slab.name, prep.slab.slot_bytes, prep.slab.num_slots)
+    slab.array[prep.blocks[0].slot, 100] ^= 0x01  # type: ignore[union-attr]
+    slab.close()
+    out = ray.get(kv["rb"].read.remote(name, kv["pa"], NS, tag, [0, 1, 2]))
+    assert [r for r, _ in out] == ["", CORRUPT, ""] and out[0][1] and out[2][1]
+    # the reader reported it: pool A re-verified the block and dropped it
+    again = ray.get(kv["rb"].read.remote("objstore", kv["pa"], NS, tag, [1]))
+    assert again == [(MISSING, False)]
+    assert_consistent(kv["pa"])
+
+
+@pytest.mark.parametrize("name", ["shm", "nixl", "objstore"])
+def test_flipped_byte_in_disk_file_is_a_corrupt_miss(kv: dict[str, Any], name: str) -> None:
+    import ray
+
+    tag = f"disk-{name}"
+    ra = kv["ra"]
+    for first in range(0, 16, 4):  # a batch must fit in the 8 host slots; older ones go to disk
+        assert ray.get(ra.write.remote("shm", kv["pa"], SMALL, tag, list(range(first, first + 4)))) == [""] * 4
+    files = glob.glob(os.path.join(kv["disk"], kv["a"], SMALL, "slot-*.blk"))
+    victim = None
+    for path in files:
+        with open(path, "rb") as f:
+            head = f.read(44)
+        for s in range(16):
+            if head[12:44] == bhash(tag, s):
+                victim, vpath = s, path
+    assert victim is not None, "no block of this test was demoted to disk"
+    with open(vpath, "r+b") as f:
+        f.seek(-3, os.SEEK_END)
+        byte = f.read(1)
+        f.seek(-3, os.SEEK_END)
+        f.write(bytes([byte[0] ^ 0x80]))
+    reader = ra if name == "shm" else kv["rb"]
+    out = ray.get(reader.read.remote(name, kv["pa"], SMALL, tag, [victim]))
+    assert out == [(CORRUPT, False)]
+    st = ray.get(kv["pa"].stats.remote())["namespaces"][SMALL]
+    assert st["tiers"]["disk"]["corrupt"] + st["tiers"]["host"]["corrupt"] >= 1
+    assert_consistent(kv["pa"], SMALL)
+
+
+@pytest.mark.parametrize("name", ["shm", "nixl", "objstore"])
+def test_one_millisecond_deadline_misses_and_releases(kv: dict[str, Any], name: str) -> None:
+    import ray
+
+    out = ray.get(reader_for(kv, name).read.remote(name, kv["pa"], NS, "base", list(range(1000)), 0.001))
+    assert {r for r, _ in out} == {DEADLINE}
+    assert_consistent(kv["pa"], wait_s=1.0)  # a prepare still queued behind finish pins nothing
+
+
+def test_peer_fetch_pins_pulls_verifies_and_keeps_a_local_copy(kv: dict[str, Any]) -> None:
+    import ray
+
+    from kvshare.types import node_location
+
+    rb = kv["rb"]
+    tag = "fetch"
+    ray.get(kv["ra"].write.remote("shm", kv["pa"], NS, tag, list(range(32))))
+    time.sleep(0.3)  # events reach the index (publish interval 50 ms)
+    first = ray.get(rb.fetch.remote(tag, list(range(32)) + [999999], True))
+    assert first["reasons"] == [""] * 32 + [MISSING] and all(first["identical"][:32])
+    assert set(first["served_by"][:32]) == {f"{node_location(kv['a'])}/nixl"}
+    assert first["kept"] == 32
+    assert_consistent(kv["pa"])
+    assert_consistent(kv["pb"])
+    time.sleep(0.3)
+    second = ray.get(rb.fetch.remote(tag, list(range(32)), False))
+    assert second["reasons"] == [""] * 32 and all(second["identical"])
+    assert set(second["served_by"]) == {f"{node_location(kv['b'])}/shm"}  # now local
+
+
+def test_nixl_that_cannot_start_falls_back_to_objstore(kv: dict[str, Any]) -> None:
+    """The source's NIXL agent fails (no tcp in UCX_TLS): nixl reads miss, objstore serves."""
+    import ray
+
+    env = {"env_vars": {"UCX_TLS": "sm,self", "NIXL_LOG_LEVEL": "ERROR"}}
+    small = ray.remote(num_cpus=0)(SmallPool).options(
+        resources={"node_0": 0.1}, runtime_env=env).remote("xfer-nonixl", 64)
+    try:
+        assert "nixl_unavailable" in ray.get(small.stats.remote())["nixl_error"]["xfer-nonixl"]
+        rb = kv["rb"]
+        assert ray.get(rb.write.remote("objstore", small, "xfer-nonixl", "nn", list(range(8)))) == [""] * 8
+        out = ray.get(rb.read.remote("nixl", small, "xfer-nonixl", "nn", list(range(8))))
+        assert {r for r, _ in out} == {NIXL_UNAVAILABLE}
+        out = ray.get(rb.read.remote("objstore", small, "xfer-nonixl", "nn", list(range(8))))
+        assert out == [("", True)] * 8
+        assert_consistent(small)
+        # and a reader whose own NIXL cannot start has no nixl transport at all
+        broken = ray.remote(num_cpus=0)(Reader).options(
+            resources={"node_1": 0.1}, runtime_env=env).remote("broken")
+        assert "nixl_unavailable" in ray.get(broken.info.remote())["nixl_error"]
+        ray.kill(broken)
+    finally:
+        ray.get(small.close.remote())
+        ray.kill(small)
+
+
+def test_source_node_dies_mid_transfer(kv: dict[str, Any]) -> None:
+    """Node X holds blocks; it is removed while B pulls: misses, no wrong bytes, no hang."""
+    import ray
+
+    cluster = kv["cluster"]
+    node = cluster.add_node(num_cpus=1, object_store_memory=200 * 2**20, resources={"node_x": 1})
+    small = ray.remote(num_cpus=0, max_restarts=0)(SmallPool).options(
+        resources={"node_x": 1}).remote("xfer-dies", 1000)
+    rb = kv["rb"]
+    assert ray.get(rb.write.remote("objstore", small, "xfer-dies", "d", list(range(1000)))) == [""] * 1000
+    ray.get(rb.submit.remote("nixl", small, "xfer-dies", "d", list(range(1000)), 10.0))
+    cluster.remove_node(node)
+    t0 = time.monotonic()
+    out = ray.get(rb.collect.remote())
+    assert all(same for r, same in out if r == "")  # whatever arrived is exact
+    assert {r for r, _ in out} <= {"", SOURCE_DEAD}
+    for name in ("nixl", "objstore"):
+        out = ray.get(rb.read.remote(name, small, "xfer-dies", "d", list(range(64)), 10.0))
+        assert {r for r, _ in out} == {SOURCE_DEAD}, name
+    assert time.monotonic() - t0 < 10.0
+    assert_consistent(kv["pb"])
