@@ -123,3 +123,29 @@ def test_registers_and_reports_load_every_100ms(served) -> None:  # type: ignore
         assert rec.infos and rec.infos[0].endpoint == server.endpoint
         ts = [ld.ts for ld in rec.loads[-5:]]
     assert len(ts) == 5 and max(b - a for a, b in zip(ts, ts[1:], strict=False)) < 0.2
+
+
+def test_tenant_salt_gets_its_own_blocks(served) -> None:  # type: ignore[no-untyped-def]
+    server, _, worker = served
+    toks = prompt(3 * BLOCK + 2, seed=31)
+    url = server.endpoint + "/v1/completions"
+
+    def ask(salt: str | None) -> dict:  # type: ignore[type-arg]
+        extra = {"token_ids": toks, "namespace": NS,
+                 "hashes_hex": [h.hex() for h in worker.engine.hashes(toks, salt)]}
+        if salt:
+            extra["cache_salt"] = salt
+        body = {"model": "tiny", "prompt": "x", "max_tokens": 3, "kvshare": extra}
+        r = httpx.post(url, json=body, timeout=30)
+        assert r.status_code == 200, r.text
+        return r.json()  # type: ignore[no-any-return]
+
+    plain = ask(None)
+    first, again = ask("tenant-a"), ask("tenant-a")
+    assert plain["kvshare"]["reused_tokens"] == 0 and first["kvshare"]["reused_tokens"] == 0
+    assert again["kvshare"]["reused_tokens"] == 3 * BLOCK
+    assert again["choices"][0]["token_ids"] == plain["choices"][0]["token_ids"]
+    wrong = {"model": "tiny", "prompt": "x", "max_tokens": 3,
+             "kvshare": {"token_ids": toks, "cache_salt": "tenant-b",
+                         "hashes_hex": [h.hex() for h in worker.engine.hashes(toks, "tenant-a")]}}
+    assert httpx.post(url, json=wrong, timeout=30).status_code == 400

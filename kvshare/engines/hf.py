@@ -93,8 +93,14 @@ class ModelKeys:
     root: BlockHash
     tokenizer: ByteTokenizer | HFTokenizer
 
-    def hashes(self, tokens: Sequence[int]) -> list[BlockHash]:
-        return block_hashes(self.root, tokens, self.layout.block_tokens)
+    def root_for(self, salt: str | None = None) -> BlockHash:
+        """The namespace root for a tenant cache salt (None: the configured one)."""
+        if salt is None:
+            return self.root
+        return model_namespace_root(self.identity, self.layout, salt)
+
+    def hashes(self, tokens: Sequence[int], salt: str | None = None) -> list[BlockHash]:
+        return block_hashes(self.root_for(salt), tokens, self.layout.block_tokens)
 
 
 def model_keys(cfg: EngineConfig) -> ModelKeys:
@@ -140,14 +146,24 @@ class HFEngine:
         self.tokenizer = keys.tokenizer
         self.layout = keys.layout
         self.root = keys.root
+        self._roots: dict[str, BlockHash] = {cfg.tenant_salt: keys.root}
         text = hf_config.get_text_config(decoder=True) if hasattr(hf_config, "get_text_config") else hf_config
         self.vocab_size = int(text.vocab_size)
         self.max_positions = int(getattr(text, "max_position_embeddings", None) or 2**31)
 
     # ------------------------------------------------------------------ keys
-    def hashes(self, tokens: Sequence[int]) -> list[BlockHash]:
-        """Chained hashes of the full blocks of ``tokens`` in this engine's namespace."""
-        return block_hashes(self.root, tokens, self.layout.block_tokens)
+    def root_for(self, salt: str | None = None) -> BlockHash:
+        """The namespace root for a tenant cache salt (None: the engine's configured salt)."""
+        if salt is None:
+            return self.root
+        root = self._roots.get(salt)
+        if root is None:
+            root = self._roots[salt] = model_namespace_root(self.identity, self.layout, salt)
+        return root
+
+    def hashes(self, tokens: Sequence[int], salt: str | None = None) -> list[BlockHash]:
+        """Chained hashes of the full blocks of ``tokens`` (in the tenant ``salt``'s namespace)."""
+        return block_hashes(self.root_for(salt), tokens, self.layout.block_tokens)
 
     def check_tokens(self, tokens: Sequence[int]) -> None:
         """ValueError naming the fix for an empty, too long or out-of-vocabulary prompt."""

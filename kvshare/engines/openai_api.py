@@ -2,11 +2,13 @@
 
 A request routed by the kvshare gateway carries an extra field::
 
-    "kvshare": {"token_ids": [...], "namespace": "...", "hashes_hex": ["..", ...]}
+    "kvshare": {"token_ids": [...], "namespace": "...", "hashes_hex": ["..", ...],
+                "cache_salt": "..."}          # cache_salt: only for salted tenants
 
 Then the worker uses those token ids as the prompt (it never re-tokenizes a routed request);
 the namespace must be the worker's, and the hashes, if given, must be the worker's hashes of
-those tokens (a mismatch means gateway and worker disagree on the model: HTTP 400).
+those tokens under the tenant's cache salt (``cache_salt``, also accepted at the top level as in
+vLLM) (a mismatch means gateway and worker disagree on the model: HTTP 400).
 """
 
 from __future__ import annotations
@@ -39,11 +41,10 @@ class ParsedRequest:
     hashes: list[BlockHash] | None
     routed: bool
     stop_eos: bool
+    salt: str | None = None
 
 
-def _routed_tokens(
-    extra: Any, namespace: str, tok: ByteTokenizer | HFTokenizer
-) -> tuple[list[int], list[BlockHash] | None]:
+def _routed_tokens(extra: Any, namespace: str) -> tuple[list[int], list[BlockHash] | None]:
     if not isinstance(extra, Mapping):
         raise BadRequest("'kvshare' must be an object {token_ids, namespace, hashes_hex}")
     ids = extra.get("token_ids")
@@ -79,7 +80,7 @@ def parse_request(
     hashes: list[BlockHash] | None = None
     extra = body.get("kvshare")
     if extra is not None:
-        tokens, hashes = _routed_tokens(extra, namespace, tokenizer)
+        tokens, hashes = _routed_tokens(extra, namespace)
     elif chat:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
@@ -98,10 +99,15 @@ def parse_request(
             tokens = list(prompt)
         else:
             raise BadRequest("'prompt' must be a non-empty string or list of token ids")
+    salt = body.get("cache_salt")
+    if isinstance(extra, Mapping) and extra.get("cache_salt") is not None:
+        salt = extra["cache_salt"]
+    if salt is not None and not isinstance(salt, str):
+        raise BadRequest("cache_salt must be a string")
     return ParsedRequest(
         chat=chat, model=str(body.get("model", "")), tokens=tokens, max_tokens=max_tokens,
         stream=bool(body.get("stream", False)), hashes=hashes, routed=extra is not None,
-        stop_eos=not bool(body.get("ignore_eos", False)),
+        stop_eos=not bool(body.get("ignore_eos", False)), salt=salt or None,
     )
 
 

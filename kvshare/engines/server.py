@@ -110,7 +110,7 @@ def create_app(
 
         try:
             stops = (eos,) if req.stop_eos and eos >= 0 else ()
-            return worker.generate(req.tokens, req.max_tokens, hashes=req.hashes,
+            return worker.generate(req.tokens, req.max_tokens, hashes=req.hashes, salt=req.salt,
                                    stop_ids=stops, on_token=on_token, on_prefill=on_prefill)
         finally:
             if not prefilled[0]:
@@ -119,7 +119,7 @@ def create_app(
 
     def admit(req: ParsedRequest) -> None:
         if req.hashes is not None:
-            mine = worker.engine.hashes(req.tokens)
+            mine = worker.engine.hashes(req.tokens, req.salt)
             if list(req.hashes) != mine[: len(req.hashes)] or len(req.hashes) > len(mine):
                 raise BadRequest(
                     "kvshare.hashes_hex do not match this worker's hashes of token_ids: the "

@@ -116,7 +116,8 @@ class ReferenceWorker:
         return kv, result.loaded_blocks * self.engine.layout.block_tokens
 
     def _store(
-        self, tokens: Sequence[int], cache: Any, start_block: int, stores: list[Future[StoreResult]]
+        self, tokens: Sequence[int], cache: Any, start_block: int,
+        stores: list[Future[StoreResult]], salt: str | None,
     ) -> None:
         if self.client is None or not self.store_enabled:
             return
@@ -126,7 +127,9 @@ class ReferenceWorker:
         if n <= start_block:
             return
         try:
-            fut = self.client.store(tokens[: n * B], cache_layers(cache), start_block)
+            full = tokens[: n * B]
+            fut = self.client.store(full, cache_layers(cache), start_block,
+                                    self.engine.hashes(full, salt))
         except Exception as exc:
             log.warning("store failed: %s", exc)
             self.counters.add("store_errors")
@@ -150,12 +153,15 @@ class ReferenceWorker:
         max_new_tokens: int = 16,
         *,
         hashes: Sequence[BlockHash] | None = None,
+        salt: str | None = None,
         stop_ids: Sequence[int] | None = None,
         on_token: Callable[[int], None] | None = None,
         on_prefill: Callable[[RequestStats], None] | None = None,
     ) -> Completion:
         """Greedy completion of ``tokens``.
 
+        ``hashes``: the prompt's block hashes if the caller has them (the gateway sends them);
+        ``salt``: the tenant's cache salt (its blocks live in their own namespace root).
         ``on_prefill`` sees the request's stats once the prompt is prefilled (before the first
         token); ``on_token`` sees each token as it is produced.
         """
@@ -163,7 +169,7 @@ class ReferenceWorker:
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         if hashes is None:
-            hashes = self.engine.hashes(tokens)
+            hashes = self.engine.hashes(tokens, salt)
         stops = tuple(stop_ids) if stop_ids is not None else (self.engine.tokenizer.eos_id,)
         with self._lock:
             start = time.perf_counter()
@@ -181,12 +187,13 @@ class ReferenceWorker:
             for i, tok in enumerate(self.engine.greedy(pre, len(tokens), max_new_tokens, stops)):
                 if i == 0:
                     stats.ttft_s = time.perf_counter() - start
-                    self._store(tokens, pre.cache, stats.loaded_blocks, stores)
+                    self._store(tokens, pre.cache, stats.loaded_blocks, stores, salt)
                 out.append(tok)
                 if on_token is not None:
                     on_token(tok)
             full = list(tokens) + out
-            self._store(full, pre.cache, len(tokens) // self.engine.layout.block_tokens, stores)
+            self._store(full, pre.cache, len(tokens) // self.engine.layout.block_tokens, stores,
+                        salt)
             self._count(stats)
             return Completion(out, stats, first_logits, stores)
 
