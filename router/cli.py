@@ -55,6 +55,11 @@ def register(subparsers: Any) -> None:
     gw.add_argument("--api-keys", default=None,
                     help="JSON file {api_key: {tenant, salt}}; without it any key is tenant 'default'")
     gw.add_argument("--block-tokens", type=int, default=256)
+    gw.add_argument("--model-id", default="model", help="model identity the workers hash with")
+    gw.add_argument("--layout-fingerprint", default="", help="KVLayout.fingerprint() of the workers")
+    gw.add_argument("--engine-config", default=None,
+                    help="JSON of kvshare.engines.hf.EngineConfig fields (e.g. '{}'): tokenize and "
+                    "hash exactly like the reference workers (identity, layout, tokenizer)")
     gw.set_defaults(func=_gateway)
 
 
@@ -82,7 +87,8 @@ def _sim(args: argparse.Namespace) -> int:
     if args.parquet:
         write_parquet(args.parquet, rows)
     if args.plot:
-        per_node = [cfg.host_tokens // 4, cfg.host_tokens // 2, cfg.host_tokens, cfg.host_tokens * 2]
+        per_node = [cfg.host_tokens // 30, cfg.host_tokens // 10, cfg.host_tokens // 3,
+                    cfg.host_tokens, cfg.host_tokens * 2]
         curve: dict[str, list[tuple[float, float]]] = {
             "global_lru": [(c, global_lru(requests, replace(cfg, host_tokens=c))) for c in per_node]
         }

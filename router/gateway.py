@@ -280,8 +280,18 @@ def serve_from_args(args: argparse.Namespace) -> int:
         workers: Any = IndexWorkers(index)
     else:
         workers = static_workers(args.workers, args.namespace)
-    cfg = RouterConfig(namespace=args.namespace, block_tokens=args.block_tokens, policy=args.policy)
-    router = CacheAwareRouter(index, workers, cfg)
+    tokenizer = None
+    if args.engine_config:
+        from kvshare.engines.hf import EngineConfig, model_keys
+
+        keys = model_keys(EngineConfig(**json.loads(args.engine_config)))
+        cfg = RouterConfig.from_model_keys(keys, namespace=args.namespace, policy=args.policy)
+        tokenizer = keys.tokenizer
+    else:
+        cfg = RouterConfig(namespace=args.namespace, block_tokens=args.block_tokens,
+                           policy=args.policy, model_id=args.model_id,
+                           layout_fingerprint=args.layout_fingerprint)
+    router = CacheAwareRouter(index, workers, cfg, tokenizer)
     app = create_app(router, load_api_keys(args.api_keys))
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0

@@ -266,3 +266,31 @@ def test_kvshare_gateway_command_serves_static_workers(worker_urls: list[str], t
     finally:
         proc.terminate()
         proc.wait(timeout=10)
+
+
+def test_gateway_drives_the_reference_worker_without_retokenizing() -> None:
+    """Gateway -> real reference worker (random-init tiny Llama on CPU): the worker accepts
+    the forwarded token ids and hashes (it rejects hashes that are not its own with 400)."""
+    from kvshare.engines.hf import EngineConfig, HFEngine
+    from kvshare.engines.server import WorkerServer
+    from kvshare.engines.worker import ReferenceWorker
+
+    cfg = EngineConfig(overrides={"num_hidden_layers": 1}, block_tokens=16)
+    engine = HFEngine(cfg)
+    server = WorkerServer(ReferenceWorker(engine, None),
+                          WorkerInfo(WorkerId("ref0"), NodeId("n0"), (NS,)), model_name=NS)
+    endpoint = server.start()
+    router = CacheAwareRouter(
+        None, StaticWorkers([WorkerInfo(WorkerId("ref0"), NodeId("n0"), (NS,), endpoint)]),
+        RouterConfig.from_model_keys(engine.keys, namespace=NS), engine.keys.tokenizer)
+    gw = Gateway(create_app(router, parse_api_keys(KEYS)))
+    try:
+        for key in ("key-acme", "key-globex"):  # two tenants, two salts: both accepted
+            out = client(gw, key).completions.create(model=NS, prompt=PROMPT, max_tokens=3)
+            assert out.usage is not None and out.usage.prompt_tokens == len(PROMPT.encode())
+        chat = client(gw).chat.completions.create(
+            model=NS, messages=[{"role": "user", "content": PROMPT}], max_tokens=2, stream=True)
+        assert sum(1 for _ in chat) >= 1
+    finally:
+        gw.close()
+        server.stop()

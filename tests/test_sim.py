@@ -48,6 +48,13 @@ def test_read_trace_rejects_bad_input(tmp_path: Path) -> None:
         read_trace(tmp_path / "missing.jsonl")
 
 
+def test_global_lru_reproduces_the_published_single_lru_figures() -> None:
+    # SOURCES.md: one LRU over the synthetic trace, arrival order: 1M 0.145, 3M 0.315, 10M 0.577
+    reqs = read_trace(SYNTH)
+    for cap, published in ((1_000_000, 0.145), (3_000_000, 0.315), (10_000_000, 0.577)):
+        assert global_lru(reqs, ClusterConfig(), cap) == pytest.approx(published, abs=0.002)
+
+
 def test_index_matches_the_pools_after_a_replay() -> None:
     cfg = ClusterConfig(workers=4, host_tokens=200_000)
     reqs = read_trace(DYNAMO, limit=300)
