@@ -132,3 +132,17 @@ def test_plan_is_serialisable() -> None:
     plan = Plan("ns", 40, 16, (h, h), 2, (PlannedBlock(h, "node:a", Tier.HOST, "shm"),), "x")
     again = Plan.from_dict(json.loads(json.dumps(plan.to_dict())))
     assert again == plan and again.load_tokens == 16 and again.by_transport() == {"shm": 1}
+
+
+def test_cost_cut_loads_when_fetching_beats_recompute() -> None:
+    from kvshare.engines.cost_cut import CostCut
+
+    layout = KVLayout(4, 4, 64, "fp32", block_tokens=256)
+    slow_compute = CostCut(layout, [(1000, 0, 0.5), (4000, 0, 2.5), (2000, 2000, 1.5)])
+    assert slow_compute(4096, ["local_host"] * 8 + ["remote_disk"] * 8) == 16
+    tiny_net = CostCut(layout, [(1000, 0, 1e-6), (4000, 0, 4e-6)],
+                       bandwidths={"nixl": 1e3, "shm": 1e3, "disk": 1e3})
+    assert tiny_net(4096, ["remote_host"] * 16) == 0  # 2 MiB at 1 kB/s: recompute instead
+    for _ in range(20):
+        tiny_net.observe(1000, 0, 10.0)  # live timings say compute got slow: refit
+    assert tiny_net.model.prefill.a > 1e-3

@@ -105,6 +105,7 @@ def test_own_node_host_tier(env: Env) -> None:
     request = shared + prompt(9, seed=102)
     res = env.run("B", request)
     assert res["reused_tokens"] == 5 * BLOCK and set(res["bytes_by_transport"]) == {"shm"}
+    assert res["bytes_by_tier"] == {"host": 5 * env.engine.layout.bytes_per_block}
     same(res, env.reference(request))
 
 
@@ -117,6 +118,7 @@ def test_own_node_disk_tier(env: Env) -> None:
     request = shared + prompt(5, seed=202)
     res = env.run("B", request)
     assert res["reused_tokens"] == 4 * BLOCK and set(res["bytes_by_transport"]) == {"shm"}
+    assert res["bytes_by_tier"] == {"disk": 4 * env.engine.layout.bytes_per_block}
     same(res, env.reference(request))
 
 

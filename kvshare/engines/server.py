@@ -87,7 +87,8 @@ def _kv_summary(c: Completion) -> dict[str, Any]:
     return {"reused_tokens": s.reused_tokens, "computed_tokens": s.computed_tokens,
             "loaded_blocks": s.loaded_blocks, "planned_blocks": s.planned_blocks,
             "ttft_s": s.ttft_s, "load_s": s.load_s, "prefill_s": s.prefill_s,
-            "bytes_by_transport": s.bytes_by_transport, "misses": s.misses, "plan": s.plan}
+            "bytes_by_transport": s.bytes_by_transport, "bytes_by_tier": s.bytes_by_tier,
+            "misses": s.misses, "plan": s.plan}
 
 
 def create_app(

@@ -19,6 +19,7 @@ from typing import Any
 
 from kvshare.client import CutPolicy, KVShareClient, load_everything
 from kvshare.client_types import SOURCE_NIXL
+from kvshare.engines.cost_cut import CostCut, calibrate
 from kvshare.engines.hf import EngineConfig, HFEngine
 from kvshare.engines.server import WorkerServer
 from kvshare.engines.worker import Completion, ReferenceWorker
@@ -34,7 +35,8 @@ def completion_dict(c: Completion, with_logits: bool = False) -> dict[str, Any]:
         "reused_tokens": s.reused_tokens, "computed_tokens": s.computed_tokens,
         "planned_blocks": s.planned_blocks, "loaded_blocks": s.loaded_blocks,
         "ttft_s": s.ttft_s, "lookup_s": s.lookup_s, "load_s": s.load_s, "prefill_s": s.prefill_s,
-        "bytes_by_transport": dict(s.bytes_by_transport), "misses": dict(s.misses),
+        "bytes_by_transport": dict(s.bytes_by_transport), "bytes_by_tier": dict(s.bytes_by_tier),
+        "misses": dict(s.misses),
         "plan": dict(s.plan),
     }
     if with_logits and c.first_logits is not None:
@@ -54,7 +56,7 @@ class WorkerService:
         connect: bool = True,
         serve_http: bool = True,
         remote: str = SOURCE_NIXL,
-        cut_policy: CutPolicy = load_everything,
+        cut_policy: CutPolicy | str = "cost",
         model_name: str = "",
         host: str = "127.0.0.1",
         port: int = 0,
@@ -65,6 +67,11 @@ class WorkerService:
         self.engine = HFEngine(engine or EngineConfig())
         self.client: KVShareClient | None = None
         node = "local"
+        if cut_policy == "cost":  # the router's cost model, fitted to this engine's timings
+            fitted = CostCut.try_create(self.engine.layout, samples=calibrate(self.engine))
+            cut_policy = fitted if fitted is not None else load_everything
+        elif isinstance(cut_policy, str):
+            raise ValueError(f"cut_policy must be 'cost' or a callable, got {cut_policy!r}")
         if connect:
             self.client = KVShareClient.connect(
                 namespace, self.engine.layout, self.engine.root, worker_id=self.worker_id,

@@ -39,6 +39,7 @@ class RequestStats:
     prefill_s: float = 0.0
     ttft_s: float = 0.0
     bytes_by_transport: dict[str, int] = field(default_factory=dict)
+    bytes_by_tier: dict[str, int] = field(default_factory=dict)
     misses: dict[str, int] = field(default_factory=dict)
     plan: dict[str, Any] = field(default_factory=dict)
 
@@ -113,6 +114,10 @@ class ReferenceWorker:
             stats.misses[key] = stats.misses.get(key, 0) + 1
         stats.loaded_blocks = result.loaded_blocks
         stats.bytes_by_transport = result.bytes_by_transport()
+        for o in result.outcomes:
+            if o.ok:
+                tier = plan.blocks[o.index].tier.value
+                stats.bytes_by_tier[tier] = stats.bytes_by_tier.get(tier, 0) + o.nbytes
         return kv, result.loaded_blocks * self.engine.layout.block_tokens
 
     def _store(
@@ -179,6 +184,9 @@ class ReferenceWorker:
             del kv
             stats.reused_tokens, stats.computed_tokens = pre.reused_tokens, pre.computed_tokens
             stats.prefill_s = pre.seconds
+            observe = getattr(getattr(self.client, "cut_policy", None), "observe", None)
+            if callable(observe):  # a cost-model cut policy learns from live timings
+                observe(pre.computed_tokens, pre.reused_tokens, pre.seconds)
             if on_prefill is not None:
                 on_prefill(stats)
             stores: list[Future[StoreResult]] = []
@@ -206,6 +214,8 @@ class ReferenceWorker:
         c.add("blocks_loaded", s.loaded_blocks)
         for transport, n in s.bytes_by_transport.items():
             c.add(f"bytes_loaded_{transport}", n)
+        for tier, n in s.bytes_by_tier.items():
+            c.add(f"bytes_loaded_tier_{tier}", n)
         for reason, n in s.misses.items():
             c.add(f"miss_{reason}", n)
         c.add("ttft_s_sum", s.ttft_s)

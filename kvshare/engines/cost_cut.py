@@ -1,0 +1,94 @@
+"""The worker's cut point from the router's cost model, fitted to this worker's own timings.
+
+``router.cost`` (the transfer-vs-recompute model the router scores workers with) is imported
+lazily, so ``kvshare`` keeps no hard dependency on ``router``; without it the policy loads
+every available block. The prefill model ``a*n + b*n*(c + n/2)`` is fitted from a short
+calibration at start and refitted from live prefill timings (:meth:`CostCut.observe`).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from collections.abc import Mapping, Sequence
+from importlib import import_module
+from typing import Any
+
+from kvshare.layout import KVLayout
+
+log = logging.getLogger(__name__)
+
+
+class CostCut:
+    """A :data:`kvshare.client.CutPolicy`: the cut ``k`` minimising fetch + prefill time."""
+
+    def __init__(
+        self,
+        layout: KVLayout,
+        samples: Sequence[tuple[float, float, float]] = (),
+        bandwidths: Mapping[str, float] | None = None,
+        *,
+        refit_every: int = 16,
+        max_samples: int = 256,
+    ) -> None:
+        self.layout = layout
+        self._cost: Any = import_module("router.cost")
+        self._bw = self._cost.Bandwidths.from_measured(dict(bandwidths or {}))
+        self._samples: deque[tuple[float, float, float]] = deque(samples, maxlen=max_samples)
+        self._lock = threading.Lock()
+        self._since_fit = 0
+        self.refit_every = refit_every
+        self._model: Any = None
+        self._refit()
+
+    @classmethod
+    def try_create(cls, layout: KVLayout, **kwargs: Any) -> CostCut | None:
+        """A CostCut, or None when ``router.cost`` is not importable (then load everything)."""
+        try:
+            return cls(layout, **kwargs)
+        except ImportError as exc:
+            log.info("router.cost not available (%s): loading every cached block", exc)
+            return None
+
+    def _refit(self) -> None:
+        cost = self._cost
+        try:
+            prefill = cost.PrefillModel.fit(list(self._samples))
+        except ValueError:
+            prefill = cost.PrefillModel.from_tokens_per_s(5_000.0)
+        self._model = cost.CostModel(prefill, self._bw, self.layout.block_tokens,
+                                     self.layout.bytes_per_token)
+
+    @property
+    def model(self) -> Any:
+        """The current ``router.cost.CostModel``."""
+        return self._model
+
+    def observe(self, new_tokens: int, cached_tokens: int, seconds: float) -> None:
+        """Record one prefill timing; the model is refitted every ``refit_every`` samples."""
+        if new_tokens <= 0 or seconds <= 0:
+            return
+        with self._lock:
+            self._samples.append((float(new_tokens), float(cached_tokens), float(seconds)))
+            self._since_fit += 1
+            if self._since_fit >= self.refit_every:
+                self._since_fit = 0
+                self._refit()
+
+    def __call__(self, prompt_tokens: int, sources: Sequence[str]) -> int:
+        if not sources:
+            return 0
+        src = self._cost.Source
+        plan = self._model.plan(prompt_tokens, [src[s.upper()] for s in sources])
+        return int(plan.cut)
+
+
+def calibrate(engine: Any, sizes: Sequence[int] = (128, 512, 1024)) -> list[tuple[float, float, float]]:
+    """Prefill timings ``(new, cached, seconds)`` of a few cold prompts on ``engine``."""
+    out = []
+    for n in sizes:
+        tokens = [(7 * i) % 256 for i in range(n)]
+        pre = engine.prefill(tokens)
+        out.append((float(pre.computed_tokens), 0.0, pre.seconds))
+    return out
