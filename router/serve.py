@@ -1,0 +1,491 @@
+"""kvshare routing as a Ray Serve request router.
+
+A Serve user switches a deployment to kvshare routing with one config line::
+
+    @serve.deployment(request_router_config=RequestRouterConfig(
+        request_router_class="router.serve:KVShareRequestRouter"))
+
+Each replica registers with the kvshare index as a worker whose id is
+:func:`replica_worker_id` of its Serve replica id, on its Ray node (``examples/serve_app.py``
+does it). For every request the router
+
+1. reads the prompt from the request arguments (:func:`extract_prompt`): block hashes if the
+   caller already computed them, else token ids, else text (tokenized with the tokenizer the
+   workers registered, so the router hashes exactly what the workers store);
+2. asks the index which locations hold the prefix (``match_async``, bounded by
+   ``index_timeout_s``; never a blocking ``ray.get`` on the event loop) and the workers' load
+   reports, and overlays the blocks its own recent decisions are about to create;
+3. maps ``worker:<id>`` (a replica's own cache) and ``node:<node id>`` (that node's pool) to
+   replicas, ranks them with kvshare's ``cost`` policy (estimated TTFT: queue + fetch +
+   prefill of the rest) and returns one replica per rank, so Serve still skips a full replica.
+
+If the index is not deployed, unreachable or slower than the deadline, or the request carries
+no prompt, the router uses Serve's own power-of-two choice and counts the fallback. Replicas
+added, removed or dead reach it through ``update_replicas`` / ``on_replica_actor_died``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ray.exceptions import RayError
+from ray.serve._private.common import ReplicaID
+from ray.serve._private.request_router.common import PendingRequest
+from ray.serve._private.request_router.pow_2_router import PowerOfTwoChoicesRequestRouter
+from ray.serve._private.request_router.replica_wrapper import RunningReplica
+from ray.serve._private.request_router.request_router import (
+    LocalityMixin,
+    MultiplexMixin,
+    RequestRouter,
+)
+from ray.util import metrics
+
+from kvshare.engines.tokenizer import ByteTokenizer, HFTokenizer, tokenizer_from_spec
+from kvshare.hashing import block_hashes
+from kvshare.match import MatchResult
+from kvshare.types import BlockHash, NodeId, Tier, WorkerId, node_location
+from kvshare.workers import WorkerInfo, WorkerLoad
+from router.cost import Bandwidths, CostModel, PrefillModel
+from router.pending import PendingBlocks
+from router.policy import Candidate, Policy, RouteRequest, make_policy
+from router.sources import Sharing, SourceMap
+
+log = logging.getLogger("ray.serve")
+
+# Keys of WorkerInfo.meta a Serve replica publishes so the router hashes what workers store.
+META_ROOT = "root_hex"
+META_BLOCK_TOKENS = "block_tokens"
+META_BYTES_PER_TOKEN = "bytes_per_token"
+META_TOKENIZER = "tokenizer"
+META_SHARING = "sharing"  # "local": the worker loads only its own node's blocks
+
+
+def replica_worker_id(replica_id: ReplicaID) -> WorkerId:
+    """The kvshare worker id of a Serve replica: ``serve.<app>#<deployment>#<unique id>``.
+
+    The index does not allow ':' in worker ids, so Serve's full id prefix is dropped and any
+    ':' left in an app or deployment name becomes '_'.
+    """
+    full = replica_id.to_full_id_str().removeprefix("SERVE_REPLICA::")
+    return WorkerId("serve." + full.replace(":", "_"))
+
+
+@dataclass(frozen=True)
+class ServeRouterSettings:
+    """``request_router_kwargs`` of :class:`KVShareRequestRouter` (all optional).
+
+    ``namespace``: the kvshare namespace to route in ('' = the one the replicas registered).
+    ``sharing``: ``global`` (workers pull blocks from any node) or ``local`` (only from their
+    own node); '' = what the workers registered (``WorkerInfo.meta["sharing"]``), else global.
+    ``index_timeout_s``: deadline for the index answer before falling back to power of two.
+    ``pending_ttl_s``: how long a routed prefix counts as held by its replica before the index
+    confirms it. ``prefill_tokens_per_s``: prefill speed assumed until workers report one.
+    ``bandwidths``: measured bytes/s by transport (``shm``, ``disk``, ``nixl``, ...).
+    ``spill_ratio``: on a request's first routing pass, replicas estimated more than this
+    fraction slower than the best are held back (tried on the next pass).
+    """
+
+    namespace: str = ""
+    policy: str = "cost"
+    sharing: str = ""
+    ray_namespace: str = "kvshare"
+    index_timeout_s: float = 0.1
+    connect_retry_s: float = 2.0
+    workers_refresh_s: float = 1.0
+    pending_ttl_s: float = 10.0
+    spill_ratio: float = 0.5
+    prefill_tokens_per_s: float = 4000.0
+    bytes_per_token: int = 0
+    bandwidths: Mapping[str, float] | None = None
+
+    def __post_init__(self) -> None:
+        if self.index_timeout_s <= 0 or self.pending_ttl_s <= 0:
+            raise ValueError("index_timeout_s and pending_ttl_s must be positive seconds")
+        if self.prefill_tokens_per_s <= 0:
+            raise ValueError("prefill_tokens_per_s must be positive")
+        if self.sharing:
+            Sharing(self.sharing)  # ValueError naming the bad value
+
+    @classmethod
+    def from_kwargs(cls, kwargs: Mapping[str, Any]) -> ServeRouterSettings:
+        known = set(cls.__dataclass_fields__)
+        bad = sorted(set(kwargs) - known)
+        if bad:
+            raise ValueError(f"unknown request_router_kwargs {bad}: use some of {sorted(known)}")
+        return cls(**dict(kwargs))
+
+
+@dataclass(frozen=True)
+class PromptInput:
+    """What the router found in a request: hashes, token ids or text (first found wins)."""
+
+    namespace: str | None = None
+    hashes: tuple[BlockHash, ...] | None = None
+    tokens: tuple[int, ...] | None = None
+    text: str | None = None
+    messages: tuple[Mapping[str, Any], ...] | None = None
+
+
+def _get(obj: Any, key: str) -> Any:
+    if isinstance(obj, Mapping):
+        return obj.get(key)
+    return getattr(obj, key, None)
+
+
+def _prompt_from(obj: Any) -> PromptInput | None:
+    """Look for kvshare's routed fields, then OpenAI-style ``prompt``/``messages``."""
+    extra = _get(obj, "kvshare")
+    src = extra if extra is not None else obj
+    ns = _get(src, "namespace")
+    ns = ns if isinstance(ns, str) else None
+    hexes = _get(src, "hashes_hex")
+    tokens = _get(src, "token_ids")
+    if tokens is None:
+        tokens = _get(src, "prompt_token_ids")
+    hashes = None
+    if isinstance(hexes, list | tuple) and hexes:
+        try:
+            hashes = tuple(BlockHash(bytes.fromhex(h)) for h in hexes)
+        except (TypeError, ValueError):
+            hashes = None
+    tok = tuple(int(t) for t in tokens) if isinstance(tokens, list | tuple) and tokens else None
+    if hashes is not None or tok is not None:
+        return PromptInput(ns, hashes, tok)
+    messages = _get(obj, "messages")
+    if isinstance(messages, list | tuple) and messages:
+        msgs = tuple(m if isinstance(m, Mapping) else _as_dict(m) for m in messages)
+        return PromptInput(ns, messages=msgs)
+    prompt = _get(obj, "prompt")
+    if isinstance(prompt, list) and len(prompt) == 1:
+        prompt = prompt[0]
+    if isinstance(prompt, str) and prompt:
+        return PromptInput(ns, text=prompt)
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+        return PromptInput(ns, tokens=tuple(prompt))
+    return None
+
+
+def _as_dict(message: Any) -> dict[str, Any]:
+    dump = getattr(message, "model_dump", None)
+    if callable(dump):
+        return dict(dump())
+    return {"role": getattr(message, "role", None), "content": getattr(message, "content", "")}
+
+
+def extract_prompt(args: Sequence[Any], kwargs: Mapping[str, Any]) -> PromptInput | None:
+    """The prompt of a Serve request: the first argument (positional, then keyword) that has
+    kvshare routed fields (``kvshare: {token_ids, hashes_hex, namespace}`` or those fields
+    directly), ``messages`` or ``prompt``; dicts and objects (e.g. pydantic) alike."""
+    for arg in (*args, *kwargs.values()):
+        found = _prompt_from(arg)
+        if found is not None:
+            return found
+    return None
+
+
+@dataclass(frozen=True)
+class _Hashing:
+    """How the registered workers hash prompts (learned from their WorkerInfo.meta)."""
+
+    root: BlockHash
+    block_tokens: int
+    bytes_per_token: int
+    tokenizer: ByteTokenizer | HFTokenizer
+    sharing: Sharing
+
+    @classmethod
+    def from_meta(cls, meta: Mapping[str, str]) -> _Hashing | None:
+        try:
+            return cls(BlockHash(bytes.fromhex(meta[META_ROOT])), int(meta[META_BLOCK_TOKENS]),
+                       int(meta.get(META_BYTES_PER_TOKEN, "0")),
+                       tokenizer_from_spec(json.loads(meta[META_TOKENIZER])),
+                       Sharing(meta.get(META_SHARING, "global")))
+        except (KeyError, ValueError):
+            return None
+
+    def tokens_of(self, prompt: PromptInput) -> list[int] | None:
+        if prompt.tokens is not None:
+            return list(prompt.tokens)
+        if prompt.messages is not None:
+            return self.tokenizer.apply_chat_template(prompt.messages)
+        if prompt.text is not None:
+            return self.tokenizer.encode(prompt.text)
+        return None
+
+
+class KVShareRequestRouter(LocalityMixin, MultiplexMixin, RequestRouter):
+    """Ray Serve request router ranking replicas with kvshare's cost policy (module docstring)."""
+
+    def initialize_state(self, **kwargs: Any) -> None:
+        """Called by Serve with ``request_router_kwargs`` (see :class:`ServeRouterSettings`).
+
+        Runs on Serve's event loop: nothing here blocks; the index is connected lazily.
+        """
+        self.settings = ServeRouterSettings.from_kwargs(kwargs)
+        self._client: Any = None
+        self._connect_task: asyncio.Task[Any] | None = None
+        self._next_connect = 0.0
+        self._workers: dict[WorkerId, WorkerInfo] = {}
+        self._workers_at = -1e9
+        self._hashing: dict[str, _Hashing] = {}
+        self._pending = PendingBlocks(self.settings.pending_ttl_s)
+        self._policy: Policy | None = None
+        self._cost_key: tuple[int, int, float, Sharing] | None = None
+        # replica -> [(routed at, tokens it will compute)] not yet visible in its load reports
+        self._routed: dict[WorkerId, list[tuple[float, int]]] = {}
+        self._inflight: dict[str, tuple[WorkerId, int]] = {}  # internal request id -> blocks
+        self._last: dict[str, tuple[str, tuple[BlockHash, ...], int]] = {}
+        self.counters: dict[str, int] = {}
+        # Serve pickles this module by value into each handle's process, so counters go out
+        # as Ray metrics (Prometheus), not through a module-level registry.
+        self._metric = metrics.Counter(
+            "kvshare_serve_routing_total", description="kvshare Serve routing outcomes by reason",
+            tag_keys=("deployment", "application", "reason"),
+        ).set_default_tags({"deployment": self._deployment_id.name,
+                            "application": self._deployment_id.app_name})
+        log.info("kvshare request router for %s: %s", self._deployment_id, self.settings)
+
+    # ------------------------------------------------------------------ stats
+    def _count(self, key: str) -> None:
+        n = self.counters[key] = self.counters.get(key, 0) + 1
+        self._metric.inc(tags={"reason": key})
+        if key.startswith("fallback") and n % 100 == 1:
+            log.info("kvshare routing fell back to power of two (%s, %d times)", key, n)
+
+    def stats(self) -> dict[str, Any]:
+        """Decisions by reason, fallbacks by cause, known workers and replicas."""
+        return {"counters": dict(self.counters), "workers": len(self._workers),
+                "replicas": len(self._replicas), "index_connected": self._client is not None}
+
+    # ------------------------------------------------------------------ index access
+    async def _index(self) -> Any:
+        """The index client, or None while it is not (yet) reachable; never blocks."""
+        if self._client is not None:
+            return self._client
+        now = time.monotonic()
+        if self._connect_task is None and now >= self._next_connect:
+            from actors.index_client import IndexClient
+
+            self._connect_task = asyncio.get_running_loop().create_task(asyncio.to_thread(
+                IndexClient.connect, self.settings.ray_namespace, self.settings.index_timeout_s))
+        task = self._connect_task
+        if task is None:
+            return None
+        try:
+            self._client = await asyncio.wait_for(asyncio.shield(task), self.settings.index_timeout_s)
+            self._connect_task = None
+        except TimeoutError:
+            return None
+        except Exception as exc:  # not deployed yet, or restarting: retry later
+            log.info("kvshare index not reachable (%s); retrying in %.1f s", exc,
+                     self.settings.connect_retry_s)
+            self._connect_task = None
+            self._next_connect = now + self.settings.connect_retry_s
+        return self._client
+
+    async def _refresh_workers(self, client: Any) -> None:
+        now = time.monotonic()
+        known = all(replica_worker_id(r) in self._workers for r in self._replica_id_set)
+        if known and now - self._workers_at < self.settings.workers_refresh_s:
+            return
+        infos = await client.workers_async()
+        self._workers = {w.worker_id: w for w in infos}
+        self._workers_at = now
+        for w in infos:
+            for ns in w.namespaces:
+                if ns not in self._hashing and (h := _Hashing.from_meta(w.meta)) is not None:
+                    self._hashing[ns] = h
+
+    def _namespace(self, prompt: PromptInput) -> str | None:
+        if prompt.namespace:
+            return prompt.namespace
+        if self.settings.namespace:
+            return self.settings.namespace
+        mine = {ns for r in self._replica_id_set
+                if (w := self._workers.get(replica_worker_id(r))) is not None for ns in w.namespaces}
+        return next(iter(mine)) if len(mine) == 1 else None
+
+    def _policy_for(self, hashing: _Hashing, loads: Mapping[WorkerId, WorkerLoad]) -> Policy:
+        speeds = sorted(ld.prefill_tokens_per_s for ld in loads.values() if ld.prefill_tokens_per_s > 0)
+        tps = speeds[len(speeds) // 2] if speeds else self.settings.prefill_tokens_per_s
+        bpt = hashing.bytes_per_token or self.settings.bytes_per_token or 1
+        sharing = Sharing(self.settings.sharing or hashing.sharing)
+        key = (hashing.block_tokens, bpt, round(tps, -1), sharing)
+        if self._policy is None or key != self._cost_key:
+            bw = Bandwidths.from_measured(dict(self.settings.bandwidths or {}))
+            cost = CostModel(PrefillModel.from_tokens_per_s(tps), bw, hashing.block_tokens, bpt)
+            if self._policy is None:
+                self._policy = make_policy(self.settings.policy, cost, sharing)
+            else:
+                self._policy.cost = cost
+                self._policy.sharing = sharing
+            self._cost_key = key
+        return self._policy
+
+    # ------------------------------------------------------------------ choosing
+    async def choose_replicas(
+        self,
+        candidate_replicas: list[RunningReplica],
+        pending_request: PendingRequest | None = None,
+    ) -> list[list[RunningReplica]]:
+        """Replicas ranked by kvshare's policy (one per rank), or power of two as fallback."""
+        ranked = None
+        if pending_request is not None and candidate_replicas:
+            try:
+                ranked = await self._rank(candidate_replicas, pending_request)
+            except Exception as exc:  # routing is advisory: never fail a request over it
+                log.warning("kvshare routing failed, using power of two: %r", exc)
+                self._count("fallback_error")
+        if ranked:
+            return ranked
+        return await PowerOfTwoChoicesRequestRouter.choose_replicas(
+            self,  # type: ignore[arg-type]  # same mixins, Serve's own pattern
+            candidate_replicas=candidate_replicas, pending_request=pending_request)
+
+    async def _rank(
+        self, replicas: list[RunningReplica], pr: PendingRequest
+    ) -> list[list[RunningReplica]] | None:
+        if pr.metadata.multiplexed_model_id:
+            allowed = self.apply_multiplex_routing(pending_request=pr)
+            replicas = [r for r in replicas if r.replica_id in allowed]
+            if not replicas:
+                return None
+        prompt = extract_prompt(pr.args, pr.kwargs)
+        if prompt is None:  # e.g. a control method: nothing to match
+            self._count("no_prompt")
+            return None
+        client = await self._index()
+        if client is None:
+            self._count("fallback_index_unreachable")
+            return None
+        try:
+            return await asyncio.wait_for(self._rank_with(client, replicas, prompt, pr),
+                                          self.settings.index_timeout_s)
+        except TimeoutError:
+            self._count("fallback_index_slow")
+        except RayError as exc:
+            log.info("kvshare index unavailable, using power of two: %s", exc)
+            self._count("fallback_index_unavailable")
+        return None
+
+    async def _rank_with(
+        self, client: Any, replicas: list[RunningReplica], prompt: PromptInput, pr: PendingRequest
+    ) -> list[list[RunningReplica]] | None:
+        await self._refresh_workers(client)
+        namespace = self._namespace(prompt)
+        hashing = self._hashing.get(namespace) if namespace else None
+        if namespace is None or hashing is None:
+            self._count("fallback_unknown_namespace")
+            return None
+        tokens = hashing.tokens_of(prompt)
+        hashes = prompt.hashes
+        if hashes is None:
+            if tokens is None:
+                self._count("fallback_no_prompt")
+                return None
+            hashes = tuple(block_hashes(hashing.root, tokens, hashing.block_tokens))
+        num_tokens = len(tokens) if tokens is not None else len(hashes) * hashing.block_tokens
+        before = client.unavailable
+        match, loads = await asyncio.gather(client.match_async(namespace, list(hashes)),
+                                            client.loads_async())
+        if client.unavailable != before:
+            self._count("fallback_index_unavailable")
+            return None
+        return self._order(replicas, namespace, hashes, max(1, num_tokens), match, loads,
+                           hashing, pr)
+
+    def _order(
+        self, replicas: list[RunningReplica], namespace: str, hashes: tuple[BlockHash, ...],
+        num_tokens: int, match: MatchResult, loads: Mapping[WorkerId, WorkerLoad],
+        hashing: _Hashing, pr: PendingRequest,
+    ) -> list[list[RunningReplica]]:
+        match = self._pending.overlay(namespace, hashes, match)
+        by_worker = {replica_worker_id(r.replica_id): r for r in replicas}
+        cands = [self._candidate(w, r, namespace, loads.get(w)) for w, r in by_worker.items()]
+        policy = self._policy_for(hashing, loads)
+        request = RouteRequest(namespace, hashes, num_tokens,
+                               request_id=pr.metadata.internal_request_id)
+        decision = policy.choose(request, match, cands)
+        view = SourceMap(match, {c.info.worker_id: c.info.node for c in cands})
+        est = {c.info.worker_id: policy.queue_s(c.load) + policy.plan_for(request, view, c).total_s
+               for c in cands}
+        order = sorted(by_worker, key=lambda w: (w != decision.worker, est[w]))
+        rid = pr.metadata.internal_request_id
+        first_try = rid not in self._last
+        if first_try:
+            self._count(f"decision_{decision.reason}")
+            # Offer only the replicas about as good as the best: if they are all full or
+            # slow to answer Serve's queue probe, Serve asks again at once (no backoff) and
+            # the second pass offers every replica in cost order, with backoff after it.
+            limit = est[decision.worker] * (1 + self.settings.spill_ratio) + 0.005
+            order = [w for w in order if w == decision.worker or est[w] <= limit]
+        pr.routing_context.should_backoff = not first_try
+        while len(self._last) >= 4096:  # requests cancelled before being routed
+            del self._last[next(iter(self._last))]
+        self._last[rid] = (namespace, hashes,
+                           num_tokens - decision.cached_blocks * hashing.block_tokens)
+        return [[by_worker[w]] for w in order]
+
+    def _candidate(
+        self, wid: WorkerId, replica: RunningReplica, namespace: str, reported: WorkerLoad | None
+    ) -> Candidate:
+        info = self._workers.get(wid) or WorkerInfo(wid, NodeId(replica.node_id), (namespace,))
+        now = time.time()
+        since = reported.ts if reported is not None else 0.0
+        recent = [(t, n) for t, n in self._routed.get(wid, []) if now - t < 2.0]
+        self._routed[wid] = recent
+        extra = sum(n for t, n in recent if t > since)
+        queued = (reported.queued_prefill_tokens if reported else 0) + extra
+        queue_len = self._replica_queue_len_cache.get(replica.replica_id) or 0
+        running = max(reported.running if reported else 0, queue_len)
+        tps = reported.prefill_tokens_per_s if reported else 0.0
+        active = sum(b for w, b in self._inflight.values() if w == wid)
+        return Candidate(info, WorkerLoad(wid, queued, running, tps, now), active)
+
+    # ------------------------------------------------------------------ lifecycle hooks
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID,
+                          result: Any) -> None:
+        """Remember where this prompt's blocks are about to be (pending) and the queued work."""
+        rid = pending_request.metadata.internal_request_id
+        last = self._last.pop(rid, None)
+        if last is None:
+            return
+        namespace, hashes, compute = last
+        wid = replica_worker_id(replica_id)
+        node = self._node_of(replica_id)
+        if node is not None:
+            self._pending.add(namespace, node_location(node), hashes, Tier.HOST)
+        self._routed.setdefault(wid, []).append((time.time(), max(0, compute)))
+        self._inflight[rid] = (wid, len(hashes))
+
+    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
+        self._inflight.pop(internal_request_id, None)
+
+    def _node_of(self, replica_id: ReplicaID) -> str | None:
+        r = self._replicas.get(replica_id)
+        return r.node_id if r is not None else None
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        """Serve's replica set changed: forget removed replicas' queued work."""
+        super().update_replicas(replicas)
+        live = {replica_worker_id(r.replica_id) for r in replicas}
+        for wid in list(self._routed):
+            if wid not in live:
+                del self._routed[wid]
+        self._inflight = {k: v for k, v in self._inflight.items() if v[0] in live}
+        self._workers_at = -1e9  # re-read registrations on the next request
+
+    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
+        """A replica died: never route to it again, drop its queued work."""
+        super().on_replica_actor_died(replica_id)
+        wid = replica_worker_id(replica_id)
+        self._routed.pop(wid, None)
+        self._workers.pop(wid, None)
+        self._inflight = {k: v for k, v in self._inflight.items() if v[0] != wid}
+        self._count("replica_died")
