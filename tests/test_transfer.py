@@ -28,11 +28,12 @@ from kvshare.transfer.base import (
 )
 from kvshare.transfer.control import LocalControl
 from kvshare.transfer.fetch import PeerFetcher
-from kvshare.transfer.local import make_local_source
+from kvshare.transfer.local import make_local_pool, make_local_source
 from kvshare.transfer.nixl import NixlTransport
 from kvshare.transfer.nixl_agent import make_agent
 from kvshare.transfer.objstore import ObjStoreTransport
-from kvshare.transfer.probe import Bandwidths, probe, seed_probe_blocks
+from kvshare.transfer.probe import Bandwidths, parse_overrides, probe
+from kvshare.transfer.serve import TransferService
 from kvshare.transfer.shm import ShmTransport
 from kvshare.transfer.source import BlockSource
 from kvshare.types import BlockHash, Location, Tier, node_location
@@ -228,12 +229,33 @@ def test_fetch_falls_back_to_objstore_when_source_has_no_nixl(transports: dict[s
 
 
 def test_probe_measures_and_overrides(source: BlockSource, transports: dict[str, Transport]) -> None:
-    seed_probe_blocks(source.pool, NODE)
     dest = np.zeros((4, B), np.uint8)
-    gbps = probe(transports, LocalControl(source), NODE, list(dest), repeats=2)
+    gbps = probe(transports, LocalControl(source), list(dest), repeats=2)
     assert set(gbps) == set(NAMES) and all(v > 0 for v in gbps.values())
     bw = Bandwidths(gbps, overrides={"objstore": 1e6})
     assert bw.rank(NAMES)[0] == "objstore" and bw.get("nixl") == gbps["nixl"]
     with pytest.raises(ValueError, match=">= 0"):
         Bandwidths({}, {"nixl": -1.0})
+    assert parse_overrides("nixl=10, objstore=1.5") == {"nixl": 10.0, "objstore": 1.5}
+    with pytest.raises(ValueError, match="transport=GBps"):
+        parse_overrides("nixl:10")
     consistent(source)
+
+
+def test_node_measures_its_peers_and_config_overrides_win() -> None:
+    """Node A's TransferService probes itself (shm) and node B (nixl, objstore)."""
+    a = TransferService("ut-pa", bandwidth_overrides={"objstore": 123.0})
+    b = TransferService("ut-pb")
+    pools = [make_local_pool(f"up{os.getpid()}", n, LAYOUT, 16) for n in ("ut-pa", "ut-pb")]
+    try:
+        sa, sb = a.add_pool(pools[0]), b.add_pool(pools[1])
+        got = a.measure(f"up{os.getpid()}", {"ut-pa": LocalControl(sa), "ut-pb": LocalControl(sb)})
+        assert got["shm"] > 0 and got["nixl"] > 0 and got["objstore"] == 123.0
+        assert a.per_node["ut-pb"]["objstore"] > 0 and set(a.per_node["ut-pa"]) == {"shm"}
+        consistent(sa)
+        consistent(sb)
+    finally:
+        a.close()
+        b.close()
+        for p in pools:
+            p.close()

@@ -322,6 +322,18 @@ def test_peer_fetch_pins_pulls_verifies_and_keeps_a_local_copy(kv: dict[str, Any
     assert set(second["served_by"]) == {f"{node_location(kv['b'])}/shm"}  # now local
 
 
+def test_pool_measures_transports_to_its_peers(kv: dict[str, Any]) -> None:
+    """Pool B probes itself (shm) and pool A (nixl, objstore); figures are exposed."""
+    import ray
+
+    got = ray.get(kv["pb"].transfer_measure.remote(NS, {kv["a"]: kv["pa"], kv["b"]: kv["pb"]}))
+    assert got["shm"] > 0 and got["nixl"] > 0 and got["objstore"] > 0
+    exposed = ray.get(kv["pb"].transfer_bandwidths.remote())
+    assert exposed["transports"] == got and set(exposed["per_node"][kv["a"]]) == {"nixl", "objstore"}
+    assert_consistent(kv["pa"])
+    assert_consistent(kv["pb"])
+
+
 def test_nixl_that_cannot_start_falls_back_to_objstore(kv: dict[str, Any]) -> None:
     """The source's NIXL agent fails (no tcp in UCX_TLS): nixl reads miss, objstore serves."""
     import ray

@@ -93,6 +93,9 @@ class LocalControl:
     def report_corrupt(self, hashes: Sequence[BlockHash]) -> Reply[int]:
         return Ready(self.source.report_corrupt(hashes))
 
+    def probe_blocks(self, n: int) -> Reply[list[BlockHash]]:
+        return Ready(self.source.probe_blocks(n))
+
 
 class RayReply(Reply[T]):
     """An actor call in flight."""
@@ -168,6 +171,9 @@ class ActorControl:
 
     def report_corrupt(self, hashes: Sequence[BlockHash]) -> Reply[int]:
         return self._call("report_corrupt", list(hashes))  # type: ignore[no-any-return]
+
+    def probe_blocks(self, n: int) -> Reply[list[BlockHash]]:
+        return self._call("probe_blocks", n)  # type: ignore[no-any-return]
 
 
 class _Failed(Reply[Any]):

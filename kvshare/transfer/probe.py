@@ -19,7 +19,8 @@ import numpy as np
 from kvshare.pool import TieredBlockPool
 from kvshare.tiers.base import ByteArray
 from kvshare.transfer.base import Transport
-from kvshare.transfer.wire import BlockControl
+from kvshare.transfer.control import call
+from kvshare.transfer.wire import BlockControl, SourceGone
 from kvshare.types import BlockHash
 
 log = logging.getLogger(__name__)
@@ -48,28 +49,47 @@ def seed_probe_blocks(pool: TieredBlockPool, node: str, n: int = PROBE_BLOCKS) -
 def probe(
     transports: Mapping[str, Transport],
     control: BlockControl,
-    node: str,
     dest: Sequence[ByteArray],
     *,
     repeats: int = 3,
     deadline_s: float = 5.0,
-    hash_size: int = 32,
 ) -> dict[str, float]:
-    """Best-of-``repeats`` GB/s of reading ``len(dest)`` probe blocks of ``node`` per transport.
+    """Best-of-``repeats`` GB/s of reading ``len(dest)`` probe blocks of a pool per transport.
 
-    A transport that fails (unreachable, NIXL missing) measures 0.0.
+    The pool seeds its probe blocks on first request. A transport that cannot reach it (another
+    node for shm, NIXL missing, a dead pool) measures 0.0.
     """
-    hashes = probe_hashes(node, len(dest), hash_size)
+    try:
+        hashes = call(control.probe_blocks(len(dest)), deadline_s)
+    except (TimeoutError, SourceGone) as exc:
+        log.info("probe: pool unreachable (%s)", exc)
+        return dict.fromkeys(transports, 0.0)
     out: dict[str, float] = {}
     for name, transport in transports.items():
         best = 0.0
         for _ in range(repeats):
             res = transport.read(control, hashes, dest, deadline_s=deadline_s)
             if not res.ok:
-                log.info("probe %s of %s: %s", name, node, res.reasons())
+                log.info("probe over %s: %s", name, res.reasons())
                 break
             best = max(best, res.gbps)
         out[name] = best
+    return out
+
+
+def parse_overrides(text: str) -> dict[str, float]:
+    """``"nixl=10,objstore=1.5"`` (GB/s per transport; e.g. ``KVSHARE_BANDWIDTH_GBPS``)."""
+    out: dict[str, float] = {}
+    for item in filter(None, (x.strip() for x in text.split(","))):
+        name, sep, value = item.partition("=")
+        try:
+            out[name.strip()] = float(value)
+        except ValueError:
+            sep = ""
+        if not sep or not name.strip():
+            raise ValueError(
+                f"bandwidth override {item!r} is malformed: write transport=GBps, e.g. nixl=10"
+            )
     return out
 
 

@@ -10,24 +10,48 @@ mixing it in. Nothing here imports Ray.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+import threading
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
 
 from kvshare.pool import TieredBlockPool
 from kvshare.tiers.base import ByteArray
-from kvshare.transfer.probe import seed_probe_blocks
+from kvshare.transfer.base import Transport, TransportUnavailable
+from kvshare.transfer.probe import Bandwidths, parse_overrides, probe
 from kvshare.transfer.source import BlockSource
-from kvshare.transfer.wire import BlockBatch, NixlPeerInfo, PreparedRead, PreparedWrite, SlabInfo
+from kvshare.transfer.wire import (
+    BlockBatch,
+    BlockControl,
+    NixlPeerInfo,
+    PreparedRead,
+    PreparedWrite,
+    SlabInfo,
+)
 from kvshare.types import BlockHash
 
 
 class TransferService:
-    """Serves transport control calls for the pools of one node."""
+    """Serves transport control calls for the pools of one node, and measures bandwidths.
 
-    def __init__(self, node: str, *, nixl: bool | None = None, probe_blocks: int = 0) -> None:
+    ``bandwidth_overrides`` (GB/s per transport; default from ``KVSHARE_BANDWIDTH_GBPS``,
+    e.g. ``"nixl=10,objstore=1.5"``) take precedence over what :meth:`measure` finds.
+    """
+
+    def __init__(
+        self, node: str, *, nixl: bool | None = None,
+        bandwidth_overrides: Mapping[str, float] | None = None,
+    ) -> None:
         self.node = node
         self.nixl = os.environ.get("KVSHARE_NIXL", "1") != "0" if nixl is None else nixl
-        self.probe_blocks = probe_blocks
+        if bandwidth_overrides is None:
+            bandwidth_overrides = parse_overrides(os.environ.get("KVSHARE_BANDWIDTH_GBPS", ""))
+        self.bandwidths = Bandwidths({}, dict(bandwidth_overrides))
+        self.per_node: dict[str, dict[str, float]] = {}
         self._sources: dict[str, BlockSource] = {}
+        self._pullers: dict[str, Transport] = {}
+        self._measuring = threading.Lock()  # one probe at a time (threaded actors)
 
     def add_pool(self, pool: TieredBlockPool) -> BlockSource:
         """Serve ``pool`` (replacing the source of an older generation of its namespace)."""
@@ -36,8 +60,6 @@ class TransferService:
         if old is not None:
             old.close()
         src = self._sources[ns] = BlockSource(pool, self.node, nixl=self.nixl)
-        if self.probe_blocks:
-            seed_probe_blocks(pool, self.node, self.probe_blocks)
         return src
 
     def source(self, namespace: str) -> BlockSource:
@@ -53,7 +75,50 @@ class TransferService:
         """Per namespace, why NIXL is unavailable ('' when it works)."""
         return {ns: s.nixl_error for ns, s in self._sources.items()}
 
+    def measure(
+        self, namespace: str, peers: Mapping[str, BlockControl], *, blocks: int = 4
+    ) -> dict[str, float]:
+        """Probe every transport from this node to each peer pool (node id -> control).
+
+        shm is measured against this node only; nixl and objstore against the other nodes.
+        Per transport the best figure over peers becomes ``bandwidths.measured``; per peer
+        figures stay in ``per_node``. Returns the effective GB/s (overrides applied).
+        """
+        with self._measuring:
+            return self._measure(namespace, peers, blocks)
+
+    def _measure(
+        self, namespace: str, peers: Mapping[str, BlockControl], blocks: int
+    ) -> dict[str, float]:
+        from kvshare.transfer.objstore import ObjStoreTransport
+        from kvshare.transfer.shm import ShmTransport
+
+        src = self.source(namespace)
+        if not self._pullers:
+            self._pullers["shm"] = ShmTransport(self.node, holder=f"probe-{self.node}")
+            self._pullers["objstore"] = ObjStoreTransport(f"probe-{self.node}")
+            if self.nixl:
+                from kvshare.transfer.nixl import NixlTransport
+
+                try:
+                    self._pullers["nixl"] = NixlTransport(f"{src.agent_name}/probe")
+                except TransportUnavailable:
+                    pass
+        dest = list(np.empty((blocks, src.block_bytes), dtype=np.uint8))
+        best: dict[str, float] = {}
+        for node, control in peers.items():
+            names = ["shm"] if node == self.node else ["nixl", "objstore"]
+            got = probe({n: self._pullers[n] for n in names if n in self._pullers}, control, dest)
+            self.per_node[node] = got
+            for n, v in got.items():
+                best[n] = max(best.get(n, 0.0), v)
+        self.bandwidths.update(best)
+        return self.bandwidths.as_dict()
+
     def close(self) -> None:
+        for t in self._pullers.values():
+            t.close()
+        self._pullers.clear()
         for src in self._sources.values():
             src.close()
         self._sources.clear()
@@ -98,3 +163,19 @@ class TransferEndpoints:
 
     def transfer_report_corrupt(self, namespace: str, hashes: Sequence[BlockHash]) -> int:
         return self.transfer.source(namespace).report_corrupt(hashes)
+
+    def transfer_probe_blocks(self, namespace: str, n: int) -> list[BlockHash]:
+        return self.transfer.source(namespace).probe_blocks(n)
+
+    def transfer_measure(self, namespace: str, peers: Mapping[str, Any]) -> dict[str, float]:
+        """Probe peer pools (node id -> NodePoolActor handle) from this node; GB/s per transport."""
+        from kvshare.transfer.control import ActorControl
+
+        return self.transfer.measure(
+            namespace, {node: ActorControl(actor, namespace) for node, actor in peers.items()}
+        )
+
+    def transfer_bandwidths(self) -> dict[str, Any]:
+        """Effective GB/s per transport (measured, overrides applied) and per peer node."""
+        return {"transports": self.transfer.bandwidths.as_dict(),
+                "per_node": dict(self.transfer.per_node)}

@@ -234,6 +234,15 @@ class BlockSource:
                 out.append(IN_FLIGHT if isinstance(r, InFlight) else NO_SPACE)
         return out
 
+    def probe_blocks(self, n: int) -> list[BlockHash]:
+        """Seed (once) and name ``n`` probe blocks that readers time transports with."""
+        from kvshare.transfer.probe import probe_hashes, seed_probe_blocks
+
+        if not 0 < n <= 64:
+            raise ValueError(f"probe needs 1..64 blocks, got {n}")
+        seed_probe_blocks(self.pool, self.node, n)
+        return probe_hashes(self.node, n, self.pool.config.hash_size)
+
     def close(self) -> None:
         if self._nixl is not None:
             self._nixl.close()
