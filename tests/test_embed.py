@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterator, Sequence
+from dataclasses import replace
 
 import pytest
 
@@ -149,7 +150,8 @@ def test_index_actor_down_means_load_only_routing(local_ray: None) -> None:
     actor = GlobalIndexActor.remote(IndexConfig())
     client = IndexClient([actor], timeout_s=2.0)
     client.declare_namespace(NS)
-    r = CacheAwareRouter(client, workers(), CFG)
+    # a generous deadline: this test is about a dead index, not a slow one (see above)
+    r = CacheAwareRouter(client, workers(), replace(CFG, index_timeout_s=10.0))
     ids = r.tokenize(PROMPT)
     ray.get(actor.apply.remote(stored(r.hashes(ids, Tenant()), "n1")))
 
