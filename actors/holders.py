@@ -31,6 +31,7 @@ class HolderStates:
         self._rm: dict[tuple[int, int, int], int] = {}
         self._drop: dict[tuple[int, int], int] = {}
         self._maps: list[dict[Location, Tier] | None] = [{}]
+        self._named: list[tuple[tuple[str, int], ...] | None] = [()]
 
     def loc_id(self, location: str) -> int:
         lid = self.loc_ids.get(location)
@@ -45,6 +46,7 @@ class HolderStates:
             sid = self._ids[items] = len(self.items)
             self.items.append(items)
             self._maps.append(None)
+            self._named.append(None)
         return sid
 
     def add(self, state: int, loc: int, tier: int) -> int:
@@ -92,6 +94,13 @@ class HolderStates:
             m = self._maps[state] = {
                 self.loc_names[lid]: TIERS[tier] for lid, tier in self.items[state]
             }
+        return m
+
+    def named(self, state: int) -> tuple[tuple[str, int], ...]:
+        """``((location, tier_code), ...)`` of a state (cached)."""
+        m = self._named[state]
+        if m is None:
+            m = self._named[state] = tuple((self.loc_names[lid], t) for lid, t in self.items[state])
         return m
 
     def __len__(self) -> int:

@@ -24,7 +24,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterable, Sequence
 from itertools import groupby, repeat
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import numpy as np
 import pyarrow as pa
@@ -41,8 +41,9 @@ from actors.index_io import (
     validate_events,
 )
 from actors.registry import WorkerRegistry
+from actors.runs import Runs, from_runs
 from kvshare.events import AllCleared, BlockStored, Event, EventKind
-from kvshare.match import LocationMatch, MatchResult
+from kvshare.match import MatchResult
 from kvshare.pool_types import check_namespace
 from kvshare.types import BlockHash, Location, NodeId, Tier, WorkerId, node_location, parse_location
 from kvshare.types import worker_location as worker_loc
@@ -130,10 +131,16 @@ class GlobalIndex:
     def _check_hashes(self, ns: _Namespace, hashes: Sequence[BlockHash]) -> None:
         if isinstance(hashes, bytes | str) or not isinstance(hashes, Sequence):
             raise ValueError("hashes must be a list of block hashes (bytes), not one value")
-        if hashes and (
-            set(map(type, hashes)) != {bytes} or set(map(len, hashes)) != {ns.hash_size}
-        ):
-            bad = next(h for h in hashes if type(h) is not bytes or len(h) != ns.hash_size)
+        if not hashes:
+            return
+        try:  # one C-level pass: bytes-like (join refuses str, ints) of the right total size;
+            # compensating lengths (31 + 33) can only cause misses, never a wrong hit
+            ok = len(b"".join(hashes)) == ns.hash_size * len(hashes)
+        except TypeError:
+            ok = False
+        if not ok or type(hashes[0]) is not bytes:
+            bad = next((h for h in hashes if type(h) is not bytes or len(h) != ns.hash_size),
+                       hashes[0])
             raise ValueError(
                 f"block hashes of namespace {ns.name!r} must be {ns.hash_size}-byte bytes; got "
                 f"{type(bad).__name__} of length {len(bad) if hasattr(bad, '__len__') else '?'}"
@@ -421,44 +428,37 @@ class GlobalIndex:
 
     def match(self, namespace: str, hashes: Sequence[BlockHash]) -> MatchResult:
         """Per location, the prefix of ``hashes`` it holds (see :class:`MatchResult`)."""
+        return from_runs(*self.match_runs(namespace, hashes))
+
+    def match_runs(self, namespace: str, hashes: Sequence[BlockHash],
+                   _checked: bool = False) -> tuple[int, Runs]:
+        """The match in its compact form ``(num_blocks, runs)`` (see :mod:`actors.runs`)."""
         ns = self._get_ns(namespace)
-        self._check_hashes(ns, hashes)
+        if not _checked:
+            self._check_hashes(ns, hashes)
         self._expire_workers()
-        states = list(map(ns.table.get, hashes))
         try:
-            k = states.index(None)
+            states = list(map(ns.table.get, hashes, repeat(EMPTY)))
+        except TypeError:  # an unhashable bytes-like (bytearray)
+            raise ValueError(f"block hashes of namespace {namespace!r} must be bytes") from None
+        try:
+            k = states.index(EMPTY)  # an int sentinel compares much faster than None
         except ValueError:
             k = len(states)
-        rows: dict[int, list[Tier | None]] = {}
-        held: dict[int, int] = {}  # leading blocks held without a break
-        counts: dict[int, dict[Tier, int]] = {}
-        pos = 0
-        items = self._s.items
-        for s, run in groupby(states[:k]):
-            ln = sum(1 for _ in run)
-            end = pos + ln
-            for lid, code in items[s]:  # type: ignore[index]
-                tier = TIERS[code]
-                row = rows.get(lid)
-                if row is None:
-                    row = rows[lid] = [None] * pos
-                    held[lid] = 0
-                    counts[lid] = {}
-                elif len(row) < pos:
-                    row.extend([None] * (pos - len(row)))
-                row.extend([tier] * ln)
-                if held[lid] == pos:
-                    held[lid] = end
-                    c = counts[lid]
-                    c[tier] = c.get(tier, 0) + ln
-            pos = end
-        names = self._s.loc_names
-        out: dict[Location, LocationMatch] = {}
-        for lid, row in rows.items():
-            if len(row) < k:
-                row.extend([None] * (k - len(row)))
-            out[names[lid]] = LocationMatch(names[lid], held[lid], counts[lid], tuple(row))
-        return MatchResult(len(hashes), k, out)
+        named = self._s.named
+        runs: Runs = [(named(s), len(list(g))) for s, g in groupby(states[:k])]
+        return len(hashes), runs
+
+    def match_packed(self, namespace: str, blob: bytes, hash_len: int) -> tuple[int, Runs]:
+        """:meth:`match_runs` of hashes sent as one bytes object of ``hash_len``-byte hashes."""
+        ns = self._get_ns(namespace)
+        if not isinstance(blob, bytes) or (blob and hash_len != ns.hash_size) or len(blob) % hash_len:
+            raise ValueError(
+                f"block hashes of namespace {namespace!r} must be {ns.hash_size}-byte bytes; "
+                f"got {hash_len}-byte hashes"
+            )
+        hashes = cast(list[BlockHash], [blob[i : i + hash_len] for i in range(0, len(blob), hash_len)])
+        return self.match_runs(namespace, hashes, _checked=True)  # sliced to size above
 
     # ------------------------------------------------------------------ workers
     def register_worker(self, info: WorkerInfo) -> int:

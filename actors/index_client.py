@@ -26,6 +26,7 @@ from ray.exceptions import GetTimeoutError, RayActorError
 from actors.config import RAY_NAMESPACE, index_name
 from actors.index import PublishAck
 from actors.index_io import check_event_batch, column_np, single_group
+from actors.runs import from_runs
 from kvshare.events import events_from_arrow, events_to_arrow
 from kvshare.match import MatchResult, build_match
 from kvshare.types import BlockHash, Location, NodeId, Tier, WorkerId
@@ -157,25 +158,28 @@ class IndexClient:
 
     def match(self, namespace: str, hashes: Sequence[BlockHash]) -> MatchResult:
         """Per-location prefix holdings of ``hashes``; empty if the index is unreachable."""
-        _check_list(hashes)
+        return self.match_many(namespace, [hashes])[0]
+
+    def match_many(self, namespace: str, requests: Sequence[Sequence[BlockHash]]) -> list[MatchResult]:
+        """Several matches with the calls pipelined (one round trip for all of them)."""
         try:
             if len(self.shards) == 1:
-                return self._get(self.shards[0].match.remote(namespace, list(hashes)))  # type: ignore[no-any-return]
-            refs, idx = self._lookup_refs(namespace, hashes)
-            return self._merge_lookup(len(hashes), self._get(refs), idx)
+                refs = [self.shards[0].match_packed.remote(namespace, *_pack(h)) for h in requests]
+                return [from_runs(*r) for r in self._get(refs)]
+            pending = [self._lookup_refs(namespace, h) for h in requests]
+            return [self._merge_lookup(len(h), self._get(refs), idx)
+                    for h, (refs, idx) in zip(requests, pending, strict=True)]
         except UNAVAILABLE as exc:
             self.unavailable += 1
             log.warning("index unavailable, treating match as a miss: %s", exc)
-            return MatchResult(len(hashes), 0, {})
+            return [MatchResult(len(h), 0, {}) for h in requests]
 
     async def match_async(self, namespace: str, hashes: Sequence[BlockHash]) -> MatchResult:
         """Same as :meth:`match`, awaiting object refs (never blocks the event loop)."""
-        _check_list(hashes)
         try:
             if len(self.shards) == 1:
-                ref = self.shards[0].match.remote(namespace, list(hashes))
-                result: MatchResult = await asyncio.wait_for(ref, self.timeout_s)
-                return result
+                ref = self.shards[0].match_packed.remote(namespace, *_pack(hashes))
+                return from_runs(*(await asyncio.wait_for(ref, self.timeout_s)))
             refs, idx = self._lookup_refs(namespace, hashes)
             parts = await asyncio.wait_for(asyncio.gather(*refs), self.timeout_s)
             return self._merge_lookup(len(hashes), list(parts), idx)
@@ -234,6 +238,18 @@ class IndexClient:
 def _check_list(hashes: object) -> None:
     if isinstance(hashes, bytes | str) or not isinstance(hashes, Sequence):
         raise ValueError("hashes must be a list of block hashes (bytes), not one value")
+
+
+def _pack(hashes: Sequence[BlockHash]) -> tuple[bytes, int]:
+    """Hashes as one bytes object plus their common length (ValueError if malformed)."""
+    _check_list(hashes)
+    if not hashes:
+        return b"", 32
+    if set(map(type, hashes)) != {bytes} or len(lengths := set(map(len, hashes))) != 1:
+        bad = next((h for h in hashes if type(h) is not bytes), None)
+        what = f"a {type(bad).__name__}" if bad is not None else "hashes of different lengths"
+        raise ValueError(f"block hashes must be bytes of one length (32 or 16), got {what}")
+    return b"".join(hashes), lengths.pop()
 
 
 def _merge(acks: Sequence[PublishAck]) -> PublishAck:
