@@ -161,6 +161,7 @@ class CacheAwareRouter:
         self._ids = itertools.count(1)
         self._samples: list[tuple[float, float, float]] = []
         self._seen = 0
+        self._children: dict[tuple[str, str, str], tuple[Any, Any]] = {}
         self.decisions = 0
         self.fallbacks = 0
 
@@ -270,8 +271,13 @@ class CacheAwareRouter:
                dt: float) -> None:
         m = self.metrics
         self.decisions += 1
-        m.decisions.labels(d.policy, d.reason).inc()
-        m.prompt_tokens.labels(tenant.name).inc(tokens)
+        key = (d.policy, d.reason, tenant.name)
+        children = self._children.get(key)
+        if children is None:  # labels() takes a lock and builds a key: do it once per combination
+            children = self._children[key] = (
+                m.decisions.labels(d.policy, d.reason), m.prompt_tokens.labels(tenant.name))
+        children[0].inc()
+        children[1].inc(tokens)
         m.cached_tokens.inc(cached)
         m.ttft_saved.inc(d.est_ttft_saved_s)
         m.decision_latency.observe(dt)

@@ -316,14 +316,23 @@ class CostPolicy(Policy):
         self._plans = {}
         by_sources: dict[tuple[int, ...], Plan] = {}  # workers with equal views share a plan
         fetch = self.cost.block_fetch_s
-        ests = []
-        for c in cands:
+        n = request.num_tokens
+        c_max = self.cost.cached_tokens(view.combined, n)
+        floor = self.cost.prefill.time(n - c_max, c_max)  # no plan beats this (free fetch)
+        queues = [self.queue_s(c.load) for c in cands]
+        ests = [math.inf] * len(cands)
+        best = math.inf
+        for i in sorted(range(len(cands)), key=queues.__getitem__):
+            if queues[i] + floor > best + self.tie_s:
+                break  # exact pruning: this worker (and every later one) cannot win or tie
+            c = cands[i]
             srcs = tuple(view.sources_for(c.info.worker_id, c.info.node, self.sharing, fetch))
             plan = by_sources.get(srcs)
             if plan is None:
-                plan = by_sources[srcs] = self.cost.plan(request.num_tokens, srcs)
+                plan = by_sources[srcs] = self.cost.plan(n, srcs)
             self._plans[c.info.worker_id] = plan
-            ests.append(self.queue_s(c.load) + plan.total_s)
+            ests[i] = queues[i] + plan.total_s
+            best = min(best, ests[i])
         best = min(ests)
         # Near-ties (e.g. a new prefix on idle workers) rotate, so new blocks spread over nodes.
         ties = [i for i, e in enumerate(ests) if e <= best + self.tie_s]

@@ -12,6 +12,7 @@ what its own node holds. ``Sharing.GLOBAL`` (kvshare) lets it pull from any node
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from enum import StrEnum
 
@@ -21,6 +22,10 @@ from router.cost import Source
 
 _NONE = 9  # "nobody holds it" rank sentinel
 _SRC = tuple(Source)
+
+
+_worker_loc = functools.lru_cache(maxsize=4096)(worker_location)
+_node_loc = functools.lru_cache(maxsize=4096)(node_location)
 
 
 class Sharing(StrEnum):
@@ -94,8 +99,8 @@ class SourceMap:
         ``fetch_s[source]`` (seconds per block, :attr:`CostModel.block_fetch_s`) decides
         between a local and a remote copy; without it the faster tier wins, local first.
         """
-        own_w = self._ranks.get(worker_location(worker))
-        own_n = self._ranks.get(node_location(node))
+        own_w = self._ranks.get(_worker_loc(worker)) if self._ranks else None
+        own_n = self._ranks.get(_node_loc(node)) if self._ranks else None
         remote = sharing is Sharing.GLOBAL
         if own_w is None and own_n is None and (not remote or node not in self._holder_nodes):
             # the common case: this worker holds nothing; every such worker sees the same list
