@@ -179,17 +179,28 @@ class HFEngine:
 
     # ------------------------------------------------------------------ compute
     def new_cache(self, prefix_kv: torch.Tensor | None = None, prefix_tokens: int = 0) -> Any:
-        """A fresh ``DynamicCache`` holding the first ``prefix_tokens`` of ``prefix_kv``."""
+        """A fresh ``DynamicCache`` holding the first ``prefix_tokens`` of ``prefix_kv``.
+
+        Full-attention layers take views of ``prefix_kv`` (no copy: the first forward step
+        concatenates into new tensors, so ``prefix_kv`` is never written and may be reused once
+        :meth:`prefill` returns); other layer kinds go through ``cache.update``.
+        """
         from transformers import DynamicCache
+        from transformers.cache_utils import DynamicLayer
 
         cache = DynamicCache(config=self.hf_config)
         if prefix_kv is not None and prefix_tokens > 0:
             check_contiguous(prefix_kv, self.layout, prefix_tokens)
             dev = self.config.device
-            for layer in range(self.layout.num_layers):
-                k = prefix_kv[layer, 0, :, :prefix_tokens].unsqueeze(0).to(dev)
-                v = prefix_kv[layer, 1, :, :prefix_tokens].unsqueeze(0).to(dev)
-                cache.update(k, v, layer)
+            for i in range(self.layout.num_layers):
+                k = prefix_kv[i, 0, :, :prefix_tokens].unsqueeze(0).to(dev)
+                v = prefix_kv[i, 1, :, :prefix_tokens].unsqueeze(0).to(dev)
+                layer = cache.layers[i] if i < len(cache.layers) else None
+                if type(layer) is DynamicLayer:
+                    layer.lazy_initialization(k, v)
+                    layer.keys, layer.values = k, v
+                else:
+                    cache.update(k, v, i)
         return cache
 
     @torch.inference_mode()

@@ -81,6 +81,13 @@ class ReferenceWorker:
         self.store_enabled = store
         self.counters = WorkerCounters()
         self._lock = threading.Lock()
+        self._kv_buf: Any = None
+
+    def _buffer(self, tokens: int) -> Any:
+        """A reused, pre-touched contiguous KV buffer (free again once prefill returns)."""
+        if self._kv_buf is None or self._kv_buf.shape[3] < tokens:
+            self._kv_buf = new_contiguous(self.engine.layout, tokens).zero_()
+        return self._kv_buf[:, :, :, :tokens]
 
     def _plan_and_load(
         self, tokens: Sequence[int], hashes: Sequence[BlockHash], stats: RequestStats
@@ -100,7 +107,7 @@ class ReferenceWorker:
                       "reason": plan.reason}
         if not plan.blocks:
             return None, 0
-        kv = new_contiguous(self.engine.layout, plan.load_tokens)
+        kv = self._buffer(plan.load_tokens)
         t1 = time.perf_counter()
         try:
             result: LoadResult = self.client.load(plan, into=kv)
