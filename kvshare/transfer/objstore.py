@@ -72,6 +72,15 @@ class ObjStoreTransport(Transport):
         t.state.update(control=sink, bufs=list(data), reply=sink.write_blocks(list(hashes), batch, sums))
         return t
 
+    def wait(self, transfer: Transfer) -> TransferResult:
+        """Block on the reply (no busy polling), then take the result as ``poll`` does."""
+        if transfer.result is None and transfer.remaining > 0:
+            try:
+                transfer.state["reply"].get(transfer.remaining)
+            except Exception:  # timeout, dead source, pool error: poll classifies it
+                pass
+        return super().wait(transfer)
+
     def poll(self, transfer: Transfer) -> TransferResult | None:
         t = transfer
         if t.result is not None:
