@@ -79,14 +79,20 @@ def fill(apply: object, router: CacheAwareRouter, reqs: list[list[int]], rng: ra
     return n
 
 
-async def sequential(router: CacheAwareRouter, reqs: list[list[int]], n: int) -> tuple[float, list[float]]:
+CPU_RATES: dict[str, float] = {}
+
+
+async def sequential(router: CacheAwareRouter, reqs: list[list[int]], n: int,
+                     tag: str = "") -> tuple[float, list[float]]:
     lat = []
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     for i in range(n):
         t = time.perf_counter()
         r = await router.route(token_ids=reqs[i % len(reqs)])
         router.finished(r.request_id)
         lat.append(time.perf_counter() - t)
+    if tag:  # decisions per CPU second of this process: what an idle core would give
+        CPU_RATES[tag] = n / max(1e-9, time.process_time() - c0)
     return n / (time.perf_counter() - t0), lat
 
 
@@ -112,14 +118,13 @@ def main() -> None:
     reqs = prompts(rng)
     # warm the hash path once so both runs measure the same steady state
     base = make_router(None, "round_robin")
-    base_rate, _ = asyncio.run(sequential(base, reqs, 2000))
+    base_rate, _ = asyncio.run(sequential(base, reqs, 2000, "baseline"))
 
     index = GlobalIndex()
     index.declare_namespace(NS)
     local = make_router(InProcessIndex(index), "cost")
     blocks = fill(index.apply, local, reqs, random.Random(1))
-    local_rate, local_lat = asyncio.run(sequential(local, reqs, 3000))
-    hits = sum(1 for _ in range(1))  # noqa: F841 - keep the run symmetric
+    local_rate, local_lat = asyncio.run(sequential(local, reqs, 3000, "local"))
     print(f"index: {blocks} blocks on {WORKERS} nodes; prompts {TOKENS} tokens, block {BT}")
     print(f"baseline round_robin (no index):   {base_rate:8.0f} decisions/s")
     print(f"cost, in-process GlobalIndex:      {local_rate:8.0f} decisions/s  "
@@ -143,10 +148,11 @@ def main() -> None:
         asyncio.run(sequential(remote, reqs, 200))  # warm-up (connections, first calls)
         seq_rate, lat = asyncio.run(sequential(remote, reqs, 1500))
         actor_rate = asyncio.run(concurrent(remote, reqs, 3000, 32))
-        reasons = {k: v for k, v in remote.metrics.decisions._metrics.items()}  # noqa: SLF001
-        del reasons
     finally:
         ray.shutdown()
+    print(f"machine load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores; per CPU-second "
+          f"of this process: baseline {CPU_RATES['baseline']:.0f}/s, cost in-process "
+          f"{CPU_RATES['local']:.0f}/s")
     print(f"cost, through the index actor:     {seq_rate:8.0f} decisions/s sequential  "
           f"p50 {ms(lat, 50):.3f} ms  p99 {ms(lat, 99):.3f} ms; "
           f"{actor_rate:.0f} decisions/s with 32 in flight; fallbacks {remote.fallbacks}")
@@ -158,6 +164,9 @@ def main() -> None:
         "ratio_vs_baseline": round(local_rate / base_rate, 3),
         "p99_decision_ms_in_process": round(ms(local_lat, 99), 3),
         "actor_sequential_decisions_per_s": round(seq_rate, 1),
+        "decisions_per_cpu_s": round(CPU_RATES["local"], 1),
+        "p50_decision_ms_in_process": round(ms(local_lat, 50), 3),
+        "load_average": round(os.getloadavg()[0], 1),
     }))
 
 
