@@ -119,3 +119,19 @@ def _policy(name: str, cfg: ClusterConfig):  # type: ignore[no-untyped-def]
     from router.policy import make_policy
 
     return make_policy(name, cfg.cost_model(), "global")
+
+
+def test_cli_plot_and_bad_input(tmp_path: Path) -> None:
+    png = tmp_path / "sim.png"
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvshare.cli", "sim", str(DYNAMO), "--policy", "cost", "--limit",
+         "150", "--sharing", "local", "--plot", str(png), "--no-progress"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    bad = subprocess.run(
+        [sys.executable, "-m", "kvshare.cli", "sim", str(tmp_path / "none.jsonl")],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert bad.returncode == 2 and "not found" in bad.stderr and "Traceback" not in bad.stderr
