@@ -5,7 +5,7 @@ Two fake nodes (``ray.cluster_utils.Cluster``): a pool actor on node A serves tw
 block through ``nixl`` (default UCX transports: cma here, the stand-in for RDMA) and
 ``objstore``; a reader on node A pulls through ``shm`` (shared memory is same-node only). The
 NIXL case runs again with a second pool/reader pair started with ``UCX_TLS=tcp,self`` (what
-hosts without RDMA get). Each figure is the median of 5 timed batches after one warm-up, with
+hosts without RDMA get). Each figure is the median of 5 timed batches (3 for objstore) after one warm-up, with
 checksums verified as in production. Baseline: plain numpy copy of the same 256 MiB in the
 reader. Last line: one JSON object (16 MiB-block figures and ratios).
 
@@ -57,11 +57,11 @@ class PoolHost(TransferEndpoints):
 
     def __init__(self, node: str) -> None:
         self.transfer = TransferService(node, nixl=True)
-        rng = np.random.default_rng(1)
+        noise = np.frombuffer(np.random.default_rng(1).bytes(TOTAL), dtype=np.uint8)
         for bb, layout in LAYOUTS.items():
             pool = make_local_pool(f"bench{bb // MiB}m", node, layout, TOTAL // bb)
-            for h in hashes(bb):
-                assert pool.put(h, rng.integers(0, 255, bb, dtype=np.uint8))
+            for i, h in enumerate(hashes(bb)):
+                assert pool.put(h, noise[i * bb : (i + 1) * bb])
             self.transfer.add_pool(pool)
 
     def ready(self) -> bool:
@@ -110,7 +110,7 @@ class Reader:
         hs = hashes(block_bytes)
         dest = list(self.dest.reshape(len(hs), block_bytes))
         times = []
-        for _ in range(REPEATS + 1):
+        for _ in range((REPEATS if name != "objstore" else 3) + 1):  # objstore is slow: 3 runs
             t = time.perf_counter()
             res = tr.read(ctl, hs, dest, deadline_s=60.0)
             times.append(time.perf_counter() - t)

@@ -59,9 +59,16 @@ def _descs(addrs: Sequence[int], size: int) -> np.ndarray:
     return out
 
 
-def _classify(exc: BaseException) -> str:
-    text = f"{type(exc).__name__} {exc}"
-    return SOURCE_DEAD if "DISCONNECT" in text.upper() or "REMOTE" in text.upper() else TRANSFER_ERROR
+def _failure(control: BlockControl, holder: str, what: str) -> str:
+    """Why a transfer failed: the source is gone (disconnected, or its pool does not answer)
+    or some other transport error. Ends the transfer's leases on the way."""
+    if "DISCONNECT" in what.upper():
+        return SOURCE_DEAD
+    try:
+        call(control.finish(holder, []), 2.0)
+    except (TimeoutError, SourceGone):
+        return SOURCE_DEAD
+    return TRANSFER_ERROR
 
 
 class NixlTransport(Transport):
@@ -226,7 +233,7 @@ class NixlTransport(Transport):
             raise
         except Exception as exc:
             log.warning("nixl %s from %s failed: %s", t.op, agent, exc)
-            return self._end(t, _classify(exc))
+            return self._end(t, _failure(control, t.holder, f"{type(exc).__name__} {exc}"))
         return t
 
     def poll(self, transfer: Transfer) -> TransferResult | None:
@@ -239,7 +246,7 @@ class NixlTransport(Transport):
             if status == "PROC":
                 status = t.state["status"] = self.agent.check_xfer_state(handle)
         except Exception as exc:
-            self._end(t, _classify(exc))
+            self._end(t, _failure(t.state["control"], t.holder, f"{type(exc).__name__} {exc}"))
             return t.result
         if status == "DONE" and t.remaining < 0:  # arrived, but later than the caller can use
             self._end(t, DEADLINE)
@@ -248,7 +255,7 @@ class NixlTransport(Transport):
             self._release(t)
             return self._done(t)
         if status != "PROC":
-            self._end(t, SOURCE_DEAD if t.state.get("dead") else TRANSFER_ERROR)
+            self._end(t, _failure(t.state["control"], t.holder, str(status)))
             return t.result
         if t.remaining <= 0:
             self._end(t, DEADLINE)
