@@ -67,12 +67,13 @@ class WorkerService:
         self.engine = HFEngine(engine or EngineConfig())
         self.client: KVShareClient | None = None
         node = "local"
-        if cut_policy == "cost":  # the router's cost model, fitted to this engine's timings
+        if cut_policy == "cost" and connect:  # the router's cost model, fitted to this engine
             fitted = CostCut.try_create(self.engine.layout, samples=calibrate(self.engine))
             cut_policy = fitted if fitted is not None else load_everything
-        elif isinstance(cut_policy, str):
+        elif isinstance(cut_policy, str) and cut_policy != "cost":
             raise ValueError(f"cut_policy must be 'cost' or a callable, got {cut_policy!r}")
         if connect:
+            assert callable(cut_policy)
             self.client = KVShareClient.connect(
                 namespace, self.engine.layout, self.engine.root, worker_id=self.worker_id,
                 remote=remote, cut_policy=cut_policy,
