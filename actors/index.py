@@ -23,13 +23,12 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Callable, Iterable, Sequence
-from itertools import groupby, repeat
-from typing import Any, NamedTuple, cast
+from typing import Any, NamedTuple
 
 import numpy as np
 import pyarrow as pa
 
-from actors.holders import EMPTY, TIER_BY_NAME, TIERS, HolderStates
+from actors.holders import TIER_BY_NAME, TIERS, HolderStates
 from actors.index_io import (
     all_stored_one_tier,
     check_event_batch,
@@ -42,6 +41,7 @@ from actors.index_io import (
 )
 from actors.registry import WorkerRegistry
 from actors.runs import Runs, from_runs
+from actors.table import BlockTable
 from kvshare.events import AllCleared, BlockStored, Event, EventKind
 from kvshare.match import MatchResult
 from kvshare.pool_types import check_namespace
@@ -63,24 +63,13 @@ class PublishAck(NamedTuple):
     resync: tuple[tuple[str, str], ...]
 
 
-class _Namespace:
-    __slots__ = ("name", "hash_size", "layout_fingerprint", "table", "by_loc")
-
-    def __init__(self, name: str, hash_size: int, layout_fingerprint: str) -> None:
-        self.name = name
-        self.hash_size = hash_size
-        self.layout_fingerprint = layout_fingerprint
-        self.table: dict[bytes, int] = {}
-        self.by_loc: dict[int, set[bytes]] = {}
-
-
 class GlobalIndex:
     """The cluster's block directory (one shard of it)."""
 
     def __init__(self, worker_ttl_s: float = 3.0, clock: Callable[[], float] = time.monotonic) -> None:
         self.epoch = uuid.uuid4().hex[:12]
         self._s = HolderStates()
-        self._ns: dict[str, _Namespace] = {}
+        self._ns: dict[str, BlockTable] = {}
         self._gen: dict[str, int] = {}
         self._floor: dict[str, int] = {}  # events of generations <= floor are ignored
         self._seq: dict[tuple[str, str, int], int] = {}
@@ -98,7 +87,7 @@ class GlobalIndex:
             raise ValueError(f"hash_size must be 16 or 32 bytes, got {hash_size}")
         ns = self._ns.get(namespace)
         if ns is None:
-            self._ns[namespace] = _Namespace(namespace, hash_size, layout_fingerprint)
+            self._ns[namespace] = BlockTable(namespace, hash_size, layout_fingerprint, self._s)
             return
         if ns.hash_size != hash_size:
             raise ValueError(
@@ -119,7 +108,7 @@ class GlobalIndex:
             for n, ns in self._ns.items()
         }
 
-    def _get_ns(self, namespace: str) -> _Namespace:
+    def _get_ns(self, namespace: str) -> BlockTable:
         ns = self._ns.get(namespace)
         if ns is None:
             raise KeyError(
@@ -127,24 +116,6 @@ class GlobalIndex:
                 "(deploy kvshare with this namespace or add it to the pools first)"
             )
         return ns
-
-    def _check_hashes(self, ns: _Namespace, hashes: Sequence[BlockHash]) -> None:
-        if isinstance(hashes, bytes | str) or not isinstance(hashes, Sequence):
-            raise ValueError("hashes must be a list of block hashes (bytes), not one value")
-        if not hashes:
-            return
-        try:  # one C-level pass: bytes-like (join refuses str, ints) of the right total size;
-            # compensating lengths (31 + 33) can only cause misses, never a wrong hit
-            ok = len(b"".join(hashes)) == ns.hash_size * len(hashes)
-        except TypeError:
-            ok = False
-        if not ok or type(hashes[0]) is not bytes:
-            bad = next((h for h in hashes if type(h) is not bytes or len(h) != ns.hash_size),
-                       hashes[0])
-            raise ValueError(
-                f"block hashes of namespace {ns.name!r} must be {ns.hash_size}-byte bytes; got "
-                f"{type(bad).__name__} of length {len(bad) if hasattr(bad, '__len__') else '?'}"
-            )
 
     # ------------------------------------------------------------------ generations
     def new_generation(self, location: str) -> int:
@@ -279,24 +250,13 @@ class GlobalIndex:
             code = TIER_BY_NAME.get(tier)
             if code is None:
                 raise ValueError(f"event batch has unknown tier {tier!r}")
-            self._bulk_store(ns, lid, code, hash_list(batch.column(4)))
+            hashes = hash_list(batch.column(4))
+            ns.store_many(lid, code, hashes)
+            self.counters["applied"] += len(hashes)
             return
         kinds, _, _, tiers, hashes, _, _ = columns_of(batch)
         for kind, t, h in zip(kinds, tiers, hashes, strict=True):
             self._one(ns, lid, kind, t, h)
-
-    def _bulk_store(self, ns: _Namespace, lid: int, tier: int, hashes: list[bytes]) -> None:
-        """Store many hashes at one location and tier (C-level loops; the hot path)."""
-        table = ns.table
-        olds = list(map(table.get, hashes, repeat(EMPTY, len(hashes))))
-        add = self._s.add
-        trans = {s: add(s, lid, tier) for s in set(olds)}
-        table.update(zip(hashes, map(trans.__getitem__, olds), strict=True))
-        rev = ns.by_loc.get(lid)
-        if rev is None:
-            rev = ns.by_loc[lid] = set()
-        rev.update(hashes)
-        self.counters["applied"] += len(hashes)
 
     def _apply_rows(self, rows: Iterable[Row], resync: set[tuple[str, str]]) -> None:
         for kind, ns_name, loc, tier, h, gen, seq in rows:
@@ -310,31 +270,20 @@ class GlobalIndex:
                 continue
             self._one(self._ns[ns_name], self._s.loc_id(loc), kind, tier, h)
 
-    def _one(self, ns: _Namespace, lid: int, kind: int, tier: str, h: bytes) -> None:
+    def _one(self, ns: BlockTable, lid: int, kind: int, tier: str, h: bytes) -> None:
         self.counters["applied"] += 1
         if kind == EventKind.CLEARED:
-            self._drop_ns_loc(ns, lid)
+            ns.drop(lid)
             return
         code = TIER_BY_NAME.get(tier)
         if code is None:
             raise ValueError(f"event has unknown tier {tier!r}")
         if len(h) != ns.hash_size:
             raise ValueError(f"namespace {ns.name!r} block hashes are {ns.hash_size} bytes")
-        s = ns.table.get(h, EMPTY)
         if kind == EventKind.STORED:
-            ns.table[h] = self._s.add(s, lid, code)
-            ns.by_loc.setdefault(lid, set()).add(h)
-            return
-        t = self._s.remove(s, lid, code)
-        if t == s:
-            return
-        if t == EMPTY:
-            del ns.table[h]
+            ns.store(lid, code, h)
         else:
-            ns.table[h] = t
-        rev = ns.by_loc.get(lid)
-        if rev is not None:
-            rev.discard(h)
+            ns.remove(lid, code, h)
 
     # ------------------------------------------------------------------ inventory
     def replace_inventory(self, location: str, generation: int, batch: pa.RecordBatch,
@@ -358,7 +307,7 @@ class GlobalIndex:
             return False
         ns = self._ns[ns_name]
         lid = self._s.loc_id(location)
-        self._drop_ns_loc(ns, lid)
+        ns.drop(lid)
         for _, tier, h in rows:
             self._one(ns, lid, EventKind.STORED, tier, h)
         for key in [k for k in self._seq if k[0] == ns_name and k[1] == location]:
@@ -399,66 +348,33 @@ class GlobalIndex:
         lid = self._s.loc_ids.get(location)
         if lid is None:
             return 0
-        return sum(self._drop_ns_loc(ns, lid) for ns in self._ns.values())
-
-    def _drop_ns_loc(self, ns: _Namespace, lid: int) -> int:
-        hashes = ns.by_loc.pop(lid, None)
-        if not hashes:
-            return 0
-        table, drop = ns.table, self._s.drop
-        for h in hashes:
-            s = table.get(h)
-            if s is None:
-                continue
-            t = drop(s, lid)
-            if t == EMPTY:
-                del table[h]
-            else:
-                table[h] = t
-        return len(hashes)
+        return sum(ns.drop(lid) for ns in self._ns.values())
 
     # ------------------------------------------------------------------ queries
     def lookup(self, namespace: str, hashes: Sequence[BlockHash]) -> list[dict[Location, Tier]]:
         """Per block, ``{location: tier}`` of every holder ({} if none)."""
         ns = self._get_ns(namespace)
-        self._check_hashes(ns, hashes)
+        ns.check(hashes)
         self._expire_workers()
-        as_map = self._s.as_map
-        return [dict(as_map(s)) for s in map(ns.table.get, hashes, [EMPTY] * len(hashes))]
+        return ns.lookup(hashes)
 
     def match(self, namespace: str, hashes: Sequence[BlockHash]) -> MatchResult:
         """Per location, the prefix of ``hashes`` it holds (see :class:`MatchResult`)."""
         return from_runs(*self.match_runs(namespace, hashes))
 
-    def match_runs(self, namespace: str, hashes: Sequence[BlockHash],
-                   _checked: bool = False) -> tuple[int, Runs]:
+    def match_runs(self, namespace: str, hashes: Sequence[BlockHash]) -> tuple[int, Runs]:
         """The match in its compact form ``(num_blocks, runs)`` (see :mod:`actors.runs`)."""
         ns = self._get_ns(namespace)
-        if not _checked:
-            self._check_hashes(ns, hashes)
+        ns.check(hashes)
         self._expire_workers()
-        try:
-            states = list(map(ns.table.get, hashes, repeat(EMPTY)))
-        except TypeError:  # an unhashable bytes-like (bytearray)
-            raise ValueError(f"block hashes of namespace {namespace!r} must be bytes") from None
-        try:
-            k = states.index(EMPTY)  # an int sentinel compares much faster than None
-        except ValueError:
-            k = len(states)
-        named = self._s.named
-        runs: Runs = [(named(s), len(list(g))) for s, g in groupby(states[:k])]
-        return len(hashes), runs
+        return ns.match_runs(hashes)
 
     def match_packed(self, namespace: str, blob: bytes, hash_len: int) -> tuple[int, Runs]:
         """:meth:`match_runs` of hashes sent as one bytes object of ``hash_len``-byte hashes."""
         ns = self._get_ns(namespace)
-        if not isinstance(blob, bytes) or (blob and hash_len != ns.hash_size) or len(blob) % hash_len:
-            raise ValueError(
-                f"block hashes of namespace {namespace!r} must be {ns.hash_size}-byte bytes; "
-                f"got {hash_len}-byte hashes"
-            )
-        hashes = cast(list[BlockHash], [blob[i : i + hash_len] for i in range(0, len(blob), hash_len)])
-        return self.match_runs(namespace, hashes, _checked=True)  # sliced to size above
+        hashes = ns.split(blob, hash_len)
+        self._expire_workers()
+        return ns.match_runs(hashes)
 
     # ------------------------------------------------------------------ workers
     def register_worker(self, info: WorkerInfo) -> int:
@@ -500,10 +416,9 @@ class GlobalIndex:
         """Block count per location (all namespaces unless one is named)."""
         out: dict[str, int] = {}
         for ns in self._ns.values() if namespace is None else [self._get_ns(namespace)]:
-            for lid, hs in ns.by_loc.items():
-                if hs:
-                    name = self._s.loc_names[lid]
-                    out[name] = out.get(name, 0) + len(hs)
+            for lid, n in ns.block_counts().items():
+                name = self._s.loc_names[lid]
+                out[name] = out.get(name, 0) + n
         return out
 
     def stats(self) -> dict[str, Any]:
@@ -523,13 +438,13 @@ class GlobalIndex:
         from actors.index_io import snapshot_table
 
         entries = []
+        names = self._s.loc_names
         for ns in self._ns.values():
-            for h, s in ns.table.items():
-                for lid, code in self._s.items[s]:
-                    loc = self._s.loc_names[lid]
-                    gen = self._gen.get(loc, 0)
-                    entries.append((ns.name, loc, TIERS[code].value, h, gen,
-                                    self._seq.get((ns.name, loc, gen), 0)))
+            for h, lid, code in ns.entries():
+                loc = names[lid]
+                gen = self._gen.get(loc, 0)
+                entries.append((ns.name, loc, TIERS[code].value, h, gen,
+                                self._seq.get((ns.name, loc, gen), 0)))
         return snapshot_table(entries)
 
     def load_snapshot(self, table: pa.Table) -> int:

@@ -261,3 +261,42 @@ def test_node_removed_its_entries_go_within_5s_and_new_nodes_get_a_pool(kv: dict
     new = cluster.add_node(num_cpus=1, object_store_memory=300 * 2**20)
     wait_for(lambda: _generation(new.node_id) > 0, 30.0, 0.3)
     assert ray.get(pool(new.node_id).ready.remote())["namespaces"] == ["m"]
+
+
+def test_sharded_index_client_agrees_with_one_index(kv: dict[str, Any]) -> None:
+    import asyncio
+
+    import ray
+
+    from actors.config import IndexConfig
+    from actors.index import GlobalIndex
+    from actors.index_actor import GlobalIndexActor
+    from actors.index_client import IndexClient
+    from kvshare.events import BlockRemoved, BlockStored, events_to_arrow
+    from kvshare.types import Tier
+
+    shards = [GlobalIndexActor.options(namespace="kvs-test-shards").remote(IndexConfig(i, 3))
+              for i in range(3)]
+    client, local = IndexClient(shards), GlobalIndex()
+    for ix in (client, local):
+        ix.declare_namespace("m")
+    hs = hashes(40, "shards")
+    locs = ["node:x", "node:y"]
+    gens = {loc: client.new_generation(loc) for loc in locs}
+    for loc in locs:
+        local.fence(loc, gens[loc])
+    batches = [
+        [BlockStored("m", "node:x", Tier.HOST, h, gens["node:x"], i + 1) for i, h in enumerate(hs[:30])],
+        [BlockStored("m", "node:y", Tier.DISK, h, gens["node:y"], i + 1) for i, h in enumerate(hs[:12])],
+        [BlockRemoved("m", "node:x", Tier.HOST, hs[20], gens["node:x"], 31)],
+    ]
+    for evs in batches:
+        batch = events_to_arrow(evs)  # type: ignore[arg-type]
+        assert client.publish(batch).resync == () and local.apply_arrow(batch).resync == ()
+    assert client.match("m", hs) == local.match("m", hs)
+    assert asyncio.run(client.match_async("m", hs)) == local.match("m", hs)
+    assert client.match("m", hs).prefix_for("node:x") == 20  # type: ignore[arg-type]
+    assert client.drop_location("node:y") == 12
+    assert client.match("m", hs).prefix_for("node:y") == 0  # type: ignore[arg-type]
+    for s in shards:
+        ray.kill(s)

@@ -261,3 +261,18 @@ def test_bad_event_batches_change_nothing(index: GlobalIndex) -> None:
         with pytest.raises(ValueError, match=why):
             index.apply_arrow(batch)
     assert index.locations() == {} and index.stats()["applied"] == 0
+
+
+def test_packed_matches_equal_plain_matches(index: GlobalIndex) -> None:
+    from actors.runs import from_runs
+
+    hs = hashes(12)
+    a, b = Publisher(index, A), Publisher(index, B)
+    a.send(a.stored(hs[:9]))
+    b.send(b.stored(hs[2:5], Tier.DISK) + b.stored(hs[:2]))
+    assert from_runs(*index.match_packed("m", b"".join(hs), 32)) == index.match("m", hs)
+    assert from_runs(*index.match_packed("m", b"", 32)) == index.match("m", [])
+    with pytest.raises(ValueError, match="32-byte"):
+        index.match_packed("m", b"".join(h[:16] for h in hs), 16)
+    with pytest.raises(ValueError, match="32-byte"):
+        index.match_packed("m", b"x" * 33, 32)
