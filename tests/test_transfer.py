@@ -228,6 +228,25 @@ def test_fetch_falls_back_to_objstore_when_source_has_no_nixl(transports: dict[s
             s.pool.close()
 
 
+def test_fetch_tries_another_holder_when_the_first_is_dead(transports: dict[str, Transport]) -> None:
+    ns = f"ug{os.getpid()}"
+    alive = make_local_source(ns, "ut-ga", LAYOUT, 16, nixl=True)
+    try:
+        for i in range(4):
+            alive.pool.put(h(i), payload(i))
+        dead, good = node_location("ut-gz"), node_location("ut-ga")
+        controls = {good: LocalControl(alive)}  # ut-gz's pool is gone: no control
+        fetcher = PeerFetcher("ut-gb", ns, controls.get, {"nixl": transports["nixl"], "objstore": transports["objstore"]})
+        dest = np.zeros((4, B), np.uint8)
+        res = fetcher.fetch([h(i) for i in range(4)], list(dest), match=build_match([{dead: Tier.HOST, good: Tier.HOST}] * 4))
+        assert res.ok and set(res.served_by) == {f"{good}/nixl"}
+        assert all(np.array_equal(dest[i], payload(i)) for i in range(4))
+        consistent(alive)
+    finally:
+        alive.close()
+        alive.pool.close()
+
+
 def test_probe_measures_and_overrides(source: BlockSource, transports: dict[str, Transport]) -> None:
     dest = np.zeros((4, B), np.uint8)
     gbps = probe(transports, LocalControl(source), list(dest), repeats=2)

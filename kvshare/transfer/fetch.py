@@ -7,7 +7,8 @@ memory; else the node holding most of the batch), and per source node submits ON
 fastest transport that can reach it (measured bandwidths, see :mod:`kvshare.transfer.probe`).
 Each transport pins the blocks on the source for the duration, verifies checksums and always
 unpins. Blocks the NIXL path could not serve (NIXL missing on either side, a transfer error)
-are retried once over the object store within the same deadline. With ``keep_local`` the
+are retried once over the object store within the same deadline, and blocks a node could
+not serve (dead, missing, corrupt) are tried once on another node that holds them. With ``keep_local`` the
 blocks that arrived are also stored in this node's pool, so the next request here hits
 locally. Anything else is a miss with a reason: the caller recomputes.
 """
@@ -134,44 +135,57 @@ class PeerFetcher:
             match = self.index.match(self.namespace, hashes)
         reasons = [MISSING] * len(hashes)
         served = [""] * len(hashes)
-        groups = self._plan(match, len(hashes))
         results: list[TransferResult] = []
-        retry: dict[Location, list[int]] = {}
+        tried: list[set[Location]] = [set() for _ in hashes]
+        first = {(loc, self._best(loc)): idx for loc, idx in self._plan(match, len(hashes)).items()}
+        last = self._round(first, hashes, dest, deadline, reasons, served, results, tried)
+        # second round: NIXL could not serve -> objstore, same node; else another holder
+        again: dict[tuple[Location, str], list[int]] = {}
+        for i, (loc, name) in last.items():
+            if reasons[i] in ("", DEADLINE) or time.monotonic() >= deadline:
+                continue
+            if name == "nixl" and reasons[i] in RETRY_OVER_OBJSTORE and "objstore" in self.transports:
+                again.setdefault((loc, "objstore"), []).append(i)
+                continue
+            others = [h for h in match.holders(i) if _is_node(h) and h not in tried[i]] if (
+                i < match.combined_prefix) else []
+            if others:
+                alt = self.location if self.location in others else sorted(others)[0]
+                again.setdefault((alt, self._best(alt)), []).append(i)
+        self._round(again, hashes, dest, deadline, reasons, served, results, tried)
+        kept = self._keep(hashes, dest, reasons, served) if keep_local else 0
+        outs = tuple(BlockOutcome(h, r == "", r) for h, r in zip(hashes, reasons, strict=True))
+        return FetchResult(outs, tuple(served), kept, tuple(results), time.monotonic() - start)
+
+    def _best(self, location: Location) -> str:
+        names = self.choose(location)
+        return names[0] if names else "objstore"
+
+    def _round(
+        self, groups: dict[tuple[Location, str], list[int]], hashes: Sequence[BlockHash],
+        dest: Sequence[ByteArray], deadline: float, reasons: list[str], served: list[str],
+        results: list[TransferResult], tried: list[set[Location]],
+    ) -> dict[int, tuple[Location, str]]:
+        """Submit one batch per (node, transport), then wait for all; returns who served what."""
         pending: list[tuple[Location, str, list[int], Transfer]] = []
-        for loc, idx in groups.items():
+        used: dict[int, tuple[Location, str]] = {}
+        for (loc, name), idx in groups.items():
+            for i in idx:
+                tried[i].add(loc)
+                used[i] = (loc, name)
             control = self.controls(loc)
-            if control is None:
+            if control is None or name not in self.transports:
                 for i in idx:
                     reasons[i] = SOURCE_DEAD
                 continue
-            names = self.choose(loc)
-            if not names:
-                continue
-            t = self._submit(names[0], control, hashes, dest, idx, deadline)
-            pending.append((loc, names[0], idx, t))
+            pending.append((loc, name, idx, self._submit(name, control, hashes, dest, idx, deadline)))
         for loc, name, idx, t in pending:
             res = self.transports[name].wait(t)
             results.append(res)
             for i, o in zip(idx, res.outcomes, strict=True):
                 reasons[i] = o.reason
-                if o.ok:
-                    served[i] = f"{loc}/{name}"
-                elif name == "nixl" and o.reason in RETRY_OVER_OBJSTORE:
-                    retry.setdefault(loc, []).append(i)
-        if retry and "objstore" in self.transports:
-            for loc, idx in retry.items():
-                control = self.controls(loc)
-                assert control is not None
-                t = self._submit("objstore", control, hashes, dest, idx, deadline)
-                res = self.transports["objstore"].wait(t)
-                results.append(res)
-                for i, o in zip(idx, res.outcomes, strict=True):
-                    reasons[i] = o.reason
-                    if o.ok:
-                        served[i] = f"{loc}/objstore"
-        kept = self._keep(hashes, dest, reasons, served) if keep_local else 0
-        outs = tuple(BlockOutcome(h, r == "", r) for h, r in zip(hashes, reasons, strict=True))
-        return FetchResult(outs, tuple(served), kept, tuple(results), time.monotonic() - start)
+                served[i] = f"{loc}/{name}" if o.ok else ""
+        return used
 
     def _submit(
         self, name: str, control: BlockControl, hashes: Sequence[BlockHash],
