@@ -280,17 +280,25 @@ def serve_from_args(args: argparse.Namespace) -> int:
         workers: Any = IndexWorkers(index)
     else:
         workers = static_workers(args.workers, args.namespace)
+    from kvshare.transfer.probe import parse_overrides
+    from router.cost import Bandwidths
+
+    gbps = parse_overrides(args.bandwidth) if args.bandwidth else {}
+    common: dict[str, Any] = {
+        "namespace": args.namespace, "policy": args.policy,
+        "prefill_tokens_per_s": args.prefill_tokens_per_s,
+        "bandwidths": Bandwidths.from_measured({k: v * 1e9 for k, v in gbps.items()}),
+    }
     tokenizer = None
     if args.engine_config:
         from kvshare.engines.hf import EngineConfig, model_keys
 
         keys = model_keys(EngineConfig(**json.loads(args.engine_config)))
-        cfg = RouterConfig.from_model_keys(keys, namespace=args.namespace, policy=args.policy)
+        cfg = RouterConfig.from_model_keys(keys, **common)
         tokenizer = keys.tokenizer
     else:
-        cfg = RouterConfig(namespace=args.namespace, block_tokens=args.block_tokens,
-                           policy=args.policy, model_id=args.model_id,
-                           layout_fingerprint=args.layout_fingerprint)
+        cfg = RouterConfig(block_tokens=args.block_tokens, model_id=args.model_id,
+                           layout_fingerprint=args.layout_fingerprint, **common)
     router = CacheAwareRouter(index, workers, cfg, tokenizer)
     app = create_app(router, load_api_keys(args.api_keys))
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")

@@ -256,7 +256,8 @@ def test_kvshare_gateway_command_serves_static_workers(worker_urls: list[str], t
     keys.write_text(json.dumps(KEYS))
     proc = subprocess.Popen(
         [sys.executable, "-m", "kvshare.cli", "gateway", "--port", str(port), "--workers",
-         ",".join(worker_urls), "--namespace", NS, "--api-keys", str(keys)],
+         ",".join(worker_urls), "--namespace", NS, "--api-keys", str(keys),
+         "--bandwidth", "shm=20,nixl=8"],
     )
     try:
         wait_http(f"http://127.0.0.1:{port}/health")
