@@ -94,6 +94,7 @@ def test_routed_request_uses_token_ids_and_reuses_blocks(served) -> None:  # typ
     assert again["choices"][0]["token_ids"] == first["choices"][0]["token_ids"]
     stats = httpx.get(server.endpoint + "/v1/kvshare/stats").json()
     assert stats["counters"]["prefill_tokens_saved"] >= 4 * BLOCK
+    assert stats["client"]["loaded_blocks"] >= 4 and stats["client"]["stored_blocks"] >= 4
     assert "kvshare_worker_prefill_tokens_saved" in httpx.get(server.endpoint + "/metrics").text
 
 

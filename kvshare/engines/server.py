@@ -129,6 +129,10 @@ def create_app(
         worker.engine.check_tokens(req.tokens)
         tracker.admit(len(req.tokens))
 
+    def client_counters() -> dict[str, float]:
+        counters = getattr(worker.client, "counters", None)
+        return dict(counters) if isinstance(counters, dict) else {}
+
     def finish_reason(c: Completion, req: ParsedRequest) -> str:
         return "stop" if c.tokens and c.tokens[-1] == eos and req.stop_eos else "length"
 
@@ -205,7 +209,7 @@ def create_app(
     async def stats() -> Any:
         ld = tracker.snapshot(worker_id)
         return {"worker_id": worker_id, "namespace": namespace,
-                "counters": worker.counters.snapshot(),
+                "counters": worker.counters.snapshot(), "client": client_counters(),
                 "load": {"queued_prefill_tokens": ld.queued_prefill_tokens,
                          "running": ld.running, "prefill_tokens_per_s": ld.prefill_tokens_per_s}}
 
@@ -214,6 +218,8 @@ def create_app(
         lines = []
         for key, value in sorted(worker.counters.snapshot().items()):
             lines.append(f'kvshare_worker_{key}{{worker="{worker_id}"}} {value}')
+        for key, value in sorted(client_counters().items()):
+            lines.append(f'kvshare_client_{key}{{worker="{worker_id}"}} {value}')
         return PlainTextResponse("\n".join(lines) + "\n")
 
     app.state.executor = executor
