@@ -300,6 +300,11 @@ class CacheAwareRouter:
         if report is not None:
             report(load)
 
+    @property
+    def prefill_samples(self) -> int:
+        """Measured prefill timings seen so far (:meth:`observe_prefill`)."""
+        return self._seen
+
     def observe_prefill(self, new_tokens: int, cached_tokens: int, seconds: float) -> None:
         """A measured prefill; every ``refit_every`` samples the prefill model is refitted."""
         if new_tokens <= 0 or seconds <= 0:

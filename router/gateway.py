@@ -168,6 +168,17 @@ def create_app(
             return fail(400, str(exc))
         return body, routed
 
+    def learn_prefill(raw: bytes) -> None:
+        """Feed the worker's measured prefill (its ``kvshare`` stats) back to the cost model."""
+        try:
+            kv = json.loads(raw).get("kvshare")
+            if isinstance(kv, dict):
+                router.observe_prefill(int(kv.get("computed_tokens", 0)),
+                                       int(kv.get("reused_tokens", 0)),
+                                       float(kv.get("prefill_s", 0.0)))
+        except (ValueError, TypeError, AttributeError):
+            pass  # not a kvshare worker: nothing to learn
+
     async def proxy(request: Request, path: str, chat: bool) -> Response:
         parsed = await parse(request, chat)
         if isinstance(parsed, JSONResponse):
@@ -195,6 +206,8 @@ def create_app(
             if resp.status_code >= 500:
                 return fail(502, f"worker {d.worker} failed with HTTP {resp.status_code}",
                             "upstream_error", "worker_error")
+            if resp.status_code == 200:
+                learn_prefill(raw)
             ctype = resp.headers.get("content-type", "application/json")
             return Response(raw, resp.status_code, headers=headers, media_type=ctype)
 

@@ -289,6 +289,7 @@ def test_gateway_drives_the_reference_worker_without_retokenizing() -> None:
         for key in ("key-acme", "key-globex"):  # two tenants, two salts: both accepted
             out = client(gw, key).completions.create(model=NS, prompt=PROMPT, max_tokens=3)
             assert out.usage is not None and out.usage.prompt_tokens == len(PROMPT.encode())
+        assert router.prefill_samples == 2  # the worker's measured prefill reached the cost model
         chat = client(gw).chat.completions.create(
             model=NS, messages=[{"role": "user", "content": PROMPT}], max_tokens=2, stream=True)
         assert sum(1 for _ in chat) >= 1
