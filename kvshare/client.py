@@ -125,18 +125,21 @@ class KVShareClient:
     # ------------------------------------------------------------------ setup
     @classmethod
     def connect(
-        cls, namespace: str, layout: KVLayout, root: BlockHash, **kwargs: Any
+        cls, namespace: str, layout: KVLayout, root: BlockHash, *,
+        index_timeout_s: float = 2.0, **kwargs: Any
     ) -> KVShareClient:
         """Inside Ray: the deployment's index client and this node's (and peers') pool actors.
 
         Imports the cluster layer (``actors``) lazily, so the SDK has no hard Ray dependency.
+        An index that does not answer within ``index_timeout_s`` is treated as down (a miss).
         """
         import ray
 
         from kvshare.transfer.control import ActorControl
 
         config = import_module("actors.config")
-        index = import_module("actors.index_client").IndexClient.connect(config.RAY_NAMESPACE)
+        index = import_module("actors.index_client").IndexClient.connect(
+            config.RAY_NAMESPACE, timeout_s=index_timeout_s)
         node = kwargs.pop("node", None) or ray.get_runtime_context().get_node_id()
 
         def control_for(node_id: str) -> BlockControl | None:
