@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -23,6 +23,7 @@ from kvshare.transfer.base import (
     DEADLINE,
     MISSING,
     NIXL_UNAVAILABLE,
+    SLOT_REUSED,
     Transport,
     TransportUnavailable,
 )
@@ -36,6 +37,7 @@ from kvshare.transfer.probe import Bandwidths, parse_overrides, probe
 from kvshare.transfer.serve import TransferService
 from kvshare.transfer.shm import ShmTransport
 from kvshare.transfer.source import BlockSource
+from kvshare.transfer.wire import Reply
 from kvshare.types import BlockHash, Location, Tier, node_location
 
 LAYOUT = KVLayout(1, 1, 8, "fp32", 64)  # 4 KiB blocks
@@ -226,6 +228,38 @@ def test_fetch_falls_back_to_objstore_when_source_has_no_nixl(transports: dict[s
         for s in (a, b):
             s.close()
             s.pool.close()
+
+
+def test_shm_read_whose_lease_expired_during_the_copy_is_a_miss() -> None:
+    """The epoch re-check: leases expire mid-copy and the slots are reused -> slot_reused."""
+    from kvshare.pool import TieredBlockPool
+    from kvshare.pool_types import PoolConfig, TierSpec
+
+    now = [0.0]
+    ns = f"ue{os.getpid()}"
+    slab = HostSlab(B, 4, f"kvshare-{ns}-ut-e-0")
+    pool = TieredBlockPool(
+        PoolConfig(ns, LAYOUT, (TierSpec(Tier.HOST, 4 * B),), lease_ttl_s=1.0),
+        {Tier.HOST: slab}, clock=lambda: now[0],
+    )
+    src = BlockSource(pool, "ut-e", nixl=False)
+
+    class SlowReader(LocalControl):
+        def finish(self, holder: str, lease_ids: Sequence[int]) -> Reply[list[bool]]:
+            now[0] += 100.0  # the copy took longer than the lease: it expired...
+            for i in range(4):  # ...and writers reused every slot
+                pool.put(h(100 + i), payload(100 + i))
+            return super().finish(holder, lease_ids)
+
+    try:
+        for i in range(4):
+            assert pool.put(h(i), payload(i))
+        dest = np.zeros((2, B), np.uint8)
+        res = ShmTransport("ut-e").read(SlowReader(src), [h(0), h(1)], list(dest))
+        assert res.misses() == {h(0): SLOT_REUSED, h(1): SLOT_REUSED}
+        assert pool.stats()["active_leases"] == 0
+    finally:
+        pool.close()
 
 
 def test_fetch_tries_another_holder_when_the_first_is_dead(transports: dict[str, Transport]) -> None:
