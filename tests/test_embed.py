@@ -4,6 +4,7 @@ actor through IndexClient (down -> load-only fallback, counted)."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import replace
 
@@ -16,7 +17,7 @@ from kvshare.match import MatchResult
 from kvshare.types import BlockHash, NodeId, Tier, WorkerId, node_location
 from kvshare.workers import IndexQuery, WorkerInfo, WorkerLoad
 from router.embed import CacheAwareRouter, InProcessIndex, RouterConfig, Tenant
-from router.workers_view import StaticWorkers
+from router.workers_view import IndexWorkers, StaticWorkers
 
 NS = "llm"
 BT = 16
@@ -148,7 +149,7 @@ def test_index_actor_down_means_load_only_routing(local_ray: None) -> None:
     from actors.index_client import IndexClient
 
     actor = GlobalIndexActor.remote(IndexConfig())
-    client = IndexClient([actor], timeout_s=2.0)
+    client = IndexClient([actor], timeout_s=30.0)  # a busy shared machine starts actors slowly
     client.declare_namespace(NS)
     # a generous deadline: this test is about a dead index, not a slow one (see above)
     r = CacheAwareRouter(client, workers(), replace(CFG, index_timeout_s=10.0))
@@ -157,6 +158,15 @@ def test_index_actor_down_means_load_only_routing(local_ray: None) -> None:
 
     first = run(r.route(prompt=PROMPT))
     assert (first.decision.worker, first.decision.reason, first.fallback) == ("w1", "cache_local", "")
+
+    # workers registered in the index are discovered (kvshare gateway --address)
+    info = WorkerInfo(WorkerId("reg0"), NodeId("n1"), (NS,), "http://reg0:8000")
+    client.register_worker(info)
+    client.report_load(WorkerLoad(info.worker_id, 0, 0, 1000.0, time.time()))
+    found = CacheAwareRouter(client, IndexWorkers(client), replace(CFG, index_timeout_s=10.0))
+    got = run(found.route(prompt=PROMPT))
+    assert (got.decision.worker, got.decision.endpoint) == ("reg0", "http://reg0:8000")
+    assert got.decision.reason == "cache_local"  # reg0 is on n1, which holds the prefix
     ray.kill(actor, no_restart=True)
     after = run(r.route(prompt=PROMPT + " again"))
     assert after.fallback in ("index_unavailable", "index_error", "index_timeout")
