@@ -146,3 +146,50 @@ def test_cost_cut_loads_when_fetching_beats_recompute() -> None:
     for _ in range(20):
         tiny_net.observe(1000, 0, 10.0)  # live timings say compute got slow: refit
     assert tiny_net.model.prefill.a > 1e-3
+
+
+def _save_model_dir(path: str, seed: int) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
+
+    cfg = LlamaConfig(vocab_size=300, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, intermediate_size=128, max_position_embeddings=512)
+    torch.manual_seed(seed)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(path)  # type: ignore[no-untyped-call]
+    vocab = {chr(i): i for i in range(32, 127)} | {"<unk>": 200, "<eos>": 201}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")  # type: ignore[assignment]
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>",
+                            eos_token="<eos>").save_pretrained(path)
+
+
+def test_model_from_a_local_path_uses_its_tokenizer_and_reuses_losslessly(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from kvshare.engines.hf import EngineConfig
+    from kvshare.engines.tokenizer import HFTokenizer
+
+    _save_model_dir(str(tmp_path / "m"), seed=0)
+    engine = HFEngine(EngineConfig(model_path=str(tmp_path / "m"), block_tokens=8))
+    assert engine.identity.startswith("path-") and isinstance(engine.tokenizer, HFTokenizer)
+    assert engine.tokenizer.encode("hi!") == [104, 105, 33] and engine.tokenizer.eos_id == 201
+    toks = engine.tokenizer.encode("The cached prefix of a prompt, then a question?")
+    full_out, full = engine.generate(toks, 6)
+    kv = torch.stack([torch.stack([k[0], v[0]]) for k, v in cache_layers(full.cache)])
+    out, pre = engine.generate(toks, 6, kv, 40)
+    assert pre.reused_tokens == 40 and out == full_out
+    assert float((pre.logits - full.logits).abs().max()) <= 1e-4
+    _save_model_dir(str(tmp_path / "m"), seed=1)  # new weights at the same path
+    assert HFEngine(EngineConfig(model_path=str(tmp_path / "m"))).identity != engine.identity
+
+
+def test_identity_samples_big_weight_files(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    from kvshare.engines import identity
+
+    monkeypatch.setattr(identity, "SAMPLES", 2)
+    monkeypatch.setattr(identity, "WINDOW", 8)
+    (tmp_path / "config.json").write_text("{}")
+    weights = bytearray(range(100))
+    (tmp_path / "w.bin").write_bytes(bytes(weights))
+    before = identity.path_identity(str(tmp_path), "fp32")
+    weights[95] ^= 1  # same size, new bytes inside a sampled window
+    (tmp_path / "w.bin").write_bytes(bytes(weights))
+    assert identity.path_identity(str(tmp_path), "fp32") != before

@@ -1,10 +1,13 @@
 """Model identity: a digest of what makes a model's KV what it is, never its name.
 
 - Random-init model: the canonical JSON of its config, the seed and the KV dtype.
-- Model at a path: ``config.json``, the weight manifest (safetensors index, or each weight
-  file's name, size and safetensors header), the tokenizer files and the KV dtype.
+- Model at a path: ``config.json``, the weight manifest (safetensors index, each weight file's
+  name, size and safetensors header), a sampled digest of each weight file's bytes
+  (:data:`SAMPLES` evenly spaced windows of :data:`WINDOW` bytes, so retrained weights of the
+  same shapes differ without reading every byte), the tokenizer files and the KV dtype.
 
-New weights at the same path therefore never match old blocks. The identity, the layout's
+New weights at the same path therefore never match old blocks; identical copies of a model on
+different nodes (any mtime) share them. The identity, the layout's
 fingerprint and a tenant salt make the namespace root (:func:`kvshare.hashing.namespace_root`).
 """
 
@@ -23,6 +26,8 @@ from kvshare.layout import KVLayout
 from kvshare.types import BlockHash
 
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+SAMPLES = 16
+WINDOW = 1 << 20
 
 
 def _canonical(obj: Any) -> bytes:
@@ -43,6 +48,23 @@ def _safetensors_header(path: str) -> bytes:
             return b""
         (n,) = struct.unpack("<Q", raw)
         return f.read(min(n, 64 * 2**20))
+
+
+def _sampled_digest(path: str) -> bytes:
+    """xxh3-128 over ``SAMPLES`` evenly spaced ``WINDOW``-byte windows (the whole file if small)."""
+    import xxhash
+
+    h = xxhash.xxh3_128()
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        if size <= SAMPLES * WINDOW:
+            h.update(f.read())
+        else:
+            step = (size - WINDOW) // (SAMPLES - 1)
+            for i in range(SAMPLES):
+                f.seek(i * step)
+                h.update(f.read(WINDOW))
+    return h.digest()
 
 
 def path_identity(model_path: str, kv_dtype: str) -> str:
@@ -69,6 +91,7 @@ def path_identity(model_path: str, kv_dtype: str) -> str:
             h.update(b"weight:" + name.encode() + struct.pack("<Q", os.path.getsize(full)))
             if name.endswith(".safetensors"):
                 h.update(_safetensors_header(full))
+            h.update(_sampled_digest(full))
         elif name in TOKENIZER_FILES:
             with open(full, "rb") as f:
                 h.update(b"tok:" + name.encode() + f.read())
