@@ -149,3 +149,26 @@ def test_wrong_plan_or_target_is_rejected(cluster: Cluster) -> None:
                       control_for=cluster.controls.get, remote="carrier-pigeon")
     assert block_view(np.zeros(LAYOUT.bytes_per_block, np.uint8), LAYOUT).shape == LAYOUT.block_shape
     assert os.path.exists(f"/dev/shm/kvshare-{cluster.ns}-A-0")
+
+
+def test_async_variants_match_the_sync_ones(cluster: Cluster) -> None:
+    import asyncio
+
+    from router.embed import InProcessIndex
+
+    toks = list(range(50, 50 + 3 * 8))
+    kv = kv_for(len(toks), 4)
+    client = KVShareClient(namespace=cluster.ns, layout=LAYOUT, root=ROOT, node="A",
+                           index=InProcessIndex(cluster.index), control_for=cluster.controls.get,
+                           remote="objstore")
+
+    async def scenario() -> tuple[int, int, bool]:
+        stored = await client.store_async(toks, kv)
+        cluster.publish()
+        plan = await client.lookup_async(toks)
+        into = new_contiguous(LAYOUT, plan.load_tokens)
+        res = await client.load_async(plan, into)
+        return stored.stored, res.loaded_blocks, torch.equal(into, kv)
+
+    assert asyncio.run(scenario()) == (3, 3, True)
+    client.close()
