@@ -161,6 +161,7 @@ def kv(ray_cluster: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[d
 
     from actors.config import NamespaceSpec
     from actors.deploy import deploy, get_pool, shutdown
+    from kvshare.tiers.host import remove_stale_segments
 
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
     disk = str(tmp_path_factory.mktemp("disk"))
@@ -182,7 +183,11 @@ def kv(ray_cluster: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[d
     try:
         yield env
     finally:
+        node_ids = [n["NodeID"] for n in ray.nodes()]
         shutdown(RAY_NS)
+        for ns in (NS, SMALL, "xfer-nonixl", "xfer-dies"):  # slabs of pools that were killed
+            for node_id in node_ids:
+                remove_stale_segments(ns, node_id)
 
 
 def assert_consistent(pool: Any, ns: str = NS, wait_s: float = 0.0) -> None:
