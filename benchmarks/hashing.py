@@ -1,0 +1,97 @@
+"""Chained block hashing of a 131072-token prompt against the bare hash function.
+
+For each hash function (the default, sha256, first): ``block_hashes`` over a 131072-token prompt
+(numpy uint32 token ids, 256-token blocks -> 512 chained hashes) against the bare hash of the
+same u32 bytes in one call. Best of ``--reps`` runs each (a CPU-cost figure; the median is
+printed beside it). Also timed: the same prompt given as a Python list of ints.
+
+Last line: one JSON object with ``tokens_per_s``, ``baseline_tokens_per_s`` and ``ratio``
+(chained / bare, target >= 0.8) for the default function, ``ms_per_128k_tokens`` (target < 2),
+and the same figures per function under ``by_fn``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from kvshare.hashing import DEFAULT_HASH_FN, HashFn, _hasher, block_hashes, namespace_root  # noqa: E402
+from kvshare.layout import KVLayout  # noqa: E402
+
+TOKENS = 131072
+BLOCK_TOKENS = 256
+
+
+def timed(fn: Callable[[], object], reps: int) -> tuple[float, float]:
+    """(best, median) seconds of ``reps`` calls after one warm-up call."""
+    fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times), statistics.median(times)
+
+
+def _bare(hasher: Callable[[bytes], Any], data: bytes) -> bytes:
+    """The bare hash function over all the bytes in one call."""
+    digest: bytes = hasher(data).digest()
+    return digest
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--reps", type=int, default=200)
+    args = parser.parse_args()
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, 128256, TOKENS, dtype=np.uint32)
+    as_list = tokens.tolist()
+    data = tokens.astype("<u4").tobytes()
+    layout = KVLayout(32, 8, 128, "bf16", BLOCK_TOKENS)
+    by_fn: dict[str, dict[str, float]] = {}
+    print(f"{TOKENS} tokens, {BLOCK_TOKENS}-token blocks ({TOKENS // BLOCK_TOKENS} chained "
+          f"hashes), best of {args.reps}")
+    for fn in [DEFAULT_HASH_FN, *(f for f in HashFn if f is not DEFAULT_HASH_FN)]:
+        root = namespace_root("meta-llama/Llama-3.1-8B", layout.fingerprint(), "bench", fn=fn)
+        hasher = _hasher(fn)
+        assert len(block_hashes(root, tokens, BLOCK_TOKENS, fn=fn)) == TOKENS // BLOCK_TOKENS
+        chain, chain_med = timed(partial(block_hashes, root, tokens, BLOCK_TOKENS, fn=fn),
+                                 args.reps)
+        bare, bare_med = timed(partial(_bare, hasher, data), args.reps)
+        from_list, _ = timed(partial(block_hashes, root, as_list, BLOCK_TOKENS, fn=fn),
+                             max(10, args.reps // 10))
+        by_fn[fn.value] = {
+            "tokens_per_s": round(TOKENS / chain),
+            "baseline_tokens_per_s": round(TOKENS / bare),
+            "ratio": round(bare / chain, 3),
+            "ms_per_128k_tokens": round(chain * 1e3, 3),
+            "ms_per_128k_tokens_from_list": round(from_list * 1e3, 3),
+        }
+        print(f"{fn.value:9s} chained {chain * 1e3:6.3f} ms (median {chain_med * 1e3:6.3f})  "
+              f"bare {bare * 1e3:6.3f} ms (median {bare_med * 1e3:6.3f})  "
+              f"ratio {bare / chain:4.2f}  from a list of ints {from_list * 1e3:6.3f} ms")
+    main_fn = by_fn[DEFAULT_HASH_FN.value]
+    print(json.dumps({
+        "tokens_per_s": main_fn["tokens_per_s"],
+        "baseline_tokens_per_s": main_fn["baseline_tokens_per_s"],
+        "ratio": main_fn["ratio"],
+        "ms_per_128k_tokens": main_fn["ms_per_128k_tokens"],
+        "hash_fn": DEFAULT_HASH_FN.value,
+        "block_tokens": BLOCK_TOKENS,
+        "by_fn": by_fn,
+    }))
+
+
+if __name__ == "__main__":
+    main()
