@@ -43,7 +43,13 @@ from kvshare.client_types import (
     PlannedBlock,
     StoreResult,
 )
-from kvshare.engines.kv_convert import block_from_source, block_into_target, source_tokens
+from kvshare.engines.kv_convert import (
+    block_from_source,
+    block_into_target,
+    check_source,
+    check_target,
+    source_tokens,
+)
 from kvshare.hashing import block_hashes
 from kvshare.layout import KVLayout
 from kvshare.transfer.base import NIXL_UNAVAILABLE, SOURCE_DEAD, Transfer, Transport
@@ -271,6 +277,7 @@ class KVShareClient:
                 f"plan is for namespace {plan.namespace!r} with {plan.block_tokens}-token "
                 f"blocks; this client serves {self.namespace!r} with {self.block_tokens}"
             )
+        check_target(into, self.layout, plan.load_tokens)
         start = time.perf_counter()
         with self._load_lock:
             n = plan.load_blocks
@@ -365,6 +372,7 @@ class KVShareClient:
         Returns at once; the copy runs on a background thread. The caller keeps ``kv``'s
         memory unchanged until the future is done (a DynamicCache never mutates old tensors).
         """
+        check_source(kv, self.layout)
         n_blocks = min(len(tokens), source_tokens(kv)) // self.block_tokens
         hs = list(hashes if hashes is not None
                   else self.hashes(tokens[: n_blocks * self.block_tokens]))[:n_blocks]

@@ -24,7 +24,13 @@ from kvshare.client_types import (
     PlannedBlock,
     StoreResult,
 )
-from kvshare.engines.kv_convert import block_from_source, block_into_target, source_tokens
+from kvshare.engines.kv_convert import (
+    block_from_source,
+    block_into_target,
+    check_source,
+    check_target,
+    source_tokens,
+)
 from kvshare.hashing import block_hashes
 from kvshare.pool import TieredBlockPool
 from kvshare.pool_types import AlreadyPresent, Reserved
@@ -64,6 +70,7 @@ class LocalKVClient:
 
     def load(self, plan: Plan, into: KVTarget) -> LoadResult:
         """Copy the planned blocks (verified by the pool) into ``into``; misses are reported."""
+        check_target(into, self.layout, plan.load_tokens)
         start = time.perf_counter()
         leases = self.pool.pin([b.block_hash for b in plan.blocks], self.holder)
         buf = np.empty(self.layout.bytes_per_block, dtype=np.uint8)
@@ -98,6 +105,7 @@ class LocalKVClient:
 
         The caller must not mutate ``kv``'s memory until the future completes.
         """
+        check_source(kv, self.layout)
         n_blocks = min(len(tokens), source_tokens(kv)) // self.block_tokens
         hs = list(hashes if hashes is not None else self.hashes(tokens[: n_blocks * self.block_tokens]))
         return self._executor.submit(self._store, hs[:n_blocks], kv, start_block)

@@ -172,3 +172,23 @@ def test_async_variants_match_the_sync_ones(cluster: Cluster) -> None:
 
     assert asyncio.run(scenario()) == (3, 3, True)
     client.close()
+
+
+def test_bad_kv_is_rejected_before_anything_moves(cluster: Cluster) -> None:
+    client = cluster.client("A")
+    toks = list(range(16))
+    with pytest.raises(ValueError, match="kv_heads"):
+        client.store(toks, torch.zeros(2, 2, 3, 16, 16))  # 3 kv heads, the layout has 2
+    with pytest.raises(ValueError, match="layers"):
+        client.store(toks, [(torch.zeros(1, 2, 16, 16), torch.zeros(1, 2, 16, 16))])
+    with pytest.raises(ValueError, match="float32"):
+        client.store(toks, torch.zeros(2, 2, 2, 16, 16, dtype=torch.float16))
+    assert cluster.sources["A"].pool.prefix_len(client.hashes(toks)) == 0
+    client.store(toks, kv_for(16, 5)).result(timeout=10)
+    cluster.publish()
+    plan = client.lookup(toks)
+    with pytest.raises(ValueError, match="tokens"):
+        client.load(plan, new_contiguous(LAYOUT, 8))
+    with pytest.raises(ValueError, match="page table"):
+        client.load(plan, PagedKV([torch.zeros(2, 4, 4, 2, 16)] * 2, [0, 1]))
+    client.close()

@@ -183,3 +183,59 @@ def block_from_source(source: Any, index: int, out: Any, layout: KVLayout) -> No
         layers_into_block(source, index, out, layout)
     else:
         raise TypeError(f"cannot store KV from {type(source).__name__}")
+
+
+def check_source(source: Any, layout: KVLayout) -> None:
+    """ValueError naming the fix if ``source`` cannot be stored under ``layout``."""
+    from kvshare.client_types import PagedKV
+
+    L, _, H, _, D = layout.block_shape
+    dtype = torch_dtype(layout)
+    if isinstance(source, torch.Tensor):
+        check_contiguous(source, layout, 0)
+        return
+    if isinstance(source, PagedKV):
+        tensors = list(source.pages)
+        want = "[2, pages, page_tokens, kv_heads, head_dim]"
+        ok = all(t.dim() == 5 and t.shape[0] == 2 and t.shape[3] == H and t.shape[4] == D
+                 for t in tensors)
+        if ok and tensors and layout.block_tokens % int(tensors[0].shape[2]):
+            raise ValueError(
+                f"block_tokens {layout.block_tokens} is not a multiple of the page size "
+                f"{int(tensors[0].shape[2])}"
+            )
+    elif isinstance(source, Sequence):
+        tensors = [t for pair in source for t in pair]
+        want = "(keys, values) of [1, kv_heads, tokens, head_dim]"
+        ok = all(len(pair) == 2 for pair in source) and all(
+            t.dim() == 4 and t.shape[0] == 1 and t.shape[1] == H and t.shape[3] == D
+            for t in tensors
+        )
+    else:
+        raise TypeError(f"cannot store KV from {type(source).__name__}")
+    n_layers = len(source.pages) if isinstance(source, PagedKV) else len(source)
+    if n_layers != L or not ok:
+        raise ValueError(
+            f"KV to store must be {L} layers of {want} with kv_heads={H}, head_dim={D}; got "
+            f"{n_layers} layers of shapes {sorted({tuple(t.shape) for t in tensors})[:3]}"
+        )
+    if any(t.dtype != dtype for t in tensors):
+        raise ValueError(f"KV to store must be {dtype} (the namespace's layout dtype)")
+
+
+def check_target(target: Any, layout: KVLayout, tokens: int) -> None:
+    """ValueError naming the fix if ``target`` cannot receive ``tokens`` tokens of ``layout``."""
+    from kvshare.client_types import PagedKV
+
+    if isinstance(target, torch.Tensor):
+        check_contiguous(target, layout, tokens)
+        return
+    if not isinstance(target, PagedKV):
+        raise TypeError(
+            f"load target must be a [layers, 2, kv_heads, tokens, head_dim] tensor or PagedKV, "
+            f"got {type(target).__name__}"
+        )
+    check_source(target, layout)
+    room = len(target.page_table) * int(target.pages[0].shape[2])
+    if room < tokens:
+        raise ValueError(f"the page table covers {room} tokens, the plan loads {tokens}")
