@@ -66,7 +66,8 @@ class IndexService(GlobalIndex):
         return {"epoch": self.epoch, "shard": self.config.shard,
                 "num_shards": self.config.num_shards, "restarted": self.restarted}
 
-    def get_epoch(self) -> str:
+    def get_epoch(self, _payload: Any = None) -> str:
+        """The shard's epoch (``_payload`` is ignored: benchmarks time bare calls with it)."""
         return self.epoch
 
     def ask_pools_to_republish(self) -> int:

@@ -241,15 +241,23 @@ def _check_list(hashes: object) -> None:
 
 
 def _pack(hashes: Sequence[BlockHash]) -> tuple[bytes, int]:
-    """Hashes as one bytes object plus their common length (ValueError if malformed)."""
+    """Hashes as one bytes object plus their length (ValueError if malformed; the shard checks
+    the length against the namespace). Compensating lengths can only cause misses."""
     _check_list(hashes)
     if not hashes:
         return b"", 32
-    if set(map(type, hashes)) != {bytes} or len(lengths := set(map(len, hashes))) != 1:
-        bad = next((h for h in hashes if type(h) is not bytes), None)
-        what = f"a {type(bad).__name__}" if bad is not None else "hashes of different lengths"
-        raise ValueError(f"block hashes must be bytes of one length (32 or 16), got {what}")
-    return b"".join(hashes), lengths.pop()
+    try:
+        blob = b"".join(hashes)
+    except TypeError:
+        blob = b""
+    size = len(hashes[0]) if isinstance(hashes[0], bytes) else 0
+    if not size or len(blob) != size * len(hashes) or type(hashes[0]) is not bytes:
+        bad = next((h for h in hashes if type(h) is not bytes or len(h) != size), hashes[0])
+        raise ValueError(
+            f"block hashes must be bytes of one length (32 or 16), got a {type(bad).__name__}"
+            f"{f' of length {len(bad)}' if isinstance(bad, bytes) else ''}"
+        )
+    return blob, size
 
 
 def _merge(acks: Sequence[PublishAck]) -> PublishAck:

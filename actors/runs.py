@@ -10,8 +10,6 @@ pickle, so an actor call costs little more than the call itself.
 
 from __future__ import annotations
 
-from typing import cast
-
 from actors.holders import TIERS
 from kvshare.match import LocationMatch, MatchResult
 from kvshare.types import Location, Tier
@@ -19,46 +17,36 @@ from kvshare.types import Location, Tier
 NamedItems = tuple[tuple[str, int], ...]
 Runs = list[tuple[NamedItems, int]]
 Row = tuple[Tier | None, ...]
+Segs = tuple[tuple[int, int, int], ...]
 
 
 def from_runs(num_blocks: int, runs: Runs) -> MatchResult:
     """Expand runs into per-location prefixes, tier counts and per-block tiers."""
-    if len(runs) == 1:  # every holder holds the whole combined prefix
-        items, k = runs[0]
-        rows = {code: (TIERS[code],) * k for code in {c for _, c in items}}
-        return MatchResult(num_blocks, k, {
-            cast(Location, loc): LocationMatch(cast(Location, loc), k, {TIERS[code]: k}, rows[code])
-            for loc, code in items
-        })
-    segs: dict[str, list[tuple[int, int, Tier]]] = {}  # location -> (start, length, tier)
+    segs: dict[str, Segs] = {}  # location -> ((start, length, tier code), ...)
     pos = 0
+    empty: Segs = ()
     for items, ln in runs:
         for loc, code in items:
-            seg = segs.get(loc)
-            if seg is None:
-                segs[loc] = [(pos, ln, TIERS[code])]
-            else:
-                seg.append((pos, ln, TIERS[code]))
+            segs[loc] = segs.get(loc, empty) + ((pos, ln, code),)
         pos += ln
+    built: dict[Segs, tuple[int, dict[Tier, int], Row]] = {}
     out: dict[Location, LocationMatch] = {}
-    built: dict[tuple[tuple[int, int, Tier], ...], tuple[int, dict[Tier, int], Row]] = {}
     for loc, seg in segs.items():
-        key = tuple(seg)
-        done = built.get(key)  # locations with the same runs share one (immutable) row
+        done = built.get(seg)  # locations with the same runs share one (immutable) row
         if done is None:
-            done = built[key] = _row(seg, pos)
-        name = cast(Location, loc)
-        out[name] = LocationMatch(name, done[0], done[1], done[2])
+            done = built[seg] = _row(seg, pos)
+        out[loc] = LocationMatch(loc, *done)  # type: ignore[index, arg-type]
     return MatchResult(num_blocks, pos, out)
 
 
-def _row(seg: list[tuple[int, int, Tier]], total: int) -> tuple[int, dict[Tier, int], Row]:
+def _row(seg: Segs, total: int) -> tuple[int, dict[Tier, int], Row]:
     """Prefix held, tier counts of that prefix, and per-block tiers of one location."""
     row: Row = ()
     held = 0
     counts: dict[Tier, int] = {}
     at = 0
-    for start, ln, tier in seg:
+    for start, ln, code in seg:
+        tier = TIERS[code]
         if start > at:
             row += _NONE * (start - at)
         elif held == at:  # still unbroken from block 0

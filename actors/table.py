@@ -118,6 +118,16 @@ class BlockTable:
         except ValueError:
             k = len(states)
         named = self._s.named
+        if k == 0:
+            return len(hashes), []
+        first, last = states[0], states[k - 1]
+        if first == last:
+            if states.count(first) >= k and (k == len(states) or states[:k].count(first) == k):
+                return len(hashes), [(named(first), k)]
+        else:  # the common shape: a shared prefix, then a tail with other holders
+            j = states.index(last)
+            if states[:j].count(first) == j and states[j:k].count(last) == k - j:
+                return len(hashes), [(named(first), j), (named(last), k - j)]
         return len(hashes), [(named(s), len(list(g))) for s, g in groupby(states[:k])]
 
     def split(self, blob: bytes, hash_len: int) -> list[BlockHash]:

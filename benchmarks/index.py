@@ -33,6 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from actors.index import GlobalIndex  # noqa: E402
 from kvshare.events import BlockStored, events_to_arrow  # noqa: E402
 from kvshare.hashing import block_hashes, namespace_root  # noqa: E402
+from kvshare.match import MatchResult  # noqa: E402
 from kvshare.types import BlockHash, Location, Tier  # noqa: E402
 
 CLOCK = time.process_time  # in-process figures: CPU time, robust on a shared machine
@@ -42,6 +43,7 @@ BLOCKS = 512
 BLOCK_TOKENS = 16
 DOCS = 16
 PROMPTS = 300
+ROUNDS = 3  # both sides: best of 3 passes over all queries
 VOCAB = 20_000
 
 
@@ -103,12 +105,13 @@ def main() -> None:
 
     queries = hashes
     gc.freeze()  # long-lived structures out of the GC's way (done for the baseline too)
-    t = CLOCK()
-    rounds = 3
-    results = []
-    for _ in range(rounds):
+    results: list[MatchResult] = []
+    best = float("inf")
+    for _ in range(ROUNDS):
+        t = CLOCK()
         results = [index.match("bench", q) for q in queries]
-    match_per_s = rounds * len(queries) / (CLOCK() - t)
+        best = min(best, CLOCK() - t)
+    match_per_s = len(queries) / best
 
     # ---- baseline: Ray Serve LLM's PrefixTree over the same prompts as text
     vocab = vocabulary(rng)
@@ -128,8 +131,10 @@ def main() -> None:
           f"{match_per_s / chars['match_per_s']:.1f}x; longest-prefix answers agree on "
           f"{agree}/{len(results)} prompts)")
 
-    actor_match_per_s = actor_bench(batches, queries)
-    print(f"actor: {actor_match_per_s:,.0f} matches/s through one GlobalIndexActor (pipelined)")
+    actor_match_per_s, floor = actor_bench(batches, queries)
+    print(f"actor: {actor_match_per_s:,.0f} matches/s through one GlobalIndexActor (pipelined); "
+          f"Ray's own floor here and now, an empty actor method with the same 16 KiB argument: "
+          f"{floor:,.0f} calls/s")
     print(json.dumps({
         "events_per_s": round(events_per_s),
         "match_per_s": round(match_per_s),
@@ -151,12 +156,16 @@ def baseline(placement: list[list[int]], nodes: list[Location], texts: list[str]
             tree.insert(texts[p], str(nodes[ni]), 1.0)
     insert_s = CLOCK() - t
     gc.freeze()
-    t = CLOCK()
-    matched = [len(tree.prefix_match(text)[0]) for text in texts]
-    return {"insert_s": insert_s, "match_per_s": len(texts) / (CLOCK() - t), "matched": matched}
+    best = float("inf")
+    matched: list[int] = []
+    for _ in range(ROUNDS):
+        t = CLOCK()
+        matched = [len(tree.prefix_match(text)[0]) for text in texts]
+        best = min(best, CLOCK() - t)
+    return {"insert_s": insert_s, "match_per_s": len(texts) / best, "matched": matched}
 
 
-def actor_bench(batches: list, queries: list[list[BlockHash]]) -> float:  # type: ignore[type-arg]
+def actor_bench(batches: list, queries: list[list[BlockHash]]) -> tuple[float, float]:  # type: ignore[type-arg]
     import ray
 
     from actors.config import IndexConfig
@@ -186,7 +195,10 @@ def actor_bench(batches: list, queries: list[list[BlockHash]]) -> float:  # type
         results = client.match_many("bench", [queries[i % len(queries)] for i in range(n)])
         elapsed = WALL() - t
         assert all(r.combined_prefix > 0 for r in results)
-        return n / elapsed
+        blob = b"".join(queries[0])
+        t = WALL()
+        ray.get([actor.get_epoch.remote(blob) for _ in range(n)])
+        return n / elapsed, n / (WALL() - t)
     finally:
         ray.shutdown()
 
