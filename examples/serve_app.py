@@ -125,7 +125,13 @@ class KVShareWorker:
     def _connect(self, sharing: str, auto_deploy: bool) -> Any:
         from kvshare.client import KVShareClient, load_everything
 
-        cut = load_everything if sharing == "global" else local_only
+        if sharing == "local":
+            cut: Any = local_only
+        else:  # the cost model's cut point, fitted to this engine's own prefill timings
+            from kvshare.engines.cost_cut import CostCut, calibrate
+
+            cut = CostCut.try_create(self.engine.layout, samples=calibrate(self.engine))
+            cut = cut if cut is not None else load_everything
         remote = "nixl" if sharing == "global" else "objstore"  # local: no NIXL agent needed
         for attempt in range(2):
             try:

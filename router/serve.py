@@ -264,16 +264,23 @@ class KVShareRequestRouter(LocalityMixin, MultiplexMixin, RequestRouter):
                 "replicas": len(self._replicas), "index_connected": self._client is not None}
 
     # ------------------------------------------------------------------ index access
+    def _start_connect(self) -> None:
+        """Look the index up on a thread (``ray.get_actor`` blocks), once per retry period."""
+        if self._client is not None or self._connect_task is not None:
+            return
+        if time.monotonic() < self._next_connect:
+            return
+        from actors.index_client import IndexClient
+
+        self._connect_task = self._event_loop.create_task(asyncio.to_thread(
+            IndexClient.connect, self.settings.ray_namespace, self.settings.index_timeout_s))
+
     async def _index(self) -> Any:
         """The index client, or None while it is not (yet) reachable; never blocks."""
         if self._client is not None:
             return self._client
         now = time.monotonic()
-        if self._connect_task is None and now >= self._next_connect:
-            from actors.index_client import IndexClient
-
-            self._connect_task = asyncio.get_running_loop().create_task(asyncio.to_thread(
-                IndexClient.connect, self.settings.ray_namespace, self.settings.index_timeout_s))
+        self._start_connect()
         task = self._connect_task
         if task is None:
             return None
@@ -292,7 +299,8 @@ class KVShareRequestRouter(LocalityMixin, MultiplexMixin, RequestRouter):
     async def _refresh_workers(self, client: Any) -> None:
         now = time.monotonic()
         known = all(replica_worker_id(r) in self._workers for r in self._replica_id_set)
-        if known and now - self._workers_at < self.settings.workers_refresh_s:
+        age = now - self._workers_at
+        if age < (self.settings.workers_refresh_s if known else 0.25):
             return
         infos = await client.workers_async()
         self._workers = {w.worker_id: w for w in infos}
@@ -474,6 +482,7 @@ class KVShareRequestRouter(LocalityMixin, MultiplexMixin, RequestRouter):
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         """Serve's replica set changed: forget removed replicas' queued work."""
         super().update_replicas(replicas)
+        self._start_connect()  # connect before the first request needs the index
         live = {replica_worker_id(r.replica_id) for r in replicas}
         for wid in list(self._routed):
             if wid not in live:

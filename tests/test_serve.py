@@ -24,7 +24,7 @@ if ROOT not in sys.path:
 
 from kvshare.engines.hf import default_model_config  # noqa: E402
 from kvshare.layout import KVLayout  # noqa: E402
-from router.serve import ServeRouterSettings, extract_prompt  # noqa: E402
+from router.serve import ServeRouterSettings, extract_prompt, replica_worker_id  # noqa: E402
 
 # A small model so the whole file stays near two minutes on two shared cores.
 OVERRIDES = {"num_hidden_layers": 1, "hidden_size": 256, "intermediate_size": 512,
@@ -48,6 +48,13 @@ def test_prompt_extraction_prefers_routed_fields_then_messages_then_prompt() -> 
     p = extract_prompt([{"prompt": ["one prompt"]}], {})
     assert p is not None and p.text == "one prompt"
     assert extract_prompt([{"other": 1}, 42], {}) is None
+
+
+def test_replica_worker_id_is_a_valid_index_worker_id() -> None:
+    from ray.serve._private.common import DeploymentID, ReplicaID
+
+    rid = ReplicaID(unique_id="abc123", deployment_id=DeploymentID(name="W", app_name="a:b"))
+    assert replica_worker_id(rid) == "serve.a_b#W#abc123"  # the index refuses ':' in ids
 
 
 def test_router_settings_reject_unknown_kwargs_and_bad_values() -> None:
@@ -230,3 +237,15 @@ def test_killing_a_replica_mid_workload_loses_no_request(apps: dict[str, str]) -
     print("killed", victim, "after", killed_after, "served", [w[-8:] for w in served], errors)
     assert not errors and len(served) == 16
     assert victim not in served[killed_after + 4:]  # at most the in-flight ones came back late
+
+
+@pytest.mark.cluster
+def test_index_down_still_serves_every_request_with_the_same_answer(apps: dict[str, str]) -> None:
+    import ray
+
+    prompt = _text(77, 8 * B)
+    ref = _complete(apps["kv"], prompt, max_tokens=8)["choices"][0]["text"]
+    index = ray.get_actor("kvshare-index-0", namespace="kvshare")
+    ray.kill(index, no_restart=False)  # it restarts; meanwhile routing falls back, lookups miss
+    outs = [_complete(apps["kv"], prompt, max_tokens=8) for _ in range(4)]
+    assert [o["choices"][0]["text"] for o in outs] == [ref] * 4
