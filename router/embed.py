@@ -57,7 +57,10 @@ class RouterConfig:
 
     ``model_id``/``layout_fingerprint``/``block_tokens``/``hash_fn`` must be the workers' (they
     make the hash root); ``prefill_tokens_per_s`` seeds the prefill model until
-    :meth:`CacheAwareRouter.observe_prefill` timings refit it; ``bandwidths`` in bytes/s.
+    :meth:`CacheAwareRouter.observe_prefill` timings refit it; ``bandwidths`` in bytes/s
+    (:meth:`~router.cost.Bandwidths.from_measured` takes the transports' probes);
+    ``bytes_per_token`` defaults to a Llama-3.1-8B bf16 KV cache (128 KiB/token) — use
+    :meth:`from_model_keys` to take the workers' layout.
     """
 
     namespace: str = "default"
