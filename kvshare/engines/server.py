@@ -298,7 +298,16 @@ class WorkerServer:
                 self._stop.wait(self.report_interval_s)
 
     def stop(self) -> None:
+        """Stop serving and reporting; unregister from the index (best effort)."""
         self._stop.set()
+        if self._reporter.is_alive():
+            self._reporter.join(timeout=2)
+        unregister = getattr(self.registrar, "unregister_worker", None)
+        if callable(unregister):
+            try:
+                unregister(self.info.worker_id)
+            except Exception as exc:
+                log.debug("unregister failed: %s", exc)
         self._server.should_exit = True
         self._thread.join(timeout=5)
         self.app.state.executor.shutdown(wait=False)
