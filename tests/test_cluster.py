@@ -6,6 +6,7 @@ One module cluster; the scenarios run in file order and the last one removes a n
 from __future__ import annotations
 
 import hashlib
+import os
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -220,6 +221,7 @@ def test_pool_restart_ignores_stale_events_and_readvertises_disk(kv: dict[str, A
     hs = hashes(24, "demote")
     pb = pool(kv["b"])
     old = ray.get(pb.ready.remote())["generation"]
+    old_slab = ray.get(pb.slab_info.remote("m")).shm_name
     before = client.match("m", hs).locations[loc(kv["b"])]
     on_disk = before.tier_counts[Tier.DISK]
     ray.kill(pb, no_restart=False)
@@ -228,6 +230,9 @@ def test_pool_restart_ignores_stale_events_and_readvertises_disk(kv: dict[str, A
     wait_for(lambda: client.match("m", hs).locations.get(loc(kv["b"])) is not None
              and sum(client.lookup("m", hs)[i].get(loc(kv["b"])) == Tier.DISK for i in range(24)) == on_disk, 5.0)
     assert Tier.HOST not in {t for h in client.lookup("m", hs) for k, t in h.items() if k == loc(kv["b"])}
+    new_slab = ray.get(pool(kv["b"]).slab_info.remote("m")).shm_name
+    assert new_slab != old_slab and os.path.exists(f"/dev/shm/{new_slab}")
+    assert not os.path.exists(f"/dev/shm/{old_slab}")  # the stale segment was removed
     stale = [BlockStored("m", loc(kv["b"]), Tier.HOST, h, old, 10_000 + i)  # type: ignore[arg-type]
              for i, h in enumerate(hashes(3, "stale"))]
     ack = client.publish(events_to_arrow(stale))

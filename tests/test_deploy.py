@@ -44,6 +44,15 @@ def test_up_status_down(ray_cluster: Any, tmp_path: Any) -> None:
     assert tiers["host"]["blocks"] == 0
     assert status["index"][0]["namespaces"]["chat"]["blocks"] == 0
 
+    # the same from Python: a second namespace joins the running deployment
+    import kvshare as kvs
+    from kvshare.layout import KVLayout
+
+    st2 = kvs.deploy(namespace="code", layout=KVLayout(2, 2, 16, "fp16", 16), host_gb=0.01,
+                         ray_namespace=RAY_NS)
+    pools = [n["pool"] for n in st2["nodes"] if n["alive"]]
+    assert len(pools) == 3 and all(set(p["namespaces"]) == {"chat", "code"} for p in pools)
+
     down = kvshare("down", *addr)
     assert down.returncode == 0 and "actors removed" in down.stdout, down.stderr
     left = [a for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == RAY_NS]
