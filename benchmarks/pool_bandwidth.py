@@ -5,14 +5,15 @@ x 4 layers x 4 kv heads x head_dim 64, fp32) through
 
 - the host tier (a pre-touched slab in /dev/shm): batched reserve -> write -> commit, then
   pin -> read_into (pre-allocated destination) -> unpin; baseline: one numpy ``copyto`` of the
-  whole buffer, and ``copyto`` block by block;
+  whole buffer (``memcpy_GBps``), and ``copyto`` block by block;
 - the disk tier (slot files with header and checksum, page cache, no fsync): the same calls;
   baseline: raw ``os.write`` / ``readinto`` of the same blocks to plain files in the same
   directory.
 
-Best of ``--rounds`` runs each. The last line is one JSON object with ``host_store_GBps``,
-``host_load_GBps``, ``memcpy_GBps``, ``ratio`` (min(store, load) / memcpy; target >= 0.8),
-plus the disk figures.
+Each round runs every measurement once, in turn, so a busy machine slows all of them alike;
+the best of ``--rounds`` rounds is reported. The last line is one JSON object with
+``host_store_GBps``, ``host_load_GBps``, ``memcpy_GBps``, ``ratio`` (min(store, load) /
+memcpy; target >= 0.8), plus the disk figures.
 
 Why block copies trail the whole-buffer copy: glibc's ``memcpy`` switches to non-temporal
 stores only above ``x86_non_temporal_threshold`` (a fraction of the L3 cache), so one 512 MiB
@@ -45,28 +46,29 @@ from kvshare.pool import TieredBlockPool  # noqa: E402
 from kvshare.pool_types import PoolConfig, Reserved, TierSpec  # noqa: E402
 from kvshare.tiers.disk import DiskStore  # noqa: E402
 from kvshare.tiers.host import HostSlab, segment_name  # noqa: E402
-from kvshare.types import Tier  # noqa: E402
+from kvshare.types import BlockHash, Tier  # noqa: E402
 
 LAYOUT = KVLayout(num_layers=4, num_kv_heads=4, head_dim=64, dtype="fp32", block_tokens=256)
 BLOCK = LAYOUT.bytes_per_block  # 2 MiB
+Step = tuple[Callable[[], None], Callable[[], None] | None]  # (timed call, untimed set-up)
 
 
-def best_gbps(nbytes: int, rounds: int, fn: Callable[[], None],
-              before: Callable[[], None] | None = None) -> float:
-    times = []
+def interleaved(nbytes: int, rounds: int, steps: dict[str, Step]) -> dict[str, float]:
+    """GB/s of each step: best of ``rounds`` rounds, each round running every step in turn."""
+    best = dict.fromkeys(steps, float("inf"))
     for _ in range(rounds):
-        if before is not None:
-            before()
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return nbytes / min(times) / 1e9
+        for name, (fn, before) in steps.items():
+            if before is not None:
+                before()
+            t0 = time.perf_counter()
+            fn()
+            best[name] = min(best[name], time.perf_counter() - t0)
+    return {name: nbytes / t / 1e9 for name, t in best.items()}
 
 
-def pool_round_trip(pool: TieredBlockPool, hashes: list, src: np.ndarray, dst: np.ndarray,
-                    rounds: int) -> tuple[float, float]:
-    """(store GB/s, load GB/s) through ``pool``; every load is checked byte for byte once."""
-    nbytes = src.nbytes
+def pool_steps(pool: TieredBlockPool, hashes: list[BlockHash], src: np.ndarray,
+               dst: np.ndarray, prefix: str) -> dict[str, Step]:
+    """Store (batched reserve/write/commit into an emptied pool) and load (pin/read/unpin)."""
 
     def store() -> None:
         res = pool.reserve(hashes, "bench")
@@ -84,17 +86,15 @@ def pool_round_trip(pool: TieredBlockPool, hashes: list, src: np.ndarray, dst: n
             assert pool.read_into(lease, out).ok
         pool.unpin([p.lease_id for p in pins if p is not None])
 
-    store_gbps = best_gbps(nbytes, rounds, store, before=pool.clear)
-    dst[:] = 0
-    load_gbps = best_gbps(nbytes, rounds, load)
-    if not np.array_equal(src, dst):
-        raise SystemExit("pool returned different bytes than were stored")
-    return store_gbps, load_gbps
+    def clear() -> None:
+        pool.clear()
+        dst[:] = 0
+
+    return {f"{prefix}_store": (store, clear), f"{prefix}_load": (load, None)}
 
 
-def raw_files(directory: str, src: np.ndarray, dst: np.ndarray,
-              rounds: int) -> tuple[float, float]:
-    """(write GB/s, read GB/s) of the same blocks as plain files, no header, no checksum."""
+def raw_file_steps(directory: str, src: np.ndarray, dst: np.ndarray) -> dict[str, Step]:
+    """Write (tmp + rename, like the disk tier) and read the same blocks as plain files."""
     paths = [os.path.join(directory, f"raw-{i:06d}") for i in range(len(src))]
 
     def write() -> None:
@@ -114,11 +114,24 @@ def raw_files(directory: str, src: np.ndarray, dst: np.ndarray,
             with open(path, "rb", buffering=0) as f:
                 f.readinto(out.data.cast("B"))
 
-    w = best_gbps(src.nbytes, rounds, write)
-    r = best_gbps(src.nbytes, rounds, read)
-    for path in paths:
-        os.unlink(path)
-    return w, r
+    return {"raw_write": (write, None), "raw_read": (read, None)}
+
+
+def _thp() -> str:
+    """The kernel's transparent-huge-page modes for anonymous memory and for shm."""
+    modes = []
+    for name in ("enabled", "shmem_enabled"):
+        try:
+            text = Path(f"/sys/kernel/mm/transparent_hugepage/{name}").read_text()
+            modes.append(f"{name}={text.split('[')[1].split(']')[0]}")
+        except (OSError, IndexError):
+            modes.append(f"{name}=?")
+    return ", ".join(modes)
+
+
+def check(src: np.ndarray, dst: np.ndarray, what: str) -> None:
+    if not np.array_equal(src, dst):
+        raise SystemExit(f"{what} returned different bytes than were stored")
 
 
 def main() -> None:
@@ -137,64 +150,80 @@ def main() -> None:
     src = np.random.default_rng(0).integers(0, 256, (n, BLOCK), dtype=np.uint8)
     dst = np.ones((n, BLOCK), dtype=np.uint8)  # touched: no page faults in the timed copies
     print(f"{n} blocks of {BLOCK / 2**20:.0f} MiB = {nbytes / 2**20:.0f} MiB per pass, "
-          f"best of {args.rounds}")
-
-    memcpy = best_gbps(nbytes, args.rounds, lambda: np.copyto(dst, src))
+          f"best of {args.rounds} interleaved rounds")
 
     def per_block() -> None:
         for s, d in zip(src, dst, strict=True):
             np.copyto(d, s)
 
-    memcpy_blocks = best_gbps(nbytes, args.rounds, per_block)
-
     cfg = PoolConfig("bench", LAYOUT, (TierSpec(Tier.HOST, nbytes),))
     slab = HostSlab(BLOCK, n, segment_name("bench", f"p{os.getpid()}", 0))
     pool = TieredBlockPool(cfg, {Tier.HOST: slab})
+    # the same pool over a private anonymous slab: huge pages where /dev/shm gets none
+    anon = TieredBlockPool(cfg, {Tier.HOST: HostSlab(BLOCK, n)})
     try:
-        host_store, host_load = pool_round_trip(pool, hashes, src, dst, args.rounds)
+        steps: dict[str, Step] = {
+            "memcpy": (lambda: np.copyto(dst, src), None),
+            "memcpy_block": (per_block, None),
+            **pool_steps(pool, hashes, src, dst, "host"),
+            **pool_steps(anon, hashes, src, dst, "anon"),
+        }
+        g = interleaved(nbytes, args.rounds, steps)
+        check(src, dst, "the host tier")
     finally:
         pool.close()
-    ratio = min(host_store, host_load) / memcpy
-    print(f"host tier   store {host_store:6.2f} GB/s  load {host_load:6.2f} GB/s")
-    print(f"numpy copy  whole buffer {memcpy:6.2f} GB/s  per 2 MiB block {memcpy_blocks:6.2f} GB/s")
+        anon.close()
+    ratio = min(g["host_store"], g["host_load"]) / g["memcpy"]
+    print(f"host tier   store {g['host_store']:6.2f} GB/s  load {g['host_load']:6.2f} GB/s")
+    print(f"anon slab   store {g['anon_store']:6.2f} GB/s  load {g['anon_load']:6.2f} GB/s  "
+          f"(private mapping, transparent huge pages: {_thp()})")
+    print(f"numpy copy  whole buffer {g['memcpy']:6.2f} GB/s  per 2 MiB block "
+          f"{g['memcpy_block']:6.2f} GB/s")
     print(f"ratio min(store, load) / whole-buffer copy = {ratio:.2f} (target >= 0.8); "
-          f"vs per-block copy = {min(host_store, host_load) / memcpy_blocks:.2f}")
+          f"vs per-block copy = {min(g['host_store'], g['host_load']) / g['memcpy_block']:.2f}")
     host = {
-        "host_store_GBps": round(host_store, 3),
-        "host_load_GBps": round(host_load, 3),
-        "memcpy_GBps": round(memcpy, 3),
+        "host_store_GBps": round(g["host_store"], 3),
+        "host_load_GBps": round(g["host_load"], 3),
+        "memcpy_GBps": round(g["memcpy"], 3),
         "ratio": round(ratio, 3),
-        "memcpy_per_block_GBps": round(memcpy_blocks, 3),
+        "memcpy_per_block_GBps": round(g["memcpy_block"], 3),
+        "anon_slab_store_GBps": round(g["anon_store"], 3),
+        "anon_slab_load_GBps": round(g["anon_load"], 3),
     }
     if args.host_only:
         print(json.dumps(host))
         return
-    tuned = {} if args.no_tuned else tuned_host_pass(args.mib, args.rounds)
 
     directory = tempfile.mkdtemp(prefix="kvs-bench-disk-", dir=args.disk_dir)
     try:
+        os.makedirs(os.path.join(directory, "raw"))
         dcfg = PoolConfig("bench", LAYOUT, (TierSpec(Tier.DISK, nbytes),))
-        dpool = TieredBlockPool(
-            dcfg, {Tier.DISK: DiskStore(directory, BLOCK, n, LAYOUT.fingerprint())})
-        disk_store, disk_load = pool_round_trip(dpool, hashes, src, dst, args.rounds)
+        store = DiskStore(os.path.join(directory, "pool"), BLOCK, n, LAYOUT.fingerprint())
+        dpool = TieredBlockPool(dcfg, {Tier.DISK: store})
+        d = interleaved(nbytes, args.rounds, {
+            **pool_steps(dpool, hashes, src, dst, "disk"),
+            **raw_file_steps(os.path.join(directory, "raw"), src, dst),
+        })
+        check(src, dst, "raw files")
         dpool.clear()
-        raw_write, raw_read = raw_files(directory, src, dst, args.rounds)
     finally:
         shutil.rmtree(directory, ignore_errors=True)
-    print(f"disk tier   store {disk_store:6.2f} GB/s  load {disk_load:6.2f} GB/s "
+    print(f"disk tier   store {d['disk_store']:6.2f} GB/s  load {d['disk_load']:6.2f} GB/s "
           f"(header + xxh3-64 checksum, verified on load; page cache, no fsync)")
-    print(f"raw files   write {raw_write:6.2f} GB/s  read {raw_read:6.2f} GB/s  in {directory}")
+    print(f"raw files   write {d['raw_write']:6.2f} GB/s  read {d['raw_read']:6.2f} GB/s")
+    tuned = {} if args.no_tuned else tuned_host_pass(args.mib, args.rounds)
     if tuned:
         print(f"nt-tuned    store {tuned['host_store_GBps']:6.2f} GB/s  load "
               f"{tuned['host_load_GBps']:6.2f} GB/s  whole-buffer copy {tuned['memcpy_GBps']:6.2f}"
               f" GB/s  ratio {tuned['ratio']:.2f}  (GLIBC_TUNABLES non-temporal threshold 1 MiB)")
     print(json.dumps({
         **host,
-        "disk_store_GBps": round(disk_store, 3),
-        "disk_load_GBps": round(disk_load, 3),
-        "raw_file_write_GBps": round(raw_write, 3),
-        "raw_file_read_GBps": round(raw_read, 3),
-        "disk_ratio": round(min(disk_store / raw_write, disk_load / raw_read), 3),
+        "disk_store_GBps": round(d["disk_store"], 3),
+        "disk_load_GBps": round(d["disk_load"], 3),
+        "raw_file_write_GBps": round(d["raw_write"], 3),
+        "raw_file_read_GBps": round(d["raw_read"], 3),
+        "disk_ratio": round(min(d["disk_store"] / d["raw_write"], d["disk_load"] / d["raw_read"]),
+                            3),
         "block_bytes": BLOCK,
         "total_bytes": nbytes,
         "nt_tuned": tuned,

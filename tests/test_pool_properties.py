@@ -177,7 +177,7 @@ class PoolMachine(RuleBasedStateMachine):
 
 
 PoolMachine.TestCase.settings = settings(
-    max_examples=50, stateful_step_count=30, deadline=None, database=None,
+    max_examples=60, stateful_step_count=30, deadline=None, database=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
 TestPoolMachine = PoolMachine.TestCase

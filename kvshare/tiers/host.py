@@ -106,6 +106,10 @@ class HostSlab(TierStore):
             num_slots, slot_bytes
         )
         if create:
+            # Huge pages cut TLB misses on 2 MiB block copies; shm gets them only where the
+            # kernel allows (transparent_hugepage/shmem_enabled = advise or within_size).
+            with contextlib.suppress(AttributeError, OSError):
+                self._mm.madvise(mmap.MADV_HUGEPAGE)
             self.array.reshape(-1)[::_PAGE] = 0  # pre-touch: page faults now, not per store
             if pin_cuda:
                 self._pin_cuda()
