@@ -55,7 +55,7 @@ def _up(args: argparse.Namespace) -> int:
     try:
         st = deploy(host_gb=args.host_gb, disk_dir=args.disk_dir, disk_gb=args.disk_gb,
                     namespace=args.namespace, layout=layout, index_shards=args.index_shards,
-                    ray_namespace=args.ray_namespace)
+                    ray_namespace=args.ray_namespace, snapshot_path=args.snapshot)
     except MemoryError as exc:
         print(f"kvshare up: refused: {exc}", file=sys.stderr)
         return 2
@@ -135,6 +135,8 @@ def register(subparsers: Any) -> None:
     up.add_argument("--dtype", default=None, help="KV dtype (default: the config's)")
     up.add_argument("--block-tokens", type=int, default=256)
     up.add_argument("--index-shards", type=int, default=1)
+    up.add_argument("--snapshot", default="", metavar="PATH",
+                    help="Parquet file the index snapshots to every 10 s and warm-starts from")
     up.add_argument("--json", action="store_true", help="print status as one JSON object")
     up.set_defaults(func=_up)
     status = subparsers.add_parser("status", help="nodes, tiers, capacity, blocks, hit rates")

@@ -113,6 +113,14 @@ class IndexConfig:
         if self.worker_ttl_s <= 0:
             raise ValueError("worker_ttl_s must be positive")
 
+    @property
+    def shard_snapshot_path(self) -> str:
+        """This shard's snapshot file ('' = none): ``index.parquet`` -> ``index-1.parquet``."""
+        if not self.snapshot_path or self.num_shards == 1:
+            return self.snapshot_path
+        stem, dot, ext = self.snapshot_path.rpartition(".")
+        return f"{stem}-{self.shard}.{ext}" if dot else f"{self.snapshot_path}-{self.shard}"
+
 
 @dataclass(frozen=True)
 class SlabInfo:

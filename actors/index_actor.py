@@ -30,12 +30,13 @@ class IndexService(GlobalIndex):
         self.config = config
         self.restarted = False
         self._unfrozen = 0
-        if config.snapshot_path and os.path.exists(config.snapshot_path):
+        path = config.shard_snapshot_path
+        if path and os.path.exists(path):
             try:
-                n = self.load_snapshot(read_snapshot(config.snapshot_path))
+                n = self.load_snapshot(read_snapshot(path))
                 log.info("index shard %d warm-started with %d entries", config.shard, n)
             except Exception as exc:  # a bad snapshot only costs the warm start
-                log.warning("ignoring index snapshot %s: %s", config.snapshot_path, exc)
+                log.warning("ignoring index snapshot %s: %s", path, exc)
         if ray.is_initialized():
             ctx = ray.get_runtime_context()
             self.restarted = bool(ctx.was_current_actor_reconstructed)
@@ -91,7 +92,7 @@ class IndexService(GlobalIndex):
 
     def save_snapshot(self, path: str = "") -> int:
         """Write :meth:`snapshot` as Parquet to ``path`` (default: the configured one)."""
-        path = path or self.config.snapshot_path
+        path = path or self.config.shard_snapshot_path
         if not path:
             raise ValueError("no snapshot path: pass one or set IndexConfig.snapshot_path")
         table = self.snapshot()

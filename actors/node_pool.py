@@ -35,6 +35,7 @@ import pyarrow as pa
 
 from actors.config import NamespaceSpec, PoolSettings, SlabInfo
 from actors.index import PublishAck
+from actors.liveness import pid_alive, ray_holder_alive
 from kvshare.events import Event, events_to_arrow
 from kvshare.pool import TieredBlockPool
 from kvshare.pool_types import (
@@ -63,19 +64,6 @@ class IndexSink(Protocol):
     def publish(self, batch: pa.RecordBatch) -> PublishAck: ...
     def replace_inventory(self, location: str, generation: int, batch: pa.RecordBatch,
                           seq: int, namespace: str | None = None) -> bool: ...
-
-
-def pid_alive(holder: str) -> bool | None:
-    """Liveness of a ``pid:<n>`` holder on this node; None if the holder is not a pid."""
-    if not holder.startswith("pid:") or not holder[4:].isdigit():
-        return None
-    try:
-        os.kill(int(holder[4:]), 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class NodePool(TransferEndpoints):
@@ -450,22 +438,6 @@ def _inventory_batch(ns: str, location: str, generation: int,
     return events_to_arrow(
         (BlockStored(ns, loc, tier, h, generation, 0) for h, tier in inv), hash_size
     )
-
-
-def ray_holder_alive(holder: str) -> bool | None:
-    """Liveness of a ``pid:<n>`` or Ray-actor-id holder (Ray's actor table); None: unknown."""
-    alive = pid_alive(holder)
-    if alive is not None or len(holder) != 32:
-        return alive
-    try:
-        int(holder, 16)
-        import ray._private.state as ray_state
-
-        info = ray_state.actors(actor_id=holder)
-    except Exception:
-        return None
-    state = info.get("State") if isinstance(info, dict) else None
-    return None if state is None else state != "DEAD"
 
 
 class NodePoolService(NodePool):
