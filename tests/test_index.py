@@ -276,3 +276,20 @@ def test_packed_matches_equal_plain_matches(index: GlobalIndex) -> None:
         index.match_packed("m", b"".join(h[:16] for h in hs), 16)
     with pytest.raises(ValueError, match="32-byte"):
         index.match_packed("m", b"x" * 33, 32)
+
+
+def test_index_service_warm_starts_from_its_snapshot(tmp_path: object) -> None:
+    from actors.config import IndexConfig
+    from actors.index_actor import IndexService
+
+    cfg = IndexConfig(snapshot_path=f"{tmp_path}/index.parquet")
+    first = IndexService(cfg)
+    first.declare_namespace("m")
+    a = Publisher(first, A)
+    hs = hashes(6)
+    a.send(a.stored(hs))
+    assert first.save_snapshot() == 6
+    second = IndexService(cfg)  # a restart: new epoch, same entries until the pools confirm
+    assert second.epoch != first.epoch
+    assert second.match("m", hs) == first.match("m", hs)
+    assert second.needs_resync("m", A)
