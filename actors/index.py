@@ -295,6 +295,8 @@ class GlobalIndex:
         ``namespace``. False (nothing changed) if ``generation`` is stale.
         """
         parse_location(location)
+        batch = check_event_batch(batch)
+        validate_events(batch, None)
         rows = inventory_rows(batch)
         names = {r[0] for r in rows} | ({namespace} if namespace else set())
         if len(names) != 1:
@@ -302,14 +304,21 @@ class GlobalIndex:
         ns_name = names.pop()
         if ns_name not in self._ns:
             self.declare_namespace(ns_name, _hash_width(batch))
+        ns = self._ns[ns_name]
+        if rows and ns.hash_size != _hash_width(batch):
+            raise ValueError(f"namespace {ns_name!r} block hashes are {ns.hash_size} bytes")
+        if not {t for _, t, _ in rows} <= TIER_BY_NAME.keys():
+            raise ValueError("inventory rows need a tier: gpu, host or disk")
         if not self.fence(location, generation):
             self.counters["stale"] += len(rows)
             return False
-        ns = self._ns[ns_name]
         lid = self._s.loc_id(location)
         ns.drop(lid)
+        by_tier: dict[str, list[bytes]] = {}
         for _, tier, h in rows:
-            self._one(ns, lid, EventKind.STORED, tier, h)
+            by_tier.setdefault(tier, []).append(h)
+        for tier, hashes in by_tier.items():
+            ns.store_many(lid, TIER_BY_NAME[tier], hashes)
         for key in [k for k in self._seq if k[0] == ns_name and k[1] == location]:
             del self._seq[key]
         self._seq[(ns_name, location, generation)] = seq
