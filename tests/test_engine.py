@@ -16,6 +16,7 @@ from kvshare.engines.kv_convert import (
     block_from_source,
     block_into_target,
     block_view,
+    blocks_to_contiguous,
     new_contiguous,
 )
 from kvshare.engines.tokenizer import ByteTokenizer, tokenizer_from_spec, tokenizer_spec
@@ -99,11 +100,10 @@ def test_contiguous_and_paged_conversions_round_trip() -> None:
 def test_prefill_from_cached_prefix_equals_full_recompute(engine: HFEngine) -> None:
     toks = prompt(5 * BLOCK + 7, seed=3)
     full_out, full = engine.generate(toks, 12)
-    kv = new_contiguous(engine.layout, 4 * BLOCK)
-    for i in range(4):
-        buf = np.empty(engine.layout.bytes_per_block, np.uint8)
+    blocks = [np.empty(engine.layout.bytes_per_block, np.uint8) for _ in range(4)]
+    for i, buf in enumerate(blocks):  # the blocks a store would have written
         block_from_source(cache_layers(full.cache), i, buf, engine.layout)
-        block_into_target(buf, kv, i, engine.layout)
+    kv = blocks_to_contiguous(blocks, engine.layout)
     out, pre = engine.generate(toks, 12, kv, 4 * BLOCK)
     assert pre.reused_tokens == 4 * BLOCK and pre.computed_tokens == BLOCK + 7
     assert float((pre.logits - full.logits).abs().max()) <= 1e-4

@@ -239,3 +239,11 @@ def check_target(target: Any, layout: KVLayout, tokens: int) -> None:
     room = len(target.page_table) * int(target.pages[0].shape[2])
     if room < tokens:
         raise ValueError(f"the page table covers {room} tokens, the plan loads {tokens}")
+
+
+def blocks_to_contiguous(blocks: Sequence[Any], layout: KVLayout) -> torch.Tensor:
+    """A contiguous KV tensor holding ``blocks`` (canonical payloads) in order: one copy each."""
+    kv = new_contiguous(layout, len(blocks) * layout.block_tokens)
+    for i, block in enumerate(blocks):
+        block_into_contiguous(block, kv, i, layout)
+    return kv
