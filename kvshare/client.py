@@ -326,6 +326,8 @@ class KVShareClient:
                 reasons[i] = "" if o.ok else o.reason
             if tr is self._nixl and all(reasons[i] == NIXL_UNAVAILABLE for i in idx):
                 retry.append((plan.blocks[idx[0]].location, idx))
+            if all(reasons[i] == SOURCE_DEAD for i in idx):  # look the pool up again next time
+                self._controls.pop(plan.blocks[idx[0]].location.removeprefix("node:"), None)
         for loc, idx in retry:  # the holder has no NIXL agent: the object store always works
             control = self._control(loc.removeprefix("node:"))
             assert control is not None
