@@ -148,7 +148,7 @@ def test_index_actor_down_means_load_only_routing(local_ray: None) -> None:
     from actors.index_actor import GlobalIndexActor
     from actors.index_client import IndexClient
 
-    actor = GlobalIndexActor.remote(IndexConfig())
+    actor = GlobalIndexActor.remote(IndexConfig(worker_ttl_s=120.0))  # slow shared machine
     client = IndexClient([actor], timeout_s=30.0)  # a busy shared machine starts actors slowly
     client.declare_namespace(NS)
     # a generous deadline: this test is about a dead index, not a slow one (see above)
@@ -157,7 +157,7 @@ def test_index_actor_down_means_load_only_routing(local_ray: None) -> None:
     ray.get(actor.apply.remote(stored(r.hashes(ids, Tenant()), "n1")))
 
     first = run(r.route(prompt=PROMPT))
-    assert (first.decision.worker, first.decision.reason, first.fallback) == ("w1", "cache_local", "")
+    assert (first.decision.worker, first.decision.reason, first.fallback) == ("w1", "cache_local", ""), first
 
     # workers registered in the index are discovered (kvshare gateway --address)
     info = WorkerInfo(WorkerId("reg0"), NodeId("n1"), (NS,), "http://reg0:8000")
@@ -165,9 +165,9 @@ def test_index_actor_down_means_load_only_routing(local_ray: None) -> None:
     client.report_load(WorkerLoad(info.worker_id, 0, 0, 1000.0, time.time()))
     found = CacheAwareRouter(client, IndexWorkers(client), replace(CFG, index_timeout_s=10.0))
     got = run(found.route(prompt=PROMPT))
-    assert (got.decision.worker, got.decision.endpoint) == ("reg0", "http://reg0:8000")
-    assert got.decision.reason == "cache_local"  # reg0 is on n1, which holds the prefix
+    assert (got.decision.worker, got.decision.endpoint) == ("reg0", "http://reg0:8000"), got
+    assert got.decision.reason == "cache_local", got  # reg0 is on n1, which holds the prefix
     ray.kill(actor, no_restart=True)
     after = run(r.route(prompt=PROMPT + " again"))
-    assert after.fallback in ("index_unavailable", "index_error", "index_timeout")
-    assert after.decision.reason.startswith("fallback_") and r.fallbacks == 1
+    assert after.fallback in ("index_unavailable", "index_error", "index_timeout"), after
+    assert after.decision.reason.startswith("fallback_") and r.fallbacks == 1, (after, r.fallbacks)
