@@ -231,9 +231,10 @@ class TieredBlockPool:
             e = self._entries[lease.block_hash]
             self._check_payload(payload)
             st = self._tiers[e.tier]
-            e.checksum = block_checksum(payload)
             if st.store is not None:
-                st.store.write(e.slot, payload, e.block_hash, e.checksum)
+                e.checksum = st.store.write_checksummed(e.slot, payload, e.block_hash)
+            else:
+                e.checksum = block_checksum(payload)
 
     def commit(self, lease_ids: Sequence[int], checksums: Sequence[int] | None = None) -> list[BlockHash]:
         """Make reserved blocks visible (one BlockStored event each); returns their hashes.

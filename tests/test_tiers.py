@@ -83,6 +83,15 @@ def test_every_slot_round_trips_independently(store: TierStore) -> None:
         assert store.checksum(slot) == block_checksum(data)
 
 
+def test_write_checksummed_equals_write_plus_checksum(store: TierStore) -> None:
+    for slot in range(SLOTS):
+        data = payload(40 + slot)
+        assert store.write_checksummed(slot, data, bh(slot)) == block_checksum(data)
+        assert np.array_equal(read(store, slot, slot, block_checksum(data)), data)
+    with pytest.raises(ValueError, match="check the KV layout"):
+        store.write_checksummed(0, payload(1, SLOT - 8), bh(0))
+
+
 def test_write_replaces_content(store: TierStore) -> None:
     first, second = payload(1), payload(2)
     store.write(0, first, bh(1), block_checksum(first))
@@ -237,3 +246,14 @@ def test_disk_rejects_bad_sizes(tmp_path: Path) -> None:
         DiskStore(str(tmp_path), 0, 1, FP)
     with pytest.raises(ValueError, match="positive"):
         HostSlab(SLOT, 0)
+
+
+def test_host_copy_and_hash_across_chunk_boundaries() -> None:
+    size = 3 * 512 * 1024 + 5  # several copy-and-hash chunks and a ragged tail
+    slab = HostSlab(size, 2)
+    try:
+        data = payload(50, size)
+        assert slab.write_checksummed(1, data, bh(1)) == block_checksum(data)
+        assert np.array_equal(slab.view(1), data)
+    finally:
+        slab.close()

@@ -59,6 +59,16 @@ class TierStore(ABC):
         """``(slot, hash, checksum)`` of intact blocks found at start; volatile tiers: none."""
         return []
 
+    def write_checksummed(self, slot: int, data: ByteArray, block_hash: BlockHash) -> int:
+        """:meth:`write` that also returns ``block_checksum(data)``.
+
+        Stores that can hash while they copy (the host slab) override this to save a pass
+        over memory; the result must equal ``block_checksum(data)``.
+        """
+        checksum = block_checksum(data)
+        self.write(slot, data, block_hash, checksum)
+        return checksum
+
     def checksum(self, slot: int) -> int:
         """Checksum of the slot's current bytes (used at commit when the writer gave none)."""
         out = np.empty(self.slot_bytes, dtype=np.uint8)
