@@ -23,7 +23,7 @@ import array
 import asyncio
 import itertools
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,8 +33,8 @@ from kvshare.engines.tokenizer import ByteTokenizer, Tokenizer
 from kvshare.hashing import DEFAULT_HASH_FN, HashFn, block_hashes, namespace_root
 from kvshare.match import EMPTY_MATCH, MatchResult
 from kvshare.pool_types import check_namespace
-from kvshare.types import BlockHash, Tier, worker_location
-from kvshare.workers import IndexQuery, WorkerLoad
+from kvshare.types import BlockHash, Tier, WorkerId, worker_location
+from kvshare.workers import IndexQuery, WorkerInfo, WorkerLoad
 from router.cost import Bandwidths, CostModel, PrefillModel
 from router.metrics import RouterMetrics
 from router.pending import PendingBlocks
@@ -165,6 +165,7 @@ class CacheAwareRouter:
         self._samples: list[tuple[float, float, float]] = []
         self._seen = 0
         self._children: dict[tuple[str, str, str], tuple[Any, Any]] = {}
+        self._down: dict[WorkerId, float] = {}
         self.decisions = 0
         self.fallbacks = 0
 
@@ -215,9 +216,15 @@ class CacheAwareRouter:
         tenant: Tenant | None = None,
         request_id: str | None = None,
         token_ids: Sequence[int] | None = None,
+        exclude: Collection[WorkerId] = (),
     ) -> Routed:
         """Decide where a request goes. ValueError for a malformed prompt;
-        :class:`~router.policy.NoEligibleWorker` if no worker serves the namespace."""
+        :class:`~router.policy.NoEligibleWorker` if no worker serves the namespace.
+
+        ``exclude``: workers not to use for this request (e.g. one that just refused the
+        connection); workers marked down (:meth:`mark_down`) are avoided while any other
+        worker is eligible.
+        """
         t0 = time.perf_counter()
         tenant = tenant or Tenant()
         ids = list(token_ids) if token_ids is not None else self.tokenize(prompt, messages)
@@ -225,6 +232,7 @@ class CacheAwareRouter:
         ns = self.config.namespace
         match, fallback, index_s = await self._match(ns, hashes)
         infos, loads = await self.workers.snapshot()
+        infos = self._usable(infos, exclude)
         self.inflight.sweep()
         cands = []
         for info in infos:
@@ -243,6 +251,20 @@ class CacheAwareRouter:
         self.inflight.add(rid, d.worker, len(ids) - cached, len(hashes))
         self._count(d, tenant, len(ids), cached, fallback, time.perf_counter() - t0)
         return Routed(rid, d, tenant, ns, ids, hashes, index_s, fallback)
+
+    def mark_down(self, worker: WorkerId, for_s: float = 5.0) -> None:
+        """Avoid ``worker`` for ``for_s`` seconds (it refused a connection)."""
+        self._down[worker] = time.monotonic() + for_s
+
+    def _usable(self, infos: Sequence[WorkerInfo], exclude: Collection[WorkerId]) -> list[WorkerInfo]:
+        now = time.monotonic()
+        down = {w for w, until in self._down.items() if until > now}
+        if len(down) != len(self._down):
+            self._down = {w: u for w, u in self._down.items() if u > now}
+        out = [i for i in infos if i.worker_id not in exclude and i.worker_id not in down]
+        if out or not down:
+            return out
+        return [i for i in infos if i.worker_id not in exclude]  # all marked down: try anyway
 
     async def _match(self, ns: str, hashes: list[BlockHash]) -> tuple[MatchResult, str, float]:
         if self.index is None:  # no index configured: pending blocks only (like Dynamo

@@ -184,18 +184,30 @@ def create_app(
         if isinstance(parsed, JSONResponse):
             return parsed
         body, routed = parsed
-        d = routed.decision
-        body = {**body, "kvshare": routed.kvshare_field()}
-        url = f"{d.endpoint}{path}"
-        headers = {"x-kvshare-worker": d.worker, "x-kvshare-reason": d.reason}
         http = state["http"]
-        try:
-            resp = await http.send(http.build_request("POST", url, json=body), stream=True)
-        except httpx.HTTPError as exc:
-            router.finished(routed.request_id)
-            metrics.upstream.labels(d.worker, "unreachable").inc()
-            return fail(502, f"worker {d.worker} unreachable: {type(exc).__name__}",
-                        "upstream_error", "worker_unreachable")
+        tried: set[WorkerId] = set()
+        while True:
+            d = routed.decision
+            fwd = {**body, "kvshare": routed.kvshare_field()}
+            try:
+                resp = await http.send(http.build_request("POST", f"{d.endpoint}{path}", json=fwd),
+                                       stream=True)
+                break
+            except httpx.HTTPError as exc:
+                router.finished(routed.request_id)
+                metrics.upstream.labels(d.worker, "unreachable").inc()
+                tried.add(d.worker)
+                if not isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout):
+                    return fail(502, f"worker {d.worker} failed: {type(exc).__name__}",
+                                "upstream_error", "worker_unreachable")
+                router.mark_down(d.worker)  # nothing was sent: another worker may serve it
+                try:
+                    routed = await router.route(token_ids=routed.token_ids, tenant=routed.tenant,
+                                                exclude=tried)
+                except NoEligibleWorker:
+                    return fail(502, f"no reachable worker (tried {sorted(tried)})",
+                                "upstream_error", "worker_unreachable")
+        headers = {"x-kvshare-worker": d.worker, "x-kvshare-reason": d.reason}
         metrics.upstream.labels(d.worker, str(resp.status_code)).inc()
         if resp.status_code != 200 or not body.get("stream"):
             try:

@@ -250,6 +250,24 @@ def test_unreachable_worker_is_a_502_not_a_crash() -> None:
         gw.close()
 
 
+def test_a_dead_worker_is_routed_around(worker_urls: list[str]) -> None:
+    dead = f"http://127.0.0.1:{free_port()}"
+    infos = [WorkerInfo(WorkerId("dead"), NodeId("n9"), (NS,), dead),
+             WorkerInfo(WorkerId("live"), NodeId("n0"), (NS,), worker_urls[0])]
+    router = CacheAwareRouter(None, StaticWorkers(infos), RouterConfig(namespace=NS))
+    gw = Gateway(create_app(router))
+    try:
+        with httpx.Client(base_url=gw.url, timeout=20) as http:
+            for i in range(4):  # every request succeeds; the dead one is tried at most once
+                r = http.post("/v1/completions", json={"prompt": f"hello {i} " * 40})
+                assert r.status_code == 200 and r.headers["x-kvshare-worker"] == "live", r.text
+            text = http.get("/metrics").text
+        assert 'kvshare_gateway_upstream_requests_total{status="unreachable",worker="dead"} 1.0' in text
+        assert len(router.inflight) == 0
+    finally:
+        gw.close()
+
+
 def test_kvshare_gateway_command_serves_static_workers(worker_urls: list[str], tmp_path: Path) -> None:
     port = free_port()
     keys = tmp_path / "keys.json"
