@@ -205,6 +205,7 @@ class TieredBlockPool:
     ) -> list[ReserveResult]:
         """Hold a write slot in the first tier for each new hash; never blocks."""
         self._check_hashes(hashes)
+        self._check_ttl(ttl_s)
         with self._lock:
             self._expire()
             out: list[ReserveResult] = []
@@ -319,6 +320,7 @@ class TieredBlockPool:
         shared-memory readers can map them; a block that fails verification is a miss.
         """
         self._check_hashes(hashes)
+        self._check_ttl(ttl_s)
         with self._lock:
             self._expire()
             out: list[ReadLease | None] = []
@@ -487,6 +489,11 @@ class TieredBlockPool:
                     f"block hashes must be {size}-byte bytes, got "
                     f"{type(h).__name__} of length {len(h) if hasattr(h, '__len__') else '?'}"
                 )
+
+    @staticmethod
+    def _check_ttl(ttl_s: float | None) -> None:
+        if ttl_s is not None and not ttl_s > 0:
+            raise ValueError(f"lease ttl_s must be positive seconds (or None for the default), got {ttl_s}")
 
     def _check_payload(self, payload: ByteArray) -> None:
         if payload.nbytes != self.block_bytes:

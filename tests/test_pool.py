@@ -396,6 +396,18 @@ def test_malformed_hashes_are_rejected(bad: object) -> None:
     assert snapshot(pool) == before
 
 
+@pytest.mark.parametrize("ttl", [0.0, -1.0, float("nan")])
+def test_non_positive_ttl_is_rejected(ttl: float) -> None:
+    pool = make_pool(host=2)
+    put_all(pool, 0)
+    before = snapshot(pool)
+    with pytest.raises(ValueError, match="ttl_s must be positive"):
+        pool.reserve([h(1)], "w", ttl_s=ttl)
+    with pytest.raises(ValueError, match="ttl_s must be positive"):
+        pool.pin([h(0)], "r", ttl_s=ttl)
+    assert snapshot(pool) == before
+
+
 def test_config_and_store_mismatches() -> None:
     host = TierSpec(HOST, 2 * BB)
     with pytest.raises(ValueError, match="namespace"):
