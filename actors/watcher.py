@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import replace
 from typing import Any
 
@@ -61,6 +62,8 @@ class ClusterWatcher:
         self.generations: dict[str, int] = {}
         self._watch: dict[Any, str] = {}  # outstanding watch ref -> node
         self.dead: set[str] = set()
+        self._failures: dict[str, int] = {}  # pools that died before answering once
+        self._retry_at: dict[str, float] = {}
         self.events: list[str] = []
         self._lock = threading.RLock()
         self._stop = threading.Event()
@@ -115,8 +118,9 @@ class ClusterWatcher:
         self.events.append(what)
 
     def _round(self) -> None:
+        now = time.monotonic()
         for node, alive in alive_nodes().items():
-            if alive and node not in self.pools:
+            if alive and node not in self.pools and self._retry_at.get(node, 0.0) <= now:
                 self.dead.discard(node)
                 pool = start_pool(node, self.settings)
                 self.pools[node] = pool
@@ -150,6 +154,12 @@ class ClusterWatcher:
         try:
             gen = int(ray.get(ref))
         except (RayActorError, RayError) as exc:
+            if node not in self.generations:  # it never came up: back off before retrying
+                self._failures[node] = self._failures.get(node, 0) + 1
+                delay = min(60.0, self.poll_s * 2 ** self._failures[node])
+                self._retry_at[node] = time.monotonic() + delay
+                self._note(f"pool on node {node} failed to start ({str(exc)[-300:]}); "
+                           f"retrying in {delay:.0f} s")
             last = self.generations.pop(node, None)
             n = self.index.drop_location(node_location(node), last or 0)
             self.pools.pop(node, None)  # next round: get_if_exists finds or re-creates it
@@ -159,6 +169,7 @@ class ClusterWatcher:
         if pool is None:
             return
         self.generations[node] = gen
+        self._failures.pop(node, None)
         self._watch[pool.watch.remote(self.watch_s)] = node
 
     def _run(self) -> None:
