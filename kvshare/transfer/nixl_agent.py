@@ -12,9 +12,11 @@ accept connections from new readers.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import threading
+import weakref
 from typing import Any
 
 import numpy as np
@@ -26,6 +28,14 @@ from kvshare.transfer.wire import NixlPeerInfo
 log = logging.getLogger(__name__)
 
 PUMP_PERIOD_S = 0.002
+_LIVE: weakref.WeakSet[NixlSource] = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_pumps() -> None:
+    """Stop pump threads before the interpreter (and NIXL's C++ objects) go away."""
+    for src in list(_LIVE):
+        src.stop_pump()
 
 
 def make_agent(name: str) -> Any:
@@ -69,6 +79,7 @@ class NixlSource:
         self._lock = threading.Lock()
         self._pump = threading.Thread(target=self._run_pump, name=f"nixl-pump-{name}", daemon=True)
         self._pump.start()
+        _LIVE.add(self)
 
     def info(self, generation: int) -> NixlPeerInfo:
         return NixlPeerInfo(
@@ -84,10 +95,14 @@ class NixlSource:
                 except Exception as exc:  # keep pumping; a broken agent shows up in readers
                     log.debug("nixl pump: %s", exc)
 
+    def stop_pump(self) -> None:
+        self._stop.set()
+        if self._pump is not threading.current_thread():
+            self._pump.join(timeout=1.0)
+
     def close(self) -> None:
         """Stop the pump and deregister the slab (before the slab is unmapped)."""
-        self._stop.set()
-        self._pump.join(timeout=1.0)
+        self.stop_pump()
         with self._lock:
             try:
                 self.agent.deregister_memory(self._reg)
