@@ -187,6 +187,7 @@ def main() -> None:
         "memcpy_GBps": round(g["memcpy"], 3),
         "ratio": round(ratio, 3),
         "memcpy_per_block_GBps": round(g["memcpy_block"], 3),
+        "ratio_vs_block_copy": round(min(g["host_store"], g["host_load"]) / g["memcpy_block"], 3),
         "anon_slab_store_GBps": round(g["anon_store"], 3),
         "anon_slab_load_GBps": round(g["anon_load"], 3),
     }
