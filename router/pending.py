@@ -13,7 +13,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
-from kvshare.match import EMPTY_MATCH, MatchResult, build_match
+from kvshare.match import EMPTY_MATCH, LocationMatch, MatchResult, build_match
 from kvshare.types import BlockHash, Location, Tier
 
 
@@ -67,17 +67,41 @@ class PendingBlocks:
             return EMPTY_MATCH
         now = self._clock()
         self._expire(now)
-        per_block: list[dict[Location, Tier]] = []
-        for h in hashes:
-            pending = self._entries.get((namespace, h))
-            holders = {loc: t for loc, (t, exp) in pending.items() if exp > now} if pending else {}
-            if not holders:
+        entries = self._entries
+        rows: dict[Location, list[Tier | None]] = {}
+        k = 0
+        for i, h in enumerate(hashes):
+            pending = entries.get((namespace, h))
+            if not pending:
                 break
-            per_block.append(holders)
-        if not per_block:
+            live = False
+            for loc, (tier, expiry) in pending.items():
+                if expiry <= now:
+                    continue
+                live = True
+                row = rows.get(loc)
+                if row is None:
+                    row = rows[loc] = [None] * i
+                elif len(row) < i:
+                    row.extend([None] * (i - len(row)))
+                row.append(tier)
+            if not live:
+                break
+            k = i + 1
+        if not k:
             return EMPTY_MATCH
-        per_block.extend({} for _ in range(len(hashes) - len(per_block)))
-        return build_match(per_block)
+        out: dict[Location, LocationMatch] = {}
+        for loc, row in rows.items():
+            row.extend([None] * (k - len(row)))
+            prefix = 0
+            counts: dict[Tier, int] = {}
+            for t in row:
+                if t is None:
+                    break
+                prefix += 1
+                counts[t] = counts.get(t, 0) + 1
+            out[loc] = LocationMatch(loc, prefix, counts, tuple(row))
+        return MatchResult(len(hashes), k, out)
 
     def overlay(self, namespace: str, hashes: Sequence[BlockHash], match: MatchResult) -> MatchResult:
         """``match`` merged with pending holders (one result).
