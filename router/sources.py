@@ -17,11 +17,12 @@ from collections.abc import Mapping, Sequence
 from enum import StrEnum
 
 from kvshare.match import MatchResult
-from kvshare.types import Location, NodeId, WorkerId, node_location, worker_location
+from kvshare.types import Location, NodeId, Tier, WorkerId, node_location, worker_location
 from router.cost import Source
 
 _NONE = 9  # "nobody holds it" rank sentinel
 _SRC = tuple(Source)
+_RANK: dict[Tier | None, int] = {None: _NONE, **{t: t.rank for t in Tier}}
 
 
 _worker_loc = functools.lru_cache(maxsize=4096)(worker_location)
@@ -60,7 +61,7 @@ class SourceMap:
         best1_node: list[str | None] = [None] * k
         best2 = [_NONE] * k
         for loc, m in match.locations.items():
-            ranks = [_NONE if t is None else t.rank for t in m.tiers[:k]]
+            ranks = list(map(_RANK.__getitem__, m.tiers[:k]))
             self._ranks[loc] = ranks
             node = _node_of(loc, worker_nodes)
             for i, r in enumerate(ranks):
@@ -82,7 +83,7 @@ class SourceMap:
             ranks.extend(pad)
         if pending is not None:
             for loc, m in pending.locations.items():
-                row = [_NONE if t is None else t.rank for t in m.tiers]
+                row = list(map(_RANK.__getitem__, m.tiers))
                 row.extend([_NONE] * (self.combined - len(row)))
                 cur = self._ranks.get(loc)
                 self._ranks[loc] = row if cur is None else [min(a, b) for a, b in zip(cur, row, strict=True)]
