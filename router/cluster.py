@@ -9,7 +9,7 @@ Prefill speed of one worker (one 8-GPU node): ``a*n + b*n*(c + n/2)`` seconds wi
 ``a = 2 * params / flops`` (the weight matmuls) and ``b = 4 * layers * hidden / flops`` (the
 attention score and value products), at ``prefill_flops`` = 1.0e15 effective FLOP/s (8 x A100
 at ~40% of bf16 peak): ``a`` = 0.138 ms/token (7,200 tokens/s), ``b`` = 2.6 ns/token^2.
-The router does not read these constants: it fits its :class:`~router.cost.PrefillModel`
+The router does not read these constants: it fits its :class:`~kvshare.cost.PrefillModel`
 from timings of the modelled worker (:meth:`ClusterConfig.measured_timings`), as a live
 deployment fits from measured ones.
 
@@ -23,8 +23,8 @@ import json
 from dataclasses import dataclass, field
 from functools import cached_property
 
+from kvshare.cost import Bandwidths, CostModel, PrefillModel
 from kvshare.layout import KVLayout, resolve_config
-from router.cost import Bandwidths, CostModel, PrefillModel
 
 
 @dataclass(frozen=True)

@@ -29,13 +29,13 @@ from typing import Any
 
 import numpy as np
 
+from kvshare.cost import Bandwidths, CostModel, PrefillModel
 from kvshare.engines.tokenizer import ByteTokenizer, Tokenizer
 from kvshare.hashing import DEFAULT_HASH_FN, HashFn, block_hashes, namespace_root
 from kvshare.match import EMPTY_MATCH, MatchResult
 from kvshare.pool_types import check_namespace
 from kvshare.types import BlockHash, Tier, WorkerId, worker_location
 from kvshare.workers import IndexQuery, WorkerInfo, WorkerLoad
-from router.cost import Bandwidths, CostModel, PrefillModel
 from router.metrics import RouterMetrics
 from router.pending import PendingBlocks
 from router.policy import DEFAULT_POLICY, Candidate, Decision, RouteRequest, make_policy
@@ -58,7 +58,7 @@ class RouterConfig:
     ``model_id``/``layout_fingerprint``/``block_tokens``/``hash_fn`` must be the workers' (they
     make the hash root); ``prefill_tokens_per_s`` seeds the prefill model until
     :meth:`CacheAwareRouter.observe_prefill` timings refit it; ``bandwidths`` in bytes/s
-    (:meth:`~router.cost.Bandwidths.from_measured` takes the transports' probes);
+    (:meth:`~kvshare.cost.Bandwidths.from_measured` takes the transports' probes);
     ``bytes_per_token`` defaults to a Llama-3.1-8B bf16 KV cache (128 KiB/token) — use
     :meth:`from_model_keys` to take the workers' layout.
     """

@@ -305,8 +305,8 @@ def serve_from_args(args: argparse.Namespace) -> int:
         workers: Any = IndexWorkers(index)
     else:
         workers = static_workers(args.workers, args.namespace)
+    from kvshare.cost import Bandwidths
     from kvshare.transfer.probe import parse_overrides
-    from router.cost import Bandwidths
 
     gbps = parse_overrides(args.bandwidth) if args.bandwidth else {}
     common: dict[str, Any] = {

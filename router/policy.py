@@ -16,7 +16,7 @@ A policy gets a request (namespace, block hashes, token count), the index's
   size, and decode blocks are the blocks active on the worker; lowest wins, or softmax
   sampling of the max-normalised logits at ``temperature`` > 0.
 - ``cost`` (default): estimated TTFT = queue wait + the cost model's best plan (fetch from
-  the worker's gpu/node/other nodes + prefill of the rest, see :mod:`router.cost`).
+  the worker's gpu/node/other nodes + prefill of the rest, see :mod:`kvshare.cost`).
 
 All policies are namespace- and tenant-aware: only workers that serve the request's namespace
 (and, if a worker lists ``meta["tenants"]``, that tenant) are candidates; tenants' blocks
@@ -32,10 +32,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from kvshare.cost import CostModel, Plan
 from kvshare.match import MatchResult
 from kvshare.types import BlockHash, WorkerId
 from kvshare.workers import WorkerInfo, WorkerLoad
-from router.cost import CostModel, Plan
 from router.sources import Sharing, SourceMap
 
 

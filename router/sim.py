@@ -30,6 +30,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kvshare.cost import Plan, PrefillModel, Source
 from kvshare.events import Event
 from kvshare.match import MatchResult
 from kvshare.pool import TieredBlockPool
@@ -37,7 +38,6 @@ from kvshare.pool_types import PoolConfig, Reserved, TierSpec
 from kvshare.types import BlockHash, NodeId, Tier, WorkerId, node_location
 from kvshare.workers import WorkerInfo, WorkerLoad
 from router.cluster import ClusterConfig
-from router.cost import Plan, PrefillModel, Source
 from router.pending import PendingBlocks
 from router.policy import Candidate, Policy, RouteRequest
 from router.sources import Sharing, SourceMap

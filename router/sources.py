@@ -16,9 +16,9 @@ import functools
 from collections.abc import Mapping, Sequence
 from enum import StrEnum
 
+from kvshare.cost import Source
 from kvshare.match import MatchResult
 from kvshare.types import Location, NodeId, Tier, WorkerId, node_location, worker_location
-from router.cost import Source
 
 _NONE = 9  # "nobody holds it" rank sentinel
 _SRC = tuple(Source)

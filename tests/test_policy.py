@@ -6,6 +6,7 @@ import math
 
 import pytest
 
+from kvshare.cost import Bandwidths, CostModel, PrefillModel, Source
 from kvshare.match import EMPTY_MATCH, MatchResult, build_match
 from kvshare.types import (
     BlockHash,
@@ -17,7 +18,6 @@ from kvshare.types import (
     worker_location,
 )
 from kvshare.workers import WorkerInfo, WorkerLoad
-from router.cost import Bandwidths, CostModel, PrefillModel, Source
 from router.pending import PendingBlocks
 from router.policy import (
     POLICIES,

@@ -1,8 +1,6 @@
 """The worker's cut point from the router's cost model, fitted to this worker's own timings.
 
-``router.cost`` (the transfer-vs-recompute model the router scores workers with) is imported
-lazily, so ``kvshare`` keeps no hard dependency on ``router``; without it the policy loads
-every available block. The prefill model ``a*n + b*n*(c + n/2)`` is fitted from a short
+:mod:`kvshare.cost` is the same transfer-vs-recompute model the router scores workers with. The prefill model ``a*n + b*n*(c + n/2)`` is fitted from a short
 calibration at start and refitted from live prefill timings (:meth:`CostCut.observe`).
 """
 
@@ -33,7 +31,7 @@ class CostCut:
         max_samples: int = 256,
     ) -> None:
         self.layout = layout
-        self._cost: Any = import_module("router.cost")
+        self._cost: Any = import_module("kvshare.cost")
         self._bw = self._cost.Bandwidths.from_measured(dict(bandwidths or {}))
         self._samples: deque[tuple[float, float, float]] = deque(samples, maxlen=max_samples)
         self._lock = threading.Lock()
@@ -44,11 +42,11 @@ class CostCut:
 
     @classmethod
     def try_create(cls, layout: KVLayout, **kwargs: Any) -> CostCut | None:
-        """A CostCut, or None when ``router.cost`` is not importable (then load everything)."""
+        """A CostCut, or None when the cost model cannot be built (then load everything)."""
         try:
             return cls(layout, **kwargs)
         except ImportError as exc:
-            log.info("router.cost not available (%s): loading every cached block", exc)
+            log.info("cost model not available (%s): loading every cached block", exc)
             return None
 
     def _refit(self) -> None:
@@ -62,7 +60,7 @@ class CostCut:
 
     @property
     def model(self) -> Any:
-        """The current ``router.cost.CostModel``."""
+        """The current :class:`kvshare.cost.CostModel`."""
         return self._model
 
     def observe(self, new_tokens: int, cached_tokens: int, seconds: float) -> None:

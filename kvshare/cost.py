@@ -1,0 +1,231 @@
+"""The transfer-vs-recompute cost model (DESIGN.md, "The cost model"); shared by the router and the worker SDK.
+
+Engines load a contiguous prefix, so a plan is one cut point ``k`` (in blocks)::
+
+    total(k) = sum_{i<k} fetch_i + prefill(P - c_k | c_k)        c_k = min(k * B, P - 1)
+    prefill(n | c) = a*n + b*n*(c + n/2)                          (seconds)
+
+``fetch_i`` depends on where block ``i`` is cheapest to get from, for this worker: its own
+gpu tier (free), its node's host or disk tier, or another node (the network). ``a`` (s/token)
+and ``b`` (s/token^2, the attention term) are fitted from measured timings
+(:meth:`PrefillModel.fit`); bandwidths come from the transports' measurements
+(:meth:`Bandwidths.from_measured`). A full hit still computes the last token.
+
+The router adds the worker's queue wait; the worker uses the same plan to pick its cut.
+Because ``k`` minimises the total exactly, a remote block is used only when pulling it (and
+everything before it) beats recomputing it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from enum import IntEnum
+
+import numpy as np
+
+
+class Source(IntEnum):
+    """Where a worker would get one block from, cheapest first."""
+
+    LOCAL_GPU = 0
+    LOCAL_HOST = 1
+    LOCAL_DISK = 2
+    REMOTE_GPU = 3
+    REMOTE_HOST = 4
+    REMOTE_DISK = 5
+
+    @property
+    def remote(self) -> bool:
+        return self >= Source.REMOTE_GPU
+
+
+_SOURCES = tuple(Source)
+
+
+@dataclass(frozen=True)
+class PrefillModel:
+    """Prefill time ``a*n + b*n*(c + n/2)`` for ``n`` new tokens after ``c`` cached ones."""
+
+    a: float
+    b: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not (self.a > 0 and math.isfinite(self.a)) or not (self.b >= 0 and math.isfinite(self.b)):
+            raise ValueError(
+                f"PrefillModel needs a > 0 s/token and b >= 0, got a={self.a}, b={self.b}"
+            )
+
+    def time(self, n: float, c: float = 0.0) -> float:
+        """Seconds to prefill ``n`` tokens on top of ``c`` cached tokens."""
+        return self.a * n + self.b * n * (c + n / 2)
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Linear-term throughput (short prompts)."""
+        return 1.0 / self.a
+
+    @classmethod
+    def from_tokens_per_s(cls, tokens_per_s: float) -> PrefillModel:
+        if tokens_per_s <= 0:
+            raise ValueError(f"tokens_per_s must be positive, got {tokens_per_s}")
+        return cls(1.0 / tokens_per_s, 0.0)
+
+    @classmethod
+    def fit(cls, samples: Sequence[tuple[float, float, float]]) -> PrefillModel:
+        """Least-squares fit from ``(new_tokens, cached_tokens, seconds)`` timings.
+
+        Needs at least two samples with ``new_tokens > 0``. If the attention term comes out
+        negative (noise on short prompts) it is dropped and ``a`` is refitted alone.
+        """
+        rows = [(float(n), float(c), float(t)) for n, c, t in samples if n > 0 and t > 0]
+        if len(rows) < 2:
+            raise ValueError(
+                "PrefillModel.fit needs at least 2 timings (new_tokens > 0, seconds > 0); "
+                f"got {len(rows)} usable of {len(samples)}"
+            )
+        arr = np.asarray(rows)
+        n, c, t = arr[:, 0], arr[:, 1], arr[:, 2]
+        x = np.stack([n, n * (c + n / 2)], axis=1)
+        coef, *_ = np.linalg.lstsq(x, t, rcond=None)
+        a, b = float(coef[0]), float(coef[1])
+        if b < 0 or a <= 0:
+            b = 0.0
+            a = float(np.dot(n, t) / np.dot(n, n))
+        return cls(max(a, 1e-12), b)
+
+
+@dataclass(frozen=True)
+class Bandwidths:
+    """Bytes per second per source, plus a fixed per-request setup latency per kind.
+
+    ``host``: the node's shared-memory slab to the worker (shm + host-to-device copy);
+    ``disk``: the node's slot files; ``remote``: between nodes (nixl, or objstore as fallback).
+    A remote block on a remote disk goes at ``min(disk, remote)``.
+    """
+
+    host: float = 25e9
+    disk: float = 5e9
+    remote: float = 12.5e9
+    local_latency_s: float = 0.0
+    remote_latency_s: float = 0.001
+
+    def __post_init__(self) -> None:
+        for name in ("host", "disk", "remote"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"Bandwidths.{name} must be positive bytes/s")
+
+    @classmethod
+    def from_measured(cls, measured: Mapping[str, float], base: Bandwidths | None = None) -> Bandwidths:
+        """Override defaults with measured bytes/s keyed by transport or tier.
+
+        Keys: ``shm`` or ``host``; ``disk``; ``nixl``, ``objstore`` or ``remote`` (the best
+        remote transport wins). Unknown keys raise ValueError.
+        """
+        base = base or cls()
+        known = {"shm", "host", "disk", "nixl", "objstore", "remote"}
+        bad = set(measured) - known
+        if bad:
+            raise ValueError(f"unknown bandwidth keys {sorted(bad)}: use {sorted(known)}")
+        host = measured.get("shm", measured.get("host", base.host))
+        remote_vals = [measured[k] for k in ("nixl", "objstore", "remote") if k in measured]
+        remote = max(remote_vals) if remote_vals else base.remote
+        return cls(host, measured.get("disk", base.disk), remote, base.local_latency_s,
+                   base.remote_latency_s)
+
+    def per_block_s(self, block_bytes: int) -> tuple[float, ...]:
+        """Seconds to fetch one block from each :class:`Source`, in enum order."""
+        return (
+            0.0,
+            block_bytes / self.host,
+            block_bytes / self.disk,
+            block_bytes / self.remote,
+            block_bytes / self.remote,
+            block_bytes / min(self.disk, self.remote),
+        )
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A chosen cut point and its estimated cost."""
+
+    cut: int
+    cached_tokens: int
+    fetch_s: float
+    prefill_s: float
+    sources: Mapping[Source, int] = field(default_factory=dict)
+
+    @property
+    def total_s(self) -> float:
+        return self.fetch_s + self.prefill_s
+
+    @property
+    def remote_blocks(self) -> int:
+        return sum(v for s, v in self.sources.items() if s.remote)
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Prefill model + bandwidths + block geometry: plans one request on one worker."""
+
+    prefill: PrefillModel
+    bandwidths: Bandwidths
+    block_tokens: int
+    bytes_per_token: int
+    block_fetch_s: tuple[float, ...] = field(init=False, repr=False, compare=False)
+    """Seconds per block from each :class:`Source` (index by the enum); derived."""
+
+    def __post_init__(self) -> None:
+        if self.block_tokens <= 0 or self.bytes_per_token <= 0:
+            raise ValueError("CostModel needs positive block_tokens and bytes_per_token")
+        fetch = self.bandwidths.per_block_s(self.block_tokens * self.bytes_per_token)
+        object.__setattr__(self, "block_fetch_s", fetch)
+
+    @property
+    def block_bytes(self) -> int:
+        return self.block_tokens * self.bytes_per_token
+
+    def cached_tokens(self, blocks: int, total_tokens: int) -> int:
+        """Tokens covered by ``blocks`` cached blocks (the last token is always computed)."""
+        return max(0, min(blocks * self.block_tokens, total_tokens - 1))
+
+    def plan(self, total_tokens: int, sources: Sequence[int]) -> Plan:
+        """Best cut point given the cheapest :class:`Source` of each leading block."""
+        if total_tokens <= 0:
+            raise ValueError(f"total_tokens must be positive, got {total_tokens}")
+        fetch = self.block_fetch_s
+        bw = self.bandwidths
+        a, b, bt = self.prefill.a, self.prefill.b, self.block_tokens
+        p, last = total_tokens, total_tokens - 1
+        lat_r, lat_l = bw.remote_latency_s, bw.local_latency_s
+        best_k, best_total, best_fetch = 0, a * p + b * p * p / 2, 0.0
+        cum = lat = 0.0
+        any_r = any_l = False
+        c = 0
+        for i, src in enumerate(sources):  # hot loop: plain floats and ints only
+            c = (i + 1) * bt
+            if c > last:
+                c = last
+            cum += fetch[src]
+            if src >= 3:
+                if not any_r:
+                    any_r, lat = True, lat + lat_r
+            elif src and not any_l:
+                any_l, lat = True, lat + lat_l
+            n = p - c
+            total = cum + lat + a * n + b * n * (c + n / 2)
+            if total <= best_total:
+                best_k, best_total, best_fetch = i + 1, total, cum + lat
+            if c >= last:
+                break
+        counts: dict[Source, int] = {}
+        for src in sources[:best_k]:
+            key = _SOURCES[src]
+            counts[key] = counts.get(key, 0) + 1
+        cached = self.cached_tokens(best_k, total_tokens)
+        return Plan(best_k, cached, best_fetch, best_total - best_fetch, counts)
+
+    def recompute_s(self, total_tokens: int) -> float:
+        """Prefill time with nothing cached."""
+        return self.prefill.time(total_tokens, 0)
