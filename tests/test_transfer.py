@@ -102,6 +102,8 @@ def test_mixed_batch_reports_exactly_the_missing(source: BlockSource, transports
     dest = np.zeros((len(ids), B), np.uint8)
     res = transports[name].read(LocalControl(source), [h(i) for i in ids], list(dest))
     assert res.misses() == {h(9999): MISSING, h(8888): MISSING}
+    c = transports[name].counters
+    assert c["miss_missing"] >= 2 and c["blocks_ok"] >= 3 and c["bytes"] >= 3 * B
     for k in (0, 2, 4):
         assert np.array_equal(dest[k], payload(ids[k]))
     consistent(source)

@@ -176,12 +176,31 @@ class Transport(ABC):
         """The result once the batch is done (leases ended), else None. Never blocks long."""
 
     def wait(self, transfer: Transfer) -> TransferResult:
-        """Poll until done; bounded by the transfer's deadline."""
+        """Poll until done; bounded by the transfer's deadline. Counted in :attr:`counters`."""
         while True:
             res = self.poll(transfer)
             if res is not None:
+                self.record(res)
                 return res
             time.sleep(0 if transfer.remaining > 0.002 else 0.0002)
+
+    @property
+    def counters(self) -> dict[str, float]:
+        """Batches, blocks, bytes, seconds and misses per reason of the batches waited for."""
+        c: dict[str, float] | None = self.__dict__.get("_counters")
+        if c is None:
+            c = self.__dict__["_counters"] = {}
+        return c
+
+    def record(self, res: TransferResult) -> None:
+        """Add a finished batch to :attr:`counters` (``wait`` does this; pollers may call it)."""
+        c = self.counters
+        for key, value in (("batches", 1), ("blocks", len(res.outcomes)),
+                           ("blocks_ok", res.num_ok), ("bytes", res.nbytes),
+                           ("seconds", res.seconds)):
+            c[key] = c.get(key, 0) + value
+        for reason, n in res.reasons().items():
+            c[f"miss_{reason}"] = c.get(f"miss_{reason}", 0) + n
 
     def read(
         self, source: Any, hashes: Sequence[BlockHash], dest: Sequence[ByteArray],
