@@ -97,13 +97,17 @@ class PoolSettings:
 @dataclass(frozen=True)
 class IndexConfig:
     """One index shard. ``worker_ttl_s``: a worker whose load reports stop is dropped
-    after this long. ``snapshot_path``: Parquet file to warm-start from (optional)."""
+    after this long. ``snapshot_path``: Parquet file to warm-start from (optional).
+    ``namespaces`` are declared at every start, so a restarted index answers misses (not
+    "unknown namespace") until the pools have republished."""
 
     shard: int = 0
     num_shards: int = 1
     worker_ttl_s: float = 3.0
     snapshot_path: str = ""
     ray_namespace: str = RAY_NAMESPACE
+    namespaces: tuple[tuple[str, int, str], ...] = ()
+    """``(name, hash_size, layout_fingerprint)`` known from the start (also after a restart)."""
 
     def __post_init__(self) -> None:
         if self.num_shards < 1 or not 0 <= self.shard < self.num_shards:

@@ -126,13 +126,14 @@ def deploy(
     if existing is None:
         check_shm(settings)
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
+    known = tuple((s.name, s.hash_size, s.layout.fingerprint()) for s in specs)
     from actors.index_actor import GlobalIndexActor
 
     shards = [
         GlobalIndexActor.options(
             name=index_name(i), namespace=ray_namespace, lifetime="detached",
             get_if_exists=True, scheduling_strategy=here,
-        ).remote(IndexConfig(i, index_shards, worker_ttl_s, snapshot_path, ray_namespace))
+        ).remote(IndexConfig(i, index_shards, worker_ttl_s, snapshot_path, ray_namespace, known))
         for i in range(index_shards)
     ]
     ray.get([s.ready.remote() for s in shards], timeout=wait_s)

@@ -30,6 +30,8 @@ class IndexService(GlobalIndex):
         self.config = config
         self.restarted = False
         self._unfrozen = 0
+        for name, hash_size, fingerprint in config.namespaces:
+            self.declare_namespace(name, hash_size, fingerprint)
         path = config.shard_snapshot_path
         if path and os.path.exists(path):
             try:

@@ -353,9 +353,10 @@ class NodePool(TransferEndpoints):
                     inv = pool.inventory()
                 if events:
                     self._seq[ns] = events[-1].seq
-                batch = _inventory_batch(ns, self.location, self.generation, inv,
-                                         self._specs[ns].hash_size)
-                try:
+                spec = self._specs[ns]
+                batch = _inventory_batch(ns, self.location, self.generation, inv, spec.hash_size)
+                try:  # a restarted index may not know the namespace yet
+                    self.index.declare_namespace(ns, spec.hash_size, spec.layout.fingerprint())
                     self.index.replace_inventory(self.location, self.generation, batch,
                                                  self._seq[ns], ns)
                 except Exception as exc:
