@@ -52,7 +52,8 @@ LAYOUT = KVLayout.from_hf_config({**default_model_config(), **OVERRIDES}, dtype=
 def text(seed: int, n: int) -> str:
     """Deterministic filler text of ``n`` characters (one byte-token each)."""
     words = ["kv", "cache", "ray", "serve", "block", "prefix", "node", "route", "token", "pool"]
-    out, x = [], seed * 7919 + 17
+    out: list[str] = []
+    x = seed * 7919 + 17
     while sum(len(w) + 1 for w in out) < n:
         x = (x * 1103515245 + 12345) % 2**31
         out.append(words[x % len(words)] + str(x % 97))
@@ -151,7 +152,7 @@ def main() -> int:
         import ray
 
         ray.shutdown()
-        cluster.shutdown()
+        cluster.shutdown()  # type: ignore[no-untyped-call]
     print(f"{'router':10} {'hit rate':>9} {'TTFT p50':>9} {'TTFT mean':>10}")
     for name, r in (("default", default), ("kvshare", kv)):
         print(f"{name:10} {r['hit_rate']:9.3f} {r['ttft_p50_s']:8.3f}s {r['ttft_mean_s']:9.3f}s")

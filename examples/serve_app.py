@@ -66,6 +66,9 @@ from router.serve import (  # noqa: E402
 log = logging.getLogger("ray.serve")
 
 KVSHARE_ROUTER = "router.serve:KVShareRequestRouter"
+MIN_SPEED_SAMPLE_TOKENS = 256
+"""Prefills shorter than this do not update the prefill speed a replica reports (the router
+turns queued tokens into seconds with it; a 10-token prefill measures overhead, not speed)."""
 
 
 def local_only(prompt_tokens: int, sources: list[str] | Any) -> int:
@@ -180,7 +183,10 @@ class KVShareWorker:
 
         def on_prefill(s: Any) -> None:
             done[0] = True
+            speed = self.load.prefill_tokens_per_s
             self.load.prefilled(len(req.tokens), s.computed_tokens, s.prefill_s)
+            if s.computed_tokens < MIN_SPEED_SAMPLE_TOKENS:  # fixed costs dominate: no sample
+                self.load.prefill_tokens_per_s = speed
 
         try:
             eos = self.engine.tokenizer.eos_id

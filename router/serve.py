@@ -32,7 +32,7 @@ import logging
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from ray.exceptions import RayError
 from ray.serve._private.common import ReplicaID
@@ -87,26 +87,32 @@ class ServeRouterSettings:
     ``pending_ttl_s``: how long a routed prefix counts as held by its replica before the index
     confirms it. ``prefill_tokens_per_s``: prefill speed assumed until workers report one.
     ``bandwidths``: measured bytes/s by transport (``shm``, ``disk``, ``nixl``, ...).
-    ``spill_ratio``: on a request's first routing pass, replicas estimated more than this
-    fraction slower than the best are held back (tried on the next pass).
+    ``log_decisions``: log every decision (estimates per replica) at INFO in Serve's log.
+    ``spill_ratio``/``spill_after_passes``: on a request's first routing passes, replicas
+    estimated more than ``spill_ratio`` slower than the best are held back; from pass
+    ``spill_after_passes`` on (Serve backs off between passes) every replica is offered.
     """
 
     namespace: str = ""
     policy: str = "cost"
     sharing: str = ""
     ray_namespace: str = "kvshare"
-    index_timeout_s: float = 0.1
+    index_timeout_s: float = 0.2
     connect_retry_s: float = 2.0
     workers_refresh_s: float = 1.0
     pending_ttl_s: float = 10.0
     spill_ratio: float = 0.5
+    spill_after_passes: int = 4
     prefill_tokens_per_s: float = 4000.0
     bytes_per_token: int = 0
     bandwidths: Mapping[str, float] | None = None
+    log_decisions: bool = False
 
     def __post_init__(self) -> None:
         if self.index_timeout_s <= 0 or self.pending_ttl_s <= 0:
             raise ValueError("index_timeout_s and pending_ttl_s must be positive seconds")
+        if self.spill_after_passes < 1 or self.spill_ratio < 0:
+            raise ValueError("spill_after_passes must be >= 1 and spill_ratio >= 0")
         if self.prefill_tokens_per_s <= 0:
             raise ValueError("prefill_tokens_per_s must be positive")
         if self.sharing:
@@ -219,6 +225,16 @@ class _Hashing:
         return None
 
 
+class _Routing(NamedTuple):
+    """A request's routing so far: what it will compute, passes made, its shortlist."""
+
+    namespace: str
+    hashes: tuple[BlockHash, ...]
+    compute: int
+    passes: int
+    shortlist: tuple[WorkerId, ...]
+
+
 class KVShareRequestRouter(LocalityMixin, MultiplexMixin, RequestRouter):
     """Ray Serve request router ranking replicas with kvshare's cost policy (module docstring)."""
 
@@ -233,6 +249,7 @@ class KVShareRequestRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         self._next_connect = 0.0
         self._workers: dict[WorkerId, WorkerInfo] = {}
         self._workers_at = -1e9
+        self._loads: dict[WorkerId, WorkerLoad] = {}
         self._hashing: dict[str, _Hashing] = {}
         self._pending = PendingBlocks(self.settings.pending_ttl_s)
         self._policy: Policy | None = None
@@ -240,7 +257,7 @@ class KVShareRequestRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         # replica -> [(routed at, tokens it will compute)] not yet visible in its load reports
         self._routed: dict[WorkerId, list[tuple[float, int]]] = {}
         self._inflight: dict[str, tuple[WorkerId, int]] = {}  # internal request id -> blocks
-        self._last: dict[str, tuple[str, tuple[BlockHash, ...], int]] = {}
+        self._last: dict[str, _Routing] = {}
         self.counters: dict[str, int] = {}
         # Serve pickles this module by value into each handle's process, so counters go out
         # as Ray metrics (Prometheus), not through a module-level registry.
@@ -255,8 +272,8 @@ class KVShareRequestRouter(LocalityMixin, MultiplexMixin, RequestRouter):
     def _count(self, key: str) -> None:
         n = self.counters[key] = self.counters.get(key, 0) + 1
         self._metric.inc(tags={"reason": key})
-        if key.startswith("fallback") and n % 100 == 1:
-            log.info("kvshare routing fell back to power of two (%s, %d times)", key, n)
+        if key.startswith(("fallback", "spilled", "repass", "index_slow")) and n % 100 == 1:
+            log.info("kvshare routing: %s (%d times)", key, n)
 
     def stats(self) -> dict[str, Any]:
         """Decisions by reason, fallbacks by cause, known workers and replicas."""
@@ -272,8 +289,14 @@ class KVShareRequestRouter(LocalityMixin, MultiplexMixin, RequestRouter):
             return
         from actors.index_client import IndexClient
 
-        self._connect_task = self._event_loop.create_task(asyncio.to_thread(
-            IndexClient.connect, self.settings.ray_namespace, self.settings.index_timeout_s))
+        def connect() -> Any:
+            client = IndexClient.connect(self.settings.ray_namespace, self.settings.index_timeout_s)
+            client.timeout_s = max(1.0, self.settings.index_timeout_s)
+            client.loads()  # warm the connection to the index actor (first calls are slow)
+            client.timeout_s = self.settings.index_timeout_s
+            return client
+
+        self._connect_task = self._event_loop.create_task(asyncio.to_thread(connect))
 
     async def _index(self) -> Any:
         """The index client, or None while it is not (yet) reachable; never blocks."""
@@ -372,20 +395,49 @@ class KVShareRequestRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         if client is None:
             self._count("fallback_index_unreachable")
             return None
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.settings.index_timeout_s
         try:
-            return await asyncio.wait_for(self._rank_with(client, replicas, prompt, pr),
-                                          self.settings.index_timeout_s)
+            await asyncio.wait_for(self._refresh_workers(client), self.settings.index_timeout_s)
         except TimeoutError:
             self._count("fallback_index_slow")
+            return None
         except RayError as exc:
             log.info("kvshare index unavailable, using power of two: %s", exc)
             self._count("fallback_index_unavailable")
-        return None
+            return None
+        key = self._prompt_key(prompt)
+        if key is None:
+            return None
+        namespace, hashing, hashes, num_tokens = key
+        before = client.unavailable
+        try:
+            match, loads = await asyncio.wait_for(
+                asyncio.gather(client.match_async(namespace, list(hashes)), client.loads_async()),
+                max(0.001, deadline - loop.time()))
+            ok = client.unavailable == before
+        except (TimeoutError, RayError):
+            ok = False
+        if ok:
+            self._loads = dict(loads)
+        else:
+            # Index slow or down: the router's own recent decisions (pending blocks) still
+            # say where this prefix went; without them, power of two.
+            match, loads = MatchResult(len(hashes), 0, {}), self._loads
+            if self._pending.overlay(namespace, hashes, match).combined_prefix == 0:
+                self._count("fallback_index_slow")
+                # remember where power of two sends it: the next request may need to know
+                rid = pr.metadata.internal_request_id
+                if rid not in self._last:
+                    self._remember(rid, _Routing(namespace, hashes, num_tokens, 0, ()))
+                return None
+            self._count("index_slow_pending_only")
+        return self._order(replicas, namespace, hashes, num_tokens, match, loads, hashing, pr)
 
-    async def _rank_with(
-        self, client: Any, replicas: list[RunningReplica], prompt: PromptInput, pr: PendingRequest
-    ) -> list[list[RunningReplica]] | None:
-        await self._refresh_workers(client)
+    def _prompt_key(
+        self, prompt: PromptInput
+    ) -> tuple[str, _Hashing, tuple[BlockHash, ...], int] | None:
+        """Namespace, hashing scheme, block hashes and token count of a prompt."""
         namespace = self._namespace(prompt)
         hashing = self._hashing.get(namespace) if namespace else None
         if namespace is None or hashing is None:
@@ -395,50 +447,62 @@ class KVShareRequestRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         hashes = prompt.hashes
         if hashes is None:
             if tokens is None:
-                self._count("fallback_no_prompt")
+                self._count("no_prompt")
                 return None
             hashes = tuple(block_hashes(hashing.root, tokens, hashing.block_tokens))
         num_tokens = len(tokens) if tokens is not None else len(hashes) * hashing.block_tokens
-        before = client.unavailable
-        match, loads = await asyncio.gather(client.match_async(namespace, list(hashes)),
-                                            client.loads_async())
-        if client.unavailable != before:
-            self._count("fallback_index_unavailable")
-            return None
-        return self._order(replicas, namespace, hashes, max(1, num_tokens), match, loads,
-                           hashing, pr)
+        return namespace, hashing, hashes, max(1, num_tokens)
 
     def _order(
         self, replicas: list[RunningReplica], namespace: str, hashes: tuple[BlockHash, ...],
         num_tokens: int, match: MatchResult, loads: Mapping[WorkerId, WorkerLoad],
         hashing: _Hashing, pr: PendingRequest,
     ) -> list[list[RunningReplica]]:
-        match = self._pending.overlay(namespace, hashes, match)
         by_worker = {replica_worker_id(r.replica_id): r for r in replicas}
+        rid = pr.metadata.internal_request_id
+        prev = self._last.pop(rid, None)
+        passes = prev.passes + 1 if prev is not None else 1
+        pr.routing_context.should_backoff = passes > 1
+        # A request Serve could not place on its shortlist (full, rejected, slow to answer
+        # the queue probe) gets the same shortlist again, with Serve's backoff in between,
+        # until pass ``spill_after_passes``; then every replica, in cost order.
+        if prev is not None and passes < self.settings.spill_after_passes:
+            shortlist = [w for w in prev.shortlist if w in by_worker]
+            if shortlist:
+                self._count("repass")
+                self._remember(rid, prev._replace(passes=passes))
+                return [[by_worker[w]] for w in shortlist]
+        match = self._pending.overlay(namespace, hashes, match)
         cands = [self._candidate(w, r, namespace, loads.get(w)) for w, r in by_worker.items()]
         policy = self._policy_for(hashing, loads)
-        request = RouteRequest(namespace, hashes, num_tokens,
-                               request_id=pr.metadata.internal_request_id)
+        request = RouteRequest(namespace, hashes, num_tokens, request_id=rid)
         decision = policy.choose(request, match, cands)
         view = SourceMap(match, {c.info.worker_id: c.info.node for c in cands})
         est = {c.info.worker_id: policy.queue_s(c.load) + policy.plan_for(request, view, c).total_s
                for c in cands}
         order = sorted(by_worker, key=lambda w: (w != decision.worker, est[w]))
-        rid = pr.metadata.internal_request_id
-        first_try = rid not in self._last
-        if first_try:
+        if self.settings.log_decisions:
+            log.info("kvshare route %s pass %d: %d/%d blocks held, est %s, load %s -> %s (%s)",
+                     rid, passes, match.combined_prefix, match.num_blocks,
+                     {w: round(e, 4) for w, e in est.items()},
+                     {c.info.worker_id: (c.load.queued_prefill_tokens,
+                                         round(c.load.prefill_tokens_per_s)) for c in cands},
+                     decision.worker, decision.reason)
+        if passes == 1:
             self._count(f"decision_{decision.reason}")
-            # Offer only the replicas about as good as the best: if they are all full or
-            # slow to answer Serve's queue probe, Serve asks again at once (no backoff) and
-            # the second pass offers every replica in cost order, with backoff after it.
+            # Replicas estimated much slower than the best are held back at first.
             limit = est[decision.worker] * (1 + self.settings.spill_ratio) + 0.005
             order = [w for w in order if w == decision.worker or est[w] <= limit]
-        pr.routing_context.should_backoff = not first_try
+        else:
+            self._count("spilled")
+        compute = num_tokens - decision.cached_blocks * hashing.block_tokens
+        self._remember(rid, _Routing(namespace, hashes, compute, passes, tuple(order)))
+        return [[by_worker[w]] for w in order]
+
+    def _remember(self, rid: str, routing: _Routing) -> None:
         while len(self._last) >= 4096:  # requests cancelled before being routed
             del self._last[next(iter(self._last))]
-        self._last[rid] = (namespace, hashes,
-                           num_tokens - decision.cached_blocks * hashing.block_tokens)
-        return [[by_worker[w]] for w in order]
+        self._last[rid] = routing
 
     def _candidate(
         self, wid: WorkerId, replica: RunningReplica, namespace: str, reported: WorkerLoad | None
@@ -464,7 +528,7 @@ class KVShareRequestRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         last = self._last.pop(rid, None)
         if last is None:
             return
-        namespace, hashes, compute = last
+        namespace, hashes, compute = last.namespace, last.hashes, last.compute
         wid = replica_worker_id(replica_id)
         node = self._node_of(replica_id)
         if node is not None:

@@ -81,8 +81,11 @@ def apps(ray_cluster: Any) -> Iterator[dict[str, str]]:
     port = free_port()
     serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
     common = {"engine": ENGINE, "sharing": "local", "replica_cpus": 0.5, "num_replicas": 2}
+    # This machine runs everyone's tests on 2 cores (load average 15-40): a generous deadline.
+    slow_ok = {"index_timeout_s": 2.0, "log_decisions": True}
     serve.run_many([
-        RunTarget(build_app(router="kvshare", namespace="serve-kv", **common), "kv", "/kv"),
+        RunTarget(build_app(router="kvshare", namespace="serve-kv", router_kwargs=slow_ok,
+                            **common), "kv", "/kv"),
         RunTarget(build_app(router="default", namespace="serve-df", **common), "df", "/df"),
     ])
     base = f"http://127.0.0.1:{port}"
@@ -105,7 +108,8 @@ def _complete(url: str, prompt: str, max_tokens: int = 2) -> dict[str, Any]:
 
 def _text(seed: int, n: int) -> str:
     words = ["kv", "cache", "ray", "serve", "block", "prefix", "node", "route", "token", "pool"]
-    out, x = [], seed * 7919 + 17
+    out: list[str] = []
+    x = seed * 7919 + 17
     while sum(len(w) + 1 for w in out) < n:
         x = (x * 1103515245 + 12345) % 2**31
         out.append(words[x % len(words)] + str(x % 97))
