@@ -379,6 +379,21 @@ class TieredBlockPool:
                 if lease is not None and not lease.write:
                     self._end_read(lease)
 
+    def share_epochs(self, tier: Tier, out: Any) -> None:
+        """Keep ``tier``'s slot epochs in ``out`` (int64, one per slot) from now on.
+
+        ``out`` is typically shared memory, so that a process on the node that copied a slot
+        out re-checks the slot's epoch itself instead of asking the pool.
+        """
+        with self._lock:
+            st = self._tiers[tier]
+            if not isinstance(out, np.ndarray) or out.dtype != np.int64 or out.shape != (st.num_slots,):
+                raise ValueError(
+                    f"epochs of tier {tier.value} need an int64 array of {st.num_slots} slots"
+                )
+            out[:] = st.epochs
+            st.epochs = out
+
     def leases_alive(self, lease_ids: Sequence[int]) -> list[bool]:
         """Whether each lease is still held (not ended, not expired).
 

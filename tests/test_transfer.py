@@ -37,7 +37,7 @@ from kvshare.transfer.probe import Bandwidths, parse_overrides, probe
 from kvshare.transfer.serve import TransferService
 from kvshare.transfer.shm import ShmTransport
 from kvshare.transfer.source import BlockSource
-from kvshare.transfer.wire import Reply
+from kvshare.transfer.wire import PreparedRead, Ready, Reply
 from kvshare.types import BlockHash, Location, Tier, node_location
 
 LAYOUT = KVLayout(1, 1, 8, "fp32", 64)  # 4 KiB blocks
@@ -232,8 +232,14 @@ def test_fetch_falls_back_to_objstore_when_source_has_no_nixl(transports: dict[s
             s.pool.close()
 
 
-def test_shm_read_whose_lease_expired_during_the_copy_is_a_miss() -> None:
-    """The epoch re-check: leases expire mid-copy and the slots are reused -> slot_reused."""
+@pytest.mark.parametrize("shared_epochs", [True, False])
+def test_shm_read_whose_lease_expired_during_the_copy_is_a_miss(shared_epochs: bool) -> None:
+    """The epoch re-check: leases expire mid-copy and the slots are reused -> slot_reused.
+
+    With shared epochs the reader checks them itself; without, the pool's ``finish`` reply says.
+    """
+    import dataclasses
+
     from kvshare.pool import TieredBlockPool
     from kvshare.pool_types import PoolConfig, TierSpec
 
@@ -247,11 +253,15 @@ def test_shm_read_whose_lease_expired_during_the_copy_is_a_miss() -> None:
     src = BlockSource(pool, "ut-e", nixl=False)
 
     class SlowReader(LocalControl):
-        def finish(self, holder: str, lease_ids: Sequence[int]) -> Reply[list[bool]]:
-            now[0] += 100.0  # the copy took longer than the lease: it expired...
-            for i in range(4):  # ...and writers reused every slot
+        def prepare_read(self, hashes: Sequence[BlockHash], holder: str, ttl_s: float) -> Reply[PreparedRead]:
+            prep = super().prepare_read(hashes, holder, ttl_s).get(0)
+            if not shared_epochs:
+                assert prep.slab is not None
+                prep = dataclasses.replace(prep, slab=dataclasses.replace(prep.slab, epochs=""))
+            now[0] += 100.0  # the reader stalled past its lease: it expired...
+            for i in range(4):  # ...and writers reused every slot before the copy ended
                 pool.put(h(100 + i), payload(100 + i))
-            return super().finish(holder, lease_ids)
+            return Ready(prep)
 
     try:
         for i in range(4):
@@ -261,6 +271,7 @@ def test_shm_read_whose_lease_expired_during_the_copy_is_a_miss() -> None:
         assert res.misses() == {h(0): SLOT_REUSED, h(1): SLOT_REUSED}
         assert pool.stats()["active_leases"] == 0
     finally:
+        src.close()
         pool.close()
 
 

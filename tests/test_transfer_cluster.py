@@ -188,10 +188,13 @@ def kv(ray_cluster: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[d
         for ns in (NS, SMALL, "xfer-nonixl", "xfer-dies"):  # slabs of pools that were killed
             for node_id in node_ids:
                 remove_stale_segments(ns, node_id)
+                for path in glob.glob(f"/dev/shm/kvshare-{ns}-{node_id}-*.epochs"):
+                    os.unlink(path)
 
 
-def assert_consistent(pool: Any, ns: str = NS, wait_s: float = 0.0) -> None:
-    """No lease, no pin, no reserved-but-uncommitted slot in any tier."""
+def assert_consistent(pool: Any, ns: str = NS, wait_s: float = 2.0) -> None:
+    """No lease, no pin, no reserved-but-uncommitted slot in any tier (within ``wait_s``: a
+    shared-memory reader sends its unpin without waiting for the reply)."""
     import ray
 
     deadline = time.monotonic() + wait_s
@@ -303,7 +306,7 @@ def test_one_millisecond_deadline_misses_and_releases(kv: dict[str, Any], name: 
 
     out = ray.get(reader_for(kv, name).read.remote(name, kv["pa"], NS, "base", list(range(1000)), 0.001))
     assert {r for r, _ in out} == {DEADLINE}
-    assert_consistent(kv["pa"], wait_s=1.0)  # a prepare still queued behind finish pins nothing
+    assert_consistent(kv["pa"])  # a prepare still queued behind finish pins nothing
 
 
 def test_peer_fetch_pins_pulls_verifies_and_keeps_a_local_copy(kv: dict[str, Any]) -> None:

@@ -13,8 +13,9 @@ implementation (``shm``, ``nixl``, ``objstore``; checked by one conformance suit
   means the destination holds exactly the stored bytes (verified by checksum for remote reads,
   by the slot epoch for shared memory). Otherwise the destination bytes of that block are
   undefined and ``reason`` is one of the constants below: the caller recomputes.
-- Every lease a transfer takes on the source (pins, reservations) has ended when the transfer
-  is done, whatever happened; a write is committed only for blocks that arrived whole.
+- Every lease a transfer takes on the source (pins, reservations) has ended, or its release
+  has been sent, when the transfer is done, whatever happened (and every lease expires shortly
+  after the deadline anyway); a write is committed only for blocks that arrived whole.
 """
 
 from __future__ import annotations

@@ -30,6 +30,7 @@ from kvshare.transfer.base import (
     NO_SPACE,
     TransportUnavailable,
 )
+from kvshare.transfer.epochs import SharedEpochs, epochs_name
 from kvshare.transfer.wire import (
     BlockBatch,
     NixlPeerInfo,
@@ -61,6 +62,12 @@ class BlockSource:
         self.slab: HostSlab | None = store if isinstance(store, HostSlab) else None
         self.nixl_error = ""
         self._nixl = None
+        self._epochs: SharedEpochs | None = None
+        if self.slab is not None and self.slab.name is not None:
+            SharedEpochs.remove_stale(self.slab.name)
+            slots = int(pool.stats()["tiers"][Tier.HOST.value]["capacity_slots"])
+            self._epochs = SharedEpochs(epochs_name(self.slab.name), slots, create=True)
+            pool.share_epochs(Tier.HOST, self._epochs.array)
         # A reader that timed out sends ``finish`` while its ``prepare`` may still be queued or
         # running (threaded actors): remember finished holders so that nothing stays pinned.
         self._lock = threading.Lock()
@@ -90,7 +97,8 @@ class BlockSource:
         s = self.slab
         if s is None or s.name is None:
             return None
-        return SlabInfo(s.name, s.slot_bytes, s.num_slots, self.generation, self.node)
+        return SlabInfo(s.name, s.slot_bytes, s.num_slots, self.generation, self.node,
+                        self._epochs.name if self._epochs is not None else "")
 
     def nixl_info(self) -> NixlPeerInfo | None:
         if self._nixl is None:
@@ -247,3 +255,7 @@ class BlockSource:
         if self._nixl is not None:
             self._nixl.close()
             self._nixl = None
+        if self._epochs is not None:  # the pool keeps its (now private) copy of the epochs
+            self.pool.share_epochs(Tier.HOST, self._epochs.array.copy())
+            self._epochs.close()
+            self._epochs = None

@@ -35,6 +35,7 @@ class SlabInfo:
     num_slots: int
     generation: int
     node: str
+    epochs: str = ""  # shared-memory slot epochs (kvshare.transfer.epochs); "" = ask the pool
 
 
 @dataclass(frozen=True)
