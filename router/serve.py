@@ -233,6 +233,7 @@ class _Routing(NamedTuple):
     compute: int
     passes: int
     shortlist: tuple[WorkerId, ...]
+    tokens: int = 0
 
 
 class KVShareRequestRouter(LocalityMixin, MultiplexMixin, RequestRouter):
@@ -256,7 +257,9 @@ class KVShareRequestRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         self._cost_key: tuple[int, int, float, Sharing] | None = None
         # replica -> [(routed at, tokens it will compute)] not yet visible in its load reports
         self._routed: dict[WorkerId, list[tuple[float, int]]] = {}
-        self._inflight: dict[str, tuple[WorkerId, int]] = {}  # internal request id -> blocks
+        self._inflight: dict[str, tuple[WorkerId, int, int]] = {}  # id -> (replica, blocks, tokens)
+        # replica -> [(completed at, prompt tokens)]: work its last load report may still show
+        self._done: dict[WorkerId, list[tuple[float, int]]] = {}
         self._last: dict[str, _Routing] = {}
         self.counters: dict[str, int] = {}
         # Serve pickles this module by value into each handle's process, so counters go out
@@ -429,7 +432,7 @@ class KVShareRequestRouter(LocalityMixin, MultiplexMixin, RequestRouter):
                 # remember where power of two sends it: the next request may need to know
                 rid = pr.metadata.internal_request_id
                 if rid not in self._last:
-                    self._remember(rid, _Routing(namespace, hashes, num_tokens, 0, ()))
+                    self._remember(rid, _Routing(namespace, hashes, num_tokens, 0, (), num_tokens))
                 return None
             self._count("index_slow_pending_only")
         return self._order(replicas, namespace, hashes, num_tokens, match, loads, hashing, pr)
@@ -496,7 +499,7 @@ class KVShareRequestRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         else:
             self._count("spilled")
         compute = num_tokens - decision.cached_blocks * hashing.block_tokens
-        self._remember(rid, _Routing(namespace, hashes, compute, passes, tuple(order)))
+        self._remember(rid, _Routing(namespace, hashes, compute, passes, tuple(order), num_tokens))
         return [[by_worker[w]] for w in order]
 
     def _remember(self, rid: str, routing: _Routing) -> None:
@@ -513,11 +516,15 @@ class KVShareRequestRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         recent = [(t, n) for t, n in self._routed.get(wid, []) if now - t < 2.0]
         self._routed[wid] = recent
         extra = sum(n for t, n in recent if t > since)
-        queued = (reported.queued_prefill_tokens if reported else 0) + extra
+        done = [(t, n) for t, n in self._done.get(wid, []) if now - t < 2.0]
+        self._done[wid] = done
+        finished = sum(n for t, n in done if t > since)  # still in a stale report
+        reported_q = reported.queued_prefill_tokens if reported else 0
+        queued = max(0, reported_q - finished) + extra
         queue_len = self._replica_queue_len_cache.get(replica.replica_id) or 0
         running = max(reported.running if reported else 0, queue_len)
         tps = reported.prefill_tokens_per_s if reported else 0.0
-        active = sum(b for w, b in self._inflight.values() if w == wid)
+        active = sum(v[1] for v in self._inflight.values() if v[0] == wid)
         return Candidate(info, WorkerLoad(wid, queued, running, tps, now), active)
 
     # ------------------------------------------------------------------ lifecycle hooks
@@ -534,10 +541,13 @@ class KVShareRequestRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         if node is not None:
             self._pending.add(namespace, node_location(node), hashes, Tier.HOST)
         self._routed.setdefault(wid, []).append((time.time(), max(0, compute)))
-        self._inflight[rid] = (wid, len(hashes))
+        self._inflight[rid] = (wid, len(hashes), last.tokens)
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
-        self._inflight.pop(internal_request_id, None)
+        """The request left the replica: its queued tokens no longer count there."""
+        done = self._inflight.pop(internal_request_id, None)
+        if done is not None:
+            self._done.setdefault(done[0], []).append((time.time(), done[2]))
 
     def _node_of(self, replica_id: ReplicaID) -> str | None:
         r = self._replicas.get(replica_id)
@@ -548,9 +558,9 @@ class KVShareRequestRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         super().update_replicas(replicas)
         self._start_connect()  # connect before the first request needs the index
         live = {replica_worker_id(r.replica_id) for r in replicas}
-        for wid in list(self._routed):
-            if wid not in live:
-                del self._routed[wid]
+        for table in (self._routed, self._done):
+            for wid in [w for w in table if w not in live]:
+                del table[wid]
         self._inflight = {k: v for k, v in self._inflight.items() if v[0] in live}
         self._workers_at = -1e9  # re-read registrations on the next request
 
@@ -559,6 +569,7 @@ class KVShareRequestRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         super().on_replica_actor_died(replica_id)
         wid = replica_worker_id(replica_id)
         self._routed.pop(wid, None)
+        self._done.pop(wid, None)
         self._workers.pop(wid, None)
         self._inflight = {k: v for k, v in self._inflight.items() if v[0] != wid}
         self._count("replica_died")
