@@ -273,7 +273,7 @@ def test_node_removed_its_entries_go_within_5s_and_new_nodes_get_a_pool(kv: dict
         assert b not in client.match("m", hs).locations and b not in client.match("m", hashes(10, "two-nodes")).locations
         time.sleep(0.1)
     new = cluster.add_node(num_cpus=1, object_store_memory=300 * 2**20)
-    wait_for(lambda: _generation(new.node_id) > 0, 30.0, 0.3)
+    wait_for(lambda: _generation(new.node_id) > 0, 60.0, 0.3)  # a new node: process start under load
     assert ray.get(pool(new.node_id).ready.remote())["namespaces"] == ["m"]
 
 
