@@ -80,8 +80,10 @@ def namespace_specs(
 
 def check_shm(settings: PoolSettings) -> None:
     """Refuse when the slabs plus Ray's object stores of this machine exceed free /dev/shm."""
-    here = ray.util.get_node_ip_address()  # type: ignore[no-untyped-call]
-    local = [n for n in ray.nodes() if n["Alive"] and n["NodeManagerAddress"] == here]  # type: ignore[no-untyped-call]
+    me = ray.get_runtime_context().get_node_id()
+    nodes = [n for n in ray.nodes() if n["Alive"]]  # type: ignore[no-untyped-call]
+    here = next((n["NodeManagerAddress"] for n in nodes if n["NodeID"] == me), None)
+    local = [n for n in nodes if n["NodeManagerAddress"] == here]  # this machine's nodes
     store = sum(int(n["Resources"].get("object_store_memory", 0)) for n in local)
     slabs = settings.host_bytes * max(1, len(local))
     free = shm_free_bytes()
