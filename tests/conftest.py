@@ -55,10 +55,25 @@ def start_cluster(num_workers: int = 2, object_store_mb: int = 300) -> Any:
 
 
 def stop_cluster(cluster: Any) -> None:
+    """Shut Ray down and unlink the shared-memory slabs this cluster's pools left behind
+    (pool processes killed with their nodes cannot unlink their own segments)."""
+    import glob
+
     import ray
 
+    node_ids: list[str] = []
+    try:
+        node_ids = [n["NodeID"] for n in ray.nodes()]
+    except Exception:  # Ray already gone: nothing to match against
+        pass
     ray.shutdown()
     cluster.shutdown()
+    for node_id in node_ids:
+        for path in glob.glob(f"/dev/shm/kvshare-*-{node_id}-*"):
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
 
 
 @pytest.fixture(scope="module")
