@@ -1,14 +1,15 @@
 """Ray Serve: kvshare's request router against Serve's default router, same workload, same run.
 
-A local Ray cluster (head + 3 nodes), kvshare deployed on it, and two Serve applications from
-``examples/serve_app.build_app`` whose worker deployments are identical (3 reference-worker
+A local Ray cluster (head + 4 nodes), kvshare deployed on it, and two Serve applications from
+``examples/serve_app.build_app`` whose worker deployments are identical (4 reference-worker
 replicas of the default tiny Llama cut to 2 layers, one per node, each reusing only its own node's cache, i.e.
 ``sharing="local"``): one with Serve's default power-of-two router, one with
 ``router.serve:KVShareRequestRouter`` (the one config line). Each app has its own kvshare
 namespace, so neither warms the other's cache.
 
 Workload (identical for both): 4 users x 6 turns of chat over 2 shared system prompts; each
-user pastes a document in the first turn and a new chunk of text in every turn; requests go
+user pastes a long document in the first turn and asks a short question in every turn (the
+assistant's previous answers stay in the conversation); requests go
 one at a time through the OpenAI ingress with ``max_tokens=1``, so the client-side latency is
 the time to first token (routing included). Prefix hit rate = prompt tokens the serving replica
 reused from its own node's cache / prompt tokens.
@@ -75,7 +76,7 @@ def start(nodes: int) -> Any:
 
 
 def run_workload(url: str, users: int, turns: int, doc_chars: int, turn_chars: int,
-                 system_chars: int) -> dict[str, Any]:
+                 system_chars: int, answer_chars: int) -> dict[str, Any]:
     systems = [text(900 + i, system_chars) for i in range(2)]
     docs = [text(1000 + u, doc_chars) for u in range(users)]
     history: list[list[dict[str, str]]] = [[] for _ in range(users)]
@@ -95,7 +96,7 @@ def run_workload(url: str, users: int, turns: int, doc_chars: int, turn_chars: i
                 kv = r.json()["kvshare"]
                 reused += kv["local_reused_tokens"]
                 total += kv["prompt_tokens"]
-                history[u].append({"role": "assistant", "content": text(3000 + 50 * u + t, 150)})
+                history[u].append({"role": "assistant", "content": text(3000 + 50 * u + t, answer_chars)})
                 time.sleep(0.1)  # this turn's blocks reach the index (publish interval 50 ms)
     return {"hit_rate": reused / total, "ttft_p50_s": statistics.median(ttft),
             "ttft_mean_s": statistics.fmean(ttft), "requests": len(ttft)}
@@ -103,12 +104,13 @@ def run_workload(url: str, users: int, turns: int, doc_chars: int, turn_chars: i
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--nodes", type=int, default=3)
+    ap.add_argument("--nodes", type=int, default=4)
     ap.add_argument("--users", type=int, default=4)
     ap.add_argument("--turns", type=int, default=6)
     ap.add_argument("--system-chars", type=int, default=1000)
-    ap.add_argument("--doc-chars", type=int, default=1200)
-    ap.add_argument("--turn-chars", type=int, default=400)
+    ap.add_argument("--doc-chars", type=int, default=3000)
+    ap.add_argument("--turn-chars", type=int, default=150)
+    ap.add_argument("--answer-chars", type=int, default=80)
     args = ap.parse_args()
     if args.users < 4 or args.turns < 6:
         print("note: the issue's workload is at least 4 users x 6 turns", file=sys.stderr)
@@ -136,7 +138,8 @@ def main() -> int:
         print(f"cluster + kvshare + 2 Serve apps up in {time.perf_counter() - t_start:.1f}s",
               file=sys.stderr)
         base = f"http://127.0.0.1:{port}"
-        w = (args.users, args.turns, args.doc_chars, args.turn_chars, args.system_chars)
+        w = (args.users, args.turns, args.doc_chars, args.turn_chars, args.system_chars,
+             args.answer_chars)
         default = run_workload(f"{base}/default", *w)
         kv = run_workload(f"{base}/kvshare", *w)
         for app in ("default", "kvshare"):
@@ -147,12 +150,12 @@ def main() -> int:
                 seen[st["worker_id"]] = st["client"]
             print(app, "SDK counters per replica:", json.dumps(seen), file=sys.stderr)
     finally:
-        serve.shutdown()
+        serve.shutdown()  # type: ignore[no-untyped-call]
         kvshare.shutdown()
         import ray
 
         ray.shutdown()
-        cluster.shutdown()  # type: ignore[no-untyped-call]
+        cluster.shutdown()
     print(f"{'router':10} {'hit rate':>9} {'TTFT p50':>9} {'TTFT mean':>10}")
     for name, r in (("default", default), ("kvshare", kv)):
         print(f"{name:10} {r['hit_rate']:9.3f} {r['ttft_p50_s']:8.3f}s {r['ttft_mean_s']:9.3f}s")

@@ -54,7 +54,7 @@ from kvshare.engines.worker import Completion, ReferenceWorker  # noqa: E402
 from kvshare.hashing import block_hashes  # noqa: E402
 from kvshare.types import BlockHash, NodeId  # noqa: E402
 from kvshare.workers import WorkerInfo  # noqa: E402
-from router.serve import (  # noqa: E402
+from router.serve_request import (  # noqa: E402
     META_BLOCK_TOKENS,
     META_BYTES_PER_TOKEN,
     META_ROOT,

@@ -24,7 +24,7 @@ if ROOT not in sys.path:
 
 from kvshare.engines.hf import default_model_config  # noqa: E402
 from kvshare.layout import KVLayout  # noqa: E402
-from router.serve import ServeRouterSettings, extract_prompt, replica_worker_id  # noqa: E402
+from router.serve_request import ServeRouterSettings, extract_prompt, replica_worker_id  # noqa: E402
 
 # A small model so the whole file stays near two minutes on two shared cores.
 OVERRIDES = {"num_hidden_layers": 1, "hidden_size": 256, "intermediate_size": 512,
