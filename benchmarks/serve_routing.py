@@ -2,8 +2,8 @@
 
 A local Ray cluster (head + 4 nodes), kvshare deployed on it, and two Serve applications from
 ``examples/serve_app.build_app`` whose worker deployments are identical (4 reference-worker
-replicas of the default tiny Llama cut to 2 layers, one per node, each reusing only its own node's cache, i.e.
-``sharing="local"``): one with Serve's default power-of-two router, one with
+replicas of the default tiny Llama cut to 2 layers, one per node, each reusing only its own
+node's cache, i.e. ``sharing="local"``): one with Serve's default power-of-two router, one with
 ``router.serve:KVShareRequestRouter`` (the one config line). Each app has its own kvshare
 namespace, so neither warms the other's cache.
 
