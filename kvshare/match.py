@@ -73,14 +73,17 @@ def build_match(per_block: Sequence[Mapping[Location, Tier]]) -> MatchResult:
             if row is None:
                 row = tiers[loc] = [None] * combined
             row[i] = tier
-    out: dict[Location, LocationMatch] = {}
-    for loc, row in tiers.items():
-        prefix = 0
-        counts: dict[Tier, int] = {}
-        for t in row:
-            if t is None:
-                break
-            prefix += 1
-            counts[t] = counts.get(t, 0) + 1
-        out[loc] = LocationMatch(loc, prefix, counts, tuple(row))
+    out = {loc: location_match(loc, row) for loc, row in tiers.items()}
     return MatchResult(len(per_block), combined, out)
+
+
+def location_match(location: Location, row: Sequence[Tier | None]) -> LocationMatch:
+    """One location's :class:`LocationMatch` from its per-block tiers (None = not held)."""
+    prefix = 0
+    counts: dict[Tier, int] = {}
+    for t in row:
+        if t is None:
+            break
+        prefix += 1
+        counts[t] = counts.get(t, 0) + 1
+    return LocationMatch(location, prefix, counts, tuple(row))

@@ -13,7 +13,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
-from kvshare.match import EMPTY_MATCH, LocationMatch, MatchResult, build_match
+from kvshare.match import EMPTY_MATCH, LocationMatch, MatchResult, build_match, location_match
 from kvshare.types import BlockHash, Location, Tier
 
 
@@ -93,14 +93,7 @@ class PendingBlocks:
         out: dict[Location, LocationMatch] = {}
         for loc, row in rows.items():
             row.extend([None] * (k - len(row)))
-            prefix = 0
-            counts: dict[Tier, int] = {}
-            for t in row:
-                if t is None:
-                    break
-                prefix += 1
-                counts[t] = counts.get(t, 0) + 1
-            out[loc] = LocationMatch(loc, prefix, counts, tuple(row))
+            out[loc] = location_match(loc, row)
         return MatchResult(len(hashes), k, out)
 
     def overlay(self, namespace: str, hashes: Sequence[BlockHash], match: MatchResult) -> MatchResult:

@@ -176,6 +176,14 @@ class Transport(ABC):
     def poll(self, transfer: Transfer) -> TransferResult | None:
         """The result once the batch is done (leases ended), else None. Never blocks long."""
 
+    def new_transfer(
+        self, op: str, hashes: Sequence[BlockHash], deadline_s: float, holder_prefix: str
+    ) -> Transfer:
+        """A fresh transfer of ``hashes`` due in ``deadline_s``, leased as ``{prefix}#t{id}``."""
+        t = Transfer(self.name, op, tuple(hashes), time.monotonic() + deadline_s, "")
+        t.holder = holder_name(holder_prefix, t.transfer_id)
+        return t
+
     def wait(self, transfer: Transfer) -> TransferResult:
         """Poll until done; bounded by the transfer's deadline. Counted in :attr:`counters`."""
         while True:

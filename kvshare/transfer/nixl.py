@@ -13,7 +13,6 @@ reused across batches.
 from __future__ import annotations
 
 import logging
-import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
@@ -33,7 +32,6 @@ from kvshare.transfer.base import (
     Transport,
     TransportUnavailable,
     check_batch,
-    holder_name,
 )
 from kvshare.transfer.control import call, finish_quietly, lease_ttl
 from kvshare.transfer.nixl_agent import dram_reg, make_agent
@@ -158,8 +156,7 @@ class NixlTransport(Transport):
     ) -> Transfer:
         if hashes:
             check_batch(hashes, bufs, bufs[0].nbytes)
-        t = Transfer(self.name, op, tuple(hashes), time.monotonic() + deadline_s, "")
-        t.holder = holder_name(self.agent_name, t.transfer_id)
+        t = self.new_transfer(op, hashes, deadline_s, self.agent_name)
         t.state.update(control=control, bufs=list(bufs), handle=None, outcome={})
         if not hashes:
             t.finish([], 0)

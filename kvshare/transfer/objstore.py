@@ -10,7 +10,6 @@ awaited without blocking, so ``poll`` can enforce the deadline.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 
 import numpy as np
@@ -25,7 +24,6 @@ from kvshare.transfer.base import (
     TransferResult,
     Transport,
     check_batch,
-    holder_name,
 )
 from kvshare.transfer.control import call
 from kvshare.transfer.wire import BlockBatch, BlockControl, SourceGone
@@ -40,18 +38,13 @@ class ObjStoreTransport(Transport):
     def __init__(self, holder: str = "objstore") -> None:
         self.holder = holder
 
-    def _start(self, op: str, hashes: Sequence[BlockHash], deadline_s: float) -> Transfer:
-        t = Transfer(self.name, op, tuple(hashes), time.monotonic() + deadline_s, "")
-        t.holder = holder_name(self.holder, t.transfer_id)
-        return t
-
     def submit_read(
         self, source: BlockControl, hashes: Sequence[BlockHash], dest: Sequence[ByteArray],
         *, deadline_s: float,
     ) -> Transfer:
         if hashes:
             check_batch(hashes, dest, dest[0].nbytes)
-        t = self._start("read", hashes, deadline_s)
+        t = self.new_transfer("read", hashes, deadline_s, self.holder)
         t.state.update(control=source, bufs=list(dest), reply=source.read_blocks(list(hashes)))
         if not hashes:
             t.finish([], 0)
@@ -63,7 +56,7 @@ class ObjStoreTransport(Transport):
     ) -> Transfer:
         if hashes:
             check_batch(hashes, data, data[0].nbytes)
-        t = self._start("write", hashes, deadline_s)
+        t = self.new_transfer("write", hashes, deadline_s, self.holder)
         if not hashes:
             t.finish([], 0)
             return t

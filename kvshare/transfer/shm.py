@@ -13,7 +13,6 @@ is sent without waiting: one round trip per batch instead of two.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Sequence
 
 import numpy as np
@@ -31,7 +30,6 @@ from kvshare.transfer.base import (
     TransferResult,
     Transport,
     check_batch,
-    holder_name,
 )
 from kvshare.transfer.control import call, finish_quietly, lease_ttl
 from kvshare.transfer.epochs import SharedEpochs
@@ -67,18 +65,13 @@ class ShmTransport(Transport):
                 self._epochs[info.name] = SharedEpochs(info.epochs, info.num_slots, create=False)
         return slab
 
-    def _start(self, op: str, hashes: Sequence[BlockHash], deadline_s: float) -> Transfer:
-        t = Transfer(self.name, op, tuple(hashes), time.monotonic() + deadline_s, "")
-        t.holder = holder_name(self.holder, t.transfer_id)
-        return t
-
     def submit_read(
         self, source: BlockControl, hashes: Sequence[BlockHash], dest: Sequence[ByteArray],
         *, deadline_s: float,
     ) -> Transfer:
         if hashes:
             check_batch(hashes, dest, dest[0].nbytes)
-        t = self._start("read", hashes, deadline_s)
+        t = self.new_transfer("read", hashes, deadline_s, self.holder)
         reasons = [""] * len(hashes)
         try:
             prep = call(source.prepare_read(hashes, t.holder, lease_ttl(deadline_s)), t.remaining)
@@ -132,7 +125,7 @@ class ShmTransport(Transport):
     ) -> Transfer:
         if hashes:
             check_batch(hashes, data, data[0].nbytes)
-        t = self._start("write", hashes, deadline_s)
+        t = self.new_transfer("write", hashes, deadline_s, self.holder)
         reasons = [""] * len(hashes)
         try:
             prep = call(sink.prepare_write(hashes, t.holder, lease_ttl(deadline_s)), t.remaining)
