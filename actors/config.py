@@ -7,6 +7,7 @@ Actor names live in one Ray namespace (:data:`RAY_NAMESPACE`).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -81,8 +82,21 @@ class PoolSettings:
     maintain_interval_s: float = 0.05
     holder_check_s: float = 1.0
     ray_namespace: str = RAY_NAMESPACE
+    bandwidth_gbps: tuple[tuple[str, float], ...] = ()
+    """GB/s per transport (``shm``/``nixl``/``objstore``) that replace what the pools'
+    probes measure; a node's ``KVSHARE_BANDWIDTH_GBPS`` env var wins over these. A mapping
+    is accepted and stored as sorted pairs."""
 
     def __post_init__(self) -> None:
+        bw = self.bandwidth_gbps
+        pairs = tuple(sorted(bw.items() if isinstance(bw, Mapping) else bw))
+        for name, value in pairs:
+            if name not in ("shm", "nixl", "objstore") or not float(value) >= 0:
+                raise ValueError(
+                    f"bandwidth override {name}={value} is invalid: use shm, nixl or objstore "
+                    "with a GB/s value >= 0"
+                )
+        object.__setattr__(self, "bandwidth_gbps", tuple((n, float(v)) for n, v in pairs))
         names = [ns.name for ns in self.namespaces]
         if len(names) != len(set(names)):
             raise ValueError(f"namespaces must be distinct, got {names}")

@@ -192,14 +192,19 @@ def get_pool(node_id: str | None = None, ray_namespace: str = RAY_NAMESPACE) -> 
 
 
 def status(ray_namespace: str = RAY_NAMESPACE, timeout_s: float = 5.0) -> dict[str, Any]:
-    """Nodes (alive, pool stats per namespace and tier), index shards and workers."""
+    """Nodes (alive, pool stats per namespace and tier, ``bandwidth_gbps``: GB/s per
+    transport as probed from that node with overrides applied, ``{}`` until its first probe;
+    ``bandwidth``: also per peer and when), index shards and workers."""
     nodes = {n["NodeID"]: n for n in ray.nodes()}  # type: ignore[no-untyped-call]
     out: dict[str, Any] = {"ray_namespace": ray_namespace, "nodes": [], "index": [],
                            "workers": []}
     refs: dict[str, Any] = {}
+    bw_refs: dict[str, Any] = {}
     for name in _named(ray_namespace, POOL_PREFIX):
         node = name[len(POOL_PREFIX):]
-        refs[node] = ray.get_actor(name, namespace=ray_namespace).stats.remote()
+        actor = ray.get_actor(name, namespace=ray_namespace)
+        refs[node] = actor.stats.remote()
+        bw_refs[node] = actor.transfer_bandwidths.remote()
     for node_id, info in nodes.items():
         entry: dict[str, Any] = {"node_id": node_id, "alive": bool(info["Alive"]),
                                  "address": info.get("NodeManagerAddress", "")}
@@ -208,6 +213,12 @@ def status(ray_namespace: str = RAY_NAMESPACE, timeout_s: float = 5.0) -> dict[s
                 entry["pool"] = ray.get(refs[node_id], timeout=timeout_s)
             except Exception as exc:
                 entry["pool_error"] = f"{type(exc).__name__}: {exc}"[:200]
+            try:
+                bw = ray.get(bw_refs[node_id], timeout=timeout_s)
+                entry["bandwidth_gbps"] = bw["transports"]
+                entry["bandwidth"] = bw
+            except Exception as exc:
+                entry["bandwidth_error"] = f"{type(exc).__name__}: {exc}"[:200]
         if info["Alive"] or node_id in refs:
             out["nodes"].append(entry)
     try:
@@ -219,6 +230,49 @@ def status(ray_namespace: str = RAY_NAMESPACE, timeout_s: float = 5.0) -> dict[s
         ]
     except Exception as exc:
         out["index_error"] = f"{type(exc).__name__}: {exc}"[:200]
+    return out
+
+
+def bandwidths(ray_namespace: str = RAY_NAMESPACE, timeout_s: float = 5.0) -> dict[str, dict[str, float]]:
+    """``{node_id: {transport: bytes/s}}`` for every pool that answers: what that node's probe
+    measured (``shm`` to itself, the best ``nixl``/``objstore`` to its peers), overrides
+    applied. A node not probed yet maps to ``{}``."""
+    refs: dict[str, Any] = {
+        name[len(POOL_PREFIX):]: ray.get_actor(name, namespace=ray_namespace)
+        .transfer_bandwidths.remote() for name in _named(ray_namespace, POOL_PREFIX)}
+    out: dict[str, dict[str, float]] = {}
+    for node, ref in refs.items():
+        try:
+            got: dict[str, Any] = ray.get(ref, timeout=timeout_s)
+        except Exception as exc:  # a dead or busy pool: no figures for it
+            log.info("no bandwidths from node %s: %s", node, exc)
+            continue
+        out[node] = {k: float(v) * 1e9 for k, v in got["transports"].items()}
+    return out
+
+
+def measured_bandwidths(
+    ray_namespace: str = RAY_NAMESPACE, wait_s: float = 0.0, timeout_s: float = 5.0
+) -> dict[str, float]:
+    """Bytes/s per transport for the whole cluster: the median over nodes that measured it
+    above 0; ready for :meth:`kvshare.cost.Bandwidths.from_measured`. ``wait_s``: wait up to
+    that long for every pool's first probe (returns what there is then; ``{}`` if nothing)."""
+    import statistics
+    import time
+
+    deadline = time.monotonic() + wait_s
+    while True:
+        per_node = bandwidths(ray_namespace, timeout_s)
+        probed = per_node and all(per_node.values()) and (
+            len(per_node) == 1 or all({"nixl", "objstore"} & set(bw) for bw in per_node.values()))
+        if probed or time.monotonic() >= deadline:
+            break
+        time.sleep(0.2)
+    out: dict[str, float] = {}
+    for name in ("shm", "nixl", "objstore"):
+        vals = [bw[name] for bw in per_node.values() if bw.get(name, 0.0) > 0]
+        if vals:
+            out[name] = float(statistics.median(vals))
     return out
 
 

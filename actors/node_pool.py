@@ -50,6 +50,7 @@ from kvshare.pool_types import (
 from kvshare.tiers.base import TierStore
 from kvshare.tiers.disk import DiskStore
 from kvshare.tiers.host import HostSlab, remove_stale_segments, segment_name
+from kvshare.transfer.probe import parse_overrides
 from kvshare.transfer.serve import TransferEndpoints, TransferService
 from kvshare.types import BlockHash, Tier, node_location
 
@@ -99,7 +100,11 @@ class NodePool(TransferEndpoints):
             ("published_events", "batches", "publish_errors", "republishes", "stale_acks",
              "holders_released"), 0)
         self.generation = int(index.new_generation(self.location))
-        self.transfer = TransferService(node_id)  # shm/nixl/objstore source side per namespace
+        # shm/nixl/objstore source side per namespace; bandwidth overrides: env, then config
+        overrides = {**dict(settings.bandwidth_gbps),
+                     **parse_overrides(os.environ.get("KVSHARE_BANDWIDTH_GBPS", ""))}
+        self.transfer = TransferService(node_id, bandwidth_overrides=overrides,
+                                        generation=self.generation)
         for spec in settings.namespaces:
             self._open(spec)
         self.republish()

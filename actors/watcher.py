@@ -9,6 +9,13 @@ It relies on Ray's own signals, not heartbeats of its own:
   pool's entries up to its generation are dropped. A restarted pool registers a new
   generation itself; a pool that is gone for good is created again.
 
+**Bandwidth probes**: whenever a pool comes up (at start, a node joined, a pool restarted) the
+watcher asks every pool that is up to measure each transport to every other one
+(``transfer_measure`` over the private probe namespace: 8 MiB per read, best of 3, bounded by
+the transports' deadlines). The calls run in the pools' own threads; the watcher never waits
+for them, it only starts the next round once the previous one is done. The figures live in
+the pools (``transfer_bandwidths``; ``actors.deploy.bandwidths`` collects them).
+
 Runs as a detached, restartable actor (:data:`WatcherActor`) with one background thread.
 """
 
@@ -27,6 +34,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from actors.config import NamespaceSpec, PoolSettings, pool_name
 from actors.index_client import IndexClient
 from actors.node_pool import NodePoolActor
+from kvshare.transfer.probe import PROBE_NAMESPACE
 from kvshare.types import node_location
 
 log = logging.getLogger(__name__)
@@ -52,8 +60,14 @@ class ClusterWatcher:
     """Reconciles pools with Ray's node table; see the module docstring."""
 
     def __init__(self, settings: PoolSettings, poll_s: float = 0.5, watch_s: float = 10.0,
-                 snapshot_every_s: float = 0.0) -> None:
+                 snapshot_every_s: float = 0.0, probe: bool = True,
+                 probe_settle_s: float = 3.0) -> None:
         self.settings = settings
+        self.probe = probe
+        self.probe_settle_s = probe_settle_s  # wait this long for pools still starting
+        self._probe_due: float | None = None  # when a probe round was asked for
+        self._probes: dict[Any, str] = {}  # outstanding transfer_measure ref -> node
+        self.probe_rounds = 0
         self.poll_s = poll_s
         self.watch_s = watch_s
         self.snapshot_every_s = snapshot_every_s
@@ -106,7 +120,9 @@ class ClusterWatcher:
     def status(self) -> dict[str, Any]:
         with self._lock:
             return {"pools": {n: self.generations.get(n) for n in self.pools},
-                    "dead_nodes": sorted(self.dead), "events": self.events[-50:]}
+                    "dead_nodes": sorted(self.dead), "events": self.events[-50:],
+                    "probe_rounds": self.probe_rounds,
+                    "probing": sorted(set(self._probes.values()))}
 
     def stop(self) -> None:
         self._stop.set()
@@ -168,9 +184,35 @@ class ClusterWatcher:
             return
         if pool is None:
             return
+        if self.probe and self.generations.get(node) != gen:  # a pool came up: measure again
+            self._probe_due = self._probe_due or time.monotonic()
         self.generations[node] = gen
         self._failures.pop(node, None)
         self._watch[pool.watch.remote(self.watch_s)] = node
+
+    def _maybe_probe(self) -> None:
+        """Collect finished probes; start a round when one is due (see the module docstring)."""
+        if self._probes:
+            done, _ = ray.wait(list(self._probes), num_returns=len(self._probes), timeout=0)
+            for ref in done:
+                node = self._probes.pop(ref)
+                try:
+                    got = ray.get(ref)
+                    self._note(f"bandwidths of node {node} (GB/s): "
+                               + ", ".join(f"{k}={v:.2f}" for k, v in sorted(got.items())))
+                except RayError as exc:
+                    self._note(f"probe from node {node} failed: {str(exc)[-200:]}")
+        if self._probe_due is None or self._probes:
+            return
+        with self._lock:
+            up = {n: self.pools[n] for n in self.generations if n in self.pools}
+            starting = [n for n in self.pools if n not in self.generations]
+        if not up or (starting and time.monotonic() - self._probe_due < self.probe_settle_s):
+            return
+        self._probe_due = None
+        self.probe_rounds += 1
+        for node, pool in up.items():
+            self._probes[pool.transfer_measure.remote(PROBE_NAMESPACE, up)] = node
 
     def _run(self) -> None:
         ticks = 0
@@ -179,6 +221,8 @@ class ClusterWatcher:
                 with self._lock:
                     self._round()
                 self._check_watches()
+                if self.probe:
+                    self._maybe_probe()
                 ticks += 1
                 if self.snapshot_every_s and ticks % max(1, int(self.snapshot_every_s / self.poll_s)) == 0:
                     for shard in self.index.shards:

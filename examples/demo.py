@@ -109,7 +109,8 @@ def start_workers(engine_cfg: Any) -> dict[str, Any]:
 def start_gateway(engine_cfg: Any) -> tuple[str, Any]:
     import uvicorn
 
-    from actors.deploy import get_index_client
+    from actors.deploy import get_index_client, measured_bandwidths
+    from kvshare.cost import Bandwidths
     from kvshare.engines.hf import model_keys
     from router.embed import CacheAwareRouter, RouterConfig
     from router.gateway import create_app
@@ -117,8 +118,12 @@ def start_gateway(engine_cfg: Any) -> tuple[str, Any]:
 
     keys = model_keys(engine_cfg)
     index = get_index_client()
+    measured = measured_bandwidths(wait_s=20.0)  # bytes/s the pools probed at start
+    print("  measured bandwidths (GB/s): "
+          + ", ".join(f"{k}={v / 1e9:.2f}" for k, v in sorted(measured.items())))
     cfg = RouterConfig.from_model_keys(keys, namespace=NAMESPACE, policy="cost",
-                                       prefill_tokens_per_s=4000.0)
+                                       prefill_tokens_per_s=4000.0,
+                                       bandwidths=Bandwidths.from_measured(measured))
     router = CacheAwareRouter(index, IndexWorkers(index), cfg, keys.tokenizer)
     port = _free_port()
     server = uvicorn.Server(uvicorn.Config(create_app(router), host="127.0.0.1", port=port,

@@ -22,9 +22,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from importlib import import_module
 from typing import Any
@@ -32,6 +33,7 @@ from typing import Any
 import numpy as np
 
 from kvshare.client_types import (
+    SOURCE_AUTO,
     SOURCE_NIXL,
     SOURCE_OBJSTORE,
     SOURCE_SHM,
@@ -54,12 +56,19 @@ from kvshare.hashing import block_hashes
 from kvshare.layout import KVLayout
 from kvshare.transfer.base import NIXL_UNAVAILABLE, SOURCE_DEAD, Transfer, Transport
 from kvshare.transfer.objstore import ObjStoreTransport
+from kvshare.transfer.probe import Bandwidths, parse_overrides
 from kvshare.transfer.shm import ShmTransport
 from kvshare.transfer.wire import BlockControl
 from kvshare.types import BlockHash, Tier, node_location
 from kvshare.workers import IndexQuery
 
 log = logging.getLogger(__name__)
+
+AUTO_WAIT_S = 120.0
+"""How long a ``remote="auto"`` client keeps asking for its node's first bandwidth probe."""
+
+BandwidthSource = Callable[[], Mapping[str, float]] | Mapping[str, float]
+"""GB/s per transport (``nixl``, ``objstore``, ...), or a callable returning them."""
 
 CutPolicy = Callable[[int, Sequence[str]], int]
 """``(prompt_tokens, sources) -> blocks to load``; ``sources[i]`` is one of ``local_host``,
@@ -77,7 +86,10 @@ class KVShareClient:
     ``control_for(node_id)`` returns the :class:`BlockControl` of that node's pool (None if it
     has none). ``index`` answers matches (the sharded index client). ``remote`` picks the
     transport for other nodes' blocks: ``nixl`` (falls back to ``objstore`` when NIXL is
-    unavailable) or ``objstore``.
+    unavailable), ``objstore``, or ``auto`` (the default): the faster of the two by
+    ``bandwidths`` (GB/s per transport as this node's pool measured them, see
+    :meth:`choose_remote`), with ``KVSHARE_BANDWIDTH_GBPS`` in this process overriding them;
+    nixl only if its agent started, nixl while nothing is known.
     """
 
     def __init__(
@@ -90,13 +102,16 @@ class KVShareClient:
         index: IndexQuery | None,
         control_for: Callable[[str], BlockControl | None],
         worker_id: str = "worker",
-        remote: str = SOURCE_NIXL,
+        remote: str = SOURCE_AUTO,
         cut_policy: CutPolicy = load_everything,
         load_deadline_s: float = 5.0,
         store_deadline_s: float = 10.0,
+        bandwidths: BandwidthSource | None = None,
     ) -> None:
-        if remote not in (SOURCE_NIXL, SOURCE_OBJSTORE):
-            raise ValueError(f"remote transport must be 'nixl' or 'objstore', got {remote!r}")
+        if remote not in (SOURCE_AUTO, SOURCE_NIXL, SOURCE_OBJSTORE):
+            raise ValueError(
+                f"remote transport must be 'auto', 'nixl' or 'objstore', got {remote!r}")
+        self.bandwidth_overrides = parse_overrides(os.environ.get("KVSHARE_BANDWIDTH_GBPS", ""))
         self.namespace = namespace
         self.layout = layout
         self.block_tokens = layout.block_tokens
@@ -115,9 +130,16 @@ class KVShareClient:
         self._objstore = ObjStoreTransport(holder=f"{worker_id}-obj")
         self._nixl: Transport | None = None
         self.nixl_error = ""
-        if remote == SOURCE_NIXL:
+        if remote != SOURCE_OBJSTORE:
             self._nixl = self._start_nixl()
         self.remote = SOURCE_NIXL if self._nixl is not None else SOURCE_OBJSTORE
+        self.auto = remote == SOURCE_AUTO
+        self.bandwidths: dict[str, float] = {}  # GB/s the auto choice was made on
+        self._bw_source = bandwidths
+        self._closed = threading.Event()
+        if self.auto and not self.choose_remote():  # the node's probe is still running
+            threading.Thread(target=self._await_bandwidths, name="kvshare-bandwidths",
+                             daemon=True).start()
         self._staging = np.empty((0, layout.bytes_per_block), dtype=np.uint8)
         self._load_lock = threading.Lock()
         self._store_pool = ThreadPoolExecutor(1, thread_name_prefix="kvshare-store")
@@ -132,31 +154,67 @@ class KVShareClient:
     @classmethod
     def connect(
         cls, namespace: str, layout: KVLayout, root: BlockHash, *,
-        index_timeout_s: float = 2.0, **kwargs: Any
+        index_timeout_s: float = 2.0, ray_namespace: str | None = None, **kwargs: Any
     ) -> KVShareClient:
         """Inside Ray: the deployment's index client and this node's (and peers') pool actors.
 
         Imports the cluster layer (``actors``) lazily, so the SDK has no hard Ray dependency.
         An index that does not answer within ``index_timeout_s`` is treated as down (a miss).
+        ``remote`` defaults to ``auto``: bandwidths come from this node's pool's probe.
         """
         import ray
 
         from kvshare.transfer.control import ActorControl
 
         config = import_module("actors.config")
+        ray_ns = ray_namespace or config.RAY_NAMESPACE
         index = import_module("actors.index_client").IndexClient.connect(
-            config.RAY_NAMESPACE, timeout_s=index_timeout_s)
+            ray_ns, timeout_s=index_timeout_s)
         node = kwargs.pop("node", None) or ray.get_runtime_context().get_node_id()
 
         def control_for(node_id: str) -> BlockControl | None:
             try:
-                actor = ray.get_actor(config.pool_name(node_id), namespace=config.RAY_NAMESPACE)
+                actor = ray.get_actor(config.pool_name(node_id), namespace=ray_ns)
             except ValueError:
                 return None
             return ActorControl(actor, namespace)
 
+        def bandwidths() -> Mapping[str, float]:
+            actor = ray.get_actor(config.pool_name(node), namespace=ray_ns)
+            got: Any = ray.get(actor.transfer_bandwidths.remote(), timeout=index_timeout_s)
+            return dict(got["transports"])
+
+        kwargs.setdefault("bandwidths", bandwidths)
         return cls(namespace=namespace, layout=layout, root=root, node=node, index=index,
                    control_for=control_for, **kwargs)
+
+    def choose_remote(self) -> bool:
+        """Pick :attr:`remote` from the bandwidths (``remote="auto"``): objstore only when it
+        is measured (or overridden) faster than nixl, or when NIXL did not start. Returns
+        True once both figures are known (or NIXL is out), False while the node's probe has
+        not reported yet (the choice then stays nixl)."""
+        src = self._bw_source
+        try:
+            measured = dict(src() if callable(src) else (src or {}))
+        except Exception as exc:  # pool busy or gone: keep the current choice
+            log.info("bandwidths unavailable for %s: %s", self.worker_id, exc)
+            measured = {}
+        bw = Bandwidths({k: float(v) for k, v in measured.items()}, dict(self.bandwidth_overrides))
+        self.bandwidths = bw.as_dict()
+        if self._nixl is None:
+            self.remote = SOURCE_OBJSTORE
+            return True
+        faster = bw.get(SOURCE_OBJSTORE) > bw.get(SOURCE_NIXL)
+        self.remote = SOURCE_OBJSTORE if faster else SOURCE_NIXL
+        return {SOURCE_NIXL, SOURCE_OBJSTORE} <= set(self.bandwidths)
+
+    def _await_bandwidths(self) -> None:
+        deadline = time.monotonic() + AUTO_WAIT_S
+        while not self._closed.wait(1.0) and time.monotonic() < deadline:
+            if self.choose_remote():
+                log.info("%s: remote transport %s (GB/s %s)", self.worker_id, self.remote,
+                         self.bandwidths)
+                return
 
     def _start_nixl(self) -> Transport | None:
         try:
@@ -428,6 +486,7 @@ class KVShareClient:
         return [f.result(timeout) for f in pending]
 
     def close(self) -> None:
+        self._closed.set()
         self._store_pool.shutdown(wait=True)
         self._load_pool.shutdown(wait=True)
         self._load_shm.close()

@@ -22,6 +22,7 @@ SOURCE_GPU = "gpu"  # the worker's own gpu tier
 SOURCE_SHM = "shm"  # this node's pool (host slab mapped; disk blocks promoted first)
 SOURCE_NIXL = "nixl"  # another node's pool over NIXL
 SOURCE_OBJSTORE = "objstore"  # another node's pool through Ray's object store
+SOURCE_AUTO = "auto"  # remote transport chosen from the measured bandwidths (nixl or objstore)
 SOURCE_LOCAL = "local"  # an in-process pool (no Ray)
 
 

@@ -61,8 +61,9 @@ def register(subparsers: Any) -> None:
                     help="JSON of kvshare.engines.hf.EngineConfig fields (e.g. '{}'): tokenize and "
                     "hash exactly like the reference workers (identity, layout, tokenizer)")
     gw.add_argument("--bandwidth", default="",
-                    help="measured GB/s per transport for the cost model, e.g. shm=20,nixl=8,disk=3 "
-                    "(the same syntax as KVSHARE_BANDWIDTH_GBPS)")
+                    help="GB/s per transport for the cost model, e.g. shm=20,nixl=8,disk=3 (the "
+                    "same syntax as KVSHARE_BANDWIDTH_GBPS); with --address these override what "
+                    "the cluster's pools measured at start")
     gw.add_argument("--prefill-tokens-per-s", type=float, default=5000.0,
                     help="initial prefill speed; refitted from the workers' measured timings")
     gw.set_defaults(func=_gateway)

@@ -308,11 +308,16 @@ def serve_from_args(args: argparse.Namespace) -> int:
     from kvshare.cost import Bandwidths
     from kvshare.transfer.probe import parse_overrides
 
-    gbps = parse_overrides(args.bandwidth) if args.bandwidth else {}
+    measured: dict[str, float] = {}  # bytes/s the cluster's pools probed (--address only)
+    if args.address:
+        from actors.deploy import measured_bandwidths
+
+        measured = measured_bandwidths(wait_s=10.0)
+    gbps = parse_overrides(args.bandwidth) if args.bandwidth else {}  # --bandwidth wins
     common: dict[str, Any] = {
         "namespace": args.namespace, "policy": args.policy,
         "prefill_tokens_per_s": args.prefill_tokens_per_s,
-        "bandwidths": Bandwidths.from_measured({k: v * 1e9 for k, v in gbps.items()}),
+        "bandwidths": Bandwidths.from_measured({**measured, **{k: v * 1e9 for k, v in gbps.items()}}),
     }
     tokenizer = None
     if args.engine_config:

@@ -111,3 +111,33 @@ def test_dead_pid_holders_lose_their_leases(node: NodePool) -> None:
     assert node.stats()["namespaces"]["m"]["active_leases"] == 2
     assert node.check_holders() == 2
     assert node.stats()["namespaces"]["m"]["active_leases"] == 0
+
+
+def test_bandwidth_overrides_env_beats_config_and_probe_blocks_stay_private(
+    settings: PoolSettings, index: GlobalIndex, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Overrides: ``KVSHARE_BANDWIDTH_GBPS`` > PoolSettings.bandwidth_gbps > the probe. The
+    probe reads blocks of the private probe namespace: never in the index or the pool stats."""
+    from dataclasses import replace
+
+    from kvshare.transfer.control import LocalControl
+    from kvshare.transfer.probe import PROBE_NAMESPACE
+
+    with pytest.raises(ValueError, match="shm, nixl or objstore"):
+        replace(settings, bandwidth_gbps={"carrier-pigeon": 1.0})
+    monkeypatch.setenv("KVSHARE_BANDWIDTH_GBPS", "nixl=7")
+    cfg = replace(settings, bandwidth_gbps={"nixl": 1.0, "objstore": 2.5})
+    node = NodePool(f"tb{os.getpid()}", cfg, index, background=False)
+    try:
+        src = node.transfer.source(PROBE_NAMESPACE)
+        got = node.transfer.measure(PROBE_NAMESPACE, {node.node_id: LocalControl(src)})
+        assert got["shm"] > 0 and got["nixl"] == 7.0 and got["objstore"] == 2.5
+        exposed = node.transfer_bandwidths()
+        assert exposed["transports"] == got and exposed["measured_at"] > 0
+        assert exposed["overrides"] == {"nixl": 7.0, "objstore": 2.5}
+        node.flush()
+        assert set(node.stats()["namespaces"]) == {"m"}
+        assert PROBE_NAMESPACE not in index.stats()["namespaces"]
+    finally:
+        node.close()
+    assert not [f for f in os.listdir("/dev/shm") if f.startswith(f"kvshare-{PROBE_NAMESPACE}-tb{os.getpid()}")]

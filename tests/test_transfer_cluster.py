@@ -185,7 +185,7 @@ def kv(ray_cluster: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[d
     finally:
         node_ids = [n["NodeID"] for n in ray.nodes()]
         shutdown(RAY_NS)
-        for ns in (NS, SMALL, "xfer-nonixl", "xfer-dies"):  # slabs of pools that were killed
+        for ns in (NS, SMALL, "xfer-nonixl", "xfer-dies", "xfer-bwenv", "kvshare-probe"):  # slabs of pools that were killed
             for node_id in node_ids:
                 remove_stale_segments(ns, node_id)
                 for path in glob.glob(f"/dev/shm/kvshare-{ns}-{node_id}-*.epochs"):
@@ -328,6 +328,96 @@ def test_peer_fetch_pins_pulls_verifies_and_keeps_a_local_copy(kv: dict[str, Any
     second = ray.get(rb.fetch.remote(tag, list(range(32)), False))
     assert second["reasons"] == [""] * 32 and all(second["identical"])
     assert set(second["served_by"]) == {f"{node_location(kv['b'])}/shm"}  # now local
+
+
+def wait_probed(timeout_s: float = 60.0) -> list[dict[str, Any]]:
+    """The alive nodes' status entries once each shows shm, nixl and objstore above 0."""
+    from actors.deploy import status
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        nodes = [n for n in status(RAY_NS)["nodes"] if n["alive"] and "pool" in n]
+        ok = len(nodes) == 3 and all(
+            n.get("bandwidth_gbps", {}).get(t, 0.0) > 0 for n in nodes for t in ("shm", "nixl", "objstore"))
+        if ok or time.monotonic() > deadline:
+            break
+        time.sleep(0.25)
+    assert ok, [(n["node_id"][:8], n.get("bandwidth_gbps")) for n in nodes]
+    return nodes
+
+
+def test_deploy_probes_every_node_in_the_background(kv: dict[str, Any]) -> None:
+    """The watcher had every pool probe its peers after deploy: status shows GB/s per node and
+    transport, deploy.bandwidths the same in bytes/s, and the router's cost model takes them."""
+    from actors.deploy import bandwidths, measured_bandwidths, status
+    from kvshare.cost import Bandwidths
+    from kvshare.transfer.probe import PROBE_NAMESPACE
+
+    nodes = wait_probed()
+    per_node = bandwidths(RAY_NS)
+    for n in nodes:
+        assert set(n["bandwidth"]["per_node"]) == {m["node_id"] for m in nodes}
+        assert set(per_node[n["node_id"]]) == set(n["bandwidth_gbps"])  # bytes/s, same transports
+        assert all(v > 1e6 for v in per_node[n["node_id"]].values())
+    cluster = measured_bandwidths(RAY_NS)
+    assert set(cluster) == {"shm", "nixl", "objstore"}
+    assert Bandwidths.from_measured(cluster).remote == max(cluster["nixl"], cluster["objstore"])
+    # probe blocks live in a private namespace: not in the index, not in the pools' stats
+    st = status(RAY_NS)
+    assert all(PROBE_NAMESPACE not in shard["namespaces"] for shard in st["index"])
+    assert all(set(n["pool"]["namespaces"]) == {NS, SMALL} for n in nodes)
+
+
+def test_auto_remote_picks_the_faster_measured_transport(
+    kv: dict[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """KVShareClient(remote="auto") takes the faster of nixl/objstore as its node's pool
+    measured it; KVSHARE_BANDWIDTH_GBPS in the worker's process overrides the measurement."""
+    import ray
+
+    from actors.deploy import get_pool
+    from kvshare.client import KVShareClient
+    from kvshare.types import BlockHash
+
+    wait_probed()
+    root = BlockHash(bhash("root", 0))
+    monkeypatch.delenv("KVSHARE_BANDWIDTH_GBPS", raising=False)
+    client = KVShareClient.connect(NS, LAYOUT, root, ray_namespace=RAY_NS, worker_id="auto-m")
+    try:
+        bw = ray.get(get_pool(client.node, RAY_NS).transfer_bandwidths.remote())["transports"]
+        assert client.auto and set(client.bandwidths) == set(bw) == {"shm", "nixl", "objstore"}
+        for got in (client.bandwidths, bw):  # what it chose on, and the pool's figures now
+            assert client.remote == ("objstore" if got["objstore"] > got["nixl"] else "nixl")
+    finally:
+        client.close()
+    for env, winner in (("objstore=1000", "objstore"), ("nixl=1000,objstore=0.001", "nixl")):
+        monkeypatch.setenv("KVSHARE_BANDWIDTH_GBPS", env)
+        client = KVShareClient.connect(NS, LAYOUT, root, ray_namespace=RAY_NS,
+                                       worker_id=f"auto-{winner}")
+        try:
+            assert client.remote == winner, (env, client.bandwidths)
+        finally:
+            client.close()
+
+
+def test_pool_env_override_beats_its_measurement(kv: dict[str, Any]) -> None:
+    """A pool process with KVSHARE_BANDWIDTH_GBPS reports the override, not what it measured."""
+    import ray
+
+    from kvshare.transfer.probe import PROBE_NAMESPACE
+
+    env = {"env_vars": {"KVSHARE_BANDWIDTH_GBPS": "nixl=0.001", "NIXL_LOG_LEVEL": "ERROR"}}
+    small = ray.remote(num_cpus=0)(SmallPool).options(
+        resources={"node_0": 0.1}, runtime_env=env).remote("xfer-bwenv", 8)
+    try:
+        got = ray.get(small.transfer_measure.remote(PROBE_NAMESPACE, {kv["b"]: kv["pb"]}), timeout=60)
+        assert got["nixl"] == 0.001 and got["objstore"] > 0
+        exposed = ray.get(small.transfer_bandwidths.remote())
+        assert exposed["per_node"][kv["b"]]["nixl"] > 0.001  # what it measured
+        assert exposed["overrides"] == {"nixl": 0.001}
+    finally:
+        ray.get(small.close.remote())
+        ray.kill(small)
 
 
 def test_pool_measures_transports_to_its_peers(kv: dict[str, Any]) -> None:

@@ -24,7 +24,8 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--dtype", default="fp32", choices=("fp32", "fp16", "bf16"))
     p.add_argument("--block-tokens", type=int, default=256)
     p.add_argument("--address", default=None, help="Ray address, or 'auto'; omit for no cache")
-    p.add_argument("--remote", default="nixl", choices=("nixl", "objstore"))
+    p.add_argument("--remote", default="auto", choices=("auto", "nixl", "objstore"),
+                   help="remote transport (auto: the faster one the node's pool measured)")
     p.add_argument("--worker-id", default=None)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8001)

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvshare.client import CutPolicy, KVShareClient, load_everything
-from kvshare.client_types import SOURCE_NIXL
+from kvshare.client_types import SOURCE_AUTO
 from kvshare.engines.cost_cut import CostCut, calibrate
 from kvshare.engines.hf import EngineConfig, HFEngine
 from kvshare.engines.server import WorkerServer
@@ -55,7 +55,7 @@ class WorkerService:
         worker_id: str | None = None,
         connect: bool = True,
         serve_http: bool = True,
-        remote: str = SOURCE_NIXL,
+        remote: str = SOURCE_AUTO,
         cut_policy: CutPolicy | str = "cost",
         model_name: str = "",
         host: str = "127.0.0.1",
@@ -96,11 +96,13 @@ class WorkerService:
             self.info = self.server.info
 
     def ready(self) -> dict[str, Any]:
-        """Worker id, node, endpoint, namespace and model identity."""
+        """Worker id, node, endpoint, namespace, model identity; ``nixl``: the remote transport
+        in use (``nixl``/``objstore``; ``remote="auto"`` picks the faster measured one)."""
         return {"worker_id": self.worker_id, "node": str(self.info.node),
                 "endpoint": self.info.endpoint, "namespace": self.namespace,
                 "identity": self.engine.identity, "layout": self.engine.layout.to_dict(),
-                "nixl": self.client.remote if self.client is not None else ""}
+                "nixl": self.client.remote if self.client is not None else "",
+                "bandwidths_gbps": dict(self.client.bandwidths) if self.client is not None else {}}
 
     def endpoint(self) -> str:
         return self.info.endpoint

@@ -1,7 +1,9 @@
 """Bandwidth probe: how fast each transport moves blocks from a given pool, measured at start.
 
-Every node pool stores a few *probe blocks* in its own namespace under hashes derived from its
-node id (:func:`probe_hashes`), so any process can read them without asking. :func:`probe`
+Every node pool stores a few *probe blocks* under hashes derived from its node id
+(:func:`probe_hashes`), so any process can read them without asking. The cluster's pools keep
+them in a private namespace (:data:`PROBE_NAMESPACE`, :data:`PROBE_LAYOUT`: 4 blocks of 2 MiB,
+never published to the index) so probing never shows up as cached blocks. :func:`probe`
 reads them through each transport a few times and keeps the best batch bandwidth (GB/s).
 :class:`Bandwidths` holds the measured figures, lets a config override any of them, and ranks
 transports for :class:`~kvshare.transfer.fetch.PeerFetcher` and the router's cost model.
@@ -16,6 +18,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from kvshare.layout import KVLayout
 from kvshare.pool import TieredBlockPool
 from kvshare.tiers.base import ByteArray
 from kvshare.transfer.base import Transport
@@ -26,6 +29,11 @@ from kvshare.types import BlockHash
 log = logging.getLogger(__name__)
 
 PROBE_BLOCKS = 4
+PROBE_NAMESPACE = "kvshare-probe"
+"""The private namespace a node pool serves its probe blocks from (not in the index)."""
+PROBE_LAYOUT = KVLayout(num_layers=4, num_kv_heads=4, head_dim=64, dtype="fp32", block_tokens=256)
+"""2 MiB blocks: one probe batch moves ``PROBE_BLOCKS * 2 MiB`` = 8 MiB per transport."""
+TRANSPORTS = ("shm", "nixl", "objstore")
 
 
 def probe_hashes(node: str, n: int = PROBE_BLOCKS, hash_size: int = 32) -> list[BlockHash]:

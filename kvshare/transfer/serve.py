@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -19,7 +20,14 @@ import numpy as np
 from kvshare.pool import TieredBlockPool
 from kvshare.tiers.base import ByteArray
 from kvshare.transfer.base import Transport, TransportUnavailable
-from kvshare.transfer.probe import Bandwidths, parse_overrides, probe
+from kvshare.transfer.probe import (
+    PROBE_BLOCKS,
+    PROBE_LAYOUT,
+    PROBE_NAMESPACE,
+    Bandwidths,
+    parse_overrides,
+    probe,
+)
 from kvshare.transfer.source import BlockSource
 from kvshare.transfer.wire import (
     BlockBatch,
@@ -37,21 +45,28 @@ class TransferService:
 
     ``bandwidth_overrides`` (GB/s per transport; default from ``KVSHARE_BANDWIDTH_GBPS``,
     e.g. ``"nixl=10,objstore=1.5"``) take precedence over what :meth:`measure` finds.
+    The private namespace :data:`~kvshare.transfer.probe.PROBE_NAMESPACE` (a small pool of
+    probe blocks, slab named after ``generation``) is opened on first use.
     """
 
     def __init__(
         self, node: str, *, nixl: bool | None = None,
-        bandwidth_overrides: Mapping[str, float] | None = None,
+        bandwidth_overrides: Mapping[str, float] | None = None, generation: int = 0,
     ) -> None:
         self.node = node
+        self.generation = generation
         self.nixl = os.environ.get("KVSHARE_NIXL", "1") != "0" if nixl is None else nixl
         if bandwidth_overrides is None:
             bandwidth_overrides = parse_overrides(os.environ.get("KVSHARE_BANDWIDTH_GBPS", ""))
         self.bandwidths = Bandwidths({}, dict(bandwidth_overrides))
         self.per_node: dict[str, dict[str, float]] = {}
+        self.measured_at = 0.0  # time.time() of the last measure (0: never)
         self._sources: dict[str, BlockSource] = {}
         self._pullers: dict[str, Transport] = {}
+        self._probe_pool: TieredBlockPool | None = None
+        self._dest: list[ByteArray] = []
         self._measuring = threading.Lock()  # one probe at a time (threaded actors)
+        self._opening = threading.Lock()
 
     def add_pool(self, pool: TieredBlockPool) -> BlockSource:
         """Serve ``pool`` (replacing the source of an older generation of its namespace)."""
@@ -64,12 +79,28 @@ class TransferService:
 
     def source(self, namespace: str) -> BlockSource:
         src = self._sources.get(namespace)
+        if src is None and namespace == PROBE_NAMESPACE:
+            src = self._open_probe()
         if src is None:
             raise KeyError(
                 f"namespace {namespace!r} is not served on node {self.node}: "
                 f"served are {sorted(self._sources)}"
             )
         return src
+
+    def _open_probe(self) -> BlockSource:
+        """The probe namespace's source (a 4-block private pool, opened once)."""
+        from kvshare.transfer.local import make_local_pool
+
+        with self._opening:
+            src = self._sources.get(PROBE_NAMESPACE)
+            if src is None:
+                self._probe_pool = make_local_pool(
+                    PROBE_NAMESPACE, self.node, PROBE_LAYOUT, PROBE_BLOCKS,
+                    generation=self.generation)
+                src = self._sources[PROBE_NAMESPACE] = BlockSource(
+                    self._probe_pool, self.node, nixl=self.nixl)
+            return src
 
     def nixl_errors(self) -> dict[str, str]:
         """Per namespace, why NIXL is unavailable ('' when it works)."""
@@ -81,6 +112,7 @@ class TransferService:
         """Probe every transport from this node to each peer pool (node id -> control).
 
         shm is measured against this node only; nixl and objstore against the other nodes.
+        Each read moves ``blocks`` blocks of ``namespace`` (best of 3 per transport and peer).
         Per transport the best figure over peers becomes ``bandwidths.measured``; per peer
         figures stay in ``per_node``. Returns the effective GB/s (overrides applied).
         """
@@ -104,7 +136,9 @@ class TransferService:
                     self._pullers["nixl"] = NixlTransport(f"{src.agent_name}/probe")
                 except TransportUnavailable:
                     pass
-        dest = list(np.empty((blocks, src.block_bytes), dtype=np.uint8))
+        if len(self._dest) != blocks or self._dest[0].nbytes != src.block_bytes:
+            self._dest = list(np.empty((blocks, src.block_bytes), dtype=np.uint8))
+        dest = self._dest  # kept: NIXL registers it once
         best: dict[str, float] = {}
         for node, control in peers.items():
             names = ["shm"] if node == self.node else ["nixl", "objstore"]
@@ -113,6 +147,7 @@ class TransferService:
             for n, v in got.items():
                 best[n] = max(best.get(n, 0.0), v)
         self.bandwidths.update(best)
+        self.measured_at = time.time()
         return self.bandwidths.as_dict()
 
     def close(self) -> None:
@@ -122,6 +157,9 @@ class TransferService:
         for src in self._sources.values():
             src.close()
         self._sources.clear()
+        if self._probe_pool is not None:  # ours alone: unmap and unlink its slab
+            self._probe_pool.close()
+            self._probe_pool = None
 
 
 class TransferEndpoints:
@@ -167,15 +205,21 @@ class TransferEndpoints:
     def transfer_probe_blocks(self, namespace: str, n: int) -> list[BlockHash]:
         return self.transfer.source(namespace).probe_blocks(n)
 
-    def transfer_measure(self, namespace: str, peers: Mapping[str, Any]) -> dict[str, float]:
+    def transfer_measure(
+        self, namespace: str, peers: Mapping[str, Any], blocks: int = PROBE_BLOCKS
+    ) -> dict[str, float]:
         """Probe peer pools (node id -> NodePoolActor handle) from this node; GB/s per transport."""
         from kvshare.transfer.control import ActorControl
 
         return self.transfer.measure(
-            namespace, {node: ActorControl(actor, namespace) for node, actor in peers.items()}
+            namespace, {node: ActorControl(actor, namespace) for node, actor in peers.items()},
+            blocks=blocks,
         )
 
     def transfer_bandwidths(self) -> dict[str, Any]:
-        """Effective GB/s per transport (measured, overrides applied) and per peer node."""
+        """Effective GB/s per transport (measured, overrides applied), per peer node, the
+        overrides, and ``measured_at`` (unix time of the last probe; 0 = not probed yet)."""
         return {"transports": self.transfer.bandwidths.as_dict(),
-                "per_node": dict(self.transfer.per_node)}
+                "per_node": dict(self.transfer.per_node),
+                "overrides": dict(self.transfer.bandwidths.overrides),
+                "measured_at": self.transfer.measured_at}
