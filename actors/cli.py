@@ -45,6 +45,7 @@ def _connect(address: str | None, ray_namespace: str, start: bool) -> None:
 def _up(args: argparse.Namespace) -> int:
     from actors.deploy import DEFAULT_LAYOUT, deploy
     from kvshare.layout import KVLayout
+    from kvshare.transfer.probe import parse_overrides
 
     layout = DEFAULT_LAYOUT
     if args.layout:
@@ -55,8 +56,9 @@ def _up(args: argparse.Namespace) -> int:
     try:
         st = deploy(host_gb=args.host_gb, disk_dir=args.disk_dir, disk_gb=args.disk_gb,
                     namespace=args.namespace, layout=layout, index_shards=args.index_shards,
-                    ray_namespace=args.ray_namespace, snapshot_path=args.snapshot)
-    except MemoryError as exc:
+                    ray_namespace=args.ray_namespace, snapshot_path=args.snapshot,
+                    bandwidth_gbps=parse_overrides(args.bandwidth))
+    except (MemoryError, ValueError) as exc:
         print(f"kvshare up: refused: {exc}", file=sys.stderr)
         return 2
     _print_status(st, args.json)
@@ -109,6 +111,11 @@ def _print_status(st: dict[str, Any], as_json: bool) -> None:
     widths = [max(len(r[i]) for r in table) for i in range(len(table[0]))]
     for r in table:
         print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
+    for node in st["nodes"]:
+        bw = node.get("bandwidth_gbps")
+        if bw is not None:
+            figures = ", ".join(f"{k}={v:.2f}" for k, v in sorted(bw.items())) or "not probed yet"
+            print(f"bandwidth GB/s {node['node_id'][:12]}: {figures}")
     for shard in st.get("index", []):
         blocks = {ns: v["blocks"] for ns, v in shard["namespaces"].items()}
         print(f"index epoch {shard['epoch']}: blocks {blocks}, {len(shard['locations'])} "
@@ -137,6 +144,9 @@ def register(subparsers: Any) -> None:
     up.add_argument("--index-shards", type=int, default=1)
     up.add_argument("--snapshot", default="", metavar="PATH",
                     help="Parquet file the index snapshots to every 10 s and warm-starts from")
+    up.add_argument("--bandwidth", default="", metavar="T=GBPS,...",
+                    help="override the probed GB/s per transport, e.g. nixl=10,objstore=1.5 "
+                    "(a node's KVSHARE_BANDWIDTH_GBPS wins over this)")
     up.add_argument("--json", action="store_true", help="print status as one JSON object")
     up.set_defaults(func=_up)
     status = subparsers.add_parser("status", help="nodes, tiers, capacity, blocks, hit rates")

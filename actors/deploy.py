@@ -116,7 +116,9 @@ def deploy(
 
     ``host_gb``/``disk_gb`` are per node and split evenly over the namespaces; ``disk_dir``
     defaults to ``/tmp/kvshare-disk`` when ``disk_gb > 0``. ``pool_options`` go to
-    :class:`PoolSettings` (``lease_ttl_s``, ``publish_interval_s``, ...).
+    :class:`PoolSettings` (``lease_ttl_s``, ``publish_interval_s``, ``bandwidth_gbps`` to
+    override the probed GB/s per transport, ...). Each pool probes its peers in the
+    background once it is up (:func:`bandwidths` reads the results).
     """
     if host_gb <= 0 or disk_gb < 0 or index_shards < 1:
         raise ValueError("need host_gb > 0, disk_gb >= 0 and index_shards >= 1")

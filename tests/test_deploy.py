@@ -30,7 +30,7 @@ def test_up_status_down(ray_cluster: Any, tmp_path: Any) -> None:
     assert not [a for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == RAY_NS]
 
     up = kvshare("up", *addr, "--host-gb", "0.02", "--disk-dir", str(tmp_path), "--disk-gb", "0.02",
-                 "--namespace", "chat")
+                 "--namespace", "chat", "--bandwidth", "objstore=1.5")
     assert up.returncode == 0, up.stderr
     assert "chat" in up.stdout and "host" in up.stdout and "disk" in up.stdout  # the table
 
@@ -39,6 +39,7 @@ def test_up_status_down(ray_cluster: Any, tmp_path: Any) -> None:
     status = json.loads(st.stdout.strip().splitlines()[-1])
     alive = [n for n in status["nodes"] if n["alive"]]
     assert len(alive) == 3 and all("pool" in n for n in alive)
+    assert all(n["bandwidth_gbps"]["objstore"] == 1.5 for n in alive)  # config override
     tiers = alive[0]["pool"]["namespaces"]["chat"]["tiers"]
     assert tiers["host"]["capacity_bytes"] > 0 and tiers["disk"]["capacity_bytes"] > 0
     assert tiers["host"]["blocks"] == 0
