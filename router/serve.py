@@ -232,6 +232,9 @@ class KVShareRequestRouter(LocalityMixin, MultiplexMixin, RequestRouter):
             replicas = [r for r in replicas if r.replica_id in allowed]
             if not replicas:
                 return None
+        repass = self._repass(replicas, pr)
+        if repass:
+            return repass
         prompt = extract_prompt(pr.args, pr.kwargs)
         if prompt is None:  # e.g. a control method: nothing to match
             self._count("no_prompt")
@@ -279,6 +282,24 @@ class KVShareRequestRouter(LocalityMixin, MultiplexMixin, RequestRouter):
             self._count("index_slow_pending_only")
         return self._order(replicas, namespace, hashes, num_tokens, match, loads, hashing, pr)
 
+    def _repass(
+        self, replicas: list[RunningReplica], pr: PendingRequest
+    ) -> list[list[RunningReplica]] | None:
+        """A request Serve could not place on its shortlist (full, rejected, slow to answer
+        the queue probe) gets the same shortlist again, with Serve's backoff in between, until
+        pass ``spill_after_passes``; then it is ranked afresh over every replica."""
+        rid = pr.metadata.internal_request_id
+        prev = self._last.get(rid)
+        if prev is None or not prev.shortlist or prev.passes + 1 >= self.settings.spill_after_passes:
+            return None
+        live = {replica_worker_id(r.replica_id): r for r in replicas}
+        shortlist = [[live[w]] for w in prev.shortlist if w in live]
+        if shortlist:
+            self._count("repass")
+            self._last[rid] = prev._replace(passes=prev.passes + 1)
+            pr.routing_context.should_backoff = True
+        return shortlist or None
+
     def _prompt_key(
         self, prompt: PromptInput
     ) -> tuple[str, WorkerHashing, tuple[BlockHash, ...], int] | None:
@@ -308,15 +329,6 @@ class KVShareRequestRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         prev = self._last.pop(rid, None)
         passes = prev.passes + 1 if prev is not None else 1
         pr.routing_context.should_backoff = passes > 1
-        # A request Serve could not place on its shortlist (full, rejected, slow to answer
-        # the queue probe) gets the same shortlist again, with Serve's backoff in between,
-        # until pass ``spill_after_passes``; then every replica, in cost order.
-        if prev is not None and passes < self.settings.spill_after_passes:
-            shortlist = [w for w in prev.shortlist if w in by_worker]
-            if shortlist:
-                self._count("repass")
-                self._remember(rid, prev._replace(passes=passes))
-                return [[by_worker[w]] for w in shortlist]
         match = self._pending.overlay(namespace, hashes, match)
         cands = [self._candidate(w, r, namespace, loads.get(w)) for w, r in by_worker.items()]
         policy = self._policy_for(hashing, loads)
