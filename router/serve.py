@@ -49,11 +49,11 @@ from ray.serve._private.request_router.request_router import (
 )
 from ray.util import metrics
 
+from kvshare.cost import Bandwidths, CostModel, PrefillModel
 from kvshare.hashing import block_hashes
 from kvshare.match import MatchResult
 from kvshare.types import BlockHash, NodeId, Tier, WorkerId, node_location
 from kvshare.workers import WorkerInfo, WorkerLoad
-from router.cost import Bandwidths, CostModel, PrefillModel
 from router.pending import PendingBlocks
 from router.policy import Candidate, Policy, RouteRequest, make_policy
 from router.serve_request import (
@@ -66,6 +66,7 @@ from router.serve_request import (
 from router.sources import Sharing, SourceMap
 
 log = logging.getLogger("ray.serve")
+BANDWIDTH_REFRESH_S = 30.0  # how often measured transport bandwidths are re-read
 
 class _Routing(NamedTuple):
     """A request's routing so far: what it will compute, passes made, its shortlist."""
@@ -96,7 +97,10 @@ class KVShareRequestRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         self._hashing: dict[str, WorkerHashing] = {}
         self._pending = PendingBlocks(self.settings.pending_ttl_s)
         self._policy: Policy | None = None
-        self._cost_key: tuple[int, int, float, Sharing] | None = None
+        self._cost_key: tuple[Any, ...] | None = None
+        self._measured: dict[str, float] = {}
+        self._bw_at = -1e9
+        self._bw_task: asyncio.Task[None] | None = None
         # replica -> [(routed at, tokens it will compute)] not yet visible in its load reports
         self._routed: dict[WorkerId, list[tuple[float, int]]] = {}
         self._inflight: dict[str, tuple[WorkerId, int, int]] = {}  # id -> (replica, blocks, tokens)
@@ -177,6 +181,21 @@ class KVShareRequestRouter(LocalityMixin, MultiplexMixin, RequestRouter):
             for ns in w.namespaces:
                 if ns not in self._hashing and (h := WorkerHashing.from_meta(w.meta)) is not None:
                     self._hashing[ns] = h
+        if now - self._bw_at > BANDWIDTH_REFRESH_S and self._bw_task is None:
+            self._bw_task = asyncio.get_running_loop().create_task(self._refresh_bandwidths())
+
+    async def _refresh_bandwidths(self) -> None:
+        """The transports' measured bytes/s (the pools probe them at start), off the loop."""
+        from actors.deploy import measured_bandwidths
+
+        try:
+            self._measured = await asyncio.to_thread(measured_bandwidths,
+                                                     self.settings.ray_namespace, 0.0, 2.0)
+        except Exception as exc:  # advisory: keep the previous figures
+            log.info("kvshare bandwidths unavailable: %s", exc)
+        finally:
+            self._bw_at = time.monotonic()
+            self._bw_task = None
 
     def _namespace(self, prompt: PromptInput) -> str | None:
         if prompt.namespace:
@@ -192,9 +211,10 @@ class KVShareRequestRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         tps = speeds[len(speeds) // 2] if speeds else self.settings.prefill_tokens_per_s
         bpt = hashing.bytes_per_token or self.settings.bytes_per_token or 1
         sharing = Sharing(self.settings.sharing or hashing.sharing)
-        key = (hashing.block_tokens, bpt, round(tps, -1), sharing)
+        measured = {**self._measured, **(self.settings.bandwidths or {})}  # settings win
+        key = (hashing.block_tokens, bpt, round(tps, -1), sharing, tuple(sorted(measured.items())))
         if self._policy is None or key != self._cost_key:
-            bw = Bandwidths.from_measured(dict(self.settings.bandwidths or {}))
+            bw = Bandwidths.from_measured(measured)
             cost = CostModel(PrefillModel.from_tokens_per_s(tps), bw, hashing.block_tokens, bpt)
             if self._policy is None:
                 self._policy = make_policy(self.settings.policy, cost, sharing)

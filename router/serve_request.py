@@ -53,7 +53,8 @@ class ServeRouterSettings:
     ``index_timeout_s``: deadline for the index answer before falling back to power of two.
     ``pending_ttl_s``: how long a routed prefix counts as held by its replica before the index
     confirms it. ``prefill_tokens_per_s``: prefill speed assumed until workers report one.
-    ``bandwidths``: measured bytes/s by transport (``shm``, ``disk``, ``nixl``, ...).
+    ``bandwidths``: bytes/s by transport (``shm``, ``disk``, ``nixl``, ...); they override what
+    the pools measured (read from the deployment every 30 s).
     ``log_decisions``: log every decision (estimates per replica) at INFO in Serve's log.
     ``spill_ratio``/``spill_after_passes``: on a request's first routing passes, replicas
     estimated more than ``spill_ratio`` slower than the best are held back; from pass
