@@ -137,7 +137,7 @@ class KVShareClient:
         self.bandwidths: dict[str, float] = {}  # GB/s the auto choice was made on
         self._bw_source = bandwidths
         self._closed = threading.Event()
-        if self.auto and not self.choose_remote():  # the node's probe is still running
+        if self.auto and not self.choose_remote() and callable(bandwidths):  # probe running
             threading.Thread(target=self._await_bandwidths, name="kvshare-bandwidths",
                              daemon=True).start()
         self._staging = np.empty((0, layout.bytes_per_block), dtype=np.uint8)
