@@ -135,7 +135,7 @@ class KVShareWorker:
 
             cut = CostCut.try_create(self.engine.layout, samples=calibrate(self.engine))
             cut = cut if cut is not None else load_everything
-        remote = "nixl" if sharing == "global" else "objstore"  # local: no NIXL agent needed
+        remote = "auto" if sharing == "global" else "objstore"  # local: no NIXL agent needed
         for attempt in range(2):
             try:
                 return KVShareClient.connect(self.namespace, self.engine.layout, self.engine.root,
