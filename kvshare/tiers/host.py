@@ -10,11 +10,13 @@ checksums, guard those reads. With ``name=None`` the slab is anonymous (single p
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import glob
 import logging
 import mmap
 import os
 import re
+import time
 
 import numpy as np
 import xxhash
@@ -38,9 +40,53 @@ def segment_name(namespace: str, node: str, generation: int) -> str:
     return f"kvshare-{namespace}-{node}-{generation}"
 
 
+def remove_orphan_segments(min_age_s: float = 2.0) -> list[str]:
+    """Unlink every ``kvshare-*`` segment whose owner is gone, with its ``.epochs`` companion.
+
+    A live owner holds a shared ``flock`` on its segment for as long as it runs (the kernel
+    drops it when the process dies, however it dies), so a segment on which an exclusive lock
+    can be taken has no owner. Segments younger than ``min_age_s`` are left alone (their owner
+    may be between creating and locking them).
+    """
+    removed: list[str] = []
+    now = time.time()
+    for path in glob.glob(os.path.join(SHM_DIR, "kvshare-*")):
+        if path.endswith(".epochs"):
+            if not os.path.exists(path.removesuffix(".epochs")) and _older(path, now, min_age_s):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+                    removed.append(os.path.basename(path))
+            continue
+        if not _older(path, now, min_age_s):
+            continue
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            continue  # an owner is alive
+        finally:
+            os.close(fd)
+        for victim in (path, path + ".epochs"):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(victim)
+                removed.append(os.path.basename(victim))
+    return removed
+
+
+def _older(path: str, now: float, min_age_s: float) -> bool:
+    try:
+        return now - os.stat(path).st_mtime >= min_age_s
+    except FileNotFoundError:
+        return False
+
+
 def remove_stale_segments(namespace: str, node: str, keep: str | None = None) -> list[str]:
-    """Unlink this node's older slabs of ``namespace`` (a pool that died left them)."""
-    removed = []
+    """Unlink this node's older slabs of ``namespace`` and every orphaned kvshare segment
+    (a pool that died, or a cluster torn down without ``kvshare down``, left them)."""
+    removed = remove_orphan_segments()
     for path in glob.glob(os.path.join(SHM_DIR, f"kvshare-{namespace}-{node}-*")):
         name = os.path.basename(path)
         if name == keep or not name.removeprefix(f"kvshare-{namespace}-{node}-").isdigit():
@@ -79,6 +125,7 @@ class HostSlab(TierStore):
         self.num_slots = num_slots
         self.name = name
         self._owner = create and name is not None
+        self._lock_fd: int | None = None  # the owner's shared flock marks the slab as alive
         size = slot_bytes * num_slots
         if name is None:
             self._mm = mmap.mmap(-1, size)
@@ -102,8 +149,12 @@ class HostSlab(TierStore):
                         "the pool was restarted with another size; re-attach"
                     )
                 self._mm = mmap.mmap(fd, size)
+                if create:
+                    fcntl.flock(fd, fcntl.LOCK_SH)
+                    self._lock_fd = fd
             finally:
-                os.close(fd)
+                if self._lock_fd is None:
+                    os.close(fd)
         self.array: ByteArray = np.frombuffer(self._mm, dtype=np.uint8).reshape(
             num_slots, slot_bytes
         )
@@ -177,3 +228,6 @@ class HostSlab(TierStore):
         if self._owner and self.name is not None:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(os.path.join(SHM_DIR, self.name))
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
