@@ -203,10 +203,23 @@ class KVShareClient:
         self.bandwidths = bw.as_dict()
         if self._nixl is None:
             self.remote = SOURCE_OBJSTORE
+            self._feed_cut_policy()
             return True
         faster = bw.get(SOURCE_OBJSTORE) > bw.get(SOURCE_NIXL)
         self.remote = SOURCE_OBJSTORE if faster else SOURCE_NIXL
+        self._feed_cut_policy()
         return {SOURCE_NIXL, SOURCE_OBJSTORE} <= set(self.bandwidths)
+
+    def _feed_cut_policy(self) -> None:
+        """Give a cut policy that takes them (``CostCut``) the measured bandwidths, in bytes/s,
+        with the remote figure being the chosen transport's."""
+        setter = getattr(self.cut_policy, "set_bandwidths", None)
+        if not callable(setter) or not self.bandwidths:
+            return
+        gbps = {k: v for k, v in self.bandwidths.items() if k not in (SOURCE_NIXL, SOURCE_OBJSTORE)}
+        if self.remote in self.bandwidths:
+            gbps[self.remote] = self.bandwidths[self.remote]
+        setter({k: v * 1e9 for k, v in gbps.items()})
 
     def _await_bandwidths(self) -> None:
         deadline = time.monotonic() + AUTO_WAIT_S

@@ -148,6 +148,18 @@ def test_cost_cut_loads_when_fetching_beats_recompute() -> None:
     assert tiny_net.model.prefill.a > 1e-3
 
 
+def test_cost_cut_follows_measured_bandwidths() -> None:
+    from kvshare.engines.cost_cut import CostCut
+
+    layout = KVLayout(4, 4, 64, "fp32", block_tokens=256)
+    cut = CostCut(layout, [(1000, 0, 0.01), (4000, 0, 0.05)])  # fast compute: 10 us/token
+    assert cut(4096, ["remote_host"] * 16) == 16  # default 100 Gbit/s: pulling wins
+    cut.set_bandwidths({"nixl": 1e6, "shm": 1e10, "unknown": 5.0})  # the probe saw 1 MB/s
+    assert cut.model.bandwidths.remote == 1e6
+    assert cut(4096, ["remote_host"] * 16) == 0  # 2 MiB blocks at 1 MB/s: recompute
+    assert cut(4096, ["local_host"] * 16) == 16  # the node's own shm is still fast
+
+
 def _save_model_dir(path: str, seed: int) -> None:
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast

@@ -390,12 +390,18 @@ def test_auto_remote_picks_the_faster_measured_transport(
             assert client.remote == ("objstore" if got["objstore"] > got["nixl"] else "nixl")
     finally:
         client.close()
+    from kvshare.engines.cost_cut import CostCut
+
     for env, winner in (("objstore=1000", "objstore"), ("nixl=1000,objstore=0.001", "nixl")):
         monkeypatch.setenv("KVSHARE_BANDWIDTH_GBPS", env)
+        cut = CostCut(LAYOUT)
         client = KVShareClient.connect(NS, LAYOUT, root, ray_namespace=RAY_NS,
-                                       worker_id=f"auto-{winner}")
+                                       worker_id=f"auto-{winner}", cut_policy=cut)
         try:
             assert client.remote == winner, (env, client.bandwidths)
+            # the worker's cut point now plans with the chosen transport's figure
+            assert cut.model.bandwidths.remote == 1000e9
+            assert cut.model.bandwidths.host == client.bandwidths["shm"] * 1e9
         finally:
             client.close()
 

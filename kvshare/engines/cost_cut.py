@@ -58,6 +58,15 @@ class CostCut:
         self._model = cost.CostModel(prefill, self._bw, self.layout.block_tokens,
                                      self.layout.bytes_per_token)
 
+    def set_bandwidths(self, measured: Mapping[str, float]) -> None:
+        """Use measured bytes/s (keys as :meth:`kvshare.cost.Bandwidths.from_measured` takes;
+        others are ignored) instead of the defaults; the model is rebuilt at once."""
+        known = {"shm", "host", "disk", "nixl", "objstore", "remote"}
+        usable = {k: float(v) for k, v in measured.items() if k in known and v > 0}
+        with self._lock:
+            self._bw = self._cost.Bandwidths.from_measured(usable)
+            self._refit()
+
     @property
     def model(self) -> Any:
         """The current :class:`kvshare.cost.CostModel`."""
