@@ -13,7 +13,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
-from kvshare.match import EMPTY_MATCH, LocationMatch, MatchResult, build_match, location_match
+from kvshare.match import EMPTY_MATCH, LocationMatch, MatchResult, location_match
 from kvshare.types import BlockHash, Location, Tier
 
 
@@ -95,28 +95,6 @@ class PendingBlocks:
             row.extend([None] * (k - len(row)))
             out[loc] = location_match(loc, row)
         return MatchResult(len(hashes), k, out)
-
-    def overlay(self, namespace: str, hashes: Sequence[BlockHash], match: MatchResult) -> MatchResult:
-        """``match`` merged with pending holders (one result).
-
-        Prefer :meth:`match` passed as ``pending=`` to :meth:`router.policy.Policy.choose`:
-        merged, a pending block also looks pullable by other workers before it exists.
-        """
-        extra = self.match(namespace, hashes)
-        if not extra.locations:
-            return match
-        per_block: list[dict[Location, Tier]] = []
-        for i in range(len(hashes)):
-            holders = match.holders(i) if i < match.combined_prefix else {}
-            if i < extra.combined_prefix:
-                for loc, tier in extra.holders(i).items():
-                    if loc not in holders or tier.rank < holders[loc].rank:
-                        holders[loc] = tier
-            if not holders:
-                break
-            per_block.append(holders)
-        per_block.extend({} for _ in range(len(hashes) - len(per_block)))
-        return build_match(per_block)
 
     def _expire(self, now: float) -> None:
         # Entries are refreshed by move_to_end, so the oldest expiry is first in order only

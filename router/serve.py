@@ -14,7 +14,7 @@ does it). For every request the router
    workers registered, so the router hashes exactly what the workers store);
 2. asks the index which locations hold the prefix (``match_async``, bounded by
    ``index_timeout_s``; never a blocking ``ray.get`` on the event loop) and the workers' load
-   reports, and overlays the blocks its own recent decisions are about to create;
+   reports, and adds the blocks its own recent decisions are about to create;
 3. maps ``worker:<id>`` (a replica's own cache) and ``node:<node id>`` (that node's pool) to
    replicas, ranks them with kvshare's ``cost`` policy (estimated TTFT: queue + fetch +
    prefill of the rest) and returns one replica per rank, so Serve still skips a full replica.
@@ -292,7 +292,7 @@ class KVShareRequestRouter(LocalityMixin, MultiplexMixin, RequestRouter):
             # Index slow or down: the router's own recent decisions (pending blocks) still
             # say where this prefix went; without them, power of two.
             match, loads = MatchResult(len(hashes), 0, {}), self._loads
-            if self._pending.overlay(namespace, hashes, match).combined_prefix == 0:
+            if self._pending.match(namespace, hashes).combined_prefix == 0:
                 self._count("fallback_index_slow")
                 # remember where power of two sends it: the next request may need to know
                 rid = pr.metadata.internal_request_id
@@ -349,12 +349,13 @@ class KVShareRequestRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         prev = self._last.pop(rid, None)
         passes = prev.passes + 1 if prev is not None else 1
         pr.routing_context.should_backoff = passes > 1
-        match = self._pending.overlay(namespace, hashes, match)
+        # pending blocks help only the worker about to create them: never a remote source
+        pending = self._pending.match(namespace, hashes)
         cands = [self._candidate(w, r, namespace, loads.get(w)) for w, r in by_worker.items()]
         policy = self._policy_for(hashing, loads)
         request = RouteRequest(namespace, hashes, num_tokens, request_id=rid)
-        decision = policy.choose(request, match, cands)
-        view = SourceMap(match, {c.info.worker_id: c.info.node for c in cands})
+        decision = policy.choose(request, match, cands, pending)
+        view = SourceMap(match, {c.info.worker_id: c.info.node for c in cands}, pending)
         est = {c.info.worker_id: policy.queue_s(c.load) + policy.plan_for(request, view, c).total_s
                for c in cands}
         order = sorted(by_worker, key=lambda w: (w != decision.worker, est[w]))
