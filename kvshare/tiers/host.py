@@ -21,7 +21,7 @@ import time
 import numpy as np
 import xxhash
 
-from kvshare.tiers.base import ByteArray, TierStore
+from kvshare.tiers.base import ByteArray, TierStore, block_checksum
 from kvshare.types import BlockHash, Tier
 
 log = logging.getLogger(__name__)
@@ -213,8 +213,6 @@ class HostSlab(TierStore):
         np.copyto(out, self.array[slot], casting="no")
 
     def checksum(self, slot: int) -> int:
-        from kvshare.tiers.base import block_checksum
-
         return block_checksum(self.view(slot))
 
     def discard(self, slot: int) -> None:
