@@ -54,6 +54,25 @@ def start_cluster(num_workers: int = 2, object_store_mb: int = 300) -> Any:
     return cluster
 
 
+def wait_dead(actor: Any, timeout_s: float = 30.0) -> None:
+    """Block until calls to a killed actor fail: ``ray.kill`` is asynchronous, and a call
+    sent right after it can still reach the running actor (a race CI has hit)."""
+    import time
+
+    import ray
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            ray.get(actor.ready.remote(), timeout=5)
+        except ray.exceptions.RayActorError:
+            return
+        except ray.exceptions.GetTimeoutError:
+            continue
+        time.sleep(0.05)
+    raise AssertionError(f"actor {actor} still answers {timeout_s}s after ray.kill")
+
+
 def stop_cluster(cluster: Any) -> None:
     """Shut Ray down and unlink the shared-memory slabs this cluster's pools left behind
     (pool processes killed with their nodes cannot unlink their own segments)."""

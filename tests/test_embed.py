@@ -9,6 +9,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import replace
 
 import pytest
+from conftest import wait_dead
 
 from actors.index import GlobalIndex
 from kvshare.events import BlockStored
@@ -168,13 +169,7 @@ def test_index_actor_down_means_load_only_routing(local_ray: None) -> None:
     assert (got.decision.worker, got.decision.endpoint) == ("reg0", "http://reg0:8000"), got
     assert got.decision.reason == "cache_local", got  # reg0 is on n1, which holds the prefix
     ray.kill(actor, no_restart=True)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:  # kill is asynchronous: wait until calls fail
-        try:
-            ray.get(actor.ready.remote(), timeout=5)
-            time.sleep(0.1)
-        except ray.exceptions.RayError:
-            break
+    wait_dead(actor)
     after = run(r.route(prompt=PROMPT + " again"))
     assert after.fallback in ("index_unavailable", "index_error", "index_timeout"), after
     assert after.decision.reason.startswith("fallback_") and r.fallbacks == 1, (after, r.fallbacks)

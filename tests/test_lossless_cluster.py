@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import pytest
 import ray
-from conftest import start_cluster, stop_cluster
+from conftest import start_cluster, stop_cluster, wait_dead
 from test_engine_helpers import BLOCK, SMALL, prompt
 
 import kvshare
@@ -187,6 +187,7 @@ def test_index_down_means_recompute(env: Env) -> None:
     dead = GlobalIndexActor.options(max_restarts=0).remote(IndexConfig(0, 1))
     ray.get(dead.ready.remote())
     ray.kill(dead, no_restart=True)
+    wait_dead(dead)
     client = _driver_client(env, IndexClient([dead], timeout_s=2.0))
     worker = ReferenceWorker(env.engine, client, store=False)
     request = shared + prompt(4, seed=502)
