@@ -1,4 +1,4 @@
-"""``kvshare up | status | down``: the cluster commands (a ``kvshare.commands`` plugin).
+"""``kvshare up | status | metrics | down``: the cluster commands (a ``kvshare.commands`` plugin).
 
 ``up`` with no ``--address`` joins the Ray cluster running on this machine or, if there is
 none, starts one with ``ray start --head`` (so it outlives this command; stop it with
@@ -73,6 +73,29 @@ def _status(args: argparse.Namespace) -> int:
     return 0
 
 
+def _metrics(args: argparse.Namespace) -> int:
+    from prometheus_client import generate_latest, start_http_server
+
+    from actors.metrics import ClusterCollector, cluster_registry
+
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port must be 0..65535, got {args.port}")
+    _connect(args.address, args.ray_namespace, start=False)
+    registry = cluster_registry(ClusterCollector(ray_namespace=args.ray_namespace,
+                                                 timeout_s=args.timeout))
+    if args.once:
+        sys.stdout.write(generate_latest(registry).decode())
+        return 0
+    server, thread = start_http_server(args.port, addr=args.host, registry=registry)
+    print(f"kvshare metrics on http://{args.host}:{server.server_port}/metrics (Ctrl-C stops)",
+          file=sys.stderr, flush=True)
+    try:
+        thread.join()
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
 def _down(args: argparse.Namespace) -> int:
     from actors.deploy import shutdown
 
@@ -126,7 +149,7 @@ def _print_status(st: dict[str, Any], as_json: bool) -> None:
 
 
 def register(subparsers: Any) -> None:
-    """Add ``up``, ``status`` and ``down`` to the ``kvshare`` command."""
+    """Add ``up``, ``status``, ``metrics`` and ``down`` to the ``kvshare`` command."""
 
     def common(p: argparse.ArgumentParser) -> None:
         p.add_argument("--address", default=None, help="Ray cluster address (default: local)")
@@ -153,6 +176,16 @@ def register(subparsers: Any) -> None:
     common(status)
     status.add_argument("--json", action="store_true", help="print one JSON object")
     status.set_defaults(func=_status)
+    metrics = subparsers.add_parser(
+        "metrics", help="serve the pools' and index's Prometheus metrics over HTTP")
+    common(metrics)
+    metrics.add_argument("--port", type=int, default=9478, help="HTTP port (0 = any free port)")
+    metrics.add_argument("--host", default="0.0.0.0", help="address to listen on")
+    metrics.add_argument("--timeout", type=float, default=5.0,
+                         help="seconds to wait for each actor per scrape")
+    metrics.add_argument("--once", action="store_true",
+                         help="print one scrape to stdout and exit")
+    metrics.set_defaults(func=_metrics)
     down = subparsers.add_parser("down", help="stop kvshare's actors (disk blocks stay)")
     common(down)
     down.set_defaults(func=_down)

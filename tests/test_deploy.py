@@ -45,6 +45,8 @@ def test_up_status_down(ray_cluster: Any, tmp_path: Any) -> None:
     assert tiers["host"]["blocks"] == 0
     assert status["index"][0]["namespaces"]["chat"]["blocks"] == 0
 
+    scrape_metrics(addr, alive[0]["node_id"], tiers["host"]["capacity_bytes"])
+
     # the same from Python: a second namespace joins the running deployment
     import kvshare as kvs
     from kvshare.layout import KVLayout
@@ -59,3 +61,63 @@ def test_up_status_down(ray_cluster: Any, tmp_path: Any) -> None:
     left = [a for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == RAY_NS]
     assert left == []
     assert not [f for f in os.listdir("/dev/shm") if f.startswith("kvshare-chat-")]
+
+
+def scrape_metrics(addr: list[str], node: str, host_capacity: int) -> None:
+    """``kvshare metrics`` serves the pools' and index's figures as Prometheus text over HTTP:
+    a block written on ``node`` shows up in its tier gauges, its hit counter and the index."""
+    import hashlib
+    import time
+
+    import httpx
+    import numpy as np
+    import ray
+    from prometheus_client.parser import text_string_to_metric_families
+
+    proc = subprocess.Popen([KVSHARE, "metrics", *addr, "--port", "0", "--host", "127.0.0.1"],
+                            stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"})
+    try:
+        assert proc.stderr is not None
+        line = proc.stderr.readline()
+        while line and "/metrics" not in line:
+            line = proc.stderr.readline()
+        url = line.split()[3]
+
+        def scrape() -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+            text = httpx.get(url, timeout=30).text
+            return {(s.name, tuple(sorted(s.labels.items()))): s.value
+                    for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+        def one(m: dict[Any, float], name: str, **labels: str) -> float:
+            return m[(name, tuple(sorted(labels.items())))]
+
+        before = scrape()
+        host = {"node": node, "namespace": "chat", "tier": "host"}
+        assert one(before, "kvshare_status_up") == 1 and one(before, "kvshare_index_up") == 1
+        assert one(before, "kvshare_pool_up", node=node) == 1
+        assert one(before, "kvshare_pool_capacity_bytes", **host) == host_capacity
+        assert one(before, "kvshare_pool_blocks", **host) == 0
+        assert one(before, "kvshare_transfer_bandwidth_gbps", node=node, transport="objstore") == 1.5
+        assert one(before, "kvshare_index_blocks", shard="0", namespace="chat") == 0
+
+        pool = ray.get_actor(f"kvshare-pool-{node}", namespace=RAY_NS)
+        block_bytes = ray.get(pool.stats.remote())["namespaces"]["chat"]["block_bytes"]
+        h = hashlib.sha256(b"metrics-test").digest()
+        assert ray.get(pool.write_blocks.remote("chat", [h], np.ones(block_bytes, np.uint8))) == ["stored"]
+        _, reasons = ray.get(pool.read_blocks.remote("chat", [h]))
+        assert reasons == [""]
+        deadline = time.monotonic() + 10
+        after = scrape()
+        while one(after, "kvshare_index_blocks", shard="0", namespace="chat") != 1:
+            assert time.monotonic() < deadline, "the index never showed the written block"
+            time.sleep(0.2)
+            after = scrape()
+        assert one(after, "kvshare_pool_blocks", **host) == 1
+        assert one(after, "kvshare_pool_used_bytes", **host) == block_bytes
+        assert one(after, "kvshare_pool_stores_total", **host) == 1
+        assert one(after, "kvshare_pool_hits_total", **host) >= 1
+        assert one(after, "kvshare_index_applied_total", shard="0") >= 1
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
