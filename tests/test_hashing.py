@@ -9,6 +9,7 @@ import sys
 import numpy as np
 import pytest
 
+from kvshare import hashing
 from kvshare.hashing import DEFAULT_HASH_FN, HashFn, block_hashes, namespace_root, tokens_to_u32le
 
 MODEL = "meta-llama/Llama-3.1-8B"
@@ -51,6 +52,15 @@ def test_fixed_vectors(fn: HashFn) -> None:
     with_lora = block_hashes(root, TOKENS, 16, [b"lora:7", None], fn=fn)
     assert with_lora[0].hex() == lora_first_hex
     assert with_lora[1] != hashes[1]  # the chain carries the changed parent forward
+
+
+def test_fixed_vectors_on_the_python_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same sha256 vectors with the C chain loop switched off (the fallback where it is not
+    built); test_fixed_vectors above ran on the C loop when it is built."""
+    monkeypatch.setattr(hashing, "_chain", None)
+    root_hex, first_hex, second_hex, _ = VECTORS[HashFn.SHA256]
+    root = namespace_root(MODEL, LAYOUT_FP, SALT)
+    assert [h.hex() for h in block_hashes(root, TOKENS, 16)] == [first_hex, second_hex]
 
 
 def test_default_is_sha256_and_str_equals_utf8_bytes() -> None:
@@ -153,6 +163,10 @@ def test_bad_arguments() -> None:
         block_hashes(root, TOKENS, 0)
     with pytest.raises(ValueError, match="build the root with the same hash function"):
         block_hashes(root, TOKENS, 16, fn=HashFn.XXH3_128)
+    for fn in HashFn:  # the C loop (sha256) and the Python loop reject it alike
+        with pytest.raises(ValueError, match="parent is 5 bytes"):
+            block_hashes(namespace_root(MODEL, LAYOUT_FP, SALT, fn=fn), TOKENS, 16, fn=fn,
+                         parent=b"short")  # type: ignore[arg-type]
     with pytest.raises(ValueError):
         namespace_root(MODEL, LAYOUT_FP, SALT, fn="md5")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="u32"):
