@@ -1,0 +1,7 @@
+"""Type stub of the optional C extension ``kvshare._chain`` (source: ``_chain.c``)."""
+
+from typing_extensions import Buffer
+
+def sha256_chain(parent: bytes, data: Buffer, block_bytes: int, tail: bytes) -> list[bytes]:
+    """``h_i = sha256(h_{i-1} || data block i || tail)`` for every full ``block_bytes`` block of
+    ``data`` (any C-contiguous buffer), ``h_{-1} = parent`` (32 bytes); GIL released."""
