@@ -1,8 +1,10 @@
-"""Build hook for the optional C accelerator; all metadata lives in pyproject.toml.
+"""Build hook for the optional C accelerators; all metadata lives in pyproject.toml.
 
-``kvshare._chain`` runs the sha256 block-hash chain loop in C with OpenSSL's libcrypto. It is
-``optional``: where no compiler or OpenSSL headers are found, the build prints a warning,
-installs without it and ``kvshare.hashing`` uses its pure-Python loop (same hashes, slower).
+``kvshare._chain`` runs the sha256 block-hash chain loop in C with OpenSSL's libcrypto;
+``kvshare._copy`` copies pool blocks with non-temporal stores. Both are ``optional``: where no
+compiler (or no OpenSSL headers) is found, the build prints a warning, installs without them and
+``kvshare.hashing`` / ``kvshare.tiers.base.copy_block`` use their pure-Python/numpy paths (same
+results, slower).
 """
 
 from setuptools import Extension, setup
@@ -15,6 +17,12 @@ setup(
             libraries=["crypto"],
             extra_compile_args=["-O2"],
             optional=True,
-        )
+        ),
+        Extension(
+            "kvshare._copy",
+            sources=["kvshare/_copy.c"],
+            extra_compile_args=["-O2"],
+            optional=True,
+        ),
     ]
 )

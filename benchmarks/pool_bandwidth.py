@@ -5,7 +5,8 @@ x 4 layers x 4 kv heads x head_dim 64, fp32) through
 
 - the host tier (a pre-touched slab in /dev/shm): batched reserve -> write -> commit, then
   pin -> read_into (pre-allocated destination) -> unpin; baseline: one numpy ``copyto`` of the
-  whole buffer (``memcpy_GBps``), and ``copyto`` block by block;
+  whole buffer (``memcpy_GBps``), and ``copyto`` block by block; the same pool is also timed
+  with ``HostSlab.stream_copies`` off (numpy's copy, the engine before ``kvshare._copy``);
 - the disk tier (slot files with header and checksum, page cache, no fsync): the same calls;
   baseline: raw ``os.write`` / ``readinto`` of the same blocks to plain files in the same
   directory.
@@ -15,12 +16,16 @@ the best of ``--rounds`` rounds is reported. The last line is one JSON object wi
 ``host_store_GBps``, ``host_load_GBps``, ``memcpy_GBps``, ``ratio`` (min(store, load) /
 memcpy; target >= 0.8), plus the disk figures.
 
-Why block copies trail the whole-buffer copy: glibc's ``memcpy`` switches to non-temporal
-stores only above ``x86_non_temporal_threshold`` (a fraction of the L3 cache), so one 512 MiB
-copy streams while 2 MiB copies go through the cache. The host-tier pass is therefore repeated
-in a child process with ``GLIBC_TUNABLES=glibc.cpu.x86_non_temporal_threshold=0x100000`` (what
-a node pool process can set in its environment); both baselines are re-measured there too and
-reported under ``nt_tuned``.
+Why numpy block copies trail the whole-buffer copy: glibc's ``memcpy`` switches to
+non-temporal stores only above ``x86_non_temporal_threshold`` (a fraction of the L3 cache), so
+one 512 MiB copy streams while 2 MiB copies go through the cache (each destination line is read
+for ownership first: one extra memory pass). The host slab therefore copies with streaming
+stores of its own (``kvshare._copy``, an optional C extension; one thread, no thread pool) and
+checksums each 512 KiB source chunk while it is in cache. The output names the copy engine and
+its thread count, and times that engine block by block (``stream_copy_per_block_GBps``) so the
+pool's own overhead is visible. The host-tier pass is also repeated in a child process with
+``GLIBC_TUNABLES=glibc.cpu.x86_non_temporal_threshold=0x100000`` (glibc streams 2 MiB copies
+too); both baselines are re-measured there and reported under ``nt_tuned``.
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ from kvshare.hashing import block_hashes, namespace_root  # noqa: E402
 from kvshare.layout import KVLayout  # noqa: E402
 from kvshare.pool import TieredBlockPool  # noqa: E402
 from kvshare.pool_types import PoolConfig, Reserved, TierSpec  # noqa: E402
+from kvshare.tiers.base import STREAMING_COPY, copy_block  # noqa: E402
 from kvshare.tiers.disk import DiskStore  # noqa: E402
 from kvshare.tiers.host import HostSlab, segment_name  # noqa: E402
 from kvshare.types import BlockHash, Tier  # noqa: E402
@@ -67,10 +73,19 @@ def interleaved(nbytes: int, rounds: int, steps: dict[str, Step]) -> dict[str, f
 
 
 def pool_steps(pool: TieredBlockPool, hashes: list[BlockHash], src: np.ndarray,
-               dst: np.ndarray, prefix: str) -> dict[str, Step]:
-    """Store (batched reserve/write/commit into an emptied pool) and load (pin/read/unpin)."""
+               dst: np.ndarray, prefix: str, stream: bool | None = None) -> dict[str, Step]:
+    """Store (batched reserve/write/commit into an emptied pool) and load (pin/read/unpin).
+
+    ``stream`` (host slab only) switches the slab's streaming copies on or off first.
+    """
+    slab = pool.store(Tier.HOST)
+
+    def engine() -> None:
+        if stream is not None and isinstance(slab, HostSlab):
+            slab.stream_copies = stream
 
     def store() -> None:
+        engine()
         res = pool.reserve(hashes, "bench")
         leases = []
         for r, block in zip(res, src, strict=True):
@@ -80,6 +95,7 @@ def pool_steps(pool: TieredBlockPool, hashes: list[BlockHash], src: np.ndarray,
         pool.commit(leases)
 
     def load() -> None:
+        engine()
         pins = pool.pin(hashes, "bench")
         for lease, out in zip(pins, dst, strict=True):
             assert lease is not None
@@ -156,6 +172,10 @@ def main() -> None:
         for s, d in zip(src, dst, strict=True):
             np.copyto(d, s)
 
+    def per_block_engine() -> None:
+        for s, d in zip(src, dst, strict=True):
+            copy_block(d, s)
+
     cfg = PoolConfig("bench", LAYOUT, (TierSpec(Tier.HOST, nbytes),))
     slab = HostSlab(BLOCK, n, segment_name("bench", f"p{os.getpid()}", 0))
     pool = TieredBlockPool(cfg, {Tier.HOST: slab})
@@ -165,7 +185,10 @@ def main() -> None:
         steps: dict[str, Step] = {
             "memcpy": (lambda: np.copyto(dst, src), None),
             "memcpy_block": (per_block, None),
-            **pool_steps(pool, hashes, src, dst, "host"),
+            **({"engine_block": (per_block_engine, None)} if STREAMING_COPY else {}),
+            **pool_steps(pool, hashes, src, dst, "host", stream=True),
+            **(pool_steps(pool, hashes, src, dst, "numpy", stream=False) if STREAMING_COPY
+               else {}),
             **pool_steps(anon, hashes, src, dst, "anon"),
         }
         g = interleaved(nbytes, args.rounds, steps)
@@ -174,13 +197,23 @@ def main() -> None:
         pool.close()
         anon.close()
     ratio = min(g["host_store"], g["host_load"]) / g["memcpy"]
+    engine = "streaming stores (kvshare._copy)" if STREAMING_COPY else "numpy copyto"
+    if not STREAMING_COPY:  # not built (no compiler at install) or not x86-64
+        g["numpy_store"], g["numpy_load"], g["engine_block"] = (
+            g["host_store"], g["host_load"], g["memcpy_block"])
+    print(f"copy engine of the host slab: {engine}, 1 thread; checksum xxh3-64 fused with the "
+          "copy (512 KiB chunks)")
     print(f"host tier   store {g['host_store']:6.2f} GB/s  load {g['host_load']:6.2f} GB/s")
+    print(f"  numpy     store {g['numpy_store']:6.2f} GB/s  load {g['numpy_load']:6.2f} GB/s  "
+          "(same pool, stream_copies=False: numpy's cached copy)")
     print(f"anon slab   store {g['anon_store']:6.2f} GB/s  load {g['anon_load']:6.2f} GB/s  "
           f"(private mapping, transparent huge pages: {_thp()})")
     print(f"numpy copy  whole buffer {g['memcpy']:6.2f} GB/s  per 2 MiB block "
-          f"{g['memcpy_block']:6.2f} GB/s")
+          f"{g['memcpy_block']:6.2f} GB/s   engine per 2 MiB block {g['engine_block']:6.2f} GB/s")
+    worst = min(g["host_store"], g["host_load"])
     print(f"ratio min(store, load) / whole-buffer copy = {ratio:.2f} (target >= 0.8); "
-          f"vs per-block copy = {min(g['host_store'], g['host_load']) / g['memcpy_block']:.2f}")
+          f"vs numpy per-block copy = {worst / g['memcpy_block']:.2f}; vs the engine's bare "
+          f"per-block copy = {worst / g['engine_block']:.2f} (the store also checksums)")
     host = {
         "host_store_GBps": round(g["host_store"], 3),
         "host_load_GBps": round(g["host_load"], 3),
@@ -190,6 +223,12 @@ def main() -> None:
         "ratio_vs_block_copy": round(min(g["host_store"], g["host_load"]) / g["memcpy_block"], 3),
         "anon_slab_store_GBps": round(g["anon_store"], 3),
         "anon_slab_load_GBps": round(g["anon_load"], 3),
+        "copy_engine": "stream" if STREAMING_COPY else "numpy",
+        "copy_threads": 1,
+        "engine_per_block_GBps": round(g["engine_block"], 3),
+        "ratio_vs_engine": round(min(g["host_store"], g["host_load"]) / g["engine_block"], 3),
+        "numpy_engine_store_GBps": round(g["numpy_store"], 3),
+        "numpy_engine_load_GBps": round(g["numpy_load"], 3),
     }
     if args.host_only:
         print(json.dumps(host))
