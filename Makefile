@@ -10,7 +10,7 @@ export NIXL_LOG_LEVEL := WARN
 
 .PHONY: demo test lint install clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml setup.py $(wildcard kvshare/*.c)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	# torch first, pinned, so pip takes the CPU wheel on disk instead of a CUDA build
@@ -31,4 +31,4 @@ test: lint
 	$(BIN)/python -m pytest -q -p no:cacheprovider
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build *.egg-info kvshare/*.so
