@@ -378,7 +378,7 @@ class KVShareClient:
         for i, b in enumerate(plan.blocks):
             groups.setdefault((b.location, b.transport), []).append(i)
         reasons = [""] * plan.load_blocks
-        running: list[tuple[Transport, Transfer, list[int]]] = []
+        running: list[tuple[Transport, Transfer, list[int], str, float]] = []
         retry: list[tuple[str, list[int]]] = []
         for (loc, transport), idx in groups.items():
             node = loc.removeprefix("node:")
@@ -389,10 +389,14 @@ class KVShareClient:
                 continue
             tr = self._transport(transport)
             hs = [plan.blocks[i].block_hash for i in idx]
+            t0 = time.perf_counter()
             t = tr.submit_read(control, hs, [staging[i] for i in idx], deadline_s=self.load_deadline_s)
-            running.append((tr, t, idx))
-        for tr, t, idx in running:
+            used = (SOURCE_SHM if tr is self._load_shm
+                    else SOURCE_NIXL if tr is self._nixl else SOURCE_OBJSTORE)
+            running.append((tr, t, idx, used, t0))
+        for tr, t, idx, transport, t0 in running:
             res = tr.wait(t)
+            self._count_transfer(transport, t0)
             for i, o in zip(idx, res.outcomes, strict=True):
                 reasons[i] = "" if o.ok else o.reason
             if tr is self._nixl and all(reasons[i] == NIXL_UNAVAILABLE for i in idx):
@@ -404,11 +408,18 @@ class KVShareClient:
             if control is None:
                 continue
             hs = [plan.blocks[i].block_hash for i in idx]
+            t0 = time.perf_counter()
             res = self._objstore.read(control, hs, [staging[i] for i in idx],
                                       deadline_s=self.load_deadline_s)
+            self._count_transfer(SOURCE_OBJSTORE, t0)
             for i, o in zip(idx, res.outcomes, strict=True):
                 reasons[i] = "" if o.ok else o.reason
         return reasons
+
+    def _count_transfer(self, transport: str, t0: float) -> None:
+        """One batch read of ``transport`` finished: count it and its submit-to-done time."""
+        self._count(f"transfers_{transport}")
+        self._count(f"transfer_seconds_{transport}", time.perf_counter() - t0)
 
     def _transport(self, name: str) -> Transport:
         if name == SOURCE_SHM:

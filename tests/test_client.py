@@ -82,6 +82,8 @@ def test_store_on_one_node_load_on_the_other(cluster: Cluster) -> None:
         assert res.loaded_blocks == 5 and not res.failed
         assert torch.equal(into, kv[:, :, :, :40])
         assert reader.counters[f"bytes_{remote}"] == 5 * LAYOUT.bytes_per_block
+        assert reader.counters[f"transfers_{remote}"] == 1  # one batch from one holder
+        assert 0 < reader.counters[f"transfer_seconds_{remote}"] < 10
         reader.close()
     writer.close()
 

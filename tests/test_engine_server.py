@@ -95,7 +95,17 @@ def test_routed_request_uses_token_ids_and_reuses_blocks(served) -> None:  # typ
     stats = httpx.get(server.endpoint + "/v1/kvshare/stats").json()
     assert stats["counters"]["prefill_tokens_saved"] >= 4 * BLOCK
     assert stats["client"]["loaded_blocks"] >= 4 and stats["client"]["stored_blocks"] >= 4
-    assert "kvshare_worker_prefill_tokens_saved" in httpx.get(server.endpoint + "/metrics").text
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(server.endpoint + "/metrics").text
+    got = {(smp.name, tuple(sorted(smp.labels.items()))): smp.value
+           for fam in text_string_to_metric_families(text) for smp in fam.samples}
+    w = (("worker", "w0"),)
+    assert got[("kvshare_worker_prefill_tokens_saved_total", w)] >= 4 * BLOCK
+    assert got[("kvshare_worker_ttft_seconds_count", w)] == stats["counters"]["requests"]
+    nbytes = 4 * worker.engine.layout.bytes_per_block
+    assert got[("kvshare_worker_bytes_loaded_total", (("transport", "local"), *w))] >= nbytes
+    assert got[("kvshare_client_loaded_blocks_total", w)] >= 4
 
 
 @pytest.mark.parametrize(

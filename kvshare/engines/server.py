@@ -24,7 +24,9 @@ from typing import Any, Protocol
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
 
+from kvshare.engines.metrics import WorkerCollector, render
 from kvshare.engines.openai_api import (
     BadRequest,
     ParsedRequest,
@@ -213,14 +215,11 @@ def create_app(
                 "load": {"queued_prefill_tokens": ld.queued_prefill_tokens,
                          "running": ld.running, "prefill_tokens_per_s": ld.prefill_tokens_per_s}}
 
+    collector = WorkerCollector(worker_id, worker.counters.snapshot, client_counters)
+
     @app.get("/metrics")
     async def metrics() -> Any:
-        lines = []
-        for key, value in sorted(worker.counters.snapshot().items()):
-            lines.append(f'kvshare_worker_{key}{{worker="{worker_id}"}} {value}')
-        for key, value in sorted(client_counters().items()):
-            lines.append(f'kvshare_client_{key}{{worker="{worker_id}"}} {value}')
-        return PlainTextResponse("\n".join(lines) + "\n")
+        return PlainTextResponse(render(collector), media_type=CONTENT_TYPE_LATEST)
 
     app.state.executor = executor
     app.state.load = tracker
