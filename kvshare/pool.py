@@ -42,7 +42,14 @@ from kvshare.pool_types import (
     Reserved,
     ReserveResult,
 )
-from kvshare.tiers.base import ByteArray, CorruptBlock, TierStore, as_u8, block_checksum
+from kvshare.tiers.base import (
+    ByteArray,
+    CorruptBlock,
+    TierStore,
+    as_u8,
+    as_u8_out,
+    block_checksum,
+)
 from kvshare.types import BlockHash, Tier
 
 log = logging.getLogger(__name__)
@@ -352,9 +359,10 @@ class TieredBlockPool:
         """Copy a pinned block into ``out`` (uint8, block_bytes), verifying it.
 
         A stale epoch (slot reused after the lease ended) or a failed checksum is a miss with a
-        reason; a corrupt block is dropped from the pool and counted.
+        reason; a corrupt block is dropped from the pool and counted. ``out`` must be writable
+        and C-contiguous (ValueError otherwise, nothing read).
         """
-        dest = as_u8(out)
+        dest = as_u8_out(out)
         with self._lock:
             if lease.lease_id not in self._leases:
                 return ReadResult(lease.block_hash, False, "lease expired")

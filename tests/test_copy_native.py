@@ -88,3 +88,32 @@ def test_streaming_is_on_where_built() -> None:
     if _copy is None:
         pytest.skip("kvshare._copy not built: the slab copies with numpy")
     assert STREAMING_COPY == bool(_copy.NON_TEMPORAL)
+
+
+def test_read_into_a_strided_or_read_only_destination_is_refused() -> None:
+    import torch
+
+    from kvshare.layout import KVLayout
+    from kvshare.pool import TieredBlockPool
+    from kvshare.pool_types import PoolConfig, TierSpec
+    from kvshare.types import Tier
+
+    layout = KVLayout(num_layers=1, num_kv_heads=4, head_dim=64, dtype="fp32", block_tokens=128)
+    size = layout.bytes_per_block  # 256 KiB: the streaming path where it is built
+    pool = TieredBlockPool(PoolConfig("t", layout, (TierSpec(Tier.HOST, 2 * size),)),
+                           {Tier.HOST: HostSlab(size, 2)})
+    try:
+        block, key = rand(size, 11), BlockHash(b"\x07" * 32)
+        assert pool.put(key, block)
+        (lease,) = pool.pin([key], "r")
+        assert lease is not None
+        strided = np.zeros((size, 2), np.uint8)[:, 0]
+        for bad in (strided, torch.zeros(size, 2, dtype=torch.uint8)[:, 0], bytes(size)):
+            with pytest.raises(ValueError, match="C-contiguous"):
+                pool.read_into(lease, bad)
+        out = torch.zeros(size, dtype=torch.uint8)
+        assert pool.read_into(lease, out).ok and np.array_equal(out.numpy(), block)
+        pool.unpin([lease.lease_id])
+        assert pool.stats()["active_leases"] == 0
+    finally:
+        pool.close()

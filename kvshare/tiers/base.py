@@ -132,3 +132,24 @@ def as_u8(data: object) -> ByteArray:
     if not arr.flags.c_contiguous:
         arr = np.ascontiguousarray(arr)
     return arr.reshape(-1).view(np.uint8)
+
+
+def as_u8_out(out: object) -> ByteArray:
+    """:func:`as_u8` for a destination: a writable view of ``out``'s own memory, never a copy.
+
+    A strided array or tensor would otherwise be copied first, and a read would fill the copy
+    and leave ``out`` as it was; such destinations raise ValueError instead.
+    """
+    if isinstance(out, np.ndarray):
+        shared = bool(out.flags.c_contiguous)
+    elif hasattr(out, "numpy") and hasattr(out, "is_contiguous"):  # torch.Tensor on CPU
+        shared = bool(out.is_contiguous())
+    else:
+        shared = True  # bytes-like objects are viewed, not copied
+    arr = as_u8(out)
+    if not shared or not arr.flags.writeable:
+        raise ValueError(
+            "read destination must be a writable, C-contiguous array or tensor (it would be "
+            "copied, not filled): pass np.ascontiguousarray / .contiguous() storage instead"
+        )
+    return arr
