@@ -22,6 +22,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
+from itertools import groupby
 
 import numpy as np
 
@@ -42,6 +43,11 @@ class Source(IntEnum):
 
 
 _SOURCES = tuple(Source)
+
+
+def source_runs(sources: Sequence[int]) -> list[tuple[int, int]]:
+    """Per-block sources as runs ``(source, count)`` of equal consecutive sources."""
+    return [(int(src), len(list(group))) for src, group in groupby(sources)]
 
 
 @dataclass(frozen=True)
@@ -192,6 +198,12 @@ class CostModel:
 
     def plan(self, total_tokens: int, sources: Sequence[int]) -> Plan:
         """Best cut point given the cheapest :class:`Source` of each leading block."""
+        return self.plan_runs(total_tokens, source_runs(sources))
+
+    def plan_runs(self, total_tokens: int, runs: Sequence[tuple[int, int]]) -> Plan:
+        """:meth:`plan` of sources given as runs ``(source, count)`` in block order (the same
+        plan, computed block by block with the same arithmetic; runs only hoist per-source
+        work and make equal views cheap to compare)."""
         if total_tokens <= 0:
             raise ValueError(f"total_tokens must be positive, got {total_tokens}")
         fetch = self.block_fetch_s
@@ -202,27 +214,39 @@ class CostModel:
         best_k, best_total, best_fetch = 0, a * p + b * p * p / 2, 0.0
         cum = lat = 0.0
         any_r = any_l = False
-        c = 0
-        for i, src in enumerate(sources):  # hot loop: plain floats and ints only
-            c = (i + 1) * bt
-            if c > last:
-                c = last
-            cum += fetch[src]
+        i = 0
+        for src, ln in runs:
+            f = fetch[src]
             if src >= 3:
                 if not any_r:
                     any_r, lat = True, lat + lat_r
             elif src and not any_l:
                 any_l, lat = True, lat + lat_l
-            n = p - c
-            total = cum + lat + a * n + b * n * (c + n / 2)
-            if total <= best_total:
-                best_k, best_total, best_fetch = i + 1, total, cum + lat
-            if c >= last:
-                break
+            first = i + 1
+            for i in range(first, first + ln):  # hot loop: plain floats and ints only
+                c = i * bt
+                if c > last:
+                    c = last
+                cum += f
+                n = p - c
+                total = cum + lat + a * n + b * n * (c + n / 2)
+                if total <= best_total:
+                    best_k, best_total, best_fetch = i, total, cum + lat
+                if c >= last:
+                    break
+            else:
+                continue
+            break
         counts: dict[Source, int] = {}
-        for src in sources[:best_k]:
-            key = _SOURCES[src]
-            counts[key] = counts.get(key, 0) + 1
+        left = best_k
+        for src, ln in runs:
+            if left <= 0:
+                break
+            take = ln if ln < left else left
+            if take > 0:
+                key = _SOURCES[src]
+                counts[key] = counts.get(key, 0) + take
+                left -= take
         cached = self.cached_tokens(best_k, total_tokens)
         return Plan(best_k, cached, best_fetch, best_total - best_fetch, counts)
 

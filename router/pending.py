@@ -12,8 +12,10 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from itertools import repeat
+from typing import Any
 
-from kvshare.match import EMPTY_MATCH, LocationMatch, MatchResult, location_match
+from kvshare.match import EMPTY_MATCH, LocationMatch, MatchResult
 from kvshare.types import BlockHash, Location, Tier
 
 
@@ -44,17 +46,18 @@ class PendingBlocks:
         """Record that ``location`` will hold ``hashes`` (in ``tier``) within ``ttl_s``."""
         now = self._clock()
         self._expire(now)
-        expiry = now + self.ttl_s
-        for h in hashes:
-            key = (namespace, h)
-            holders = self._entries.get(key)
+        value = (tier, now + self.ttl_s)  # one shared (immutable) value for the whole call
+        entries = self._entries
+        get, refresh = entries.get, entries.move_to_end
+        for key in zip(repeat(namespace), hashes):
+            holders = get(key)
             if holders is None:
-                holders = self._entries[key] = {}
+                entries[key] = {location: value}
             else:
-                self._entries.move_to_end(key)
-            holders[location] = (tier, expiry)
-        while len(self._entries) > self._max:
-            self._entries.popitem(last=False)
+                refresh(key)
+                holders[location] = value
+        while len(entries) > self._max:
+            entries.popitem(last=False)
 
     def match(self, namespace: str, hashes: Sequence[BlockHash]) -> MatchResult:
         """Pending holders of ``hashes`` as a match result (only pending, never the index's).
@@ -67,33 +70,40 @@ class PendingBlocks:
             return EMPTY_MATCH
         now = self._clock()
         self._expire(now)
-        entries = self._entries
-        rows: dict[Location, list[Tier | None]] = {}
+        # Runs of consecutive blocks with the same live holders: a prompt's blocks were
+        # mostly added together, so their holder maps are equal and are read once per run.
+        runs: list[list[Any]] = []  # [start, end, ((location, tier), ...)]
+        prev: dict[Location, tuple[Tier, float]] | None = None
         k = 0
-        for i, h in enumerate(hashes):
-            pending = entries.get((namespace, h))
+        for pending in map(self._entries.get, zip(repeat(namespace), hashes)):
             if not pending:
                 break
-            live = False
-            for loc, (tier, expiry) in pending.items():
-                if expiry <= now:
-                    continue
-                live = True
-                row = rows.get(loc)
-                if row is None:
-                    row = rows[loc] = [None] * i
-                elif len(row) < i:
-                    row.extend([None] * (i - len(row)))
-                row.append(tier)
-            if not live:
-                break
-            k = i + 1
+            if pending != prev:
+                live = tuple([(loc, t) for loc, (t, expiry) in pending.items() if expiry > now])
+                if not live:
+                    break
+                prev = pending
+                if runs and runs[-1][2] == live:
+                    runs[-1][1] = k + 1
+                else:
+                    runs.append([k, k + 1, live])
+            else:
+                runs[-1][1] = k + 1
+            k += 1
         if not k:
             return EMPTY_MATCH
+        segs: dict[Location, list[tuple[int, int, Tier]]] = {}
+        for start, end, live in runs:
+            for loc, tier in live:
+                segs.setdefault(loc, []).append((start, end, tier))
+        built: dict[tuple[tuple[int, int, Tier], ...], tuple[int, dict[Tier, int], Row]] = {}
         out: dict[Location, LocationMatch] = {}
-        for loc, row in rows.items():
-            row.extend([None] * (k - len(row)))
-            out[loc] = location_match(loc, row)
+        for loc, seg in segs.items():
+            key = tuple(seg)
+            done = built.get(key)  # locations with the same runs share one (immutable) row
+            if done is None:
+                done = built[key] = _row(seg, k)
+            out[loc] = LocationMatch(loc, *done)
         return MatchResult(len(hashes), k, out)
 
     def _expire(self, now: float) -> None:
@@ -107,3 +117,24 @@ class PendingBlocks:
                     self._entries[key] = live
                 return
             del self._entries[key]
+
+
+Row = tuple[Tier | None, ...]
+
+
+def _row(seg: Sequence[tuple[int, int, Tier]], total: int) -> tuple[int, dict[Tier, int], Row]:
+    """Prefix held, tier counts of that prefix and per-block tiers of one location, from its
+    runs ``(start, end, tier)`` in block order (what :func:`kvshare.match.location_match`
+    computes from the per-block row)."""
+    row: list[Tier | None] = []
+    held = 0
+    counts: dict[Tier, int] = {}
+    for start, end, tier in seg:
+        if start > len(row):
+            row += [None] * (start - len(row))
+        elif held == start:  # still unbroken from block 0
+            held = end
+            counts[tier] = counts.get(tier, 0) + end - start
+        row += [tier] * (end - start)
+    row += [None] * (total - len(row))
+    return held, counts, tuple(row)

@@ -30,13 +30,14 @@ import random
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from operator import is_
 from typing import Any, ClassVar
 
 from kvshare.cost import CostModel, Plan
 from kvshare.match import MatchResult
-from kvshare.types import BlockHash, WorkerId
+from kvshare.types import BlockHash, NodeId, WorkerId
 from kvshare.workers import WorkerInfo, WorkerLoad
-from router.sources import Sharing, SourceMap
+from router.sources import Sharing, SourceMap, SourceRuns
 
 
 @dataclass(frozen=True)
@@ -106,13 +107,23 @@ def eligible(candidates: Sequence[Candidate], namespace: str, tenant: str = "") 
 
 class Policy(ABC):
     """Chooses a worker for a request. Stateful policies (round robin) are not thread-safe:
-    one instance per router, called from one event loop."""
+    one instance per router, called from one event loop.
+
+    Per-candidate work that depends only on the candidate list (eligibility, the worker ->
+    node map, queue waits) is kept from the previous call when the caller passes the same
+    :class:`Candidate` objects again (compared by identity; candidates are frozen), as a
+    router does between two load reports.
+    """
 
     name: ClassVar[str]
 
     def __init__(self, cost: CostModel, sharing: Sharing = Sharing.GLOBAL) -> None:
         self.cost = cost
         self.sharing = Sharing(sharing)
+        self._last: tuple[Sequence[Candidate], str, str] | None = None
+        self._last_out: tuple[list[Candidate], dict[WorkerId, NodeId]] = ([], {})
+        self._queues_for: tuple[list[Candidate], CostModel] | None = None
+        self._queues: tuple[list[float], list[int]] = ([], [])
 
     def choose(
         self,
@@ -126,14 +137,14 @@ class Policy(ABC):
         ``match``: the index's answer; ``pending``: blocks the router's own recent decisions
         are about to create (:class:`~router.pending.PendingBlocks`), local to their workers.
         """
-        cands = eligible(candidates, request.namespace, request.tenant)
+        cands, nodes = self._eligible(candidates, request.namespace, request.tenant)
         if not cands:
             raise NoEligibleWorker(
                 f"no worker serves namespace {request.namespace!r}"
                 + (f" for tenant {request.tenant!r}" if request.tenant else "")
                 + ": register one with that namespace"
             )
-        view = SourceMap(match, {c.info.worker_id: c.info.node for c in cands}, pending)
+        view = SourceMap(match, nodes, pending)
         idx, reason = self._select(request, view, cands)
         chosen = cands[idx]
         plan = self.plan_for(request, view, chosen)
@@ -147,12 +158,34 @@ class Policy(ABC):
         self.observe(request, decision)
         return decision
 
+    def _eligible(
+        self, candidates: Sequence[Candidate], namespace: str, tenant: str
+    ) -> tuple[list[Candidate], dict[WorkerId, NodeId]]:
+        """:func:`eligible` and their worker -> node map (kept while the inputs are the same)."""
+        last = self._last
+        if (last is not None and last[1] == namespace and last[2] == tenant
+                and len(last[0]) == len(candidates) and all(map(is_, last[0], candidates))):
+            return self._last_out
+        cands = eligible(candidates, namespace, tenant)
+        self._last = (tuple(candidates), namespace, tenant)
+        self._last_out = (cands, {c.info.worker_id: c.info.node for c in cands})
+        return self._last_out
+
+    def queues(self, cands: list[Candidate]) -> tuple[list[float], list[int]]:
+        """Queue wait per candidate and the candidates' indices by increasing wait (kept while
+        ``cands`` and the cost model are the same objects)."""
+        if self._queues_for is None or self._queues_for[0] is not cands or self._queues_for[1] is not self.cost:
+            waits = [self.queue_s(c.load) for c in cands]
+            self._queues = (waits, sorted(range(len(cands)), key=waits.__getitem__))
+            self._queues_for = (cands, self.cost)
+        return self._queues
+
     def plan_for(self, request: RouteRequest, view: SourceMap, cand: Candidate) -> Plan:
         """The cost model's best plan for this request on ``cand``."""
-        srcs = view.sources_for(
+        runs = view.source_runs(
             cand.info.worker_id, cand.info.node, self.sharing, self.cost.block_fetch_s
         )
-        return self.cost.plan(request.num_tokens, srcs)
+        return self.cost.plan_runs(request.num_tokens, runs)
 
     def queue_s(self, load: WorkerLoad) -> float:
         """Queue wait: queued prefill tokens at the worker's measured speed (else the model's)."""
@@ -313,31 +346,32 @@ class CostPolicy(Policy):
         self._rotate = _Rotation()
 
     def _select(self, request: RouteRequest, view: SourceMap, cands: list[Candidate]) -> tuple[int, str]:
-        self._plans = {}
-        by_sources: dict[tuple[int, ...], Plan] = {}  # workers with equal views share a plan
-        fetch = self.cost.block_fetch_s
+        self._plans = plans = {}
+        by_runs: dict[SourceRuns, Plan] = {}  # workers with equal views share a plan
+        cost = self.cost
+        fetch = cost.block_fetch_s
         n = request.num_tokens
-        c_max = self.cost.cached_tokens(view.combined, n)
-        floor = self.cost.prefill.time(n - c_max, c_max)  # no plan beats this (free fetch)
-        queues = [self.queue_s(c.load) for c in cands]
+        c_max = cost.cached_tokens(view.combined, n)
+        floor = cost.prefill.time(n - c_max, c_max)  # no plan beats this (free fetch)
+        queues, order = self.queues(cands)
         ests = [math.inf] * len(cands)
         best = math.inf
-        for i in sorted(range(len(cands)), key=queues.__getitem__):
+        for i in order:
             if queues[i] + floor > best + self.tie_s:
                 break  # exact pruning: this worker (and every later one) cannot win or tie
-            c = cands[i]
-            srcs = tuple(view.sources_for(c.info.worker_id, c.info.node, self.sharing, fetch))
-            plan = by_sources.get(srcs)
+            info = cands[i].info
+            runs = view.source_runs(info.worker_id, info.node, self.sharing, fetch)
+            plan = by_runs.get(runs)
             if plan is None:
-                plan = by_sources[srcs] = self.cost.plan(n, srcs)
-            self._plans[c.info.worker_id] = plan
+                plan = by_runs[runs] = cost.plan_runs(n, runs)
+            plans[info.worker_id] = plan
             ests[i] = queues[i] + plan.total_s
             best = min(best, ests[i])
         best = min(ests)
         # Near-ties (e.g. a new prefix on idle workers) rotate, so new blocks spread over nodes.
         ties = [i for i, e in enumerate(ests) if e <= best + self.tie_s]
         best_i = self._rotate.pick(ties, cands)
-        plan = self._plans[cands[best_i].info.worker_id]
+        plan = plans[cands[best_i].info.worker_id]
         if plan.cut == 0:
             reason = "load"
         elif plan.remote_blocks:

@@ -11,8 +11,9 @@
 
 from __future__ import annotations
 
+import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 from kvshare.types import WorkerId
@@ -67,12 +68,16 @@ class InFlight:
         self._clock = clock
         self.max_age_s = max_age_s
         self._reqs: dict[str, tuple[WorkerId, int, int, float]] = {}  # rid -> (w, tokens, blocks, t)
+        self._oldest = math.inf  # <= every request's time: sweep has nothing to do before it ages
 
     def __len__(self) -> int:
         return len(self._reqs)
 
     def add(self, rid: str, worker: WorkerId, prefill_tokens: int, blocks: int) -> None:
-        self._reqs[rid] = (worker, prefill_tokens, blocks, self._clock())
+        at = self._clock()
+        self._reqs[rid] = (worker, prefill_tokens, blocks, at)
+        if at < self._oldest:
+            self._oldest = at
 
     def prefilled(self, rid: str) -> None:
         r = self._reqs.get(rid)
@@ -84,10 +89,53 @@ class InFlight:
 
     def sweep(self) -> None:
         """Forget requests older than ``max_age_s`` (a caller that never said done)."""
+        if not self._reqs:
+            return
         now = self._clock()
+        if not now - self._oldest > self.max_age_s:
+            return  # nothing is that old yet
         stale = [rid for rid, r in self._reqs.items() if now - r[3] > self.max_age_s]
         for rid in stale:
             del self._reqs[rid]
+        self._oldest = min((r[3] for r in self._reqs.values()), default=math.inf)
+
+    def loads(
+        self, infos: Sequence[WorkerInfo], reports: Mapping[WorkerId, WorkerLoad]
+    ) -> list[tuple[WorkerLoad, int]]:
+        """:meth:`load` of every worker in ``infos`` (one pass over the requests)."""
+        get = reports.get
+        if not self._reqs:
+            return [
+                (r, 0) if (r := get(i.worker_id)) is not None else self.load(i.worker_id, None)
+                for i in infos
+            ]
+        per: dict[WorkerId, list[tuple[int, int, float]]] = {}
+        for w, t, b, at in self._reqs.values():
+            row = per.get(w)
+            if row is None:
+                per[w] = [(t, b, at)]
+            else:
+                row.append((t, b, at))
+        out: list[tuple[WorkerLoad, int]] = []
+        for info in infos:
+            wid = info.worker_id
+            report, mine = get(wid), per.get(wid)
+            if mine is None or report is None:
+                out.append((report, 0) if mine is None and report is not None
+                           else self.load(wid, report))
+                continue
+            tokens = running = blocks = 0
+            for t, b, at in mine:
+                blocks += b
+                if at > report.ts:
+                    tokens += t
+                    running += 1
+            if running:  # else the report itself (same values)
+                report = WorkerLoad(wid, report.queued_prefill_tokens + tokens,
+                                    report.running + running, report.prefill_tokens_per_s,
+                                    report.ts)
+            out.append((report, blocks))
+        return out
 
     def load(self, worker: WorkerId, report: WorkerLoad | None) -> tuple[WorkerLoad, int]:
         """The report plus this router's in-flight work sent after it; and active blocks."""
