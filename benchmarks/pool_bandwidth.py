@@ -25,7 +25,9 @@ checksums each 512 KiB source chunk while it is in cache. The output names the c
 its thread count, and times that engine block by block (``stream_copy_per_block_GBps``) so the
 pool's own overhead is visible. The host-tier pass is also repeated in a child process with
 ``GLIBC_TUNABLES=glibc.cpu.x86_non_temporal_threshold=0x100000`` (glibc streams 2 MiB copies
-too); both baselines are re-measured there and reported under ``nt_tuned``.
+too); both baselines are re-measured there and reported under ``nt_tuned``. There glibc's
+whole-buffer copy also measured faster (~15 vs ~12-13 GB/s here), so that ratio is lower: the
+store is bound by copy + xxh3 on one core (~11-12.5 GB/s on this 2-core VM).
 """
 
 from __future__ import annotations
