@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from kvshare.tiers.base import ByteArray, block_checksum
+from kvshare.tiers.base import ByteArray, block_checksum, copy_block
 from kvshare.transfer.base import (
     CORRUPT,
     DEADLINE,
@@ -105,7 +105,7 @@ class ObjStoreTransport(Transport):
         for i, row in enumerate(batch.rows):
             if row < 0:
                 continue
-            np.copyto(dest[i], batch.data[row], casting="no")
+            copy_block(dest[i], batch.data[row])
             if block_checksum(dest[i]) != batch.checksums[i]:
                 reasons[i] = CORRUPT
                 bad.append(t.hashes[i])

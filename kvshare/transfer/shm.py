@@ -15,9 +15,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
-import numpy as np
-
-from kvshare.tiers.base import ByteArray, block_checksum
+from kvshare.tiers.base import ByteArray, block_checksum, copy_block
 from kvshare.tiers.host import HostSlab
 from kvshare.transfer.base import (
     CORRUPT,
@@ -96,7 +94,7 @@ class ShmTransport(Transport):
             elif t.remaining <= 0:
                 reasons[i] = DEADLINE
             else:
-                np.copyto(dest[i], slab.array[b.slot], casting="no")
+                copy_block(dest[i], slab.array[b.slot])
                 copied.append(i)
         lease_ids = [prep.blocks[i].lease_id for i in copied]  # type: ignore[union-attr]
         epochs = self._epochs.get(prep.slab.name) if prep.slab is not None else None
@@ -148,7 +146,7 @@ class ShmTransport(Transport):
             elif t.remaining <= 0:
                 reasons[i] = DEADLINE
             else:
-                np.copyto(slab.array[s.slot], data[i], casting="no")
+                copy_block(slab.array[s.slot], data[i])
                 sums.append(block_checksum(data[i]))
                 written.append(i)
         lease_ids = [prep.slots[i].lease_id for i in written]  # type: ignore[union-attr]
