@@ -24,9 +24,10 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 
 from actors.config import RAY_NAMESPACE, index_name
+from actors.holders import TIER_CODES
 from actors.index import PublishAck
 from actors.index_io import check_event_batch, column_np, single_group
-from actors.runs import from_runs
+from actors.runs import Runs, from_runs
 from kvshare.events import events_from_arrow, events_to_arrow
 from kvshare.match import MatchResult, build_match
 from kvshare.types import BlockHash, Location, NodeId, Tier, WorkerId
@@ -188,6 +189,31 @@ class IndexClient:
             log.warning("index unavailable, treating match as a miss: %s", exc)
             return MatchResult(len(hashes), 0, {})
 
+    async def match_runs_async(self, namespace: str, hashes: Sequence[BlockHash]) -> tuple[int, Runs]:
+        """:meth:`match_async` in run form ``(num_blocks, runs)`` (see :mod:`actors.runs`): what
+        a shard sends anyway, so a router skips expanding it per block. Empty if unreachable."""
+        try:
+            if len(self.shards) == 1:
+                ref = self.shards[0].match_packed.remote(namespace, *_pack(hashes))
+                n, runs = await asyncio.wait_for(ref, self.timeout_s)
+                return n, runs
+            refs, idx = self._lookup_refs(namespace, hashes)
+            parts = await asyncio.wait_for(asyncio.gather(*refs), self.timeout_s)
+            return len(hashes), _runs_of_blocks(self._per_block(len(hashes), list(parts), idx))
+        except UNAVAILABLE as exc:
+            self.unavailable += 1
+            log.warning("index unavailable, treating match as a miss: %s", exc)
+            return len(hashes), []
+
+    @staticmethod
+    def _per_block(n: int, parts: list[list[dict[Location, Tier]]],
+                   idx: list[list[int]]) -> list[dict[Location, Tier]]:
+        per_block: list[dict[Location, Tier]] = [{}] * n
+        for part, ix in zip(parts, idx, strict=True):
+            for i, holders in zip(ix, part, strict=True):
+                per_block[i] = holders
+        return per_block
+
     def lookup(self, namespace: str, hashes: Sequence[BlockHash]) -> list[dict[Location, Tier]]:
         refs, idx = self._lookup_refs(namespace, hashes)
         per_block: list[dict[Location, Tier]] = [{}] * len(hashes)
@@ -258,6 +284,22 @@ def _pack(hashes: Sequence[BlockHash]) -> tuple[bytes, int]:
             f"{f' of length {len(bad)}' if isinstance(bad, bytes) else ''}"
         )
     return blob, size
+
+
+def _runs_of_blocks(per_block: Sequence[dict[Location, Tier]]) -> Runs:
+    """Per-block holders as runs of equal consecutive holders, up to the first unheld block."""
+    runs: Runs = []
+    prev: dict[Location, Tier] | None = None
+    for holders in per_block:
+        if not holders:
+            break
+        if holders == prev:
+            items, n = runs[-1]
+            runs[-1] = (items, n + 1)
+            continue
+        prev = holders
+        runs.append((tuple((str(loc), TIER_CODES[t]) for loc, t in holders.items()), 1))
+    return runs
 
 
 def _merge(acks: Sequence[PublishAck]) -> PublishAck:

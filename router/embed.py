@@ -39,7 +39,7 @@ from kvshare.workers import IndexQuery, WorkerInfo, WorkerLoad
 from router.metrics import RouterMetrics
 from router.pending import PendingBlocks
 from router.policy import DEFAULT_POLICY, Candidate, Decision, RouteRequest, make_policy
-from router.sources import Sharing
+from router.sources import HolderRuns, Match, Sharing
 from router.workers_view import InFlight, WorkerSource
 
 
@@ -142,6 +142,11 @@ class InProcessIndex:
     async def match_async(self, namespace: str, hashes: Sequence[BlockHash]) -> MatchResult:
         return self.match(namespace, hashes)
 
+    async def match_runs_async(self, namespace: str, hashes: Sequence[BlockHash]) -> tuple[int, Any]:
+        """The match in run form ``(num_blocks, runs)`` (see :class:`~router.sources.HolderRuns`)."""
+        result: tuple[int, Any] = self.index.match_runs(namespace, hashes)
+        return result
+
 
 class CacheAwareRouter:
     """Tokenize, hash, match, score; see the module docstring."""
@@ -170,6 +175,8 @@ class CacheAwareRouter:
         self._children: dict[tuple[str, str, str], tuple[Any, Any]] = {}
         self._down: dict[WorkerId, float] = {}
         self._cands: dict[WorkerId, Candidate] = {}
+        self._inline = bool(getattr(index, "inline", False))
+        self._match_runs = getattr(index, "match_runs_async", None)
         self.decisions = 0
         self.fallbacks = 0
 
@@ -253,7 +260,7 @@ class CacheAwareRouter:
             d = Decision(d.worker, d.endpoint, self.policy.name, f"fallback_{fallback}",
                          d.est_ttft_s, 0.0, 0, 0, d.plan)
         else:
-            d = self.policy.choose(req, match, cands, self.pending.match(ns, hashes))
+            d = self.policy.choose(req, match, cands, self.pending.match_runs(ns, hashes))
         rid = request_id or f"r{next(self._ids)}"
         self.pending.add(ns, worker_location(d.worker), hashes, Tier.GPU)
         cached = d.plan.cached_tokens if d.plan is not None else 0
@@ -296,7 +303,16 @@ class CacheAwareRouter:
             return out
         return [i for i in infos if i.worker_id not in exclude]  # all marked down: try anyway
 
-    async def _match(self, ns: str, hashes: list[BlockHash]) -> tuple[MatchResult, str, float]:
+    async def _query(self, ns: str, hashes: list[BlockHash]) -> Match:
+        """The index's match: in run form when the index offers it (``match_runs_async``:
+        what the index computes anyway, and cheaper to score), else a MatchResult."""
+        if self._match_runs is not None:
+            return HolderRuns(*await self._match_runs(ns, hashes))
+        assert self.index is not None
+        result: MatchResult = await self.index.match_async(ns, hashes)
+        return result
+
+    async def _match(self, ns: str, hashes: list[BlockHash]) -> tuple[Match, str, float]:
         if self.index is None:  # no index configured: pending blocks only (like Dynamo
             return EMPTY_MATCH, "", 0.0  # without KV events), not a fallback
         if not hashes:
@@ -304,12 +320,10 @@ class CacheAwareRouter:
         before = getattr(self.index, "unavailable", 0)
         t = time.perf_counter()
         try:
-            if getattr(self.index, "inline", False):  # in-process: no I/O, no deadline needed
-                match = await self.index.match_async(ns, hashes)
+            if self._inline:  # in-process: no I/O, no deadline needed
+                match = await self._query(ns, hashes)
             else:
-                match = await asyncio.wait_for(
-                    self.index.match_async(ns, hashes), self.config.index_timeout_s
-                )
+                match = await asyncio.wait_for(self._query(ns, hashes), self.config.index_timeout_s)
         except TimeoutError:
             return EMPTY_MATCH, "index_timeout", time.perf_counter() - t
         except KeyError:  # namespace not declared yet: nothing cached anywhere

@@ -17,6 +17,9 @@ from typing import Any
 
 from kvshare.match import EMPTY_MATCH, LocationMatch, MatchResult
 from kvshare.types import BlockHash, Location, Tier
+from router.sources import HolderRuns
+
+_RANK = {t: t.rank for t in Tier}
 
 
 class PendingBlocks:
@@ -66,13 +69,41 @@ class PendingBlocks:
         routers pass this to :class:`~router.sources.SourceMap` separately from the index's
         match, never as a remote source for other workers.
         """
-        if not self._entries:
+        k, runs = self._live_runs(namespace, hashes)
+        if not k:
             return EMPTY_MATCH
+        segs: dict[Location, list[tuple[int, int, Tier]]] = {}
+        for start, end, live in runs:
+            for loc, tier in live:
+                segs.setdefault(loc, []).append((start, end, tier))
+        built: dict[tuple[tuple[int, int, Tier], ...], tuple[int, dict[Tier, int], Row]] = {}
+        out: dict[Location, LocationMatch] = {}
+        for loc, seg in segs.items():
+            key = tuple(seg)
+            done = built.get(key)  # locations with the same runs share one (immutable) row
+            if done is None:
+                done = built[key] = _row(seg, k)
+            out[loc] = LocationMatch(loc, *done)
+        return MatchResult(len(hashes), k, out)
+
+    def match_runs(self, namespace: str, hashes: Sequence[BlockHash]) -> HolderRuns:
+        """:meth:`match` in run form (cheaper; :class:`~router.sources.SourceMap` takes both)."""
+        _, runs = self._live_runs(namespace, hashes)
+        rank = _RANK
+        return HolderRuns(len(hashes), [
+            (tuple([(loc, rank[t]) for loc, t in live]), end - start) for start, end, live in runs
+        ])
+
+    def _live_runs(self, namespace: str, hashes: Sequence[BlockHash]) -> tuple[int, list[list[Any]]]:
+        """Runs ``[start, end, ((location, tier), ...)]`` of consecutive blocks with the same
+        live holders, up to the first block nobody is about to hold; and that block's index."""
+        if not self._entries:
+            return 0, []
         now = self._clock()
         self._expire(now)
-        # Runs of consecutive blocks with the same live holders: a prompt's blocks were
-        # mostly added together, so their holder maps are equal and are read once per run.
-        runs: list[list[Any]] = []  # [start, end, ((location, tier), ...)]
+        # A prompt's blocks were mostly added together, so their holder maps are equal and
+        # are read once per run.
+        runs: list[list[Any]] = []
         prev: dict[Location, tuple[Tier, float]] | None = None
         k = 0
         for pending in map(self._entries.get, zip(repeat(namespace), hashes)):
@@ -90,21 +121,7 @@ class PendingBlocks:
             else:
                 runs[-1][1] = k + 1
             k += 1
-        if not k:
-            return EMPTY_MATCH
-        segs: dict[Location, list[tuple[int, int, Tier]]] = {}
-        for start, end, live in runs:
-            for loc, tier in live:
-                segs.setdefault(loc, []).append((start, end, tier))
-        built: dict[tuple[tuple[int, int, Tier], ...], tuple[int, dict[Tier, int], Row]] = {}
-        out: dict[Location, LocationMatch] = {}
-        for loc, seg in segs.items():
-            key = tuple(seg)
-            done = built.get(key)  # locations with the same runs share one (immutable) row
-            if done is None:
-                done = built[key] = _row(seg, k)
-            out[loc] = LocationMatch(loc, *done)
-        return MatchResult(len(hashes), k, out)
+        return k, runs
 
     def _expire(self, now: float) -> None:
         # Entries are refreshed by move_to_end, so the oldest expiry is first in order only

@@ -34,10 +34,9 @@ from operator import is_
 from typing import Any, ClassVar
 
 from kvshare.cost import CostModel, Plan
-from kvshare.match import MatchResult
 from kvshare.types import BlockHash, NodeId, WorkerId
 from kvshare.workers import WorkerInfo, WorkerLoad
-from router.sources import Sharing, SourceMap, SourceRuns
+from router.sources import Match, Sharing, SourceMap, SourceRuns
 
 
 @dataclass(frozen=True)
@@ -128,14 +127,16 @@ class Policy(ABC):
     def choose(
         self,
         request: RouteRequest,
-        match: MatchResult,
+        match: Match,
         candidates: Sequence[Candidate],
-        pending: MatchResult | None = None,
+        pending: Match | None = None,
     ) -> Decision:
         """Pick a worker; NoEligibleWorker if none serves the request's namespace/tenant.
 
         ``match``: the index's answer; ``pending``: blocks the router's own recent decisions
         are about to create (:class:`~router.pending.PendingBlocks`), local to their workers.
+        Either may be a :class:`~kvshare.match.MatchResult` or the same in run form
+        (:class:`~router.sources.HolderRuns`).
         """
         cands, nodes = self._eligible(candidates, request.namespace, request.tenant)
         if not cands:
@@ -346,9 +347,10 @@ class CostPolicy(Policy):
         self._rotate = _Rotation()
 
     def _select(self, request: RouteRequest, view: SourceMap, cands: list[Candidate]) -> tuple[int, str]:
-        self._plans = plans = {}
+        plans: dict[WorkerId, Plan] = {}
+        self._plans = plans
         by_runs: dict[SourceRuns, Plan] = {}  # workers with equal views share a plan
-        cost = self.cost
+        cost, tie = self.cost, self.tie_s
         fetch = cost.block_fetch_s
         n = request.num_tokens
         c_max = cost.cached_tokens(view.combined, n)
@@ -356,17 +358,28 @@ class CostPolicy(Policy):
         queues, order = self.queues(cands)
         ests = [math.inf] * len(cands)
         best = math.inf
-        for i in order:
-            if queues[i] + floor > best + self.tie_s:
+        pos, end = 0, len(order)
+        while pos < end:
+            q = queues[order[pos]]
+            if q + floor > best + tie:
                 break  # exact pruning: this worker (and every later one) cannot win or tie
-            info = cands[i].info
-            runs = view.source_runs(info.worker_id, info.node, self.sharing, fetch)
-            plan = by_runs.get(runs)
-            if plan is None:
-                plan = by_runs[runs] = cost.plan_runs(n, runs)
-            plans[info.worker_id] = plan
-            ests[i] = queues[i] + plan.total_s
-            best = min(best, ests[i])
+            group = []  # the workers with this queue wait, most promising first
+            while pos < end and queues[order[pos]] == q:
+                i = order[pos]
+                info = cands[i].info
+                runs = view.source_runs(info.worker_id, info.node, self.sharing, fetch)
+                group.append((self._bound(n, runs), pos, i, runs))
+                pos += 1
+            group.sort()
+            for bound, _, i, runs in group:
+                if q + bound > best + tie:
+                    break  # exact pruning: its plan (and the rest's) cannot win or tie
+                plan = by_runs.get(runs)
+                if plan is None:
+                    plan = by_runs[runs] = cost.plan_runs(n, runs)
+                plans[cands[i].info.worker_id] = plan
+                ests[i] = q + plan.total_s
+                best = min(best, ests[i])
         best = min(ests)
         # Near-ties (e.g. a new prefix on idle workers) rotate, so new blocks spread over nodes.
         ties = [i for i, e in enumerate(ests) if e <= best + self.tie_s]
@@ -380,8 +393,28 @@ class CostPolicy(Policy):
             reason = "cache_local"
         return best_i, reason
 
+    def _bound(self, n: int, runs: SourceRuns) -> float:
+        """A lower bound of ``plan_runs(n, runs).total_s``, from the runs' first source and
+        length: any cut pays the first block's fetch and latency and prefills at least the
+        tokens past the runs (or there is no cut: recompute all). Shrunk by 1e-9 so float
+        rounding never lifts it above the plan."""
+        pm, cost = self.cost.prefill, self.cost
+        full = pm.a * n + pm.b * n * n / 2
+        if not runs:
+            return full * _SHRINK
+        src = runs[0][0]
+        bw = cost.bandwidths
+        lat = bw.remote_latency_s if src >= 3 else (bw.local_latency_s if src else 0.0)
+        c = cost.cached_tokens(sum(ln for _, ln in runs), n)
+        m = n - c
+        cut = cost.block_fetch_s[src] + lat + pm.a * m + pm.b * m * (c + m / 2)
+        return min(full, cut) * _SHRINK
+
     def plan_for(self, request: RouteRequest, view: SourceMap, cand: Candidate) -> Plan:
         return self._plans.get(cand.info.worker_id) or super().plan_for(request, view, cand)
+
+
+_SHRINK = 1.0 - 1e-9
 
 
 POLICIES: dict[str, Callable[..., Policy]] = {

@@ -3,14 +3,15 @@
 The index answers "who holds block i, in which tier" (:class:`kvshare.match.MatchResult`). A
 worker on node N sees block i as local (its own gpu tier, or N's host/disk pool) or remote
 (another node's pool or another worker's gpu). :class:`SourceMap` precomputes, once per
-request, the best holder per block and the best holder on a *different* node, so each
-worker's view is cheap.
+request, the best holder and the best holder on a *different* node, so each worker's view is
+cheap.
 
-It works on *segments*: runs of consecutive blocks over which no location's tier changes (a
-prompt is a shared prefix held by many, then a tail held by few, so a 32-block match is
-typically 2-4 segments). Everything is computed per segment, with exactly the per-block
-result; :meth:`SourceMap.source_runs` returns a worker's view as runs ``(source, count)``
-(hashable, cheap to compare; :meth:`~kvshare.cost.CostModel.plan_runs` takes them) and
+It works on *segments*: runs of consecutive blocks over which no holder changes (a prompt is a
+shared prefix held by many, then a tail held by few, so a 32-block match is typically 2-4
+segments), with exactly the per-block result. Its input is a :class:`MatchResult` or, cheaper,
+the same match in run form (:class:`HolderRuns`, what the index computes anyway);
+:meth:`SourceMap.source_runs` returns a worker's view as runs ``(source, count)`` (hashable,
+cheap to compare; :meth:`~kvshare.cost.CostModel.plan_runs` takes them) and
 :meth:`SourceMap.sources_for` the same expanded per block.
 
 ``Sharing.LOCAL`` (Mooncake's "local cache" case) hides remote holders: a worker reuses only
@@ -24,10 +25,11 @@ from collections.abc import Mapping, Sequence
 from enum import StrEnum
 from itertools import compress, islice
 from operator import ne
+from typing import NamedTuple
 
 from kvshare.cost import Source
 from kvshare.match import MatchResult
-from kvshare.types import Location, NodeId, Tier, WorkerId, node_location, worker_location
+from kvshare.types import NodeId, Tier, WorkerId, node_location, worker_location
 
 _NONE = 9  # "nobody holds it" rank sentinel
 _SRC = tuple(Source)
@@ -35,6 +37,8 @@ _RANK: dict[Tier | None, int] = {None: _NONE, **{t: t.rank for t in Tier}}
 
 SourceRuns = tuple[tuple[int, int], ...]
 """A worker's view as runs ``(source, count)`` of equal consecutive :class:`Source` values."""
+Holders = Sequence[tuple[str, int]]
+"""``((location, tier rank), ...)``: who holds a block, in which tier (``Tier.rank``)."""
 
 _worker_loc = functools.lru_cache(maxsize=4096)(worker_location)
 _node_loc = functools.lru_cache(maxsize=4096)(node_location)
@@ -45,7 +49,23 @@ class Sharing(StrEnum):
     GLOBAL = "global"
 
 
-def _node_of(loc: Location, worker_nodes: Mapping[WorkerId, NodeId]) -> str:
+class HolderRuns(NamedTuple):
+    """A match in run form: ``runs[j] = (holders, count)`` for consecutive blocks from block 0
+    with the same holders, up to the combined prefix (the form
+    :meth:`actors.index.GlobalIndex.match_runs` computes; tier codes there are tier ranks)."""
+
+    num_blocks: int
+    runs: Sequence[tuple[Holders, int]]
+
+    @property
+    def combined_prefix(self) -> int:
+        return sum(n for _, n in self.runs)
+
+
+Match = MatchResult | HolderRuns
+
+
+def _node_of(loc: str, worker_nodes: Mapping[WorkerId, NodeId]) -> str:
     kind, _, ident = loc.partition(":")
     if kind == "node":
         return ident
@@ -58,6 +78,48 @@ def _changes(row: list[int]) -> list[int]:
     return list(compress(range(1, len(row)), map(ne, row, islice(row, 1, None))))
 
 
+def holder_runs(match: Match) -> Sequence[tuple[Holders, int]]:
+    """The runs of a match (a :class:`MatchResult` is cut where any location's tier changes)."""
+    if isinstance(match, HolderRuns):
+        return match.runs
+    k = match.combined_prefix
+    if not k:
+        return ()
+    rows: dict[int, list[int]] = {}  # id(tiers) -> ranks: locations often share one row
+    locs = []
+    cuts: set[int] = set()
+    for loc, m in match.locations.items():
+        ranks = rows.get(id(m.tiers))
+        if ranks is None:
+            ranks = rows[id(m.tiers)] = list(map(_RANK.__getitem__, m.tiers[:k]))
+            ranks += [_NONE] * (k - len(ranks))
+            cuts.update(_changes(ranks))
+        locs.append((loc, ranks))
+    starts = [0, *sorted(cuts)]
+    return [
+        ([(loc, r[s]) for loc, r in locs if r[s] != _NONE], e - s)
+        for s, e in zip(starts, [*starts[1:], k], strict=True)
+    ]
+
+
+def _per_segment(runs: Sequence[tuple[Holders, int]], starts: list[int]) -> list[Holders]:
+    """The holders of the run covering each segment start (none past the runs)."""
+    out: list[Holders] = []
+    it = iter(runs)
+    cur: Holders = ()
+    end = 0
+    for s in starts:
+        while s >= end:
+            nxt = next(it, None)
+            if nxt is None:
+                cur, end = (), 1 << 62
+                break
+            cur, n = nxt
+            end += n
+        out.append(cur)
+    return out
+
+
 def expand(runs: SourceRuns) -> list[Source]:
     """Runs back to one :class:`Source` per block."""
     out: list[Source] = []
@@ -67,54 +129,55 @@ def expand(runs: SourceRuns) -> list[Source]:
 
 
 class SourceMap:
-    """Block sources for every worker, from one :class:`MatchResult`."""
+    """Block sources for every worker, from one match (and the router's pending blocks)."""
 
     def __init__(
         self,
-        match: MatchResult,
+        match: Match,
         worker_nodes: Mapping[WorkerId, NodeId],
-        pending: MatchResult | None = None,
+        pending: Match | None = None,
     ) -> None:
         """``pending``: blocks the router's recent decisions are about to create; they count
         only for the workers at their locations (they cannot be pulled before they exist)."""
-        k = match.combined_prefix
         self.num_blocks = match.num_blocks
-        self.combined = combined = max(k, pending.combined_prefix if pending is not None else 0)
-        pad = [_NONE] * (combined - k)
-        self._ranks: dict[Location, list[int]] = {}
-        rows: dict[int, list[int]] = {}  # id(tiers) -> ranks: locations often share one row
-        index_rows: dict[tuple[int, str], list[int]] = {}  # (row, node): each pair counts once
-        cuts: set[int] = set()
-        for loc, m in match.locations.items():
-            tiers = m.tiers
-            ranks = rows.get(id(tiers))
-            if ranks is None:
-                ranks = rows[id(tiers)] = list(map(_RANK.__getitem__, tiers[:k]))
-                ranks += pad
-                cuts.update(_changes(ranks))
-            self._ranks[loc] = ranks
-            index_rows[(id(tiers), _node_of(loc, worker_nodes))] = ranks
-        if pending is not None:
-            for loc, m in pending.locations.items():
-                row = list(map(_RANK.__getitem__, m.tiers))
-                row.extend([_NONE] * (combined - len(row)))
-                cuts.update(_changes(row))
-                cur = self._ranks.get(loc)
-                self._ranks[loc] = row if cur is None else list(map(min, cur, row))
-        # segments [starts[j], starts[j + 1]): no row changes inside one
-        starts = [0, *sorted(c for c in cuts if c < combined)] if combined else []
+        index = holder_runs(match)
+        mine = holder_runs(pending) if pending is not None else ()
+        bounds = {0}
+        for runs in (index, mine):
+            pos = 0
+            for _, n in runs:
+                pos += n
+                bounds.add(pos)
+        self.combined = combined = max(bounds)
+        bounds.discard(combined)
+        starts = sorted(bounds) if combined else []
+        n_seg = len(starts)
         self._starts = starts
-        self._lens = [e - s for s, e in zip(starts, [*starts[1:], combined][: len(starts)], strict=True)]
-        # per segment: best rank, its node, best rank on any other node (index holders only)
-        n = len(starts)
-        best1 = [_NONE] * n
-        best1_node: list[str | None] = [None] * n
-        best2 = [_NONE] * n
-        for (_, node), ranks in index_rows.items():
-            for j, s0 in enumerate(starts):
-                r = ranks[s0]
+        self._lens = [e - s for s, e in zip(starts, starts[1:] + [combined], strict=False)]
+        # own ranks per location and segment (index and pending); per segment the best index
+        # holder's rank, its node, and the best rank on any other node
+        ranks: dict[str, list[int]] = {}
+        best1 = [_NONE] * n_seg
+        best1_node: list[str | None] = [None] * n_seg
+        best2 = [_NONE] * n_seg
+        nodes: dict[str, str] = {}
+        prev: Holders | None = None
+        for j, holders in enumerate(_per_segment(index, starts)):
+            for loc, r in holders:
+                row = ranks.get(loc)
+                if row is None:
+                    row = ranks[loc] = [_NONE] * n_seg
+                row[j] = r
+            if holders is prev:  # the run of the segment before (cut by pending): same bests
+                best1[j], best1_node[j], best2[j] = best1[j - 1], best1_node[j - 1], best2[j - 1]
+                continue
+            prev = holders
+            for loc, r in holders:
                 if r == _NONE:
                     continue
+                node = nodes.get(loc)
+                if node is None:
+                    node = nodes[loc] = _node_of(loc, worker_nodes)
                 if best1_node[j] == node:
                     if r < best1[j]:
                         best1[j] = r
@@ -123,6 +186,14 @@ class SourceMap:
                     best1[j], best1_node[j] = r, node
                 elif r < best2[j]:
                     best2[j] = r
+        for j, holders in enumerate(_per_segment(mine, starts)):
+            for loc, r in holders:
+                row = ranks.get(loc)
+                if row is None:
+                    row = ranks[loc] = [_NONE] * n_seg
+                if r < row[j]:
+                    row[j] = r
+        self._ranks = ranks
         self._best1, self._best1_node, self._best2 = best1, best1_node, best2
         self._holder_nodes = {nd for nd in best1_node if nd is not None}
         self._remote_only: SourceRuns | None = None
@@ -152,16 +223,16 @@ class SourceMap:
             return self._remote_only
         return self._runs(own_w, own_n, node, remote, fetch_s)
 
-    def _runs(self, own_w: list[int] | None, own_n: list[int] | None, node: str | None, remote: bool,
-              fetch_s: Sequence[float] | None) -> SourceRuns:
+    def _runs(self, own_w: list[int] | None, own_n: list[int] | None, node: str | None,
+              remote: bool, fetch_s: Sequence[float] | None) -> SourceRuns:
         b1, b1n, b2, lens = self._best1, self._best1_node, self._best2, self._lens
         out: list[tuple[int, int]] = []
-        for j, s0 in enumerate(self._starts):
+        for j in range(len(lens)):
             s = _NONE
             if own_w is not None:
-                s = own_w[s0]
-            if own_n is not None and own_n[s0] < s:
-                s = own_n[s0]
+                s = own_w[j]
+            if own_n is not None and own_n[j] < s:
+                s = own_n[j]
             if remote and s > 0:
                 r = b1[j] if b1n[j] != node else b2[j]
                 if r != _NONE:

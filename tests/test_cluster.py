@@ -193,6 +193,9 @@ def test_workers_register_and_match_async(kv: dict[str, Any]) -> None:
     assert client.loads()["w-b"].queued_prefill_tokens == 3
     m = asyncio.run(client.match_async("m", hs))
     assert m.prefix_for(wloc) == 4 and m.locations[wloc].tier_counts == {Tier.GPU: 4}
+    from actors.runs import from_runs
+
+    assert from_runs(*asyncio.run(client.match_runs_async("m", hs))) == m  # the run form
 
 
 def test_index_killed_answers_as_before_within_10s(kv: dict[str, Any]) -> None:
@@ -309,6 +312,9 @@ def test_sharded_index_client_agrees_with_one_index(kv: dict[str, Any]) -> None:
         assert client.publish(batch).resync == () and local.apply_arrow(batch).resync == ()
     assert client.match("m", hs) == local.match("m", hs)
     assert asyncio.run(client.match_async("m", hs)) == local.match("m", hs)
+    from actors.runs import from_runs
+
+    assert from_runs(*asyncio.run(client.match_runs_async("m", hs))) == local.match("m", hs)
     assert client.match("m", hs).prefix_for("node:x") == 20  # type: ignore[arg-type]
     assert client.drop_location("node:y") == 12
     assert client.match("m", hs).prefix_for("node:y") == 0  # type: ignore[arg-type]
