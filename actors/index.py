@@ -39,6 +39,7 @@ from actors.index_io import (
     single_group,
     validate_events,
 )
+from actors.index_wire import decode_queries, decode_query, encode_answers, encode_runs
 from actors.registry import WorkerRegistry
 from actors.runs import Runs, from_runs
 from actors.table import BlockTable
@@ -384,6 +385,17 @@ class GlobalIndex:
         hashes = ns.split(blob, hash_len)
         self._expire_workers()
         return ns.match_runs(hashes)
+
+    def match_query(self, query: bytes) -> bytes:
+        """:meth:`match_packed` in the wire format of :mod:`actors.index_wire`: one bytes
+        argument in, the pickled ``(num_blocks, runs)`` out (the cheapest Ray actor call)."""
+        namespace, blob, hash_len = decode_query(query)
+        return encode_runs(*self.match_packed(namespace, blob, hash_len))
+
+    def match_queries(self, queries: bytes) -> bytes:
+        """Several :meth:`match_query` queries in one call (:func:`actors.index_wire.encode_queries`);
+        the reply pickles the list of ``(num_blocks, runs)``. Any bad query fails the call."""
+        return encode_answers([self.match_packed(*decode_query(q)) for q in decode_queries(queries)])
 
     # ------------------------------------------------------------------ workers
     def register_worker(self, info: WorkerInfo) -> int:

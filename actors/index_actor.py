@@ -73,6 +73,11 @@ class IndexService(GlobalIndex):
         """The shard's epoch (``_payload`` is ignored: benchmarks time bare calls with it)."""
         return self.epoch
 
+    def ping(self, _query: bytes = b"") -> bytes:
+        """Does nothing: Ray's own cost of a call shaped like :meth:`match_query` (one bytes
+        argument, a bytes reply), which benchmarks print as the floor."""
+        return b""
+
     def ask_pools_to_republish(self) -> int:
         """Fire-and-forget ``republish()`` to every named pool actor; returns how many."""
         ns = self.config.ray_namespace

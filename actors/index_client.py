@@ -27,6 +27,7 @@ from actors.config import RAY_NAMESPACE, index_name
 from actors.holders import TIER_CODES
 from actors.index import PublishAck
 from actors.index_io import check_event_batch, column_np, single_group
+from actors.index_wire import decode_answers, decode_runs, encode_queries, encode_query
 from actors.runs import Runs, from_runs
 from kvshare.events import events_from_arrow, events_to_arrow
 from kvshare.match import MatchResult, build_match
@@ -161,12 +162,25 @@ class IndexClient:
         """Per-location prefix holdings of ``hashes``; empty if the index is unreachable."""
         return self.match_many(namespace, [hashes])[0]
 
-    def match_many(self, namespace: str, requests: Sequence[Sequence[BlockHash]]) -> list[MatchResult]:
-        """Several matches with the calls pipelined (one round trip for all of them)."""
+    def match_many(self, namespace: str, requests: Sequence[Sequence[BlockHash]],
+                   batch: int = 1) -> list[MatchResult]:
+        """Several matches with the calls pipelined (one round trip for all of them).
+
+        ``batch``: queries per actor call (one index shard only; more shards answer by
+        per-block lookups). Batching spreads Ray's fixed cost per call over the queries.
+        """
+        if batch < 1:
+            raise ValueError(f"batch must be >= 1 queries per call, got {batch}")
         try:
             if len(self.shards) == 1:
-                refs = [self.shards[0].match_packed.remote(namespace, *_pack(h)) for h in requests]
-                return [from_runs(*r) for r in self._get(refs)]
+                queries = [encode_query(namespace, *_pack(h)) for h in requests]
+                if batch == 1:
+                    one = self.shards[0].match_query.remote
+                    return [from_runs(*decode_runs(r)) for r in self._get([one(q) for q in queries])]
+                many = self.shards[0].match_queries.remote
+                refs = [many(encode_queries(queries[i:i + batch]))
+                        for i in range(0, len(queries), batch)]
+                return [from_runs(*a) for r in self._get(refs) for a in decode_answers(r)]
             pending = [self._lookup_refs(namespace, h) for h in requests]
             return [self._merge_lookup(len(h), self._get(refs), idx)
                     for h, (refs, idx) in zip(requests, pending, strict=True)]
@@ -179,8 +193,8 @@ class IndexClient:
         """Same as :meth:`match`, awaiting object refs (never blocks the event loop)."""
         try:
             if len(self.shards) == 1:
-                ref = self.shards[0].match_packed.remote(namespace, *_pack(hashes))
-                return from_runs(*(await asyncio.wait_for(ref, self.timeout_s)))
+                ref = self.shards[0].match_query.remote(encode_query(namespace, *_pack(hashes)))
+                return from_runs(*decode_runs(await asyncio.wait_for(ref, self.timeout_s)))
             refs, idx = self._lookup_refs(namespace, hashes)
             parts = await asyncio.wait_for(asyncio.gather(*refs), self.timeout_s)
             return self._merge_lookup(len(hashes), list(parts), idx)
@@ -194,9 +208,8 @@ class IndexClient:
         a shard sends anyway, so a router skips expanding it per block. Empty if unreachable."""
         try:
             if len(self.shards) == 1:
-                ref = self.shards[0].match_packed.remote(namespace, *_pack(hashes))
-                n, runs = await asyncio.wait_for(ref, self.timeout_s)
-                return n, runs
+                ref = self.shards[0].match_query.remote(encode_query(namespace, *_pack(hashes)))
+                return decode_runs(await asyncio.wait_for(ref, self.timeout_s))
             refs, idx = self._lookup_refs(namespace, hashes)
             parts = await asyncio.wait_for(asyncio.gather(*refs), self.timeout_s)
             return len(hashes), _runs_of_blocks(self._per_block(len(hashes), list(parts), idx))

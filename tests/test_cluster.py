@@ -196,6 +196,8 @@ def test_workers_register_and_match_async(kv: dict[str, Any]) -> None:
     from actors.runs import from_runs
 
     assert from_runs(*asyncio.run(client.match_runs_async("m", hs))) == m  # the run form
+    # several queries per actor call answer the same as one per call
+    assert client.match_many("m", [hs, hs[:2], hs[1:]], batch=2) == client.match_many("m", [hs, hs[:2], hs[1:]])
 
 
 def test_index_killed_answers_as_before_within_10s(kv: dict[str, Any]) -> None:
@@ -315,6 +317,7 @@ def test_sharded_index_client_agrees_with_one_index(kv: dict[str, Any]) -> None:
     from actors.runs import from_runs
 
     assert from_runs(*asyncio.run(client.match_runs_async("m", hs))) == local.match("m", hs)
+    assert client.match_many("m", [hs, hs[:5]], batch=2) == [local.match("m", hs), local.match("m", hs[:5])]
     assert client.match("m", hs).prefix_for("node:x") == 20  # type: ignore[arg-type]
     assert client.drop_location("node:y") == 12
     assert client.match("m", hs).prefix_for("node:y") == 0  # type: ignore[arg-type]

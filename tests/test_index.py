@@ -278,6 +278,30 @@ def test_packed_matches_equal_plain_matches(index: GlobalIndex) -> None:
         index.match_packed("m", b"x" * 33, 32)
 
 
+def test_wire_queries_answer_like_packed_matches_and_refuse_garbage(index: GlobalIndex) -> None:
+    from actors.index_wire import decode_answers, decode_runs, encode_queries, encode_query
+
+    hs = hashes(12)
+    a, b = Publisher(index, A), Publisher(index, B)
+    a.send(a.stored(hs[:9]))
+    b.send(b.stored(hs[:4], Tier.DISK))
+    blob = b"".join(hs)
+    packed = index.match_packed("m", blob, 32)
+    assert decode_runs(index.match_query(encode_query("m", blob, 32))) == packed
+    queries = [encode_query("m", blob, 32), encode_query("m", blob[:96], 32), encode_query("m", b"", 32)]
+    assert decode_answers(index.match_queries(encode_queries(queries))) == [
+        packed, index.match_packed("m", blob[:96], 32), index.match_packed("m", b"", 32)]
+    assert decode_answers(index.match_queries(b"")) == []
+    with pytest.raises(KeyError, match="unknown namespace"):
+        index.match_query(encode_query("nope", blob, 32))
+    for bad, why in ((b"", "match query"), (b"\x20\xff\x00m", "truncated"),
+                     (encode_query("m", blob[:40], 32), "32-byte"), ("m", "match query")):
+        with pytest.raises(ValueError, match=why):
+            index.match_query(bad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="truncated"):
+        index.match_queries(encode_queries(queries)[:-5] + b"\xff\xff\xff\x7f")
+
+
 def test_index_service_warm_starts_from_its_snapshot(tmp_path: object) -> None:
     from actors.config import IndexConfig
     from actors.index_actor import IndexService
