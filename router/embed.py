@@ -175,6 +175,8 @@ class CacheAwareRouter:
         self._children: dict[tuple[str, str, str], tuple[Any, Any]] = {}
         self._down: dict[WorkerId, float] = {}
         self._cands: dict[WorkerId, Candidate] = {}
+        self._last_key: tuple[tuple[WorkerInfo, ...], list[tuple[WorkerLoad, int]]] = ((), [])
+        self._last_cands: list[Candidate] = []
         self._inline = bool(getattr(index, "inline", False))
         self._match_runs = getattr(index, "match_runs_async", None)
         self.decisions = 0
@@ -280,15 +282,19 @@ class CacheAwareRouter:
         Candidate object, so the policy's per-candidate work is reused too.
         """
         self.inflight.sweep()
+        key = (tuple(infos), self.inflight.loads(infos, loads))
+        if key == self._last_key:  # nothing changed (compared by identity first): same list
+            return self._last_cands
         cache = self._cands
         if len(cache) > 2 * len(infos) + 64:  # workers come and go: forget the departed
             cache.clear()
         out = []
-        for info, (load, blocks) in zip(infos, self.inflight.loads(infos, loads), strict=True):
+        for info, (load, blocks) in zip(*key, strict=True):
             c = cache.get(info.worker_id)
             if c is None or c.info is not info or c.load is not load or c.active_blocks != blocks:
                 c = cache[info.worker_id] = Candidate(info, load, blocks)
             out.append(c)
+        self._last_key, self._last_cands = key, out
         return out
 
     def _usable(self, infos: Sequence[WorkerInfo], exclude: Collection[WorkerId]) -> Sequence[WorkerInfo]:
