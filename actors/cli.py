@@ -15,6 +15,7 @@ import subprocess
 import sys
 from typing import Any
 
+from actors import admin_cli
 from kvshare.layout import format_bytes
 
 
@@ -189,3 +190,4 @@ def register(subparsers: Any) -> None:
     down = subparsers.add_parser("down", help="stop kvshare's actors (disk blocks stay)")
     common(down)
     down.set_defaults(func=_down)
+    admin_cli.register(subparsers)  # lookup, pin, unpin, prefetch, clear

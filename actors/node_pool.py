@@ -19,6 +19,8 @@ threaded (``max_concurrency``) so a slow call never blocks the control path.
 - **Leases** end on unpin/commit/abort, at their deadline, or when the holder died: holders
   named ``pid:<n>`` (a process on this node) or a Ray actor id are checked every
   ``holder_check_s``.
+- **Admin pins** (``pin_prefix``/``unpin_prefix``, driven by :mod:`actors.admin`): leases of
+  holders named ``admin:<name>`` that last until their ttl or an unpin; never judged dead.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from typing import Any, Protocol
 import numpy as np
 import pyarrow as pa
 
+from actors.admin_pins import AdminPins
 from actors.config import NamespaceSpec, PoolSettings, SlabInfo
 from actors.index import PublishAck
 from actors.liveness import pid_alive, ray_holder_alive
@@ -67,7 +70,7 @@ class IndexSink(Protocol):
                           seq: int, namespace: str | None = None) -> bool: ...
 
 
-class NodePool(TransferEndpoints):
+class NodePool(TransferEndpoints, AdminPins):
     """The pools of one node, publishing to the index; ``transfer_*`` serve the data plane."""
 
     def __init__(
@@ -91,6 +94,8 @@ class NodePool(TransferEndpoints):
         self._slabs: dict[str, HostSlab] = {}
         self._seq: dict[str, int] = {}
         self._holders: dict[str, float] = {}
+        self._admin_lock = threading.Lock()  # AdminPins: (namespace, holder) -> lease ids
+        self._admin_pins: dict[tuple[str, str], list[int]] = {}
         self._pending = 0
         self._wake = threading.Event()
         self._closed = threading.Event()

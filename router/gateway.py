@@ -2,7 +2,8 @@
 
 Endpoints: ``POST /v1/completions`` and ``POST /v1/chat/completions`` (``stream: true`` is
 passed through as server-sent events), ``POST /v1/route`` (the decision only, for other
-gateways), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus text).
+gateways), ``POST /v1/kvshare/lookup|pin|unpin|prefetch`` (admin, :mod:`router.admin_routes`;
+``--address`` only), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus text).
 
 The gateway tokenizes once and forwards the body plus ``kvshare: {token_ids, namespace,
 hashes_hex, tenant[, cache_salt]}``, so the worker never re-tokenizes. API keys
@@ -31,6 +32,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvshare.types import NodeId, WorkerId
 from kvshare.workers import WorkerInfo
+from router.admin_routes import add_admin_routes
 from router.embed import CacheAwareRouter, Routed, RouterConfig, Tenant
 from router.policy import NoEligibleWorker
 from router.workers_view import IndexWorkers, StaticWorkers
@@ -88,8 +90,10 @@ def create_app(
     router: CacheAwareRouter,
     api_keys: Mapping[str, Tenant] | None = None,
     upstream_timeout_s: float = 300.0,
+    admin: Any | None = None,
 ) -> FastAPI:
-    """The gateway app around ``router``; ``api_keys`` empty = open (tenant ``default``)."""
+    """The gateway app around ``router``; ``api_keys`` empty = open (tenant ``default``);
+    ``admin`` (an :class:`actors.admin.ClusterAdmin`) serves ``/v1/kvshare/*`` (501 without)."""
     keys = dict(api_keys or {})
     state: dict[str, httpx.AsyncClient] = {}
 
@@ -268,6 +272,8 @@ def create_app(
         chat = isinstance(probe, dict) and "messages" in probe
         return await parse(request, chat)
 
+    add_admin_routes(app, router, tenant_of, fail, admin)
+
     @app.get("/v1/models")
     async def models() -> Response:
         ns = router.config.namespace
@@ -295,14 +301,18 @@ def serve_from_args(args: argparse.Namespace) -> int:
     import uvicorn
 
     index: Any = None
+    admin: Any = None
     if args.address:
         import ray
 
         from actors.index_client import IndexClient
 
         ray.init(address=args.address, log_to_driver=False)
+        from actors.admin import ClusterAdmin
+
         index = IndexClient.connect()
         workers: Any = IndexWorkers(index)
+        admin = ClusterAdmin()
     else:
         workers = static_workers(args.workers, args.namespace)
     from kvshare.cost import Bandwidths
@@ -330,6 +340,6 @@ def serve_from_args(args: argparse.Namespace) -> int:
         cfg = RouterConfig(block_tokens=args.block_tokens, model_id=args.model_id,
                            layout_fingerprint=args.layout_fingerprint, **common)
     router = CacheAwareRouter(index, workers, cfg, tokenizer)
-    app = create_app(router, load_api_keys(args.api_keys))
+    app = create_app(router, load_api_keys(args.api_keys), admin=admin)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0
