@@ -5,7 +5,8 @@ The body names a prefix the way a completion does, ``prompt`` (text or token ids
 tenant salt (API key), so an operator pins or prefetches what requests of that tenant will
 hit. Extra fields: ``ttl_s`` and ``name`` (pin), ``name`` (unpin), ``node`` (prefetch;
 ``nodes``, a list, narrows pin/unpin), ``deadline_s`` (prefetch). Pin names are scoped by
-tenant (holder ``admin:<tenant>/<name>``). The work is done by :class:`actors.admin.ClusterAdmin`
+tenant (holder ``admin:<tenant>/<name>``). ``pin``, ``unpin`` and ``prefetch`` need a key marked
+``"admin": true`` (403 otherwise) when the gateway has API keys; ``lookup`` only needs a key. The work is done by :class:`actors.admin.ClusterAdmin`
 in a thread, so the event loop keeps routing meanwhile. Without a cluster (static workers)
 every admin call answers 501.
 """
@@ -24,6 +25,7 @@ from router.embed import CacheAwareRouter, Tenant
 
 Fail = Callable[..., JSONResponse]
 OPS = ("lookup", "pin", "unpin", "prefetch")
+PRIVILEGED = ("pin", "unpin", "prefetch")  # need an admin key when the gateway has API keys
 
 
 def add_admin_routes(app: FastAPI, router: CacheAwareRouter,
@@ -39,6 +41,9 @@ def add_admin_routes(app: FastAPI, router: CacheAwareRouter,
         tenant = tenant_of(request)
         if isinstance(tenant, JSONResponse):
             return tenant
+        if op in PRIVILEGED and not tenant.admin:
+            return fail(403, f"{op} changes what the cluster keeps: use an API key marked "
+                        '"admin": true in --api-keys', "permission_error", "not_admin")
         if admin is None:
             return fail(501, "kvshare admin operations need the gateway to run against a kvshare "
                         "cluster: start it with --address", "not_implemented", "no_cluster")

@@ -45,10 +45,12 @@ from router.workers_view import InFlight, WorkerSource
 
 @dataclass(frozen=True)
 class Tenant:
-    """A tenant and its cache salt ("" = the shared default root)."""
+    """A tenant and its cache salt ("" = the shared default root). ``admin`` lets the
+    tenant's key call the gateway's pin/unpin/prefetch operations (not part of equality)."""
 
     name: str = "default"
     salt: str = ""
+    admin: bool = field(default=False, compare=False)
 
 
 _DEFAULT_TENANT = Tenant()

@@ -49,8 +49,9 @@ def error(status: int, message: str, etype: str = "invalid_request_error", code:
 
 
 def load_api_keys(path: str | None) -> dict[str, Tenant]:
-    """``{key: {"tenant": name, "salt": s}}`` from a JSON file; the salt defaults to the
-    tenant's name so tenants are isolated unless two share a salt on purpose."""
+    """``{key: {"tenant": name, "salt": s, "admin": false}}`` from a JSON file; the salt
+    defaults to the tenant's name so tenants are isolated unless two share a salt on purpose;
+    only keys with ``"admin": true`` may pin, unpin or prefetch."""
     if path is None:
         return {}
     with open(path, encoding="utf-8") as f:
@@ -67,7 +68,10 @@ def parse_api_keys(raw: Any) -> dict[str, Tenant]:
             spec = {"tenant": spec}
         if not isinstance(spec, Mapping) or not isinstance(spec.get("tenant"), str):
             raise ValueError(f"API key entry for {key[:4]}... needs a 'tenant' name")
-        out[str(key)] = Tenant(spec["tenant"], str(spec.get("salt", spec["tenant"])))
+        admin = spec.get("admin", False)
+        if not isinstance(admin, bool):
+            raise ValueError(f"API key entry for {key[:4]}...: 'admin' must be true or false")
+        out[str(key)] = Tenant(spec["tenant"], str(spec.get("salt", spec["tenant"])), admin)
     return out
 
 
@@ -130,7 +134,7 @@ def create_app(
 
     def tenant_of(request: Request) -> Tenant | JSONResponse:
         if not keys:
-            return Tenant()
+            return Tenant(admin=True)  # an open gateway (no --api-keys): everyone is the operator
         auth = request.headers.get("authorization", "")
         key = auth[7:].strip() if auth.lower().startswith("bearer ") else ""
         tenant = keys.get(key)

@@ -252,7 +252,8 @@ def test_gateway_pins_and_prefetches_by_prompt_text(kv: dict[str, Any]) -> None:
     a, b = kv["a"], kv["b"]
     router = CacheAwareRouter(None, StaticWorkers([]), RouterConfig(
         namespace=FETCH, model_id="m", block_tokens=LAYOUT.block_tokens))
-    keys = {"k-acme": {"tenant": "acme", "salt": "s1"}, "k-other": {"tenant": "other"}}
+    keys = {"k-acme": {"tenant": "acme", "salt": "s1", "admin": True},
+            "k-other": {"tenant": "other", "admin": True}, "k-user": {"tenant": "acme", "salt": "s1"}}
     prompt = "You are a helpful assistant for kvshare admins. " * 4  # 196 bytes: 6 blocks
     hs = router.hashes(router.tokenize(prompt), Tenant("acme", "s1"))
     assert len(hs) == 6
@@ -295,6 +296,10 @@ def test_gateway_pins_and_prefetches_by_prompt_text(kv: dict[str, Any]) -> None:
             r = post(op, **body)
             assert r.status_code == code and words in r.json()["error"]["message"], (op, r.text)
         assert post("pin", key="wrong", prompt=prompt, ttl_s=3, name="x").status_code == 401
+        for op in ("pin", "unpin", "prefetch"):  # a tenant's plain key may look, not change
+            r = post(op, key="k-user", prompt=prompt, ttl_s=3, name="x", node=b)
+            assert r.status_code == 403 and r.json()["error"]["code"] == "not_admin", r.text
+        assert post("lookup", key="k-user", prompt=prompt).status_code == 200
         r = post("pin", url=bare.url, prompt=prompt, ttl_s=3, name="x")
         assert r.status_code == 501 and r.json()["error"]["code"] == "no_cluster"
     finally:
