@@ -1,7 +1,7 @@
 """The data plane on a real Ray cluster (head + 2 nodes): deployed NodePoolActors serve blocks.
 
 Reader actors play inference workers: ``reader_a`` on node A (same node as pool A: shm) and
-``reader_b`` on node B (nixl, objstore). Faults are injected for real: bytes flipped in pool
+``reader_b`` on node B (nixl, nixl_push, objstore). Faults are injected for real: bytes flipped in pool
 A's /dev/shm slab and in its disk files, a 1 ms deadline, a NIXL agent that cannot start
 (``UCX_TLS=sm,self``), and a node removed from the cluster. After every scenario both pools
 must be consistent: no lease or pin left, no reserved-but-uncommitted slot.
@@ -70,6 +70,11 @@ class Reader:
             nixl = NixlTransport(f"{NS}/{self.node[:12]}/{tag}-{os.getpid()}")
             nixl.register(self.dest)
             self.transports["nixl"] = nixl
+            from kvshare.transfer.nixl_push import NixlPushTransport
+
+            push = NixlPushTransport(f"{NS}/{self.node[:12]}/{tag}-push-{os.getpid()}")
+            push.register(self.dest)
+            self.transports["nixl_push"] = push
         except TransportUnavailable as exc:
             self.nixl_error = str(exc)
         self.pending: Any = None
@@ -213,7 +218,7 @@ def reader_for(kv: dict[str, Any], name: str) -> Any:
     return kv["ra"] if name == "shm" else kv["rb"]
 
 
-@pytest.mark.parametrize("name", ["shm", "nixl", "objstore"])
+@pytest.mark.parametrize("name", ["shm", "nixl", "nixl_push", "objstore"])
 @pytest.mark.parametrize("n", [1, 64, 1000])
 def test_blocks_written_on_a_read_byte_identical(kv: dict[str, Any], name: str, n: int) -> None:
     import ray
@@ -224,7 +229,7 @@ def test_blocks_written_on_a_read_byte_identical(kv: dict[str, Any], name: str, 
     assert_consistent(kv["pb"])
 
 
-@pytest.mark.parametrize("name", ["shm", "nixl", "objstore"])
+@pytest.mark.parametrize("name", ["shm", "nixl", "nixl_push", "objstore"])
 def test_mixed_batch_misses_exactly_the_missing(kv: dict[str, Any], name: str) -> None:
     import ray
 
@@ -246,7 +251,7 @@ def test_writes_over_each_transport_land_whole(kv: dict[str, Any], name: str) ->
     assert_consistent(kv["pa"])
 
 
-@pytest.mark.parametrize("name", ["nixl", "objstore"])
+@pytest.mark.parametrize("name", ["nixl", "nixl_push", "objstore"])
 def test_flipped_byte_in_slab_is_a_corrupt_miss(kv: dict[str, Any], name: str) -> None:
     import ray
 
@@ -270,7 +275,7 @@ def test_flipped_byte_in_slab_is_a_corrupt_miss(kv: dict[str, Any], name: str) -
     assert_consistent(kv["pa"])
 
 
-@pytest.mark.parametrize("name", ["shm", "nixl", "objstore"])
+@pytest.mark.parametrize("name", ["shm", "nixl", "nixl_push", "objstore"])
 def test_flipped_byte_in_disk_file_is_a_corrupt_miss(kv: dict[str, Any], name: str) -> None:
     import ray
 
@@ -300,7 +305,7 @@ def test_flipped_byte_in_disk_file_is_a_corrupt_miss(kv: dict[str, Any], name: s
     assert_consistent(kv["pa"], SMALL)
 
 
-@pytest.mark.parametrize("name", ["shm", "nixl", "objstore"])
+@pytest.mark.parametrize("name", ["shm", "nixl", "nixl_push", "objstore"])
 def test_one_millisecond_deadline_misses_and_releases(kv: dict[str, Any], name: str) -> None:
     import ray
 

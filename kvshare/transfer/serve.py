@@ -20,6 +20,7 @@ import numpy as np
 from kvshare.pool import TieredBlockPool
 from kvshare.tiers.base import ByteArray
 from kvshare.transfer.base import Transport, TransportUnavailable
+from kvshare.transfer.nixl_push import PushedRead, PushRequest
 from kvshare.transfer.probe import (
     PROBE_BLOCKS,
     PROBE_LAYOUT,
@@ -177,6 +178,12 @@ class TransferEndpoints:
         self, namespace: str, hashes: Sequence[BlockHash], holder: str, ttl_s: float
     ) -> PreparedRead:
         return self.transfer.source(namespace).prepare_read(hashes, holder, ttl_s)
+
+    def transfer_push_read(
+        self, namespace: str, hashes: Sequence[BlockHash], holder: str, ttl_s: float,
+        request: PushRequest,
+    ) -> PushedRead:
+        return self.transfer.source(namespace).push_read(hashes, holder, ttl_s, request)
 
     def transfer_finish(self, namespace: str, holder: str, lease_ids: Sequence[int]) -> list[bool]:
         return self.transfer.source(namespace).finish(holder, lease_ids)

@@ -15,6 +15,7 @@ import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -41,6 +42,10 @@ from kvshare.transfer.wire import (
 )
 from kvshare.types import BlockHash, Tier
 
+if TYPE_CHECKING:
+    from kvshare.transfer.nixl_agent import NixlSource
+    from kvshare.transfer.nixl_push import PushedRead, PushRequest
+
 log = logging.getLogger(__name__)
 
 PRESENT = "present"
@@ -61,7 +66,7 @@ class BlockSource:
         store = pool.store(Tier.HOST)
         self.slab: HostSlab | None = store if isinstance(store, HostSlab) else None
         self.nixl_error = ""
-        self._nixl = None
+        self._nixl: NixlSource | None = None
         self._epochs: SharedEpochs | None = None
         if self.slab is not None and self.slab.name is not None:
             SharedEpochs.remove_stale(self.slab.name)
@@ -105,6 +110,11 @@ class BlockSource:
             return None
         return self._nixl.info(self.generation)
 
+    @property
+    def nixl_source(self) -> NixlSource | None:
+        """The NIXL agent exposing the slab (None when NIXL is off or failed to start)."""
+        return self._nixl
+
     def _nixl_fields(self) -> tuple[str, str]:
         return (self._nixl.name if self._nixl is not None else "", self.nixl_error)
 
@@ -129,6 +139,14 @@ class BlockSource:
                 blocks.append(SourceBlock(lease.lease_id, lease.slot, lease.epoch, lease.checksum))
         agent, err = self._nixl_fields()
         return PreparedRead(self.generation, tuple(blocks), self.slab_info(), agent, err)
+
+    def push_read(
+        self, hashes: Sequence[BlockHash], holder: str, ttl_s: float, request: PushRequest
+    ) -> PushedRead:
+        """Pin ``hashes``, NIXL-WRITE them into the reader's memory, end the pins (nixl_push)."""
+        from kvshare.transfer.nixl_push import push_blocks
+
+        return push_blocks(self, hashes, holder, ttl_s, request)
 
     def finish(self, holder: str, lease_ids: Sequence[int]) -> list[bool]:
         """Report which of ``lease_ids`` were still valid, then end every lease of ``holder``."""
