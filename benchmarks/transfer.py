@@ -84,7 +84,10 @@ class Reader:
 
         self.node = node
         self.pool = pool
-        self.dest = np.ones(TOTAL, dtype=np.uint8)  # pre-touched
+        from kvshare.transfer.nixl import aligned_empty
+
+        self.dest = aligned_empty(TOTAL)  # 2 MiB-aligned: see aligned_empty
+        self.dest.fill(1)  # pre-touched
         self.src = np.ones(TOTAL, dtype=np.uint8)
         self.transports: dict[str, Any] = {"shm": ShmTransport(node), "objstore": ObjStoreTransport()}
         try:

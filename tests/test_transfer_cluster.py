@@ -498,3 +498,15 @@ def test_source_node_dies_mid_transfer(kv: dict[str, Any]) -> None:
         assert_consistent(kv["pb"])
     finally:
         ray.kill(rt)
+
+
+def test_aligned_empty_starts_on_a_huge_page_and_has_the_shape() -> None:
+    from kvshare.transfer.nixl import HUGE_PAGE, aligned_empty
+
+    for shape in (1000, (3, B), (17, 4096)):
+        a = aligned_empty(shape)
+        assert a.ctypes.data % HUGE_PAGE == 0 and a.dtype == np.uint8 and a.flags.c_contiguous
+        assert a.shape == ((shape,) if isinstance(shape, int) else shape)
+        a.fill(7)
+        assert int(a.sum()) == 7 * a.size
+    assert aligned_empty(64, align=4096).ctypes.data % 4096 == 0

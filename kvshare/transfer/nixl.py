@@ -43,6 +43,23 @@ log = logging.getLogger(__name__)
 MAX_REGIONS = 16
 
 
+HUGE_PAGE = 2 * 1024 * 1024
+
+
+def aligned_empty(shape: int | tuple[int, ...], align: int = HUGE_PAGE) -> np.ndarray:
+    """An uninitialised uint8 array whose first byte sits on an ``align``-byte boundary.
+
+    Use it for buffers that NIXL reads into. Over UCX ``cma`` (one host) a destination that is
+    not page-aligned (``np.empty`` of a large size starts 16 bytes into a page) halves the
+    bandwidth: measured 5.7 -> 3.7 GB/s for READ, 10.7 -> 5.4 GB/s for a pool's WRITE.
+    """
+    dims = (shape,) if isinstance(shape, int) else tuple(shape)
+    nbytes = int(np.prod(dims, dtype=np.int64))
+    raw = np.empty(nbytes + align, dtype=np.uint8)
+    off = (-int(raw.ctypes.data)) % align
+    return raw[off : off + nbytes].reshape(dims)
+
+
 def _root(a: np.ndarray) -> np.ndarray:
     while isinstance(a.base, np.ndarray):
         a = a.base
