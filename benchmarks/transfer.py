@@ -191,7 +191,8 @@ def main() -> None:
           f"on every transfer; the pool slab lives in /dev/shm (tmpfs) and this host's shmem "
           f"huge pages are '{_shmem_thp()}', so it pins 4 KiB pages (RDMA NICs register the slab "
           "once instead). nixl_push makes the pool the initiator: cma then pins the reader's "
-          "(anonymous, huge-page) buffer and copies the slab by plain copy.", flush=True)
+          "(anonymous, huge-page) buffer and copies the slab by plain copy. The reader's buffer "
+          "is 2 MiB-aligned (aligned_empty): an unaligned one halves both.", flush=True)
     print(json.dumps(result))
 
 
