@@ -491,7 +491,7 @@ def test_source_node_dies_mid_transfer(kv: dict[str, Any]) -> None:
         out = ray.get(rt.collect.remote())
         assert {r for r, _ in out} == {SOURCE_DEAD}, {r for r, _ in out}
         assert time.monotonic() - t0 < 5.0
-        for name in ("nixl", "objstore"):
+        for name in ("nixl", "nixl_push", "objstore"):
             out = ray.get(rt.read.remote(name, small, "xfer-dies", "d", list(range(64)), 10.0))
             assert {r for r, _ in out} == {SOURCE_DEAD}, name
         assert time.monotonic() - t0 < 10.0
