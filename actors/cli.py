@@ -58,7 +58,8 @@ def _up(args: argparse.Namespace) -> int:
         st = deploy(host_gb=args.host_gb, disk_dir=args.disk_dir, disk_gb=args.disk_gb,
                     namespace=args.namespace, layout=layout, index_shards=args.index_shards,
                     ray_namespace=args.ray_namespace, snapshot_path=args.snapshot,
-                    bandwidth_gbps=parse_overrides(args.bandwidth))
+                    bandwidth_gbps=parse_overrides(args.bandwidth),
+                    probe_every_s=args.probe_every)
     except (MemoryError, ValueError) as exc:
         print(f"kvshare up: refused: {exc}", file=sys.stderr)
         return 2
@@ -171,6 +172,9 @@ def register(subparsers: Any) -> None:
     up.add_argument("--bandwidth", default="", metavar="T=GBPS,...",
                     help="override the probed GB/s per transport, e.g. nixl=10,objstore=1.5 "
                     "(a node's KVSHARE_BANDWIDTH_GBPS wins over this)")
+    up.add_argument("--probe-every", type=float, default=600.0, metavar="SECONDS",
+                    help="re-measure transport bandwidths this often (0 = only when a pool "
+                    "comes up)")
     up.add_argument("--json", action="store_true", help="print status as one JSON object")
     up.set_defaults(func=_up)
     status = subparsers.add_parser("status", help="nodes, tiers, capacity, blocks, hit rates")

@@ -82,6 +82,9 @@ class PoolSettings:
     maintain_interval_s: float = 0.05
     holder_check_s: float = 1.0
     ray_namespace: str = RAY_NAMESPACE
+    probe_every_s: float = 600.0
+    """Re-measure the transports this often (seconds; 0 = only when a pool comes up), so
+    the cost model follows bandwidth that changes under load."""
     bandwidth_gbps: tuple[tuple[str, float], ...] = ()
     """GB/s per transport (``shm``/``nixl``/``objstore``) that replace what the pools'
     probes measure; a node's ``KVSHARE_BANDWIDTH_GBPS`` env var wins over these. A mapping
@@ -102,6 +105,9 @@ class PoolSettings:
             raise ValueError(f"namespaces must be distinct, got {names}")
         if self.publish_interval_s <= 0 or self.publish_max_events <= 0:
             raise ValueError("publish_interval_s and publish_max_events must be positive")
+        if not self.probe_every_s >= 0:
+            raise ValueError(f"probe_every_s must be >= 0 (0 = no periodic probe), got "
+                             f"{self.probe_every_s}")
 
     @property
     def host_bytes(self) -> int:

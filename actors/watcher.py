@@ -9,7 +9,8 @@ It relies on Ray's own signals, not heartbeats of its own:
   pool's entries up to its generation are dropped. A restarted pool registers a new
   generation itself; a pool that is gone for good is created again.
 
-**Bandwidth probes**: whenever a pool comes up (at start, a node joined, a pool restarted) the
+**Bandwidth probes**: whenever a pool comes up (at start, a node joined, a pool restarted), and
+every ``PoolSettings.probe_every_s`` seconds after the last round (default 10 min), the
 watcher asks every pool that is up to measure each transport to every other one
 (``transfer_measure`` over the private probe namespace: 8 MiB per read, best of 3, bounded by
 the transports' deadlines). The calls run in the pools' own threads; the watcher never waits
@@ -68,6 +69,7 @@ class ClusterWatcher:
         self._probe_due: float | None = None  # when a probe round was asked for
         self._probes: dict[Any, str] = {}  # outstanding transfer_measure ref -> node
         self.probe_rounds = 0
+        self._last_round = 0.0  # monotonic time the last probe round started
         self.poll_s = poll_s
         self.watch_s = watch_s
         self.snapshot_every_s = snapshot_every_s
@@ -202,6 +204,10 @@ class ClusterWatcher:
                                + ", ".join(f"{k}={v:.2f}" for k, v in sorted(got.items())))
                 except RayError as exc:
                     self._note(f"probe from node {node} failed: {str(exc)[-200:]}")
+        every = self.settings.probe_every_s
+        if (self._probe_due is None and every and self.probe_rounds
+                and time.monotonic() - self._last_round >= every):
+            self._probe_due = time.monotonic()  # periodic: bandwidth changes under load
         if self._probe_due is None or self._probes:
             return
         with self._lock:
@@ -210,6 +216,7 @@ class ClusterWatcher:
         if not up or (starting and time.monotonic() - self._probe_due < self.probe_settle_s):
             return
         self._probe_due = None
+        self._last_round = time.monotonic()
         self.probe_rounds += 1
         for node, pool in up.items():
             self._probes[pool.transfer_measure.remote(PROBE_NAMESPACE, up)] = node

@@ -30,7 +30,7 @@ def test_up_status_down(ray_cluster: Any, tmp_path: Any) -> None:
     assert not [a for a in ray.util.list_named_actors(all_namespaces=True) if a["namespace"] == RAY_NS]
 
     up = kvshare("up", *addr, "--host-gb", "0.02", "--disk-dir", str(tmp_path), "--disk-gb", "0.02",
-                 "--namespace", "chat", "--bandwidth", "objstore=1.5")
+                 "--namespace", "chat", "--bandwidth", "objstore=1.5", "--probe-every", "2")
     assert up.returncode == 0, up.stderr
     assert "chat" in up.stdout and "host" in up.stdout and "disk" in up.stdout  # the table
 
@@ -46,6 +46,7 @@ def test_up_status_down(ray_cluster: Any, tmp_path: Any) -> None:
     assert status["index"][0]["namespaces"]["chat"]["blocks"] == 0
 
     scrape_metrics(addr, alive[0]["node_id"], tiers["host"]["capacity_bytes"])
+    probes_repeat(alive[0]["node_id"])
 
     # the same from Python: a second namespace joins the running deployment
     import kvshare as kvs
@@ -121,3 +122,26 @@ def scrape_metrics(addr: list[str], node: str, host_capacity: int) -> None:
     finally:
         proc.terminate()
         proc.wait(timeout=10)
+
+
+def probes_repeat(node: str) -> None:
+    """With ``--probe-every 2`` a node's bandwidths are measured again and again, not only at
+    start (so the cost model follows bandwidth that changes under load)."""
+    import time
+
+    import ray
+
+    pool = ray.get_actor(f"kvshare-pool-{node}", namespace=RAY_NS)
+
+    def measured_at() -> float:
+        return float(ray.get(pool.transfer_bandwidths.remote(), timeout=30)["measured_at"])
+
+    deadline = time.monotonic() + 60
+    first = measured_at()
+    while first == 0:  # the first probe round is still running
+        assert time.monotonic() < deadline, "no probe ever finished"
+        time.sleep(0.2)
+        first = measured_at()
+    while measured_at() <= first:
+        assert time.monotonic() < deadline, "the bandwidth probe never ran again"
+        time.sleep(0.2)
