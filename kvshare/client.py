@@ -393,12 +393,10 @@ class KVShareClient:
             hs = [plan.blocks[i].block_hash for i in idx]
             t0 = time.perf_counter()
             t = tr.submit_read(control, hs, [staging[i] for i in idx], deadline_s=self.load_deadline_s)
-            used = (SOURCE_SHM if tr is self._load_shm
-                    else SOURCE_NIXL if tr is self._nixl else SOURCE_OBJSTORE)
-            running.append((tr, t, idx, used, t0))
-        for tr, t, idx, transport, t0 in running:
+            running.append((tr, t, idx, tr.name, t0))
+        for tr, t, idx, used, t0 in running:
             res = tr.wait(t)
-            self._count_transfer(transport, t0)
+            self._count_transfer(used, t0)
             for i, o in zip(idx, res.outcomes, strict=True):
                 reasons[i] = "" if o.ok else o.reason
             if tr is self._nixl and all(reasons[i] == NIXL_UNAVAILABLE for i in idx):
@@ -413,7 +411,7 @@ class KVShareClient:
             t0 = time.perf_counter()
             res = self._objstore.read(control, hs, [staging[i] for i in idx],
                                       deadline_s=self.load_deadline_s)
-            self._count_transfer(SOURCE_OBJSTORE, t0)
+            self._count_transfer(self._objstore.name, t0)
             for i, o in zip(idx, res.outcomes, strict=True):
                 reasons[i] = "" if o.ok else o.reason
         return reasons

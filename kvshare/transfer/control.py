@@ -175,6 +175,11 @@ class ActorControl:
     def probe_blocks(self, n: int) -> Reply[list[BlockHash]]:
         return self._call("probe_blocks", n)  # type: ignore[no-any-return]
 
+    def push_read(self, hashes: Sequence[BlockHash], holder: str, ttl_s: float,
+                  request: Any) -> Reply[Any]:
+        """Ask the pool to NIXL-WRITE ``hashes`` into the reader (see ``transfer/nixl_push.py``)."""
+        return self._call("push_read", list(hashes), holder, ttl_s, request)  # type: ignore[no-any-return]
+
 
 class _Failed(Reply[Any]):
     def __init__(self, exc: Exception) -> None:

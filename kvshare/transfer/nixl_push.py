@@ -175,29 +175,12 @@ def _write(
 
 
 # ---------------------------------------------------------------------- reader side
-class _Failed(Reply[Any]):
-    def __init__(self, exc: Exception) -> None:
-        self.exc = exc
-
-    def done(self) -> bool:
-        return True
-
-    def get(self, timeout: float) -> Any:
-        raise self.exc
-
-
 def _push_call(
     control: BlockControl, hashes: Sequence[BlockHash], holder: str, ttl_s: float, req: PushRequest
 ) -> Reply[PushedRead] | None:
     """Send ``push_read`` to the pool behind ``control`` (None: this control cannot push)."""
     if isinstance(control, ActorControl):
-        from kvshare.transfer.control import RayReply
-
-        try:
-            ref = control.actor.transfer_push_read.remote(control.namespace, list(hashes), holder, ttl_s, req)
-        except Exception as exc:  # a dead actor can raise at submit
-            return _Failed(SourceGone(str(exc)))
-        return RayReply(ref)
+        return control.push_read(hashes, holder, ttl_s, req)
     if isinstance(control, LocalControl):
         return Ready(push_blocks(control.source, hashes, holder, ttl_s, req))
     return None
