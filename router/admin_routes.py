@@ -28,6 +28,18 @@ OPS = ("lookup", "pin", "unpin", "prefetch")
 PRIVILEGED = ("pin", "unpin", "prefetch")  # need an admin key when the gateway has API keys
 
 
+async def json_object(request: Request, fail: Fail) -> dict[str, Any] | JSONResponse:
+    """The request body as a JSON object, or the 400 answer saying why it is not one (the
+    completion endpoints use it too)."""
+    try:
+        body = json.loads(await request.body())
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return fail(400, "the request body must be valid JSON")
+    if not isinstance(body, dict):
+        return fail(400, "the request body must be a JSON object")
+    return body
+
+
 def add_admin_routes(app: FastAPI, router: CacheAwareRouter,
                      tenant_of: Callable[[Request], Tenant | JSONResponse], fail: Fail,
                      admin: Any | None) -> None:
@@ -47,12 +59,9 @@ def add_admin_routes(app: FastAPI, router: CacheAwareRouter,
         if admin is None:
             return fail(501, "kvshare admin operations need the gateway to run against a kvshare "
                         "cluster: start it with --address", "not_implemented", "no_cluster")
-        try:
-            body = json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            return fail(400, "the request body must be valid JSON")
-        if not isinstance(body, dict):
-            return fail(400, "the request body must be a JSON object")
+        body = await json_object(request, fail)
+        if isinstance(body, JSONResponse):
+            return body
         try:
             call = _call(op, body, router, tenant, admin)
         except (ValueError, TypeError) as exc:

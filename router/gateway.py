@@ -32,7 +32,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvshare.types import NodeId, WorkerId
 from kvshare.workers import WorkerInfo
-from router.admin_routes import add_admin_routes
+from router.admin_routes import add_admin_routes, json_object
 from router.embed import CacheAwareRouter, Routed, RouterConfig, Tenant
 from router.policy import NoEligibleWorker
 from router.workers_view import IndexWorkers, StaticWorkers
@@ -147,12 +147,9 @@ def create_app(
         tenant = tenant_of(request)
         if isinstance(tenant, JSONResponse):
             return tenant
-        try:
-            body = json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            return fail(400, "the request body must be valid JSON")
-        if not isinstance(body, dict):
-            return fail(400, "the request body must be a JSON object")
+        body = await json_object(request, fail)
+        if isinstance(body, JSONResponse):
+            return body
         mt = body.get("max_completion_tokens", body.get("max_tokens"))
         if mt is not None and (not isinstance(mt, int) or isinstance(mt, bool) or mt < 1):
             return fail(400, f"max_tokens must be a positive integer, got {mt!r}")

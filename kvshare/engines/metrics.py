@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, Metric, SummaryMetricFamily
 from prometheus_client.registry import Collector
 
@@ -80,8 +80,9 @@ class WorkerCollector(Collector):
         yield from _families("client", self._client(), self.worker_id, CLIENT_FAMILIES)
 
 
-def render(collector: WorkerCollector) -> bytes:
-    """Prometheus text exposition of ``collector`` alone."""
+def worker_registry(collector: WorkerCollector) -> CollectorRegistry:
+    """A registry holding only ``collector`` (never the process-global one); render it with
+    ``prometheus_client.generate_latest``."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(collector)
-    return generate_latest(registry)
+    return registry

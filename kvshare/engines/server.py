@@ -24,9 +24,9 @@ from typing import Any, Protocol
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from kvshare.engines.metrics import WorkerCollector, render
+from kvshare.engines.metrics import WorkerCollector, worker_registry
 from kvshare.engines.openai_api import (
     BadRequest,
     ParsedRequest,
@@ -215,11 +215,11 @@ def create_app(
                 "load": {"queued_prefill_tokens": ld.queued_prefill_tokens,
                          "running": ld.running, "prefill_tokens_per_s": ld.prefill_tokens_per_s}}
 
-    collector = WorkerCollector(worker_id, worker.counters.snapshot, client_counters)
+    registry = worker_registry(WorkerCollector(worker_id, worker.counters.snapshot, client_counters))
 
     @app.get("/metrics")
     async def metrics() -> Any:
-        return PlainTextResponse(render(collector), media_type=CONTENT_TYPE_LATEST)
+        return PlainTextResponse(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     app.state.executor = executor
     app.state.load = tracker
