@@ -1,8 +1,8 @@
-"""Configs and small wire types of the cluster layer (no Ray imports here).
+"""Configs and small wire types of the cluster layer.
 
 One frozen config per component: :class:`IndexConfig` for the index shards,
 :class:`PoolSettings` (with one :class:`NamespaceSpec` per namespace) for the node pools.
-Actor names live in one Ray namespace (:data:`RAY_NAMESPACE`).
+Actor names live in one Ray namespace; both are the SDK's contract (:mod:`kvshare.cluster`).
 """
 
 from __future__ import annotations
@@ -11,26 +11,16 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvshare.cluster import INDEX_NAME as INDEX_NAME  # the actor names: the SDK's contract
+from kvshare.cluster import POOL_PREFIX as POOL_PREFIX
+from kvshare.cluster import RAY_NAMESPACE as RAY_NAMESPACE
+from kvshare.cluster import WATCHER_NAME as WATCHER_NAME
+from kvshare.cluster import index_name as index_name
+from kvshare.cluster import pool_name as pool_name
 from kvshare.layout import KVLayout
 from kvshare.pool_types import check_namespace
 
-RAY_NAMESPACE = "kvshare"
-"""Ray namespace of every kvshare actor (named, detached)."""
-
-INDEX_NAME = "kvshare-index-{shard}"
-POOL_PREFIX = "kvshare-pool-"
-WATCHER_NAME = "kvshare-watcher"
-
 GiB = 2**30
-
-
-def pool_name(node_id: str) -> str:
-    """The Ray actor name of the pool on ``node_id``."""
-    return f"{POOL_PREFIX}{node_id}"
-
-
-def index_name(shard: int) -> str:
-    return INDEX_NAME.format(shard=shard)
 
 
 @dataclass(frozen=True)

@@ -189,7 +189,7 @@ def get_pool(node_id: str | None = None, ray_namespace: str = RAY_NAMESPACE) -> 
         return ray.get_actor(pool_name(node), namespace=ray_namespace)
     except ValueError:
         raise ValueError(
-            f"no kvshare pool on node {node}: run `kvshare up` (or kvshare.deploy()) first"
+            f"no kvshare pool on node {node}: run `kvshare up` (or actors.deploy.deploy()) first"
         ) from None
 
 

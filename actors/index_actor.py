@@ -15,8 +15,9 @@ from typing import Any
 
 import ray
 
-from actors.config import POOL_PREFIX, IndexConfig
+from actors.config import POOL_PREFIX, IndexConfig, index_name
 from actors.index import GlobalIndex
+from actors.index_client import IndexClient
 from actors.index_io import read_snapshot, write_snapshot
 
 log = logging.getLogger(__name__)
@@ -68,6 +69,13 @@ class IndexService(GlobalIndex):
         """Shard facts: ``epoch`` (new on every start), ``shard``, ``num_shards``, ``restarted``."""
         return {"epoch": self.epoch, "shard": self.config.shard,
                 "num_shards": self.config.num_shards, "restarted": self.restarted}
+
+    def client(self, timeout_s: float = 5.0) -> IndexClient:
+        """The deployment's index client (every shard, by name), each call bounded by
+        ``timeout_s``: how engine processes find the index (:func:`kvshare.cluster.find_index`)."""
+        ns = self.config.ray_namespace
+        return IndexClient([ray.get_actor(index_name(i), namespace=ns)
+                            for i in range(self.config.num_shards)], timeout_s)
 
     def get_epoch(self, _payload: Any = None) -> str:
         """The shard's epoch (``_payload`` is ignored: benchmarks time bare calls with it)."""

@@ -1,7 +1,7 @@
 """Ray Serve: kvshare's request router against Serve's default router, same workload, same run.
 
 A local Ray cluster (head + 4 nodes), kvshare deployed on it, and two Serve applications from
-``examples/serve_app.build_app`` whose worker deployments are identical (4 reference-worker
+``router/serve_app.build_app`` whose worker deployments are identical (4 reference-worker
 replicas of the default tiny Llama cut to 2 layers, one per node, each reusing only its own
 node's cache, i.e. ``sharing="local"``): one with Serve's default power-of-two router, one with
 ``router.serve:KVShareRequestRouter`` (the one config line). Each app has its own kvshare
@@ -119,12 +119,12 @@ def main() -> int:
     from ray import serve
     from ray.serve.api import RunTarget
 
-    import kvshare
-    from examples.serve_app import build_app
+    from actors.deploy import deploy, shutdown
     from kvshare.engines.server import free_port
+    from router.serve_app import build_app
 
     try:
-        kvshare.deploy(namespaces={"bench-default": LAYOUT, "bench-kvshare": LAYOUT}, host_gb=0.25)
+        deploy(namespaces={"bench-default": LAYOUT, "bench-kvshare": LAYOUT}, host_gb=0.25)
         port = free_port()
         serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
         common = {"engine": ENGINE, "sharing": "local", "num_replicas": args.nodes,
@@ -151,7 +151,7 @@ def main() -> int:
             print(app, "SDK counters per replica:", json.dumps(seen), file=sys.stderr)
     finally:
         serve.shutdown()  # type: ignore[no-untyped-call]
-        kvshare.shutdown()
+        shutdown()
         import ray
 
         ray.shutdown()

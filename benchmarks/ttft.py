@@ -34,7 +34,7 @@ from typing import Any  # noqa: E402
 import ray  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
 
-import kvshare  # noqa: E402
+from actors.deploy import deploy  # noqa: E402
 from kvshare.engines.hf import EngineConfig, model_keys  # noqa: E402
 from kvshare.engines.service import WorkerService  # noqa: E402
 
@@ -74,7 +74,7 @@ def main() -> int:
     cfg = EngineConfig(threads=2)
     keys = model_keys(cfg)
     try:
-        kvshare.deploy(cluster.address, namespace=NS, layout=keys.layout, host_gb=0.25)
+        deploy(cluster.address, namespace=NS, layout=keys.layout, host_gb=0.25)
         Worker = ray.remote(num_cpus=2)(WorkerService)
         w = [Worker.options(resources={f"node_{i}": 1}).remote(  # type: ignore[attr-defined]
                 NS, cfg, worker_id=f"bench-{i}", serve_http=False) for i in range(2)]

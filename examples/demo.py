@@ -261,7 +261,7 @@ def main() -> int:
     logging.basicConfig(level=logging.WARNING)
     import ray
 
-    import kvshare
+    from actors.deploy import deploy, shutdown
     from kvshare.engines.hf import EngineConfig, model_keys
 
     t0 = time.monotonic()
@@ -270,8 +270,8 @@ def main() -> int:
     cluster = start_cluster()
     try:
         layout = model_keys(engine_cfg).layout
-        kvshare.deploy(cluster.address, namespace=NAMESPACE, layout=layout, host_gb=0.06,
-                       disk_gb=0.5, disk_dir=tempfile.mkdtemp(prefix="kvshare-demo-disk-"))
+        deploy(cluster.address, namespace=NAMESPACE, layout=layout, host_gb=0.06,
+               disk_gb=0.5, disk_dir=tempfile.mkdtemp(prefix="kvshare-demo-disk-"))
         print("kvshare deployed; starting 2 reference workers ...", flush=True)
         workers = start_workers(engine_cfg)
         base_url, server = start_gateway(engine_cfg)
@@ -288,7 +288,7 @@ def main() -> int:
             print("error: no prefix was reused", file=sys.stderr)
         return 0 if ok else 1
     finally:
-        kvshare.shutdown()
+        shutdown()
         ray.shutdown()
         cluster.shutdown()
 

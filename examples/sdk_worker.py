@@ -33,11 +33,11 @@ import ray  # noqa: E402
 import torch  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
 
-import kvshare  # noqa: E402
+from actors.deploy import deploy, shutdown  # noqa: E402
 from kvshare.client import KVShareClient  # noqa: E402
 from kvshare.client_types import PagedKV, Plan  # noqa: E402
 from kvshare.engines.hf import EngineConfig, HFEngine, cache_layers  # noqa: E402
-from kvshare.engines.kv_convert import new_contiguous  # noqa: E402
+from kvshare.kv_convert import new_contiguous  # noqa: E402
 
 NAMESPACE = "sdk-example"
 PAGE_TOKENS = 16  # the engine's page size; kvshare blocks (256 tokens) span 16 pages
@@ -86,7 +86,7 @@ def main() -> None:
     ray.init(address=cluster.address, log_to_driver=False)
     try:
         engine = HFEngine(EngineConfig())
-        kvshare.deploy(cluster.address, namespace=NAMESPACE, layout=engine.layout, host_gb=0.1)
+        deploy(cluster.address, namespace=NAMESPACE, layout=engine.layout, host_gb=0.1)
         client = KVShareClient.connect(NAMESPACE, engine.layout, engine.root, worker_id="example")
         rng = random.Random(0)
         document = [rng.randrange(256) for _ in range(2048)]
@@ -98,7 +98,7 @@ def main() -> None:
         print(f"outputs: {first} / {second}; client counters: {client.counters}")
         client.close()
     finally:
-        kvshare.shutdown()
+        shutdown()
         ray.shutdown()
         cluster.shutdown()
 

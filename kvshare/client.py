@@ -15,7 +15,8 @@ corrupt block, a timed-out transfer fail those blocks (``LoadResult.failed``) an
 recomputes from the first failed block. Everything is counted in :attr:`counters`.
 
 Inside Ray, :meth:`KVShareClient.connect` finds the index and the node pools of a
-deployment (``kvshare up`` / ``kvshare.deploy``). Outside, pass them in.
+deployment (``kvshare up`` / ``actors.deploy.deploy``) by the names :mod:`kvshare.cluster`
+defines. Outside, pass them in.
 """
 
 from __future__ import annotations
@@ -27,10 +28,10 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from importlib import import_module
 from typing import Any
 
 import numpy as np
+import ray
 
 from kvshare.client_types import (
     SOURCE_AUTO,
@@ -45,16 +46,18 @@ from kvshare.client_types import (
     PlannedBlock,
     StoreResult,
 )
-from kvshare.engines.kv_convert import (
+from kvshare.cluster import RAY_NAMESPACE, find_index, find_pool, this_node
+from kvshare.hashing import block_hashes
+from kvshare.kv_convert import (
     block_from_source,
     block_into_target,
     check_source,
     check_target,
     source_tokens,
 )
-from kvshare.hashing import block_hashes
 from kvshare.layout import KVLayout
 from kvshare.transfer.base import NIXL_UNAVAILABLE, SOURCE_DEAD, Transfer, Transport
+from kvshare.transfer.control import ActorControl
 from kvshare.transfer.objstore import ObjStoreTransport
 from kvshare.transfer.probe import Bandwidths, parse_overrides
 from kvshare.transfer.shm import ShmTransport
@@ -154,33 +157,26 @@ class KVShareClient:
     @classmethod
     def connect(
         cls, namespace: str, layout: KVLayout, root: BlockHash, *,
-        index_timeout_s: float = 2.0, ray_namespace: str | None = None, **kwargs: Any
+        index_timeout_s: float = 2.0, ray_namespace: str = RAY_NAMESPACE, **kwargs: Any
     ) -> KVShareClient:
-        """Inside Ray: the deployment's index client and this node's (and peers') pool actors.
+        """Inside Ray: the deployment's index client and this node's (and peers') pool actors,
+        found by the names of :mod:`kvshare.cluster`.
 
-        Imports the cluster layer (``actors``) lazily, so the SDK has no hard Ray dependency.
         An index that does not answer within ``index_timeout_s`` is treated as down (a miss).
         ``remote`` defaults to ``auto``: bandwidths come from this node's pool's probe.
+        ValueError when nothing is deployed in ``ray_namespace``.
         """
-        import ray
-
-        from kvshare.transfer.control import ActorControl
-
-        config = import_module("actors.config")
-        ray_ns = ray_namespace or config.RAY_NAMESPACE
-        index = import_module("actors.index_client").IndexClient.connect(
-            ray_ns, timeout_s=index_timeout_s)
-        node = kwargs.pop("node", None) or ray.get_runtime_context().get_node_id()
+        index = find_index(ray_namespace, timeout_s=index_timeout_s)
+        node = kwargs.pop("node", None) or this_node()
 
         def control_for(node_id: str) -> BlockControl | None:
-            try:
-                actor = ray.get_actor(config.pool_name(node_id), namespace=ray_ns)
-            except ValueError:
-                return None
-            return ActorControl(actor, namespace)
+            actor = find_pool(node_id, ray_namespace)
+            return ActorControl(actor, namespace) if actor is not None else None
 
         def bandwidths() -> Mapping[str, float]:
-            actor = ray.get_actor(config.pool_name(node), namespace=ray_ns)
+            actor = find_pool(node, ray_namespace)
+            if actor is None:
+                raise LookupError(f"no kvshare pool on node {node}")
             got: Any = ray.get(actor.transfer_bandwidths.remote(), timeout=index_timeout_s)
             return dict(got["transports"])
 

@@ -24,14 +24,14 @@ from kvshare.client_types import (
     PlannedBlock,
     StoreResult,
 )
-from kvshare.engines.kv_convert import (
+from kvshare.hashing import block_hashes
+from kvshare.kv_convert import (
     block_from_source,
     block_into_target,
     check_source,
     check_target,
     source_tokens,
 )
-from kvshare.hashing import block_hashes
 from kvshare.pool import TieredBlockPool
 from kvshare.pool_types import AlreadyPresent, Reserved
 from kvshare.types import BlockHash

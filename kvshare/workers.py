@@ -56,3 +56,22 @@ class IndexQuery(Protocol):
     async def match_async(self, namespace: str, hashes: Sequence[BlockHash]) -> MatchResult:
         """Same as :meth:`match`, without blocking the event loop."""
         ...
+
+
+@runtime_checkable
+class WorkerRegistrar(Protocol):
+    """Where workers register and report load (the index client and ``GlobalIndex``)."""
+
+    def register_worker(self, info: WorkerInfo) -> int:
+        """Register (or re-register) a worker; returns the generation its gpu-tier events
+        must carry."""
+        ...
+
+    def report_load(self, load: WorkerLoad) -> bool:
+        """Renew the worker's lease with ``load``; False when the index does not know it
+        (restarted, expired): the worker registers again."""
+        ...
+
+    def unregister_worker(self, worker_id: WorkerId | str) -> int:
+        """Forget the worker and drop its gpu-tier entries; returns how many were dropped."""
+        ...

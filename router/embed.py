@@ -30,10 +30,10 @@ from typing import Any
 import numpy as np
 
 from kvshare.cost import Bandwidths, CostModel, PrefillModel
-from kvshare.engines.tokenizer import ByteTokenizer, Tokenizer
 from kvshare.hashing import DEFAULT_HASH_FN, HashFn, block_hashes, namespace_root
 from kvshare.match import EMPTY_MATCH, MatchResult
 from kvshare.pool_types import check_namespace
+from kvshare.tokenizer import ByteTokenizer, Tokenizer
 from kvshare.types import BlockHash, Tier, WorkerId, worker_location
 from kvshare.workers import IndexQuery, WorkerInfo, WorkerLoad
 from router.metrics import RouterMetrics

@@ -6,7 +6,7 @@ A Serve user switches a deployment to kvshare routing with one config line::
         request_router_class="router.serve:KVShareRequestRouter"))
 
 Each replica registers with the kvshare index as a worker whose id is
-:func:`replica_worker_id` of its Serve replica id, on its Ray node (``examples/serve_app.py``
+:func:`replica_worker_id` of its Serve replica id, on its Ray node (``router/serve_app.py``
 does it). For every request the router
 
 1. reads the prompt from the request arguments (:func:`extract_prompt`): block hashes if the

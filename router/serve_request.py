@@ -21,7 +21,7 @@ from typing import Any
 
 from ray.serve._private.common import ReplicaID
 
-from kvshare.engines.tokenizer import ByteTokenizer, HFTokenizer, tokenizer_from_spec
+from kvshare.tokenizer import ByteTokenizer, HFTokenizer, tokenizer_from_spec
 from kvshare.types import BlockHash, WorkerId
 from router.sources import Sharing
 

@@ -18,8 +18,8 @@ import torch
 from actors.index import GlobalIndex
 from kvshare.client import KVShareClient
 from kvshare.client_types import PagedKV
-from kvshare.engines.kv_convert import block_view, new_contiguous
 from kvshare.hashing import namespace_root
+from kvshare.kv_convert import block_view, new_contiguous
 from kvshare.layout import KVLayout
 from kvshare.transfer.control import LocalControl
 from kvshare.transfer.local import make_local_source

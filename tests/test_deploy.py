@@ -49,11 +49,11 @@ def test_up_status_down(ray_cluster: Any, tmp_path: Any) -> None:
     probes_repeat(alive[0]["node_id"])
 
     # the same from Python: a second namespace joins the running deployment
-    import kvshare as kvs
+    from actors.deploy import deploy
     from kvshare.layout import KVLayout
 
-    st2 = kvs.deploy(namespace="code", layout=KVLayout(2, 2, 16, "fp16", 16), host_gb=0.01,
-                         ray_namespace=RAY_NS)
+    st2 = deploy(namespace="code", layout=KVLayout(2, 2, 16, "fp16", 16), host_gb=0.01,
+                 ray_namespace=RAY_NS)
     pools = [n["pool"] for n in st2["nodes"] if n["alive"]]
     assert len(pools) == 3 and all(set(p["namespaces"]) == {"chat", "code"} for p in pools)
 

@@ -7,20 +7,20 @@ import json
 import numpy as np
 import pytest
 import torch
-from test_engine_helpers import BLOCK, prompt, small_engine
+from engine_helpers import BLOCK, prompt, small_engine
 
 from kvshare.client_types import PagedKV, Plan, PlannedBlock
 from kvshare.engines.hf import HFEngine, cache_layers
-from kvshare.engines.identity import path_identity, random_init_identity
-from kvshare.engines.kv_convert import (
+from kvshare.identity import path_identity, random_init_identity
+from kvshare.kv_convert import (
     block_from_source,
     block_into_target,
     block_view,
     blocks_to_contiguous,
     new_contiguous,
 )
-from kvshare.engines.tokenizer import ByteTokenizer, tokenizer_from_spec, tokenizer_spec
 from kvshare.layout import KVLayout
+from kvshare.tokenizer import ByteTokenizer, tokenizer_from_spec, tokenizer_spec
 from kvshare.types import BlockHash, Tier
 
 
@@ -177,7 +177,7 @@ def _save_model_dir(path: str, seed: int) -> None:
 
 def test_model_from_a_local_path_uses_its_tokenizer_and_reuses_losslessly(tmp_path) -> None:  # type: ignore[no-untyped-def]
     from kvshare.engines.hf import EngineConfig
-    from kvshare.engines.tokenizer import HFTokenizer
+    from kvshare.tokenizer import HFTokenizer
 
     _save_model_dir(str(tmp_path / "m"), seed=0)
     engine = HFEngine(EngineConfig(model_path=str(tmp_path / "m"), block_tokens=8))
@@ -194,7 +194,7 @@ def test_model_from_a_local_path_uses_its_tokenizer_and_reuses_losslessly(tmp_pa
 
 
 def test_identity_samples_big_weight_files(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    from kvshare.engines import identity
+    from kvshare import identity
 
     monkeypatch.setattr(identity, "SAMPLES", 2)
     monkeypatch.setattr(identity, "WINDOW", 8)

@@ -8,8 +8,8 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
+from engine_helpers import BLOCK, prompt, small_engine
 from openai import OpenAI
-from test_engine_helpers import BLOCK, prompt, small_engine
 
 from kvshare.client_local import LocalKVClient
 from kvshare.engines.server import WorkerServer

@@ -20,9 +20,9 @@ import numpy as np
 import pytest
 import ray
 from conftest import start_cluster, stop_cluster, wait_dead
-from test_engine_helpers import BLOCK, SMALL, prompt
+from engine_helpers import BLOCK, SMALL, prompt
 
-import kvshare
+from actors.deploy import deploy
 from kvshare.client import KVShareClient
 from kvshare.engines.hf import EngineConfig, HFEngine
 from kvshare.engines.service import WorkerService
@@ -82,10 +82,10 @@ def env() -> Iterator[Env]:
     cluster = start_cluster()
     engine = HFEngine(CFG)
     try:
-        kvshare.deploy(cluster.address, namespace=NS, layout=engine.layout,
-                       host_gb=48 * engine.layout.bytes_per_block / 2**30,
-                       disk_gb=512 * engine.layout.bytes_per_block / 2**30,
-                       disk_dir=tempfile.mkdtemp(prefix="kvs-disk-"))
+        deploy(cluster.address, namespace=NS, layout=engine.layout,
+               host_gb=48 * engine.layout.bytes_per_block / 2**30,
+               disk_gb=512 * engine.layout.bytes_per_block / 2**30,
+               disk_dir=tempfile.mkdtemp(prefix="kvs-disk-"))
         Worker = ray.remote(num_cpus=1)(WorkerService)
         spec = {"A": ("node_0", "nixl"), "A_obj": ("node_0", "objstore"), "B": ("node_1", "nixl")}
         workers = {
@@ -211,7 +211,7 @@ def test_holder_node_removed_mid_request(env: Env) -> None:
     node = next(n for n in env.cluster.list_all_nodes() if n.node_id == env.nodes["B"])
     env.cluster.remove_node(node)  # the holder goes away between lookup and load
     kv = None
-    from kvshare.engines.kv_convert import new_contiguous
+    from kvshare.kv_convert import new_contiguous
 
     kv = new_contiguous(env.engine.layout, plan.load_tokens)
     loaded = client.load(plan, kv)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from test_engine_helpers import BLOCK, prompt, small_engine
+from engine_helpers import BLOCK, prompt, small_engine
 
 from kvshare.client_local import LocalKVClient
 from kvshare.engines.hf import HFEngine

@@ -1,7 +1,7 @@
 """kvshare inside Ray Serve: the request router, the reference worker deployment, the ingress.
 
 One real local cluster (head + 2 nodes), kvshare deployed on it, and two Serve applications
-built by ``examples/serve_app.build_app`` with identical worker deployments (2 replicas, one
+built by ``router/serve_app.build_app`` with identical worker deployments (2 replicas, one
 per node, each reusing only its own node's cache): ``kv`` with kvshare's request router and
 ``df`` with Serve's default power-of-two router. Each app has its own kvshare namespace, so
 neither sees the other's blocks.
@@ -73,11 +73,11 @@ def apps(ray_cluster: Any) -> Iterator[dict[str, str]]:
     from ray import serve
     from ray.serve.api import RunTarget
 
-    import kvshare
-    from examples.serve_app import build_app
+    from actors.deploy import deploy, shutdown
     from kvshare.engines.server import free_port
+    from router.serve_app import build_app
 
-    kvshare.deploy(namespaces={"serve-kv": LAYOUT, "serve-df": LAYOUT}, host_gb=0.125)
+    deploy(namespaces={"serve-kv": LAYOUT, "serve-df": LAYOUT}, host_gb=0.125)
     port = free_port()
     serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
     common = {"engine": ENGINE, "sharing": "local", "replica_cpus": 0.5, "num_replicas": 2}
@@ -93,7 +93,7 @@ def apps(ray_cluster: Any) -> Iterator[dict[str, str]]:
         yield {"kv": f"{base}/kv", "df": f"{base}/df"}
     finally:
         serve.shutdown()
-        kvshare.shutdown()
+        shutdown()
 
 
 def _complete(url: str, prompt: str, max_tokens: int = 2) -> dict[str, Any]:

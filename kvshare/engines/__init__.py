@@ -8,9 +8,14 @@
   registers with the index and reports load every 100 ms.
 - :mod:`kvshare.engines.service`: ``WorkerService``, everything one worker process runs (wrap
   it with ``ray.remote`` to place workers on nodes); ``python -m kvshare.engines`` runs one.
-- :mod:`kvshare.engines.kv_convert`, :mod:`~kvshare.engines.tokenizer`,
-  :mod:`~kvshare.engines.identity`, :mod:`~kvshare.engines.openai_api`,
-  :mod:`~kvshare.engines.cost_cut`: the pieces.
+- :mod:`kvshare.engines.runtime`: ``WorkerRuntime`` (admission and hash check, load
+  tracking, finish reasons), ``LoadReporter`` (register + load reports) and ``choose_cut``,
+  shared by the HTTP server and the Ray Serve deployment (:mod:`router.serve_app`).
+- :mod:`~kvshare.engines.openai_api`, :mod:`~kvshare.engines.cost_cut`: the pieces.
+
+This package sits on top of the SDK like any other engine: KV conversion
+(:mod:`kvshare.kv_convert`), tokenizers (:mod:`kvshare.tokenizer`) and model identity
+(:mod:`kvshare.identity`) are the library's.
 
 Importing this package imports nothing heavy; import the modules you need.
 """

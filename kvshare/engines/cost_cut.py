@@ -1,21 +1,18 @@
 """The worker's cut point from the router's cost model, fitted to this worker's own timings.
 
-:mod:`kvshare.cost` is the same transfer-vs-recompute model the router scores workers with. The prefill model ``a*n + b*n*(c + n/2)`` is fitted from a short
-calibration at start and refitted from live prefill timings (:meth:`CostCut.observe`).
+:mod:`kvshare.cost` is the same transfer-vs-recompute model the router scores workers with.
+The prefill model ``a*n + b*n*(c + n/2)`` is fitted from a short calibration at start and refitted from live prefill timings (:meth:`CostCut.observe`).
 """
 
 from __future__ import annotations
 
-import logging
 import threading
 from collections import deque
 from collections.abc import Mapping, Sequence
-from importlib import import_module
-from typing import Any
 
+from kvshare.cost import Bandwidths, CostModel, PrefillModel, Source
+from kvshare.engines.hf import HFEngine
 from kvshare.layout import KVLayout
-
-log = logging.getLogger(__name__)
 
 
 class CostCut:
@@ -31,32 +28,19 @@ class CostCut:
         max_samples: int = 256,
     ) -> None:
         self.layout = layout
-        self._cost: Any = import_module("kvshare.cost")
-        self._bw = self._cost.Bandwidths.from_measured(dict(bandwidths or {}))
+        self._bw = Bandwidths.from_measured(dict(bandwidths or {}))
         self._samples: deque[tuple[float, float, float]] = deque(samples, maxlen=max_samples)
         self._lock = threading.Lock()
         self._since_fit = 0
         self.refit_every = refit_every
-        self._model: Any = None
-        self._refit()
+        self._model = self._fit()
 
-    @classmethod
-    def try_create(cls, layout: KVLayout, **kwargs: Any) -> CostCut | None:
-        """A CostCut, or None when the cost model cannot be built (then load everything)."""
+    def _fit(self) -> CostModel:
         try:
-            return cls(layout, **kwargs)
-        except ImportError as exc:
-            log.info("cost model not available (%s): loading every cached block", exc)
-            return None
-
-    def _refit(self) -> None:
-        cost = self._cost
-        try:
-            prefill = cost.PrefillModel.fit(list(self._samples))
+            prefill = PrefillModel.fit(list(self._samples))
         except ValueError:
-            prefill = cost.PrefillModel.from_tokens_per_s(5_000.0)
-        self._model = cost.CostModel(prefill, self._bw, self.layout.block_tokens,
-                                     self.layout.bytes_per_token)
+            prefill = PrefillModel.from_tokens_per_s(5_000.0)
+        return CostModel(prefill, self._bw, self.layout.block_tokens, self.layout.bytes_per_token)
 
     def set_bandwidths(self, measured: Mapping[str, float]) -> None:
         """Use measured bytes/s (keys as :meth:`kvshare.cost.Bandwidths.from_measured` takes;
@@ -64,11 +48,11 @@ class CostCut:
         known = {"shm", "host", "disk", "nixl", "objstore", "remote"}
         usable = {k: float(v) for k, v in measured.items() if k in known and v > 0}
         with self._lock:
-            self._bw = self._cost.Bandwidths.from_measured(usable)
-            self._refit()
+            self._bw = Bandwidths.from_measured(usable)
+            self._model = self._fit()
 
     @property
-    def model(self) -> Any:
+    def model(self) -> CostModel:
         """The current :class:`kvshare.cost.CostModel`."""
         return self._model
 
@@ -81,17 +65,16 @@ class CostCut:
             self._since_fit += 1
             if self._since_fit >= self.refit_every:
                 self._since_fit = 0
-                self._refit()
+                self._model = self._fit()
 
     def __call__(self, prompt_tokens: int, sources: Sequence[str]) -> int:
         if not sources:
             return 0
-        src = self._cost.Source
-        plan = self._model.plan(prompt_tokens, [src[s.upper()] for s in sources])
+        plan = self._model.plan(prompt_tokens, [Source[s.upper()] for s in sources])
         return int(plan.cut)
 
 
-def calibrate(engine: Any, sizes: Sequence[int] = (128, 512, 1024)) -> list[tuple[float, float, float]]:
+def calibrate(engine: HFEngine, sizes: Sequence[int] = (128, 512, 1024)) -> list[tuple[float, float, float]]:
     """Prefill timings ``(new, cached, seconds)`` of a few cold prompts on ``engine``."""
     out = []
     for n in sizes:

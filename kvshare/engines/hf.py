@@ -23,11 +23,11 @@ from typing import Any
 
 import torch
 
-from kvshare.engines.identity import model_namespace_root, path_identity, random_init_identity
-from kvshare.engines.kv_convert import TORCH_DTYPES, check_contiguous
-from kvshare.engines.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 from kvshare.hashing import block_hashes
+from kvshare.identity import model_namespace_root, path_identity, random_init_identity
+from kvshare.kv_convert import TORCH_DTYPES, check_contiguous
 from kvshare.layout import KVLayout
+from kvshare.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 from kvshare.types import BlockHash
 
 

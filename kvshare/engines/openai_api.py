@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvshare.engines.tokenizer import ByteTokenizer, HFTokenizer
+from kvshare.tokenizer import ByteTokenizer, HFTokenizer
 from kvshare.types import BlockHash
 
 MAX_TOKENS_DEFAULT = 16

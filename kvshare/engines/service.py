@@ -17,14 +17,14 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
-from kvshare.client import CutPolicy, KVShareClient, load_everything
+from kvshare.client import CutPolicy, KVShareClient
 from kvshare.client_types import SOURCE_AUTO
-from kvshare.engines.cost_cut import CostCut, calibrate
 from kvshare.engines.hf import EngineConfig, HFEngine
+from kvshare.engines.runtime import CUT_POLICIES, choose_cut
 from kvshare.engines.server import WorkerServer
 from kvshare.engines.worker import Completion, ReferenceWorker
 from kvshare.types import BlockHash, NodeId, WorkerId
-from kvshare.workers import WorkerInfo
+from kvshare.workers import WorkerInfo, WorkerRegistrar
 
 
 def completion_dict(c: Completion, with_logits: bool = False) -> dict[str, Any]:
@@ -61,22 +61,19 @@ class WorkerService:
         host: str = "127.0.0.1",
         port: int = 0,
     ) -> None:
+        if isinstance(cut_policy, str) and cut_policy not in CUT_POLICIES:
+            raise ValueError(f"cut_policy must be one of {CUT_POLICIES} or a callable, "
+                             f"got {cut_policy!r}")
         os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
         self.namespace = namespace
         self.worker_id = worker_id or f"worker-{uuid.uuid4().hex[:8]}"
         self.engine = HFEngine(engine or EngineConfig())
         self.client: KVShareClient | None = None
         node = "local"
-        if cut_policy == "cost" and connect:  # the router's cost model, fitted to this engine
-            fitted = CostCut.try_create(self.engine.layout, samples=calibrate(self.engine))
-            cut_policy = fitted if fitted is not None else load_everything
-        elif isinstance(cut_policy, str) and cut_policy != "cost":
-            raise ValueError(f"cut_policy must be 'cost' or a callable, got {cut_policy!r}")
         if connect:
-            assert callable(cut_policy)
             self.client = KVShareClient.connect(
                 namespace, self.engine.layout, self.engine.root, worker_id=self.worker_id,
-                remote=remote, cut_policy=cut_policy,
+                remote=remote, cut_policy=choose_cut(self.engine, cut_policy),
             )
             node = self.client.node
         self.worker = ReferenceWorker(self.engine, self.client)
@@ -87,10 +84,11 @@ class WorkerService:
         )
         self.server: WorkerServer | None = None
         if serve_http:
-            registrar = self.client.index if self.client is not None else None
+            index = self.client.index if self.client is not None else None
+            registrar = index if isinstance(index, WorkerRegistrar) else None
             self.server = WorkerServer(
                 self.worker, self.info, model_name=model_name or namespace,
-                registrar=registrar, host=host, port=port,  # type: ignore[arg-type]
+                registrar=registrar, host=host, port=port,
             )
             self.server.start()
             self.info = self.server.info
@@ -125,9 +123,7 @@ class WorkerService:
         out: dict[str, Any] = {"worker": self.worker.counters.snapshot(),
                                "client": self.client.counters if self.client else {}}
         if self.server is not None:
-            ld = self.server.load.snapshot(self.worker_id)
-            out["load"] = {"queued_prefill_tokens": ld.queued_prefill_tokens,
-                           "running": ld.running, "prefill_tokens_per_s": ld.prefill_tokens_per_s}
+            out["load"] = self.server.load.as_dict()
             out["report_errors"] = self.server.report_errors
         return out
 

@@ -19,7 +19,7 @@ from typing import Any
 
 from kvshare.client_types import KVClient, LoadResult, Plan, StoreResult
 from kvshare.engines.hf import HFEngine, cache_layers
-from kvshare.engines.kv_convert import new_contiguous
+from kvshare.kv_convert import new_contiguous
 from kvshare.types import BlockHash
 
 log = logging.getLogger(__name__)

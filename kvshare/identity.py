@@ -20,9 +20,9 @@ import struct
 from collections.abc import Mapping
 from typing import Any
 
-from kvshare.engines.tokenizer import TOKENIZER_FILES
 from kvshare.hashing import namespace_root
 from kvshare.layout import KVLayout
+from kvshare.tokenizer import TOKENIZER_FILES
 from kvshare.types import BlockHash
 
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")

@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from kvshare.client_types import PagedKV
 from kvshare.layout import KVLayout
 
 TORCH_DTYPES: dict[str, torch.dtype] = {
@@ -146,8 +147,6 @@ def pages_into_block(
 
 def block_into_target(block: Any, target: Any, index: int, layout: KVLayout) -> None:
     """Copy block ``index`` into a load target (contiguous tensor or :class:`PagedKV`)."""
-    from kvshare.client_types import PagedKV
-
     if isinstance(target, PagedKV):
         block_into_pages(block, target.pages, target.block_pages(index, layout.block_tokens), layout)
     elif isinstance(target, torch.Tensor):
@@ -162,8 +161,6 @@ def block_into_target(block: Any, target: Any, index: int, layout: KVLayout) -> 
 
 def source_tokens(source: Any) -> int:
     """How many tokens a store source holds."""
-    from kvshare.client_types import PagedKV
-
     if isinstance(source, PagedKV):
         return len(source.page_table) * int(source.pages[0].shape[2])
     if isinstance(source, torch.Tensor):
@@ -173,8 +170,6 @@ def source_tokens(source: Any) -> int:
 
 def block_from_source(source: Any, index: int, out: Any, layout: KVLayout) -> None:
     """Copy block ``index`` of a store source (contiguous, paged, or per-layer) into ``out``."""
-    from kvshare.client_types import PagedKV
-
     if isinstance(source, PagedKV):
         pages_into_block(source.pages, source.block_pages(index, layout.block_tokens), out, layout)
     elif isinstance(source, torch.Tensor):
@@ -187,8 +182,6 @@ def block_from_source(source: Any, index: int, out: Any, layout: KVLayout) -> No
 
 def check_source(source: Any, layout: KVLayout) -> None:
     """ValueError naming the fix if ``source`` cannot be stored under ``layout``."""
-    from kvshare.client_types import PagedKV
-
     L, _, H, _, D = layout.block_shape
     dtype = torch_dtype(layout)
     if isinstance(source, torch.Tensor):
@@ -225,8 +218,6 @@ def check_source(source: Any, layout: KVLayout) -> None:
 
 def check_target(target: Any, layout: KVLayout, tokens: int) -> None:
     """ValueError naming the fix if ``target`` cannot receive ``tokens`` tokens of ``layout``."""
-    from kvshare.client_types import PagedKV
-
     if isinstance(target, torch.Tensor):
         check_contiguous(target, layout, tokens)
         return

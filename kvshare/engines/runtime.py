@@ -1,0 +1,216 @@
+"""The worker runtime: what every host of a reference worker does around the engine.
+
+The HTTP server (:mod:`kvshare.engines.server`) and the Ray Serve deployment
+(:mod:`router.serve_app`) differ only in how requests arrive; both hand them to one
+:class:`WorkerRuntime`, which
+
+- admits a request (:meth:`WorkerRuntime.admit`): the tokens fit the model, and forwarded
+  block hashes are this worker's own hashes of those tokens (a mismatch means the router
+  and the worker disagree on the model, layout or tenant salt: a 400, never a wrong answer);
+- runs it (:meth:`WorkerRuntime.run`) one at a time, tracking the load it reports: prompt
+  tokens admitted but not yet prefilled, requests in flight, prefill speed;
+- names its end (:meth:`WorkerRuntime.finish_reason`) and its text (:meth:`WorkerRuntime.text`).
+
+:class:`LoadReporter` registers the worker with the index and reports that load every
+``interval_s`` (re-registering when the index forgot it); :func:`choose_cut` picks the cut
+policy (``cost``: the cost model fitted to this engine; ``local``: this node's blocks only).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+from kvshare.client import CutPolicy, load_everything
+from kvshare.engines.cost_cut import CostCut, calibrate
+from kvshare.engines.hf import HFEngine
+from kvshare.engines.openai_api import BadRequest, ParsedRequest
+from kvshare.engines.worker import Completion, ReferenceWorker, RequestStats
+from kvshare.types import WorkerId
+from kvshare.workers import WorkerInfo, WorkerLoad, WorkerRegistrar
+
+log = logging.getLogger(__name__)
+
+CUT_POLICIES = ("cost", "local", "all")
+
+
+class LoadTracker:
+    """Prompt tokens admitted but not yet prefilled, requests in flight, prefill speed.
+
+    Prefills that computed fewer than ``min_speed_sample_tokens`` tokens do not move the
+    speed (a router turns queued tokens into seconds with it; a 10-token prefill measures
+    fixed costs, not speed).
+    """
+
+    def __init__(self, min_speed_sample_tokens: int = 0) -> None:
+        self._lock = threading.Lock()
+        self.min_speed_sample_tokens = min_speed_sample_tokens
+        self.queued_prefill_tokens = 0
+        self.running = 0
+        self.prefill_tokens_per_s = 0.0
+
+    def admit(self, tokens: int) -> None:
+        with self._lock:
+            self.queued_prefill_tokens += tokens
+            self.running += 1
+
+    def prefilled(self, tokens: int, computed: int, seconds: float) -> None:
+        with self._lock:
+            self.queued_prefill_tokens -= tokens
+            if computed > 0 and seconds > 0 and computed >= self.min_speed_sample_tokens:
+                speed = computed / seconds
+                old = self.prefill_tokens_per_s
+                self.prefill_tokens_per_s = speed if old == 0 else 0.8 * old + 0.2 * speed
+
+    def done(self) -> None:
+        with self._lock:
+            self.running -= 1
+
+    def snapshot(self, worker_id: str) -> WorkerLoad:
+        with self._lock:
+            return WorkerLoad(WorkerId(worker_id), max(0, self.queued_prefill_tokens),
+                              self.running, self.prefill_tokens_per_s, time.time())
+
+    def as_dict(self) -> dict[str, float]:
+        """The current load as JSON-ready numbers."""
+        with self._lock:
+            return {"queued_prefill_tokens": max(0, self.queued_prefill_tokens),
+                    "running": self.running, "prefill_tokens_per_s": self.prefill_tokens_per_s}
+
+
+class WorkerRuntime:
+    """Admission, execution and load tracking of one :class:`ReferenceWorker`.
+
+    ``peer`` names who forwards hashes (``gateway``, ``ingress``) in the mismatch message.
+    Not re-entrant: hosts run :meth:`run` on one thread (the engine runs one request at a time).
+    """
+
+    def __init__(self, worker: ReferenceWorker, *, load: LoadTracker | None = None,
+                 peer: str = "gateway") -> None:
+        self.worker = worker
+        self.engine = worker.engine
+        self.load = load or LoadTracker()
+        self.peer = peer
+        self.eos = getattr(self.engine.tokenizer, "eos_id", -1)
+
+    def admit(self, req: ParsedRequest) -> None:
+        """BadRequest/ValueError naming the fix if ``req`` cannot run here; else it is queued."""
+        if req.hashes is not None:
+            mine = self.engine.hashes(req.tokens, req.salt)
+            if len(req.hashes) > len(mine) or list(req.hashes) != mine[: len(req.hashes)]:
+                raise BadRequest(
+                    f"kvshare.hashes_hex do not match this worker's hashes of token_ids: the "
+                    f"{self.peer} and the worker disagree on the model, layout or tenant salt"
+                )
+        self.engine.check_tokens(req.tokens)
+        self.load.admit(len(req.tokens))
+
+    def run(self, req: ParsedRequest, on_token: Callable[[int], None] | None = None) -> Completion:
+        """Generate for an admitted request; the load is settled however it ends."""
+        prefilled = [False]
+
+        def on_prefill(s: RequestStats) -> None:
+            prefilled[0] = True
+            self.load.prefilled(len(req.tokens), s.computed_tokens, s.prefill_s)
+
+        try:
+            stops = (self.eos,) if req.stop_eos and self.eos >= 0 else ()
+            return self.worker.generate(req.tokens, req.max_tokens, hashes=req.hashes,
+                                        salt=req.salt, stop_ids=stops, on_token=on_token,
+                                        on_prefill=on_prefill)
+        finally:
+            if not prefilled[0]:
+                self.load.prefilled(len(req.tokens), 0, 0.0)
+            self.load.done()
+
+    def finish_reason(self, c: Completion, req: ParsedRequest) -> str:
+        """``stop`` when generation ended on EOS (and the request stops there), else ``length``."""
+        return "stop" if c.tokens and c.tokens[-1] == self.eos and req.stop_eos else "length"
+
+    def text(self, c: Completion) -> str:
+        """The completion's text, without EOS."""
+        return str(self.engine.tokenizer.decode([t for t in c.tokens if t != self.eos]))
+
+    def client_counters(self) -> dict[str, float]:
+        """The SDK's counters ({} without a client)."""
+        counters = getattr(self.worker.client, "counters", None)
+        return dict(counters) if isinstance(counters, dict) else {}
+
+
+class LoadReporter:
+    """Registers ``info`` with ``registrar`` and reports ``load`` every ``interval_s``
+    (``registrar=None``: standalone, nothing to report to).
+
+    A report answered False (the index restarted or let the lease expire) registers again;
+    a failed call is counted in :attr:`errors`, logged and retried next tick: an index that
+    is down never stops the worker. :meth:`stop` unregisters (best effort).
+    """
+
+    def __init__(self, registrar: WorkerRegistrar | None, info: WorkerInfo, load: LoadTracker,
+                 interval_s: float = 0.1) -> None:
+        if interval_s > 0.1:
+            raise ValueError("report_interval_s must be <= 0.1 s (the worker lease renews on it)")
+        self.registrar = registrar
+        self.info = info
+        self.load = load
+        self.interval_s = interval_s
+        self.errors = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="kvshare-load", daemon=True)
+
+    def start(self) -> None:
+        if self.registrar is not None:  # standalone: no thread spinning on nothing
+            self._thread.start()
+
+    def _loop(self) -> None:
+        registered = False
+        while not self._stop.wait(self.interval_s if registered else 0.0):
+            assert self.registrar is not None
+            try:
+                if not registered:
+                    self.registrar.register_worker(self.info)
+                    registered = True
+                if self.registrar.report_load(self.load.snapshot(str(self.info.worker_id))) is False:
+                    registered = False  # the index forgot us (restart, expiry): register again
+            except Exception as exc:  # the index is advisory: keep serving, retry
+                self.errors += 1
+                registered = False
+                log.debug("load report failed: %s", exc)
+                self._stop.wait(self.interval_s)
+
+    def stop(self, unregister: bool = True) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=2)
+        if unregister and self.registrar is not None:
+            try:
+                self.registrar.unregister_worker(self.info.worker_id)
+            except Exception as exc:
+                log.debug("unregister failed: %s", exc)
+
+
+def local_only(prompt_tokens: int, sources: Sequence[str]) -> int:
+    """A cut policy reusing only this node's blocks (a replica's own node cache)."""
+    n = 0
+    for s in sources:
+        if not str(s).startswith("local_"):
+            break
+        n += 1
+    return n
+
+
+def choose_cut(engine: HFEngine, policy: CutPolicy | str) -> CutPolicy:
+    """The cut policy a worker runs: ``cost`` (the router's cost model fitted to ``engine``'s
+    own prefill timings), ``local`` (this node's blocks only), ``all`` (every cached block)
+    or a callable."""
+    if callable(policy):
+        return policy
+    if policy == "cost":
+        return CostCut(engine.layout, samples=calibrate(engine))
+    if policy == "local":
+        return local_only
+    if policy == "all":
+        return load_everything
+    raise ValueError(f"cut_policy must be one of {CUT_POLICIES} or a callable, got {policy!r}")
