@@ -8,7 +8,6 @@ transfer's remaining time, and a dead or unreachable actor raises :class:`Source
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 from typing import Any, TypeVar
 
@@ -16,10 +15,11 @@ from kvshare.tiers.base import ByteArray
 from kvshare.transfer.source import BlockSource
 from kvshare.transfer.wire import (
     BlockBatch,
-    BlockControl,
     NixlPeerInfo,
     PreparedRead,
     PreparedWrite,
+    PushedRead,
+    PushRequest,
     Ready,
     Reply,
     SlabInfo,
@@ -27,34 +27,7 @@ from kvshare.transfer.wire import (
 )
 from kvshare.types import BlockHash
 
-log = logging.getLogger(__name__)
-
 T = TypeVar("T")
-
-LEASE_GRACE_S = 2.0  # a reader that dies mid-transfer holds its pins this long past the deadline
-FINISH_WAIT_S = 2.0
-
-
-def lease_ttl(deadline_s: float) -> float:
-    """TTL of the leases a transfer takes: its deadline plus a grace period."""
-    return max(deadline_s, 0.0) + LEASE_GRACE_S
-
-
-def call(reply: Reply[T], timeout: float) -> T:
-    """Await a control reply for at most ``timeout`` s (TimeoutError / SourceGone)."""
-    if timeout <= 0 and not reply.done():
-        raise TimeoutError("deadline passed before the control reply arrived")
-    return reply.get(max(timeout, 0.0))
-
-
-def finish_quietly(control: BlockControl, holder: str, lease_ids: Sequence[int]) -> list[bool]:
-    """End ``holder``'s leases; a dead source has nothing left to release (returns [])."""
-    try:
-        return call(control.finish(holder, lease_ids), FINISH_WAIT_S)
-    except (TimeoutError, SourceGone) as exc:
-        log.debug("finish(%s): %s", holder, exc)
-        return []
-
 
 class LocalControl:
     """:class:`BlockControl` over a BlockSource in this process."""
@@ -95,6 +68,11 @@ class LocalControl:
 
     def probe_blocks(self, n: int) -> Reply[list[BlockHash]]:
         return Ready(self.source.probe_blocks(n))
+
+    def push_read(
+        self, hashes: Sequence[BlockHash], holder: str, ttl_s: float, request: PushRequest
+    ) -> Reply[PushedRead]:
+        return Ready(self.source.push_read(hashes, holder, ttl_s, request))
 
 
 class RayReply(Reply[T]):
@@ -175,9 +153,9 @@ class ActorControl:
     def probe_blocks(self, n: int) -> Reply[list[BlockHash]]:
         return self._call("probe_blocks", n)  # type: ignore[no-any-return]
 
-    def push_read(self, hashes: Sequence[BlockHash], holder: str, ttl_s: float,
-                  request: Any) -> Reply[Any]:
-        """Ask the pool to NIXL-WRITE ``hashes`` into the reader (see ``transfer/nixl_push.py``)."""
+    def push_read(
+        self, hashes: Sequence[BlockHash], holder: str, ttl_s: float, request: PushRequest
+    ) -> Reply[PushedRead]:
         return self._call("push_read", list(hashes), holder, ttl_s, request)  # type: ignore[no-any-return]
 
 

@@ -33,9 +33,16 @@ from kvshare.transfer.base import (
     TransportUnavailable,
     check_batch,
 )
-from kvshare.transfer.control import call, finish_quietly, lease_ttl
-from kvshare.transfer.nixl_agent import dram_reg, make_agent
-from kvshare.transfer.wire import BlockControl, NixlPeerInfo, SourceBlock, SourceGone
+from kvshare.transfer.nixl_agent import dram_reg, make_agent, xfer_descs
+from kvshare.transfer.wire import (
+    BlockControl,
+    NixlPeerInfo,
+    SourceBlock,
+    SourceGone,
+    call,
+    finish_quietly,
+    lease_ttl,
+)
 from kvshare.types import BlockHash
 
 log = logging.getLogger(__name__)
@@ -64,14 +71,6 @@ def _root(a: np.ndarray) -> np.ndarray:
     while isinstance(a.base, np.ndarray):
         a = a.base
     return a
-
-
-def _descs(addrs: Sequence[int], size: int) -> np.ndarray:
-    n = len(addrs)
-    out = np.zeros((n, 3), dtype=np.uint64)
-    out[:, 0] = np.asarray(addrs, dtype=np.uint64)
-    out[:, 1] = size
-    return out
 
 
 def _failure(control: BlockControl, holder: str, what: str) -> str:
@@ -227,8 +226,8 @@ class NixlTransport(Transport):
             for i in moving:
                 self._ensure_registered(bufs[i], keep)
             slots = [entries[i].slot for i in moving]  # type: ignore[union-attr]
-            rdesc = _descs([info.base_addr + s * size for s in slots], size)
-            ldesc = _descs([int(bufs[i].ctypes.data) for i in moving], size)
+            rdesc = xfer_descs([info.base_addr + s * size for s in slots], size)
+            ldesc = xfer_descs([int(bufs[i].ctypes.data) for i in moving], size)
             handle = self.agent.initialize_xfer(
                 "READ" if t.op == "read" else "WRITE",
                 self.agent.get_xfer_descs(ldesc, "DRAM"),

@@ -1,4 +1,7 @@
-"""Starting NIXL agents (UCX backend) and the source side that exposes a host slab.
+"""Starting NIXL agents (UCX backend) and the pool's side: the agent that exposes a host slab.
+
+:class:`NixlSource` lets remote agents READ the slab (``nixl``) and WRITEs slots into a
+reader's registered memory on request (``nixl_push``, :meth:`NixlSource.write_slots`).
 
 NIXL is optional: :func:`make_agent` raises :class:`TransportUnavailable` with reason
 ``nixl_unavailable`` when the package is missing or the agent cannot start (for instance
@@ -16,14 +19,22 @@ import atexit
 import logging
 import os
 import threading
+import time
 import weakref
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from kvshare.tiers.host import HostSlab
-from kvshare.transfer.base import NIXL_UNAVAILABLE, TransportUnavailable
-from kvshare.transfer.wire import NixlPeerInfo
+from kvshare.transfer.base import (
+    DEADLINE,
+    NIXL_UNAVAILABLE,
+    SOURCE_DEAD,
+    TRANSFER_ERROR,
+    TransportUnavailable,
+)
+from kvshare.transfer.wire import NixlPeerInfo, PushRequest
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +72,20 @@ def dram_reg(array: np.ndarray) -> list[tuple[int, int, int, str]]:
     return [(int(array.ctypes.data), int(array.nbytes), 0, "")]
 
 
+def xfer_descs(addrs: Sequence[int], size: int) -> np.ndarray:
+    """NIXL DRAM descriptors ``[addr, size, device 0]`` for ``addrs``."""
+    n = len(addrs)
+    out = np.zeros((n, 3), dtype=np.uint64)
+    out[:, 0] = np.asarray(addrs, dtype=np.uint64)
+    out[:, 1] = size
+    return out
+
+
+def failure_reason(what: str) -> str:
+    """The miss reason of a failed NIXL transfer: the peer is gone, or another error."""
+    return SOURCE_DEAD if "DISCONNECT" in what.upper() else TRANSFER_ERROR
+
+
 class NixlSource:
     """A NIXL agent that registers one host slab once and lets remote agents READ/WRITE it."""
 
@@ -79,6 +104,7 @@ class NixlSource:
         self._lock = threading.Lock()
         self._pump = threading.Thread(target=self._run_pump, name=f"nixl-pump-{name}", daemon=True)
         self._pump.start()
+        self._remotes: dict[str, tuple[bytes, str]] = {}  # reader agent -> (metadata, name)
         _LIVE.add(self)
 
     def info(self, generation: int) -> NixlPeerInfo:
@@ -94,6 +120,58 @@ class NixlSource:
                     self.agent.get_new_notifs()
                 except Exception as exc:  # keep pumping; a broken agent shows up in readers
                     log.debug("nixl pump: %s", exc)
+
+    def _remote(self, agent: str, metadata: bytes) -> str:
+        """This agent's name for reader ``agent`` (re-added when its metadata changed)."""
+        cached = self._remotes.get(agent)
+        if cached is not None and cached[0] == metadata:
+            return cached[1]
+        if cached is not None:  # the reader registered more memory: refresh its metadata
+            try:
+                self.agent.remove_remote_agent(cached[1])
+            except Exception as exc:
+                log.debug("remove_remote_agent(%s): %s", cached[1], exc)
+            self._remotes.pop(agent)
+        raw = self.agent.add_remote_agent(metadata)
+        remote = raw.decode() if isinstance(raw, bytes) else str(raw)
+        self._remotes[agent] = (metadata, remote)
+        return remote
+
+    def write_slots(self, slots: Sequence[int], addrs: Sequence[int], req: PushRequest,
+                    start: float) -> str:
+        """Post one WRITE of slab ``slots`` to the reader's ``addrs``, poll it until done or
+        ``req.deadline_s`` after ``start`` (monotonic; then it is cancelled); '' when done,
+        else the miss reason."""
+        size = req.block_bytes
+        deadline = start + req.deadline_s
+        with self._lock:  # the pump thread shares the agent
+            handle = None
+            try:
+                remote = self._remote(req.agent, req.metadata)
+                handle = self.agent.initialize_xfer(
+                    "WRITE",
+                    self.agent.get_xfer_descs(xfer_descs([self.base_addr + s * size for s in slots], size), "DRAM"),
+                    self.agent.get_xfer_descs(xfer_descs(list(addrs), size), "DRAM"),
+                    remote,
+                )
+                status = self.agent.transfer(handle)
+                while status == "PROC" and time.monotonic() < deadline:
+                    status = self.agent.check_xfer_state(handle)
+                if status == "PROC" or time.monotonic() > deadline:
+                    return DEADLINE
+                if status != "DONE":
+                    log.warning("nixl push to %s: %s", req.agent, status)
+                    return failure_reason(str(status))
+                return ""
+            except Exception as exc:
+                log.warning("nixl push to %s failed: %s", req.agent, exc)
+                return failure_reason(str(exc))
+            finally:
+                if handle is not None:
+                    try:
+                        self.agent.release_xfer_handle(handle)  # cancels a WRITE still in flight
+                    except Exception as exc:
+                        log.warning("nixl push handle could not be released: %s", exc)
 
     def stop_pump(self) -> None:
         self._stop.set()

@@ -1,4 +1,9 @@
-"""NIXL push transport: the holder WRITEs blocks into the reader's registered memory.
+"""NIXL push transport, the reader's side: the holder WRITEs blocks into the reader's memory.
+
+(The pool's side is :meth:`BlockSource.push_read <kvshare.transfer.source.BlockSource.push_read>`
+and :meth:`NixlSource.write_slots <kvshare.transfer.nixl_agent.NixlSource.write_slots>`; the
+messages, :class:`~kvshare.transfer.wire.PushRequest` and
+:class:`~kvshare.transfer.wire.PushedRead`, are the control interface's.)
 
 Same guarantees as the ``nixl`` READ path, other initiator. Over UCX ``cma`` (one host, the
 stand-in for RDMA here) the initiator calls ``process_vm_readv``/``process_vm_writev``, which
@@ -24,31 +29,32 @@ progresses its own agent (so UCX can accept the pool's connection).
 from __future__ import annotations
 
 import logging
-import time
-import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from kvshare.tiers.base import ByteArray, block_checksum
 from kvshare.transfer.base import (
     CORRUPT,
     DEADLINE,
-    NIXL_UNAVAILABLE,
     SOURCE_DEAD,
     TRANSFER_ERROR,
     Transfer,
     TransferResult,
     check_batch,
 )
-from kvshare.transfer.control import ActorControl, LocalControl, call, finish_quietly, lease_ttl
-from kvshare.transfer.nixl import NixlTransport, _descs
-from kvshare.transfer.wire import BlockControl, Ready, Reply, SourceBlock, SourceGone
+from kvshare.transfer.nixl import NixlTransport
+from kvshare.transfer.wire import (
+    BlockControl,
+    PushedRead,
+    PushRequest,
+    Reply,
+    SourceBlock,
+    SourceGone,
+    call,
+    finish_quietly,
+    lease_ttl,
+)
 from kvshare.types import BlockHash
-
-if TYPE_CHECKING:
-    from kvshare.transfer.nixl_agent import NixlSource
-    from kvshare.transfer.source import BlockSource
 
 log = logging.getLogger(__name__)
 
@@ -57,133 +63,6 @@ CANCEL_GRACE_S = 1.0
 at the deadline it was sent); only then may a late WRITE still land in the reader's buffers."""
 WAIT_STEP_S = 0.005  # the reader progresses its agent (accepts connections) this often
 SEND_MARGIN_S = 0.002  # the pool's deadline is the reader's remaining time minus this
-
-
-@dataclass(frozen=True)
-class PushRequest:
-    """Where the pool WRITEs: the reader's agent, its metadata, one address per hash."""
-
-    agent: str
-    metadata: bytes
-    dest_addrs: tuple[int, ...]
-    block_bytes: int
-    deadline_s: float
-
-
-@dataclass(frozen=True)
-class PushedRead:
-    """Reply to ``push_read``: per hash the written block (checksum to verify) or a reason."""
-
-    generation: int
-    blocks: tuple[SourceBlock | str, ...]
-
-
-# ---------------------------------------------------------------------- pool side
-_REMOTES: weakref.WeakKeyDictionary[NixlSource, dict[str, tuple[bytes, str]]] = (
-    weakref.WeakKeyDictionary()
-)
-
-
-def _remote(nixl: NixlSource, agent: str, metadata: bytes) -> str:
-    """The pool agent's name for reader ``agent`` (re-added when its metadata changed)."""
-    known = _REMOTES.setdefault(nixl, {})
-    cached = known.get(agent)
-    if cached is not None and cached[0] == metadata:
-        return cached[1]
-    if cached is not None:  # the reader registered more memory: refresh its metadata
-        try:
-            nixl.agent.remove_remote_agent(cached[1])
-        except Exception as exc:
-            log.debug("remove_remote_agent(%s): %s", cached[1], exc)
-        known.pop(agent)
-    raw = nixl.agent.add_remote_agent(metadata)
-    remote = raw.decode() if isinstance(raw, bytes) else str(raw)
-    known[agent] = (metadata, remote)
-    return remote
-
-
-def push_blocks(
-    source: BlockSource, hashes: Sequence[BlockHash], holder: str, ttl_s: float, req: PushRequest
-) -> PushedRead:
-    """Pin ``hashes``, WRITE them into ``req``'s addresses, end the pins; per-block reply.
-
-    Raises ValueError (nothing pinned) when the request does not match the pool's blocks.
-    """
-    start = time.monotonic()
-    if len(req.dest_addrs) != len(hashes):
-        raise ValueError(f"push_read got {len(hashes)} hashes but {len(req.dest_addrs)} addresses")
-    if req.block_bytes != source.block_bytes:
-        raise ValueError(
-            f"buffers hold {req.block_bytes} bytes but the pool's blocks are "
-            f"{source.block_bytes} bytes: check the KV layout of the namespace"
-        )
-    prep = source.prepare_read(hashes, holder, ttl_s)
-    blocks: list[SourceBlock | str] = list(prep.blocks)
-    moving = [i for i, b in enumerate(blocks) if isinstance(b, SourceBlock)]
-    nixl = source.nixl_source
-    try:
-        if moving and nixl is None:
-            reason = NIXL_UNAVAILABLE
-        elif nixl is not None and moving:
-            srcs = [b for b in blocks if isinstance(b, SourceBlock)]
-            reason = _write(nixl, srcs, [req.dest_addrs[i] for i in moving], req, start)
-        else:
-            reason = ""
-    finally:
-        source.finish(holder, [])
-    if reason:
-        for i in moving:
-            blocks[i] = reason
-    return PushedRead(prep.generation, tuple(blocks))
-
-
-def _write(
-    nixl: NixlSource, blocks: Sequence[SourceBlock], addrs: Sequence[int], req: PushRequest,
-    start: float,
-) -> str:
-    """Post one WRITE of ``blocks``' slots to ``addrs``; '' when done, else the miss reason."""
-    size = req.block_bytes
-    deadline = start + req.deadline_s
-    with nixl._lock:  # the pump thread shares the agent
-        handle = None
-        try:
-            remote = _remote(nixl, req.agent, req.metadata)
-            handle = nixl.agent.initialize_xfer(
-                "WRITE",
-                nixl.agent.get_xfer_descs(_descs([nixl.base_addr + b.slot * size for b in blocks], size), "DRAM"),
-                nixl.agent.get_xfer_descs(_descs(list(addrs), size), "DRAM"),
-                remote,
-            )
-            status = nixl.agent.transfer(handle)
-            while status == "PROC" and time.monotonic() < deadline:
-                status = nixl.agent.check_xfer_state(handle)
-            if status == "PROC" or time.monotonic() > deadline:
-                return DEADLINE
-            if status != "DONE":
-                log.warning("nixl push to %s: %s", req.agent, status)
-                return SOURCE_DEAD if "DISCONNECT" in str(status).upper() else TRANSFER_ERROR
-            return ""
-        except Exception as exc:
-            log.warning("nixl push to %s failed: %s", req.agent, exc)
-            return SOURCE_DEAD if "DISCONNECT" in str(exc).upper() else TRANSFER_ERROR
-        finally:
-            if handle is not None:
-                try:
-                    nixl.agent.release_xfer_handle(handle)  # cancels a WRITE still in flight
-                except Exception as exc:
-                    log.warning("nixl push handle could not be released: %s", exc)
-
-
-# ---------------------------------------------------------------------- reader side
-def _push_call(
-    control: BlockControl, hashes: Sequence[BlockHash], holder: str, ttl_s: float, req: PushRequest
-) -> Reply[PushedRead] | None:
-    """Send ``push_read`` to the pool behind ``control`` (None: this control cannot push)."""
-    if isinstance(control, ActorControl):
-        return control.push_read(hashes, holder, ttl_s, req)
-    if isinstance(control, LocalControl):
-        return Ready(push_blocks(control.source, hashes, holder, ttl_s, req))
-    return None
 
 
 class NixlPushTransport(NixlTransport):
@@ -215,7 +94,7 @@ class NixlPushTransport(NixlTransport):
             max(t.remaining - SEND_MARGIN_S, 0.0),
         )
         try:
-            reply = _push_call(source, hashes, t.holder, lease_ttl(deadline_s), req)
+            reply = source.push_read(hashes, t.holder, lease_ttl(deadline_s), req)
         except (ValueError, KeyError):
             raise
         except SourceGone:
@@ -223,8 +102,6 @@ class NixlPushTransport(NixlTransport):
         except Exception as exc:
             log.warning("nixl push request failed: %s", exc)
             return self._end(t, TRANSFER_ERROR)
-        if reply is None:
-            return self._end(t, NIXL_UNAVAILABLE)
         t.state["reply"] = reply
         return t
 

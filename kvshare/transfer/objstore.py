@@ -25,8 +25,7 @@ from kvshare.transfer.base import (
     Transport,
     check_batch,
 )
-from kvshare.transfer.control import call
-from kvshare.transfer.wire import BlockBatch, BlockControl, SourceGone
+from kvshare.transfer.wire import BlockBatch, BlockControl, SourceGone, call
 from kvshare.types import BlockHash
 
 

@@ -22,8 +22,7 @@ from kvshare.layout import KVLayout
 from kvshare.pool import TieredBlockPool
 from kvshare.tiers.base import ByteArray
 from kvshare.transfer.base import Transport
-from kvshare.transfer.control import call
-from kvshare.transfer.wire import BlockControl, SourceGone
+from kvshare.transfer.wire import BlockControl, SourceGone, call
 from kvshare.types import BlockHash
 
 log = logging.getLogger(__name__)

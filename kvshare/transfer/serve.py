@@ -20,7 +20,6 @@ import numpy as np
 from kvshare.pool import TieredBlockPool
 from kvshare.tiers.base import ByteArray
 from kvshare.transfer.base import Transport, TransportUnavailable
-from kvshare.transfer.nixl_push import PushedRead, PushRequest
 from kvshare.transfer.probe import (
     PROBE_BLOCKS,
     PROBE_LAYOUT,
@@ -36,6 +35,8 @@ from kvshare.transfer.wire import (
     NixlPeerInfo,
     PreparedRead,
     PreparedWrite,
+    PushedRead,
+    PushRequest,
     SlabInfo,
 )
 from kvshare.types import BlockHash

@@ -29,9 +29,16 @@ from kvshare.transfer.base import (
     Transport,
     check_batch,
 )
-from kvshare.transfer.control import call, finish_quietly, lease_ttl
 from kvshare.transfer.epochs import SharedEpochs
-from kvshare.transfer.wire import BlockControl, SlabInfo, SourceBlock, SourceGone
+from kvshare.transfer.wire import (
+    BlockControl,
+    SlabInfo,
+    SourceBlock,
+    SourceGone,
+    call,
+    finish_quietly,
+    lease_ttl,
+)
 from kvshare.types import BlockHash
 
 log = logging.getLogger(__name__)

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -28,23 +28,24 @@ from kvshare.transfer.base import (
     DEADLINE,
     IN_FLIGHT,
     MISSING,
+    NIXL_UNAVAILABLE,
     NO_SPACE,
     TransportUnavailable,
 )
 from kvshare.transfer.epochs import SharedEpochs, epochs_name
+from kvshare.transfer.nixl_agent import NixlSource
+from kvshare.transfer.probe import probe_hashes, seed_probe_blocks
 from kvshare.transfer.wire import (
     BlockBatch,
     NixlPeerInfo,
     PreparedRead,
     PreparedWrite,
+    PushedRead,
+    PushRequest,
     SlabInfo,
     SourceBlock,
 )
 from kvshare.types import BlockHash, Tier
-
-if TYPE_CHECKING:
-    from kvshare.transfer.nixl_agent import NixlSource
-    from kvshare.transfer.nixl_push import PushedRead, PushRequest
 
 log = logging.getLogger(__name__)
 
@@ -78,8 +79,6 @@ class BlockSource:
         self._lock = threading.Lock()
         self._finished: OrderedDict[str, None] = OrderedDict()
         if nixl and self.slab is not None:
-            from kvshare.transfer.nixl_agent import NixlSource
-
             try:
                 self._nixl = NixlSource(self.agent_name, self.slab)
             except TransportUnavailable as exc:
@@ -143,10 +142,37 @@ class BlockSource:
     def push_read(
         self, hashes: Sequence[BlockHash], holder: str, ttl_s: float, request: PushRequest
     ) -> PushedRead:
-        """Pin ``hashes``, NIXL-WRITE them into the reader's memory, end the pins (nixl_push)."""
-        from kvshare.transfer.nixl_push import push_blocks
+        """Pin ``hashes``, NIXL-WRITE them into the reader's memory, end the pins (nixl_push).
 
-        return push_blocks(self, hashes, holder, ttl_s, request)
+        Raises ValueError (nothing pinned) when the request does not match the pool's blocks.
+        """
+        start = time.monotonic()
+        if len(request.dest_addrs) != len(hashes):
+            raise ValueError(f"push_read got {len(hashes)} hashes but "
+                             f"{len(request.dest_addrs)} addresses")
+        if request.block_bytes != self.block_bytes:
+            raise ValueError(
+                f"buffers hold {request.block_bytes} bytes but the pool's blocks are "
+                f"{self.block_bytes} bytes: check the KV layout of the namespace"
+            )
+        prep = self.prepare_read(hashes, holder, ttl_s)
+        blocks: list[SourceBlock | str] = list(prep.blocks)
+        moving = [i for i, b in enumerate(blocks) if isinstance(b, SourceBlock)]
+        try:
+            if not moving:
+                reason = ""
+            elif self._nixl is None:
+                reason = NIXL_UNAVAILABLE
+            else:
+                slots = [b.slot for b in blocks if isinstance(b, SourceBlock)]
+                reason = self._nixl.write_slots(slots, [request.dest_addrs[i] for i in moving],
+                                                request, start)
+        finally:
+            self.finish(holder, [])
+        if reason:
+            for i in moving:
+                blocks[i] = reason
+        return PushedRead(prep.generation, tuple(blocks))
 
     def finish(self, holder: str, lease_ids: Sequence[int]) -> list[bool]:
         """Report which of ``lease_ids`` were still valid, then end every lease of ``holder``."""
@@ -262,8 +288,6 @@ class BlockSource:
 
     def probe_blocks(self, n: int) -> list[BlockHash]:
         """Seed (once) and name ``n`` probe blocks that readers time transports with."""
-        from kvshare.transfer.probe import probe_hashes, seed_probe_blocks
-
         if not 0 < n <= 64:
             raise ValueError(f"probe needs 1..64 blocks, got {n}")
         seed_probe_blocks(self.pool, self.node, n)

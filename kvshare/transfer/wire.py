@@ -1,14 +1,19 @@
-"""Control messages between a transport and the pool that holds the blocks.
+"""The control interface between a reader's transport and the pool that holds the blocks.
 
-Bytes never travel in these messages except for the object-store path (``BlockBatch``); the
-others carry slot numbers, epochs, checksums and lease ids. :class:`BlockControl` is what a
-transport calls; :class:`~kvshare.transfer.control.LocalControl` serves it in-process and
-:class:`~kvshare.transfer.control.ActorControl` through a NodePoolActor. Every call returns a
-:class:`Reply` so that transports can bound control messages by their deadline too.
+Defined once, here: :class:`BlockControl` (what a transport asks of the pool), the messages
+it carries, :class:`Reply` (every call returns one, so transports bound control messages by
+their deadline too) and the reader's helpers :func:`call`, :func:`finish_quietly`,
+:func:`lease_ttl`. Bytes never travel in these messages except for the object-store path
+(``BlockBatch``); the others carry slot numbers, epochs, checksums, lease ids and addresses.
+
+The pool's side implements it in :class:`~kvshare.transfer.source.BlockSource`; the reader's
+side reaches a BlockSource through :class:`~kvshare.transfer.control.LocalControl`
+(in-process) or :class:`~kvshare.transfer.control.ActorControl` (a NodePoolActor).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
@@ -18,8 +23,13 @@ import numpy as np
 from kvshare.tiers.base import ByteArray
 from kvshare.types import BlockHash
 
+log = logging.getLogger(__name__)
+
 T = TypeVar("T")
 T_co = TypeVar("T_co", covariant=True)
+
+LEASE_GRACE_S = 2.0  # a reader that dies mid-transfer holds its pins this long past the deadline
+FINISH_WAIT_S = 2.0
 
 
 class SourceGone(Exception):
@@ -105,6 +115,26 @@ class BlockBatch:
         )
 
 
+@dataclass(frozen=True)
+class PushRequest:
+    """Where the pool WRITEs (``nixl_push``): the reader's agent, its metadata, one address
+    per hash, and the time the pool has left."""
+
+    agent: str
+    metadata: bytes
+    dest_addrs: tuple[int, ...]
+    block_bytes: int
+    deadline_s: float
+
+
+@dataclass(frozen=True)
+class PushedRead:
+    """Reply to ``push_read``: per hash the written block (checksum to verify) or a reason."""
+
+    generation: int
+    blocks: tuple[SourceBlock | str, ...]
+
+
 class Reply(Protocol[T_co]):
     """A control call in flight (or done)."""
 
@@ -165,3 +195,30 @@ class BlockControl(Protocol):
     def probe_blocks(self, n: int) -> Reply[list[BlockHash]]:
         """Hashes of ``n`` probe blocks the pool holds (seeded on first request)."""
         ...
+
+    def push_read(
+        self, hashes: Sequence[BlockHash], holder: str, ttl_s: float, request: PushRequest
+    ) -> Reply[PushedRead]:
+        """Pin ``hashes``, NIXL-WRITE them into the reader's addresses, end the pins."""
+        ...
+
+
+def lease_ttl(deadline_s: float) -> float:
+    """TTL of the leases a transfer takes: its deadline plus a grace period."""
+    return max(deadline_s, 0.0) + LEASE_GRACE_S
+
+
+def call(reply: Reply[T], timeout: float) -> T:
+    """Await a control reply for at most ``timeout`` s (TimeoutError / SourceGone)."""
+    if timeout <= 0 and not reply.done():
+        raise TimeoutError("deadline passed before the control reply arrived")
+    return reply.get(max(timeout, 0.0))
+
+
+def finish_quietly(control: BlockControl, holder: str, lease_ids: Sequence[int]) -> list[bool]:
+    """End ``holder``'s leases; a dead source has nothing left to release (returns [])."""
+    try:
+        return call(control.finish(holder, lease_ids), FINISH_WAIT_S)
+    except (TimeoutError, SourceGone) as exc:
+        log.debug("finish(%s): %s", holder, exc)
+        return []
