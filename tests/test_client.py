@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from actors.index import GlobalIndex
+from actors.index.global_index import GlobalIndex
 from kvshare.client import KVShareClient
 from kvshare.client_types import PagedKV
 from kvshare.hashing import namespace_root
