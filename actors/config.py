@@ -8,8 +8,7 @@ Actor names live in one Ray namespace; both are the SDK's contract (:mod:`kvshar
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 from kvshare.cluster import INDEX_NAME as INDEX_NAME  # the actor names: the SDK's contract
 from kvshare.cluster import POOL_PREFIX as POOL_PREFIX
@@ -134,20 +133,3 @@ class IndexConfig:
             return self.snapshot_path
         stem, dot, ext = self.snapshot_path.rpartition(".")
         return f"{stem}-{self.shard}.{ext}" if dot else f"{self.snapshot_path}-{self.shard}"
-
-
-@dataclass(frozen=True)
-class SlabInfo:
-    """How a worker on the node maps a namespace's host slab (reply of ``slab_info``).
-
-    The slab is ``/dev/shm/{shm_name}``: ``num_slots`` slots of ``slot_bytes``. It changes
-    with ``generation``: a worker remaps when a reply carries another generation.
-    """
-
-    namespace: str
-    node_id: str
-    shm_name: str
-    slot_bytes: int
-    num_slots: int
-    generation: int
-    layout: dict[str, Any] = field(default_factory=dict)

@@ -29,6 +29,7 @@ from actors.config import (
     pool_name,
 )
 from actors.index.client import IndexClient
+from kvshare.cost import bytes_per_s
 from kvshare.layout import KVLayout
 from kvshare.tiers.host import SHM_DIR, shm_free_bytes
 
@@ -249,7 +250,7 @@ def bandwidths(ray_namespace: str = RAY_NAMESPACE, timeout_s: float = 5.0) -> di
         except Exception as exc:  # a dead or busy pool: no figures for it
             log.info("no bandwidths from node %s: %s", node, exc)
             continue
-        out[node] = {k: float(v) * 1e9 for k, v in got["transports"].items()}
+        out[node] = bytes_per_s(got["transports"])
     return out
 
 

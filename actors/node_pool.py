@@ -36,14 +36,14 @@ import numpy as np
 import pyarrow as pa
 
 from actors.admin_pins import AdminPins
-from actors.config import NamespaceSpec, PoolSettings, SlabInfo
+from actors.config import NamespaceSpec, PoolSettings
 from actors.index.global_index import PublishAck
 from actors.liveness import pid_alive, ray_holder_alive
 from kvshare.events import Event, events_to_arrow
 from kvshare.pool import TieredBlockPool
 from kvshare.pool_types import (
     AlreadyPresent,
-    InFlight,
+    InFlightWrite,
     PoolConfig,
     ReadLease,
     Reserved,
@@ -55,6 +55,7 @@ from kvshare.tiers.disk import DiskStore
 from kvshare.tiers.host import HostSlab, remove_stale_segments, segment_name
 from kvshare.transfer.probe import parse_overrides
 from kvshare.transfer.serve import TransferEndpoints, TransferService
+from kvshare.transfer.wire import SlabInfo
 from kvshare.types import BlockHash, Tier, node_location
 
 log = logging.getLogger(__name__)
@@ -176,18 +177,16 @@ class NodePool(TransferEndpoints, AdminPins):
             )
         return pool
 
-    def slab_info(self, namespace: str, layout_fingerprint: str | None = None) -> SlabInfo:
+    def slab_info(self, namespace: str, layout_fingerprint: str | None = None) -> SlabInfo | None:
         """Where the namespace's host slab lives; ValueError if the caller's layout differs."""
-        pool = self._pool(namespace)
+        self._pool(namespace)
         spec = self._specs[namespace]
         if layout_fingerprint is not None and layout_fingerprint != spec.layout.fingerprint():
             raise ValueError(
                 f"namespace {namespace!r} stores layout {spec.layout.fingerprint()} "
                 f"{spec.layout.to_dict()}, not {layout_fingerprint}: fix the worker's KV layout"
             )
-        slab = self._slabs[namespace]
-        return SlabInfo(namespace, self.node_id, str(slab.name), slab.slot_bytes,
-                        pool.config.slots(Tier.HOST), self.generation, spec.layout.to_dict())
+        return self.transfer.source(namespace).slab_info()
 
     # ------------------------------------------------------------------ control API
     def _seen(self, holder: str, n: int) -> None:
@@ -275,7 +274,7 @@ class NodePool(TransferEndpoints, AdminPins):
                     out.append("stored")
                 else:
                     out.append("present" if isinstance(res, AlreadyPresent) else
-                               "in_flight" if isinstance(res, InFlight) else "no_space")
+                               "in_flight" if isinstance(res, InFlightWrite) else "no_space")
         except BaseException:
             pool.abort([r.lease_id for r in results if isinstance(r, Reserved)])
             raise

@@ -47,6 +47,7 @@ from kvshare.client_types import (
     StoreResult,
 )
 from kvshare.cluster import RAY_NAMESPACE, find_index, find_pool, this_node
+from kvshare.cost import Source, bytes_per_s
 from kvshare.hashing import block_hashes
 from kvshare.kv_convert import (
     block_from_source,
@@ -59,7 +60,7 @@ from kvshare.layout import KVLayout
 from kvshare.transfer.base import NIXL_UNAVAILABLE, SOURCE_DEAD, Transfer, Transport
 from kvshare.transfer.control import ActorControl
 from kvshare.transfer.objstore import ObjStoreTransport
-from kvshare.transfer.probe import Bandwidths, parse_overrides
+from kvshare.transfer.probe import TransportBandwidths, parse_overrides
 from kvshare.transfer.shm import ShmTransport
 from kvshare.transfer.wire import BlockControl
 from kvshare.types import BlockHash, Tier, node_location
@@ -73,12 +74,13 @@ AUTO_WAIT_S = 120.0
 BandwidthSource = Callable[[], Mapping[str, float]] | Mapping[str, float]
 """GB/s per transport (``nixl``, ``objstore``, ...), or a callable returning them."""
 
-CutPolicy = Callable[[int, Sequence[str]], int]
-"""``(prompt_tokens, sources) -> blocks to load``; ``sources[i]`` is one of ``local_host``,
-``local_disk``, ``remote_host``, ``remote_disk`` for the leading available blocks."""
+CutPolicy = Callable[[int, Sequence[Source]], int]
+"""``(prompt_tokens, sources) -> blocks to load``; ``sources[i]`` is the
+:class:`~kvshare.cost.Source` of leading available block ``i`` (``LOCAL_HOST``, ``LOCAL_DISK``,
+``REMOTE_HOST``, ``REMOTE_DISK``)."""
 
 
-def load_everything(prompt_tokens: int, sources: Sequence[str]) -> int:
+def load_everything(prompt_tokens: int, sources: Sequence[Source]) -> int:
     """The default cut: every available block (fetching beats recompute on every path here)."""
     return len(sources)
 
@@ -195,7 +197,7 @@ class KVShareClient:
         except Exception as exc:  # pool busy or gone: keep the current choice
             log.info("bandwidths unavailable for %s: %s", self.worker_id, exc)
             measured = {}
-        bw = Bandwidths({k: float(v) for k, v in measured.items()}, dict(self.bandwidth_overrides))
+        bw = TransportBandwidths({k: float(v) for k, v in measured.items()}, dict(self.bandwidth_overrides))
         self.bandwidths = bw.as_dict()
         if self._nixl is None:
             self.remote = SOURCE_OBJSTORE
@@ -215,7 +217,7 @@ class KVShareClient:
         gbps = {k: v for k, v in self.bandwidths.items() if k not in (SOURCE_NIXL, SOURCE_OBJSTORE)}
         if self.remote in self.bandwidths:
             gbps[self.remote] = self.bandwidths[self.remote]
-        setter({k: v * 1e9 for k, v in gbps.items()})
+        setter(bytes_per_s(gbps))
 
     def _await_bandwidths(self) -> None:
         deadline = time.monotonic() + AUTO_WAIT_S
@@ -295,15 +297,14 @@ class KVShareClient:
 
     def _plan(self, tokens: Sequence[int], hs: tuple[BlockHash, ...], match: Any) -> Plan:
         blocks: list[PlannedBlock] = []
-        kinds: list[str] = []
+        kinds: list[Source] = []
         for i in range(match.combined_prefix):
             best = self._best_holder(match.holders(i))
             if best is None:
                 break
             loc, tier, transport = best
             blocks.append(PlannedBlock(hs[i], loc, tier, transport))
-            side = "local" if transport == SOURCE_SHM else "remote"
-            kinds.append(f"{side}_{tier.value}")
+            kinds.append(Source.of(tier, remote=transport != SOURCE_SHM))
         cut = max(0, min(len(blocks), int(self.cut_policy(len(tokens), kinds))))
         self._count("planned_blocks", cut)
         return Plan(self.namespace, len(tokens), self.block_tokens, hs, len(blocks),

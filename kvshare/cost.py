@@ -26,6 +26,8 @@ from itertools import groupby
 
 import numpy as np
 
+from kvshare.types import Tier
+
 
 class Source(IntEnum):
     """Where a worker would get one block from, cheapest first."""
@@ -40,6 +42,11 @@ class Source(IntEnum):
     @property
     def remote(self) -> bool:
         return self >= Source.REMOTE_GPU
+
+    @classmethod
+    def of(cls, tier: Tier, remote: bool) -> Source:
+        """The source of a block in ``tier`` of this node (``remote=False``) or another one."""
+        return cls(tier.rank + (cls.REMOTE_GPU if remote else 0))
 
 
 _SOURCES = tuple(Source)
@@ -102,6 +109,16 @@ class PrefillModel:
         return cls(max(a, 1e-12), b)
 
 
+GB = 1e9
+"""Bytes in a GB: probes and operators speak GB/s (``KVSHARE_BANDWIDTH_GBPS``), the cost
+model bytes/s."""
+
+
+def bytes_per_s(gbps: Mapping[str, float]) -> dict[str, float]:
+    """GB/s per name -> bytes/s per name."""
+    return {k: float(v) * GB for k, v in gbps.items()}
+
+
 @dataclass(frozen=True)
 class Bandwidths:
     """Bytes per second per source, plus a fixed per-request setup latency per kind.
@@ -153,7 +170,7 @@ class Bandwidths:
 
 
 @dataclass(frozen=True)
-class Plan:
+class CutPlan:
     """A chosen cut point and its estimated cost."""
 
     cut: int
@@ -196,11 +213,11 @@ class CostModel:
         """Tokens covered by ``blocks`` cached blocks (the last token is always computed)."""
         return max(0, min(blocks * self.block_tokens, total_tokens - 1))
 
-    def plan(self, total_tokens: int, sources: Sequence[int]) -> Plan:
+    def plan(self, total_tokens: int, sources: Sequence[int]) -> CutPlan:
         """Best cut point given the cheapest :class:`Source` of each leading block."""
         return self.plan_runs(total_tokens, source_runs(sources))
 
-    def plan_runs(self, total_tokens: int, runs: Sequence[tuple[int, int]]) -> Plan:
+    def plan_runs(self, total_tokens: int, runs: Sequence[tuple[int, int]]) -> CutPlan:
         """:meth:`plan` of sources given as runs ``(source, count)`` in block order (the same
         plan, computed block by block with the same arithmetic; runs only hoist per-source
         work and make equal views cheap to compare)."""
@@ -248,7 +265,7 @@ class CostModel:
                 counts[key] = counts.get(key, 0) + take
                 left -= take
         cached = self.cached_tokens(best_k, total_tokens)
-        return Plan(best_k, cached, best_fetch, best_total - best_fetch, counts)
+        return CutPlan(best_k, cached, best_fetch, best_total - best_fetch, counts)
 
     def recompute_s(self, total_tokens: int) -> float:
         """Prefill time with nothing cached."""

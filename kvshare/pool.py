@@ -34,7 +34,7 @@ import numpy as np
 from kvshare.events import AllCleared, BlockRemoved, BlockStored, Event
 from kvshare.pool_types import (
     AlreadyPresent,
-    InFlight,
+    InFlightWrite,
     NoSpace,
     PoolConfig,
     ReadLease,
@@ -220,7 +220,7 @@ class TieredBlockPool:
             for h in hashes:
                 e = self._entries.get(h)
                 if e is not None:
-                    out.append(AlreadyPresent(h) if e.committed else InFlight(h))
+                    out.append(AlreadyPresent(h) if e.committed else InFlightWrite(h))
                     continue
                 slot = self._alloc(tier)
                 if slot is None:

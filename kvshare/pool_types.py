@@ -90,7 +90,7 @@ class AlreadyPresent(NamedTuple):
     block_hash: BlockHash
 
 
-class InFlight(NamedTuple):
+class InFlightWrite(NamedTuple):
     """Another writer holds a reservation for this hash."""
 
     block_hash: BlockHash
@@ -102,7 +102,7 @@ class NoSpace(NamedTuple):
     block_hash: BlockHash
 
 
-ReserveResult = Reserved | AlreadyPresent | InFlight | NoSpace
+ReserveResult = Reserved | AlreadyPresent | InFlightWrite | NoSpace
 
 
 class ReadLease(NamedTuple):

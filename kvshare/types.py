@@ -31,11 +31,14 @@ class Tier(StrEnum):
 
     @property
     def rank(self) -> int:
-        """0 for the fastest tier; smaller is faster."""
-        return _TIER_RANK[self]
+        """0 for the fastest tier; smaller is faster. Also the tier's code on the wire and in
+        the index (:data:`TIERS` ``[code]`` is the tier)."""
+        return TIER_CODES[self]
 
 
-_TIER_RANK = {Tier.GPU: 0, Tier.HOST: 1, Tier.DISK: 2}
+TIERS: tuple[Tier, ...] = (Tier.GPU, Tier.HOST, Tier.DISK)
+"""Every tier, fastest first; a tier's position is its code (:attr:`Tier.rank`)."""
+TIER_CODES: dict[Tier, int] = {t: code for code, t in enumerate(TIERS)}
 
 
 def node_location(node: str) -> Location:

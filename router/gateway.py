@@ -316,7 +316,7 @@ def serve_from_args(args: argparse.Namespace) -> int:
         admin = ClusterAdmin()
     else:
         workers = static_workers(args.workers, args.namespace)
-    from kvshare.cost import Bandwidths
+    from kvshare.cost import Bandwidths, bytes_per_s
     from kvshare.transfer.probe import parse_overrides
 
     measured: dict[str, float] = {}  # bytes/s the cluster's pools probed (--address only)
@@ -328,7 +328,7 @@ def serve_from_args(args: argparse.Namespace) -> int:
     common: dict[str, Any] = {
         "namespace": args.namespace, "policy": args.policy,
         "prefill_tokens_per_s": args.prefill_tokens_per_s,
-        "bandwidths": Bandwidths.from_measured({**measured, **{k: v * 1e9 for k, v in gbps.items()}}),
+        "bandwidths": Bandwidths.from_measured({**measured, **bytes_per_s(gbps)}),
     }
     tokenizer = None
     if args.engine_config:

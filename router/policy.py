@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from operator import is_
 from typing import Any, ClassVar
 
-from kvshare.cost import CostModel, Plan
+from kvshare.cost import CostModel, CutPlan
 from kvshare.types import BlockHash, NodeId, WorkerId
 from kvshare.workers import WorkerInfo, WorkerLoad
 from router.sources import Match, Sharing, SourceMap, SourceRuns
@@ -76,7 +76,7 @@ class Decision:
     est_ttft_saved_s: float
     cached_blocks: int
     remote_blocks: int
-    plan: Plan | None = field(default=None, compare=False)
+    plan: CutPlan | None = field(default=None, compare=False)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -181,7 +181,7 @@ class Policy(ABC):
             self._queues_for = (cands, self.cost)
         return self._queues
 
-    def plan_for(self, request: RouteRequest, view: SourceMap, cand: Candidate) -> Plan:
+    def plan_for(self, request: RouteRequest, view: SourceMap, cand: Candidate) -> CutPlan:
         """The cost model's best plan for this request on ``cand``."""
         runs = view.source_runs(
             cand.info.worker_id, cand.info.node, self.sharing, self.cost.block_fetch_s
@@ -343,13 +343,13 @@ class CostPolicy(Policy):
     ) -> None:
         super().__init__(cost, sharing)
         self.tie_s = tie_s
-        self._plans: dict[WorkerId, Plan] = {}
+        self._plans: dict[WorkerId, CutPlan] = {}
         self._rotate = _Rotation()
 
     def _select(self, request: RouteRequest, view: SourceMap, cands: list[Candidate]) -> tuple[int, str]:
-        plans: dict[WorkerId, Plan] = {}
+        plans: dict[WorkerId, CutPlan] = {}
         self._plans = plans
-        by_runs: dict[SourceRuns, Plan] = {}  # workers with equal views share a plan
+        by_runs: dict[SourceRuns, CutPlan] = {}  # workers with equal views share a plan
         cost, tie = self.cost, self.tie_s
         fetch = cost.block_fetch_s
         n = request.num_tokens
@@ -410,7 +410,7 @@ class CostPolicy(Policy):
         cut = cost.block_fetch_s[src] + lat + pm.a * m + pm.b * m * (c + m / 2)
         return min(full, cut) * _SHRINK
 
-    def plan_for(self, request: RouteRequest, view: SourceMap, cand: Candidate) -> Plan:
+    def plan_for(self, request: RouteRequest, view: SourceMap, cand: Candidate) -> CutPlan:
         return self._plans.get(cand.info.worker_id) or super().plan_for(request, view, cand)
 
 

@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvshare.cost import Plan, PrefillModel, Source
+from kvshare.cost import CutPlan, PrefillModel, Source
 from kvshare.events import Event
 from kvshare.match import MatchResult
 from kvshare.pool import TieredBlockPool
@@ -271,7 +271,7 @@ class Simulator:
         if w.queue:
             self._start(wi)
 
-    def _record(self, job: _Job, plan: Plan, srcs: Sequence[Source], prefill_s: float) -> None:
+    def _record(self, job: _Job, plan: CutPlan, srcs: Sequence[Source], prefill_s: float) -> None:
         bt = self.cfg.block_tokens
         by = {"gpu": 0, "host": 0, "disk": 0, "remote": 0}
         left = plan.cached_tokens

@@ -88,7 +88,7 @@ def test_blocks_on_two_nodes_show_up_within_1s(kv: dict[str, Any]) -> None:
     # node B: shared-memory path (reserve, write into the slab, commit), the first 5 blocks
     pb = pool(kv["b"])
     info = ray.get(pb.slab_info.remote("m", layout.fingerprint()))
-    slab = HostSlab.attach(info.shm_name, info.slot_bytes, info.num_slots)
+    slab = HostSlab.attach(info.name, info.slot_bytes, info.num_slots)
     res = ray.get(pb.reserve.remote("m", hs[:5], "pid:1"))
     for r, row in zip(res, data[:5], strict=True):
         slab.view(r.slot)[:] = row
@@ -235,7 +235,7 @@ def test_pool_restart_ignores_stale_events_and_readvertises_disk(kv: dict[str, A
     hs = hashes(24, "demote")
     pb = pool(kv["b"])
     old = ray.get(pb.ready.remote())["generation"]
-    old_slab = ray.get(pb.slab_info.remote("m")).shm_name
+    old_slab = ray.get(pb.slab_info.remote("m")).name
     before = client.match("m", hs).locations[loc(kv["b"])]
     on_disk = before.tier_counts[Tier.DISK]
     ray.kill(pb, no_restart=False)
@@ -244,7 +244,7 @@ def test_pool_restart_ignores_stale_events_and_readvertises_disk(kv: dict[str, A
     wait_for(lambda: client.match("m", hs).locations.get(loc(kv["b"])) is not None
              and sum(client.lookup("m", hs)[i].get(loc(kv["b"])) == Tier.DISK for i in range(24)) == on_disk, 5.0)
     assert Tier.HOST not in {t for h in client.lookup("m", hs) for k, t in h.items() if k == loc(kv["b"])}
-    new_slab = ray.get(pool(kv["b"]).slab_info.remote("m")).shm_name
+    new_slab = ray.get(pool(kv["b"]).slab_info.remote("m")).name
     assert new_slab != old_slab and os.path.exists(f"/dev/shm/{new_slab}")
     assert not os.path.exists(f"/dev/shm/{old_slab}")  # the stale segment was removed
     stale = [BlockStored("m", loc(kv["b"]), Tier.HOST, h, old, 10_000 + i)  # type: ignore[arg-type]

@@ -135,29 +135,31 @@ def test_plan_is_serialisable() -> None:
 
 
 def test_cost_cut_loads_when_fetching_beats_recompute() -> None:
+    from kvshare.cost import Source
     from kvshare.engines.cost_cut import CostCut
 
     layout = KVLayout(4, 4, 64, "fp32", block_tokens=256)
     slow_compute = CostCut(layout, [(1000, 0, 0.5), (4000, 0, 2.5), (2000, 2000, 1.5)])
-    assert slow_compute(4096, ["local_host"] * 8 + ["remote_disk"] * 8) == 16
+    assert slow_compute(4096, [Source.LOCAL_HOST] * 8 + [Source.REMOTE_DISK] * 8) == 16
     tiny_net = CostCut(layout, [(1000, 0, 1e-6), (4000, 0, 4e-6)],
                        bandwidths={"nixl": 1e3, "shm": 1e3, "disk": 1e3})
-    assert tiny_net(4096, ["remote_host"] * 16) == 0  # 2 MiB at 1 kB/s: recompute instead
+    assert tiny_net(4096, [Source.REMOTE_HOST] * 16) == 0  # 2 MiB at 1 kB/s: recompute instead
     for _ in range(20):
         tiny_net.observe(1000, 0, 10.0)  # live timings say compute got slow: refit
     assert tiny_net.model.prefill.a > 1e-3
 
 
 def test_cost_cut_follows_measured_bandwidths() -> None:
+    from kvshare.cost import Source
     from kvshare.engines.cost_cut import CostCut
 
     layout = KVLayout(4, 4, 64, "fp32", block_tokens=256)
     cut = CostCut(layout, [(1000, 0, 0.01), (4000, 0, 0.05)])  # fast compute: 10 us/token
-    assert cut(4096, ["remote_host"] * 16) == 16  # default 100 Gbit/s: pulling wins
+    assert cut(4096, [Source.REMOTE_HOST] * 16) == 16  # default 100 Gbit/s: pulling wins
     cut.set_bandwidths({"nixl": 1e6, "shm": 1e10, "unknown": 5.0})  # the probe saw 1 MB/s
     assert cut.model.bandwidths.remote == 1e6
-    assert cut(4096, ["remote_host"] * 16) == 0  # 2 MiB blocks at 1 MB/s: recompute
-    assert cut(4096, ["local_host"] * 16) == 16  # the node's own shm is still fast
+    assert cut(4096, [Source.REMOTE_HOST] * 16) == 0  # 2 MiB blocks at 1 MB/s: recompute
+    assert cut(4096, [Source.LOCAL_HOST] * 16) == 16  # the node's own shm is still fast
 
 
 def _save_model_dir(path: str, seed: int) -> None:

@@ -57,7 +57,7 @@ def test_writes_are_published_and_read_back(node: NodePool, index: GlobalIndex) 
     got, reasons = node.read_blocks("m", hs + hashes(1, "other"))
     assert reasons == [""] * 12 + ["not cached"] and np.array_equal(got[:12], data)
     info = node.slab_info("m", LAYOUT.fingerprint())
-    assert info.shm_name.endswith(f"-{node.generation}") and info.num_slots == 8
+    assert info is not None and info.name.endswith(f"-{node.generation}") and info.num_slots == 8
 
 
 def test_restart_republishes_disk_blocks_under_a_new_generation(

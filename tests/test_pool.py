@@ -12,7 +12,7 @@ from kvshare.events import AllCleared, BlockRemoved, BlockStored, events_from_ar
 from kvshare.pool import TieredBlockPool
 from kvshare.pool_types import (
     AlreadyPresent,
-    InFlight,
+    InFlightWrite,
     NoSpace,
     PoolConfig,
     ReadLease,
@@ -74,7 +74,7 @@ def test_two_phase_write() -> None:
     (r,) = pool.reserve([h(0)], "w")
     assert isinstance(r, Reserved) and r.tier == HOST and 0 <= r.slot < 3
     assert h(0) not in pool and pool.pin([h(0)], "r") == [None]  # invisible until commit
-    assert pool.reserve([h(0)], "other") == [InFlight(h(0))]
+    assert pool.reserve([h(0)], "other") == [InFlightWrite(h(0))]
     pool.write(r.lease_id, data(0))
     assert pool.take_events() == []
     assert pool.commit([r.lease_id]) == [h(0)]

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 from pool_helpers import BB, FakeClock, data, h, make_pool
 
-from kvshare.pool_types import AlreadyPresent, InFlight, NoSpace, ReadLease, Reserved
+from kvshare.pool_types import AlreadyPresent, InFlightWrite, NoSpace, ReadLease, Reserved
 
 HOST_SLOTS, DISK_SLOTS, TTL = 2, 3, 10.0
 blocks = st.integers(0, 6)
@@ -60,7 +60,7 @@ class PoolMachine(RuleBasedStateMachine):
         if isinstance(res, Reserved):
             self.reserved[res.lease_id] = (i, holder, self.clock() + TTL)
         else:
-            assert isinstance(res, AlreadyPresent | InFlight | NoSpace)
+            assert isinstance(res, AlreadyPresent | InFlightWrite | NoSpace)
 
     @precondition(lambda self: self.reserved)
     @rule(pick=st.data())

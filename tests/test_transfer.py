@@ -33,7 +33,7 @@ from kvshare.transfer.local import make_local_pool, make_local_source
 from kvshare.transfer.nixl import NixlTransport
 from kvshare.transfer.nixl_agent import make_agent
 from kvshare.transfer.objstore import ObjStoreTransport
-from kvshare.transfer.probe import Bandwidths, parse_overrides, probe
+from kvshare.transfer.probe import TransportBandwidths, parse_overrides, probe
 from kvshare.transfer.serve import TransferService
 from kvshare.transfer.shm import ShmTransport
 from kvshare.transfer.source import BlockSource
@@ -298,10 +298,10 @@ def test_probe_measures_and_overrides(source: BlockSource, transports: dict[str,
     dest = np.zeros((4, B), np.uint8)
     gbps = probe(transports, LocalControl(source), list(dest), repeats=2)
     assert set(gbps) == set(NAMES) and all(v > 0 for v in gbps.values())
-    bw = Bandwidths(gbps, overrides={"objstore": 1e6})
+    bw = TransportBandwidths(gbps, overrides={"objstore": 1e6})
     assert bw.rank(NAMES)[0] == "objstore" and bw.get("nixl") == gbps["nixl"]
     with pytest.raises(ValueError, match=">= 0"):
-        Bandwidths({}, {"nixl": -1.0})
+        TransportBandwidths({}, {"nixl": -1.0})
     assert parse_overrides("nixl=10, objstore=1.5") == {"nixl": 10.0, "objstore": 1.5}
     with pytest.raises(ValueError, match="transport=GBps"):
         parse_overrides("nixl:10")

@@ -9,10 +9,10 @@ stored in a table (a hash whose last holder goes is deleted).
 
 from __future__ import annotations
 
+from kvshare.types import TIER_CODES as TIER_CODES  # defined once, in the library
+from kvshare.types import TIERS as TIERS
 from kvshare.types import Location, Tier
 
-TIER_CODES: dict[Tier, int] = {Tier.GPU: 0, Tier.HOST: 1, Tier.DISK: 2}
-TIERS: tuple[Tier, ...] = (Tier.GPU, Tier.HOST, Tier.DISK)
 TIER_BY_NAME: dict[str, int] = {t.value: c for t, c in TIER_CODES.items()}
 
 Items = tuple[tuple[int, int], ...]

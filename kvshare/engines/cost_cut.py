@@ -67,10 +67,10 @@ class CostCut:
                 self._since_fit = 0
                 self._model = self._fit()
 
-    def __call__(self, prompt_tokens: int, sources: Sequence[str]) -> int:
+    def __call__(self, prompt_tokens: int, sources: Sequence[Source]) -> int:
         if not sources:
             return 0
-        plan = self._model.plan(prompt_tokens, [Source[s.upper()] for s in sources])
+        plan = self._model.plan(prompt_tokens, sources)
         return int(plan.cut)
 
 

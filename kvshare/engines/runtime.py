@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from kvshare.client import CutPolicy, load_everything
+from kvshare.cost import Source
 from kvshare.engines.cost_cut import CostCut, calibrate
 from kvshare.engines.hf import HFEngine
 from kvshare.engines.openai_api import BadRequest, ParsedRequest
@@ -191,11 +192,11 @@ class LoadReporter:
                 log.debug("unregister failed: %s", exc)
 
 
-def local_only(prompt_tokens: int, sources: Sequence[str]) -> int:
+def local_only(prompt_tokens: int, sources: Sequence[Source]) -> int:
     """A cut policy reusing only this node's blocks (a replica's own node cache)."""
     n = 0
     for s in sources:
-        if not str(s).startswith("local_"):
+        if s.remote:
             break
         n += 1
     return n

@@ -3,6 +3,6 @@
 Importing this package imports neither Ray nor NIXL; each transport imports what it needs.
 """
 
-from kvshare.transfer.base import BlockOutcome, Transfer, TransferResult, Transport
+from kvshare.transfer.base import BlockResult, Transfer, TransferResult, Transport
 
-__all__ = ["BlockOutcome", "Transfer", "TransferResult", "Transport"]
+__all__ = ["BlockResult", "Transfer", "TransferResult", "Transport"]

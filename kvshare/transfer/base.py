@@ -9,7 +9,7 @@ implementation (``shm``, ``nixl``, ``objstore``; checked by one conformance suit
 - ``poll`` returns ``None`` while the batch is in flight and its :class:`TransferResult` once
   done; ``wait`` polls until done. A transfer is always done by its deadline (plus the time
   of one control message that cancels it): nothing hangs.
-- A result holds one :class:`BlockOutcome` per requested hash, in request order. ``ok=True``
+- A result holds one :class:`BlockResult` per requested hash, in request order. ``ok=True``
   means the destination holds exactly the stored bytes (verified by checksum for remote reads,
   by the slot epoch for shared memory). Otherwise the destination bytes of that block are
   undefined and ``reason`` is one of the constants below: the caller recomputes.
@@ -48,7 +48,7 @@ REASONS = frozenset(
 )
 
 
-class BlockOutcome(NamedTuple):
+class BlockResult(NamedTuple):
     """One block of a transfer: ``ok`` or a miss with a ``reason`` (one of the constants)."""
 
     block_hash: BlockHash
@@ -62,7 +62,7 @@ class TransferResult:
 
     transport: str
     op: str
-    outcomes: tuple[BlockOutcome, ...]
+    outcomes: tuple[BlockResult, ...]
     nbytes: int = 0
     seconds: float = 0.0
 
@@ -97,7 +97,7 @@ def all_missed(
 ) -> TransferResult:
     """A result in which every block missed for ``reason``."""
     return TransferResult(
-        transport, op, tuple(BlockOutcome(h, False, reason) for h in hashes), 0, seconds
+        transport, op, tuple(BlockResult(h, False, reason) for h in hashes), 0, seconds
     )
 
 
@@ -122,7 +122,7 @@ class Transfer:
     def remaining(self) -> float:
         return self.deadline - time.monotonic()
 
-    def finish(self, outcomes: Sequence[BlockOutcome], nbytes: int) -> TransferResult:
+    def finish(self, outcomes: Sequence[BlockResult], nbytes: int) -> TransferResult:
         """Record the result (once) and return it."""
         if self.result is None:
             assert len(outcomes) == len(self.hashes)

@@ -28,7 +28,7 @@ from kvshare.transfer.base import (
     NIXL_UNAVAILABLE,
     SOURCE_DEAD,
     TRANSFER_ERROR,
-    BlockOutcome,
+    BlockResult,
     Transfer,
     TransferResult,
     Transport,
@@ -49,7 +49,7 @@ REMOTE_ORDER = ("nixl", "objstore")
 class FetchResult:
     """Per-block outcomes (request order), which node and transport served each, and stats."""
 
-    outcomes: tuple[BlockOutcome, ...]
+    outcomes: tuple[BlockResult, ...]
     served_by: tuple[str, ...]  # "node:<id>/<transport>" per block, "" for misses
     kept_local: int = 0
     transfers: tuple[TransferResult, ...] = field(default=(), compare=False)
@@ -154,7 +154,7 @@ class PeerFetcher:
                 again.setdefault((alt, self._best(alt)), []).append(i)
         self._round(again, hashes, dest, deadline, reasons, served, results, tried)
         kept = self._keep(hashes, dest, reasons, served) if keep_local else 0
-        outs = tuple(BlockOutcome(h, r == "", r) for h, r in zip(hashes, reasons, strict=True))
+        outs = tuple(BlockResult(h, r == "", r) for h, r in zip(hashes, reasons, strict=True))
         return FetchResult(outs, tuple(served), kept, tuple(results), time.monotonic() - start)
 
     def _best(self, location: Location) -> str:

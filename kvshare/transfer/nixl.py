@@ -26,7 +26,7 @@ from kvshare.transfer.base import (
     NIXL_UNAVAILABLE,
     SOURCE_DEAD,
     TRANSFER_ERROR,
-    BlockOutcome,
+    BlockResult,
     Transfer,
     TransferResult,
     Transport,
@@ -324,7 +324,7 @@ class NixlTransport(Transport):
 
     def _result(self, t: Transfer) -> TransferResult:
         outcome: dict[int, str] = t.state["outcome"]
-        outs = [BlockOutcome(h, outcome.get(i, TRANSFER_ERROR) == "", outcome.get(i, TRANSFER_ERROR))
+        outs = [BlockResult(h, outcome.get(i, TRANSFER_ERROR) == "", outcome.get(i, TRANSFER_ERROR))
                 for i, h in enumerate(t.hashes)]
         nbytes = sum(t.state["bufs"][i].nbytes for i, o in enumerate(outs) if o.ok)
         return t.finish(outs, nbytes)

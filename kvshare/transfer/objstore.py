@@ -19,7 +19,7 @@ from kvshare.transfer.base import (
     CORRUPT,
     DEADLINE,
     SOURCE_DEAD,
-    BlockOutcome,
+    BlockResult,
     Transfer,
     TransferResult,
     Transport,
@@ -114,5 +114,5 @@ class ObjStoreTransport(Transport):
 
     def _end(self, t: Transfer, reasons: Sequence[str]) -> TransferResult:
         bufs: list[ByteArray] = t.state["bufs"]
-        outs = [BlockOutcome(h, r == "", r) for h, r in zip(t.hashes, reasons, strict=True)]
+        outs = [BlockResult(h, r == "", r) for h, r in zip(t.hashes, reasons, strict=True)]
         return t.finish(outs, sum(b.nbytes for b, o in zip(bufs, outs, strict=True) if o.ok))

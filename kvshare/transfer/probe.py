@@ -5,7 +5,7 @@ Every node pool stores a few *probe blocks* under hashes derived from its node i
 them in a private namespace (:data:`PROBE_NAMESPACE`, :data:`PROBE_LAYOUT`: 4 blocks of 2 MiB,
 never published to the index) so probing never shows up as cached blocks. :func:`probe`
 reads them through each transport a few times and keeps the best batch bandwidth (GB/s).
-:class:`Bandwidths` holds the measured figures, lets a config override any of them, and ranks
+:class:`TransportBandwidths` holds the measured figures, lets a config override any of them, and ranks
 transports for :class:`~kvshare.transfer.fetch.PeerFetcher` and the router's cost model.
 """
 
@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from kvshare.cost import bytes_per_s
 from kvshare.layout import KVLayout
 from kvshare.pool import TieredBlockPool
 from kvshare.tiers.base import ByteArray
@@ -101,8 +102,10 @@ def parse_overrides(text: str) -> dict[str, float]:
 
 
 @dataclass
-class Bandwidths:
-    """Measured GB/s per transport, with config overrides taking precedence."""
+class TransportBandwidths:
+    """GB/s per transport (``shm``, ``nixl``, ``objstore``) as probed, with config overrides
+    taking precedence. The cost model's :class:`kvshare.cost.Bandwidths` is in bytes/s per
+    source kind; :meth:`bytes_per_s` converts (:func:`kvshare.cost.bytes_per_s`)."""
 
     measured: dict[str, float] = field(default_factory=dict)
     overrides: dict[str, float] = field(default_factory=dict)
@@ -120,6 +123,10 @@ class Bandwidths:
 
     def update(self, measured: Mapping[str, float]) -> None:
         self.measured.update(measured)
+
+    def bytes_per_s(self) -> dict[str, float]:
+        """:meth:`as_dict` in bytes/s (what :meth:`kvshare.cost.Bandwidths.from_measured` takes)."""
+        return bytes_per_s(self.as_dict())
 
     def rank(self, names: Sequence[str]) -> list[str]:
         """``names`` fastest first; those measured at 0 (unusable) last."""

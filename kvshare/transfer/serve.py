@@ -24,7 +24,7 @@ from kvshare.transfer.probe import (
     PROBE_BLOCKS,
     PROBE_LAYOUT,
     PROBE_NAMESPACE,
-    Bandwidths,
+    TransportBandwidths,
     parse_overrides,
     probe,
 )
@@ -60,7 +60,7 @@ class TransferService:
         self.nixl = os.environ.get("KVSHARE_NIXL", "1") != "0" if nixl is None else nixl
         if bandwidth_overrides is None:
             bandwidth_overrides = parse_overrides(os.environ.get("KVSHARE_BANDWIDTH_GBPS", ""))
-        self.bandwidths = Bandwidths({}, dict(bandwidth_overrides))
+        self.bandwidths = TransportBandwidths({}, dict(bandwidth_overrides))
         self.per_node: dict[str, dict[str, float]] = {}
         self.measured_at = 0.0  # time.time() of the last measure (0: never)
         self._sources: dict[str, BlockSource] = {}

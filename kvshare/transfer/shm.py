@@ -23,7 +23,7 @@ from kvshare.transfer.base import (
     NOT_SAME_NODE,
     SLOT_REUSED,
     SOURCE_DEAD,
-    BlockOutcome,
+    BlockResult,
     Transfer,
     TransferResult,
     Transport,
@@ -180,7 +180,7 @@ class ShmTransport(Transport):
 
 
 def _done(t: Transfer, reasons: Sequence[str], bufs: Sequence[ByteArray]) -> Transfer:
-    outs = [BlockOutcome(h, r == "", r) for h, r in zip(t.hashes, reasons, strict=True)]
+    outs = [BlockResult(h, r == "", r) for h, r in zip(t.hashes, reasons, strict=True)]
     t.finish(outs, sum(b.nbytes for b, o in zip(bufs, outs, strict=True) if o.ok))
     return t
 

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from kvshare.pool import TieredBlockPool
-from kvshare.pool_types import AlreadyPresent, InFlight, NoSpace, Reserved
+from kvshare.pool_types import AlreadyPresent, InFlightWrite, NoSpace, Reserved
 from kvshare.tiers.base import ByteArray, CorruptBlock, block_checksum
 from kvshare.tiers.host import HostSlab
 from kvshare.transfer.base import (
@@ -233,7 +233,7 @@ class BlockSource:
                     slots.append(SourceBlock(r.lease_id, r.slot, r.epoch, -1))
             elif isinstance(r, AlreadyPresent):
                 slots.append(PRESENT)
-            elif isinstance(r, InFlight):
+            elif isinstance(r, InFlightWrite):
                 slots.append(IN_FLIGHT)
             else:
                 assert isinstance(r, NoSpace)
@@ -283,7 +283,7 @@ class BlockSource:
                     self.pool.abort([r.lease_id])
                     out.append(CORRUPT)
             else:
-                out.append(IN_FLIGHT if isinstance(r, InFlight) else NO_SPACE)
+                out.append(IN_FLIGHT if isinstance(r, InFlightWrite) else NO_SPACE)
         return out
 
     def probe_blocks(self, n: int) -> list[BlockHash]:
