@@ -11,16 +11,19 @@ threaded (``max_concurrency``) so a slow call never blocks the control path.
   ``publish_max_events`` are pending) and published as one Arrow batch per namespace.
 - **Resync**: the whole inventory is republished on start, when the index asks (after its
   restart, or a sequence gap), and when a publish failed or the index epoch changed.
-- **Control API** for workers on the node: ``slab_info``, ``reserve``/``commit``/``abort``
-  (the worker writes the slot through shared memory in between), ``pin``/``unpin`` (disk
-  blocks are promoted to host so shm readers can map them), and the object-store path
-  ``read_blocks``/``write_blocks`` (numpy uint8, batched). Every method takes the namespace
-  first; an unknown namespace is a KeyError naming the known ones.
-- **Leases** end on unpin/commit/abort, at their deadline, or when the holder died: holders
-  named ``pid:<n>`` (a process on this node) or a Ray actor id are checked every
+- **One data plane**: the ``transfer_*`` endpoints (:class:`TransferEndpoints` over the
+  :attr:`NodePool.transfer` member) that every transport calls through
+  :class:`~kvshare.transfer.control.ActorControl`: pin for reading (disk blocks are promoted
+  to host so shm/NIXL readers can reach them), reserve + commit for writing through shared
+  memory or NIXL, batched copies for the object store. Every method takes the namespace first;
+  an unknown namespace is a KeyError naming the known ones. ``slab_info`` checks a worker's
+  KV layout against the namespace's.
+- **Leases** end when the transfer finishes, at their deadline, or when the holder died:
+  holders named ``pid:<n>`` (a process on this node) or a Ray actor id are checked every
   ``holder_check_s``.
-- **Admin pins** (``pin_prefix``/``unpin_prefix``, driven by :mod:`actors.admin`): leases of
-  holders named ``admin:<name>`` that last until their ttl or an unpin; never judged dead.
+- **Admin pins** (``pin_prefix``/``unpin_prefix``, the :attr:`NodePool.admin` member, driven
+  by :mod:`actors.admin`): leases of holders named ``admin:<name>`` that last until their ttl
+  or an unpin; never judged dead.
 """
 
 from __future__ import annotations
@@ -32,7 +35,6 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-import numpy as np
 import pyarrow as pa
 
 from actors.admin_pins import AdminPins
@@ -42,12 +44,7 @@ from actors.liveness import pid_alive, ray_holder_alive
 from kvshare.events import Event, events_to_arrow
 from kvshare.pool import TieredBlockPool
 from kvshare.pool_types import (
-    AlreadyPresent,
-    InFlightWrite,
     PoolConfig,
-    ReadLease,
-    Reserved,
-    ReserveResult,
     TierSpec,
 )
 from kvshare.tiers.base import TierStore
@@ -71,8 +68,12 @@ class IndexSink(Protocol):
                           seq: int, namespace: str | None = None) -> bool: ...
 
 
-class NodePool(TransferEndpoints, AdminPins):
-    """The pools of one node, publishing to the index; ``transfer_*`` serve the data plane."""
+class NodePool(TransferEndpoints):
+    """The pools of one node, publishing to the index.
+
+    Members: :attr:`transfer` (:class:`TransferService`, the data plane that the
+    ``transfer_*`` endpoints serve) and :attr:`admin` (:class:`AdminPins`).
+    """
 
     def __init__(
         self,
@@ -95,8 +96,6 @@ class NodePool(TransferEndpoints, AdminPins):
         self._slabs: dict[str, HostSlab] = {}
         self._seq: dict[str, int] = {}
         self._holders: dict[str, float] = {}
-        self._admin_lock = threading.Lock()  # AdminPins: (namespace, holder) -> lease ids
-        self._admin_pins: dict[tuple[str, str], list[int]] = {}
         self._pending = 0
         self._wake = threading.Event()
         self._closed = threading.Event()
@@ -110,7 +109,8 @@ class NodePool(TransferEndpoints, AdminPins):
         overrides = {**dict(settings.bandwidth_gbps),
                      **parse_overrides(os.environ.get("KVSHARE_BANDWIDTH_GBPS", ""))}
         self.transfer = TransferService(node_id, bandwidth_overrides=overrides,
-                                        generation=self.generation)
+                                        generation=self.generation, on_holder=self._seen)
+        self.admin = AdminPins(self._pool, lambda: self._kick(0))
         for spec in settings.namespaces:
             self._open(spec)
         self.republish()
@@ -188,99 +188,23 @@ class NodePool(TransferEndpoints, AdminPins):
             )
         return self.transfer.source(namespace).slab_info()
 
-    # ------------------------------------------------------------------ control API
-    def _seen(self, holder: str, n: int) -> None:
+    # ------------------------------------------------------------------ holders, admin pins
+    def _seen(self, holder: str) -> None:
+        """A transfer leased blocks for ``holder``: its liveness is checked from now on."""
         if not isinstance(holder, str) or not holder:
             raise ValueError("holder must be a non-empty string (e.g. 'pid:<n>' or an actor id)")
         self._holders[holder] = time.monotonic()
-        self._pending += n
 
-    def reserve(self, namespace: str, hashes: Sequence[BlockHash], holder: str,
-                ttl_s: float | None = None) -> list[ReserveResult]:
-        """Hold host slots for new blocks (then write them via shm, then ``commit``)."""
-        pool = self._pool(namespace)
-        self._seen(holder, 0)
-        return pool.reserve(list(hashes), holder, ttl_s)
+    # admin pins (actors.admin): served by the AdminPins member
+    def contains(self, namespace: str, hashes: Sequence[BlockHash]) -> list[bool]:
+        return self.admin.contains(namespace, hashes)
 
-    def commit(self, namespace: str, lease_ids: Sequence[int],
-               checksums: Sequence[int] | None = None) -> list[BlockHash]:
-        """Make reserved blocks visible; KeyError (nothing committed) if a lease expired."""
-        done = self._pool(namespace).commit(list(lease_ids), checksums)
-        self._kick(len(done))
-        return done
+    def pin_prefix(self, namespace: str, hashes: Sequence[BlockHash], holder: str,
+                   ttl_s: float) -> int:
+        return self.admin.pin_prefix(namespace, hashes, holder, ttl_s)
 
-    def abort(self, namespace: str, lease_ids: Sequence[int]) -> None:
-        self._pool(namespace).abort(list(lease_ids))
-
-    def pin(self, namespace: str, hashes: Sequence[BlockHash], holder: str,
-            ttl_s: float | None = None, promote: bool = True) -> list[ReadLease | None]:
-        """Lease blocks for reading (None = miss); disk blocks move to host when ``promote``."""
-        pool = self._pool(namespace)
-        self._seen(holder, 0)
-        out = pool.pin(list(hashes), holder, ttl_s, promote=promote)
-        self._kick(0)
-        return out
-
-    def unpin(self, namespace: str, lease_ids: Sequence[int]) -> None:
-        self._pool(namespace).unpin(list(lease_ids))
-
-    def read_blocks(self, namespace: str, hashes: Sequence[BlockHash]) -> tuple[np.ndarray[Any, Any], list[str]]:
-        """Verified copies: ``(data[n, block_bytes] uint8, reasons)``; ``reasons[i] == ""`` if
-        block ``i`` is in ``data[i]``, else why it is a miss (its row is undefined)."""
-        pool = self._pool(namespace)
-        leases = pool.pin(list(hashes), "read_blocks", promote=False)
-        out = np.empty((len(leases), pool.block_bytes), dtype=np.uint8)
-        reasons: list[str] = []
-        try:
-            for i, lease in enumerate(leases):
-                if lease is None:
-                    reasons.append("not cached")
-                    continue
-                res = pool.read_into(lease, out[i])
-                reasons.append("" if res.ok else res.reason)
-        finally:
-            pool.unpin([lease.lease_id for lease in leases if lease is not None])
-        return out, reasons
-
-    def write_blocks(self, namespace: str, hashes: Sequence[BlockHash], data: Any) -> list[str]:
-        """Store blocks from ``data`` (``[n, block_bytes]`` uint8, or any array of n blocks'
-        bytes). Per block: ``stored``, ``present``, ``in_flight`` or ``no_space``."""
-        pool = self._pool(namespace)
-        hashes = list(hashes)
-        arr = np.ascontiguousarray(np.asarray(data)).reshape(-1).view(np.uint8)
-        if arr.nbytes != len(hashes) * pool.block_bytes:
-            raise ValueError(
-                f"write_blocks got {arr.nbytes} bytes for {len(hashes)} blocks of "
-                f"{pool.block_bytes} bytes: check the KV layout (dtype, block_tokens, heads)"
-            )
-        rows = arr.reshape(len(hashes), pool.block_bytes)
-        # in chunks, so a batch larger than the host tier demotes its own head to disk
-        step = max(1, pool.config.slots(Tier.HOST) // 4)
-        out: list[str] = []
-        for start in range(0, len(hashes), step):
-            out += self._write_chunk(pool, hashes[start : start + step], rows[start : start + step])
-        return out
-
-    def _write_chunk(self, pool: TieredBlockPool, hashes: list[BlockHash],
-                     rows: np.ndarray[Any, Any]) -> list[str]:
-        results = pool.reserve(hashes, "write_blocks")
-        out: list[str] = []
-        ok: list[int] = []
-        try:
-            for i, res in enumerate(results):
-                if isinstance(res, Reserved):
-                    pool.write(res.lease_id, rows[i])
-                    ok.append(res.lease_id)
-                    out.append("stored")
-                else:
-                    out.append("present" if isinstance(res, AlreadyPresent) else
-                               "in_flight" if isinstance(res, InFlightWrite) else "no_space")
-        except BaseException:
-            pool.abort([r.lease_id for r in results if isinstance(r, Reserved)])
-            raise
-        pool.commit(ok)
-        self._kick(len(ok))
-        return out
+    def unpin_prefix(self, namespace: str, holder: str) -> int:
+        return self.admin.unpin_prefix(namespace, holder)
 
     def release_holder(self, holder: str) -> int:
         """End every lease of ``holder`` in every namespace (it died); returns how many."""

@@ -39,7 +39,11 @@ def payload(h: bytes) -> np.ndarray:
 def write(pool: Any, ns: str, hashes: list[bytes]) -> list[str]:
     import ray
 
-    return list(ray.get(pool.write_blocks.remote(ns, hashes, np.stack([payload(h) for h in hashes]))))
+    from kvshare.tiers.base import block_checksum
+
+    data = np.stack([payload(h) for h in hashes])
+    sums = [block_checksum(d) for d in data]
+    return list(ray.get(pool.transfer_write_blocks.remote(ns, hashes, data, sums)))
 
 
 def held(pool: Any, ns: str, hashes: list[bytes]) -> list[bool]:
@@ -118,7 +122,7 @@ def test_pin_survives_eviction_unpin_and_ttl_let_it_go(kv: dict[str, Any]) -> No
 
     pa, a = kv["pa"], kv["a"]
     keep, other = chain("keep", 4), chain("other", 4)
-    assert write(pa, PIN, keep + other) == ["stored"] * 8
+    assert write(pa, PIN, keep + other) == [""] * 8  # stored
     assert wait_for(lambda: admin.lookup(PIN, keep, ray_namespace=RAY_NS).get(a, {})
                     .get("prefix_blocks") == 4)
     pinned = admin.pin_prefix(PIN, keep, 60.0, "keep", ray_namespace=RAY_NS)
@@ -138,7 +142,7 @@ def test_pin_survives_eviction_unpin_and_ttl_let_it_go(kv: dict[str, Any]) -> No
     assert held(pa, PIN, keep) == [False] * 4  # unpinned: evicted like any other block
 
     # a pin ends at its ttl by itself
-    assert write(pa, PIN, keep) == ["stored"] * 4
+    assert write(pa, PIN, keep) == [""] * 4  # stored
     assert admin.pin_prefix(PIN, keep, 1.0, "short", [a], ray_namespace=RAY_NS) == {a: 4}
     write(pa, PIN, chain("fill3", 40))
     assert held(pa, PIN, keep) == [True] * 4  # within its ttl
@@ -162,7 +166,7 @@ def test_prefetch_copies_the_prefix_to_a_node_that_lacks_it(kv: dict[str, Any]) 
 
     a, b = kv["a"], kv["b"]
     hs = chain("fetch", 6)
-    assert write(kv["pa"], FETCH, hs) == ["stored"] * 6
+    assert write(kv["pa"], FETCH, hs) == [""] * 6  # stored
     assert wait_for(lambda: admin.lookup(FETCH, hs, ray_namespace=RAY_NS).get(a, {})
                     .get("prefix_blocks") == 6)
     assert b not in admin.lookup(FETCH, hs, ray_namespace=RAY_NS)
@@ -173,9 +177,9 @@ def test_prefetch_copies_the_prefix_to_a_node_that_lacks_it(kv: dict[str, Any]) 
     assert held(kv["pb"], FETCH, hs) == [True] * 6
     assert wait_for(lambda: admin.lookup(FETCH, hs, ray_namespace=RAY_NS).get(b, {})
                     .get("prefix_blocks") == 6)
-    data, reasons = ray.get(kv["pb"].read_blocks.remote(FETCH, hs))
-    assert reasons == [""] * 6
-    assert all(np.array_equal(data[i], payload(h)) for i, h in enumerate(hs))
+    got = ray.get(kv["pb"].transfer_read_blocks.remote(FETCH, hs))
+    assert got.reasons == ("",) * 6
+    assert all(np.array_equal(got.data[got.rows[i]], payload(h)) for i, h in enumerate(hs))
     # again: nothing to move; a longer prefix that nobody holds past block 6: misses
     again = admin.prefetch(FETCH, hs + chain("nowhere", 2), b, ray_namespace=RAY_NS)
     assert (again["present"], again["fetched"], again["missing"]) == (6, 0, 2), again
@@ -257,7 +261,7 @@ def test_gateway_pins_and_prefetches_by_prompt_text(kv: dict[str, Any]) -> None:
     prompt = "You are a helpful assistant for kvshare admins. " * 4  # 196 bytes: 6 blocks
     hs = router.hashes(router.tokenize(prompt), Tenant("acme", "s1"))
     assert len(hs) == 6
-    assert write(kv["pa"], FETCH, hs) == ["stored"] * 6
+    assert write(kv["pa"], FETCH, hs) == [""] * 6  # stored
     gw = Gateway(create_app(router, parse_api_keys(keys), admin=ClusterAdmin(RAY_NS)))
     bare = Gateway(create_app(router, parse_api_keys(keys)))  # static-workers mode: no cluster
     try:
@@ -322,7 +326,7 @@ def test_cli_pins_from_a_hashes_file_and_unpins(kv: dict[str, Any], ray_cluster:
     import json
 
     hs = chain("cli", 3)
-    assert write(kv["pa"], PIN, hs) == ["stored"] * 3
+    assert write(kv["pa"], PIN, hs) == [""] * 3  # stored
     path = tmp_path / "prefix.txt"
     path.write_text("# system prompt\n" + "\n".join(h.hex() for h in hs) + "\n")
     addr = ["--address", ray_cluster.address, "--ray-namespace", RAY_NS, "--namespace", PIN]

@@ -72,27 +72,39 @@ def blocks(n: int, layout: Any, seed: int) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 255, (n, layout.bytes_per_block), dtype=np.uint8)
 
 
+def write(actor: Any, ns: str, hs: list[bytes], data: np.ndarray) -> list[str]:
+    """Store ``data`` through the pool's data plane (the object-store path); "" = stored."""
+    import ray
+
+    from kvshare.tiers.base import block_checksum
+
+    sums = [block_checksum(d) for d in data]
+    return list(ray.get(actor.transfer_write_blocks.remote(ns, hs, data, sums)))
+
+
 def test_blocks_on_two_nodes_show_up_within_1s(kv: dict[str, Any]) -> None:
     import ray
 
     from kvshare.tiers.base import block_checksum
     from kvshare.tiers.host import HostSlab
+    from kvshare.transfer.base import MISSING
     from kvshare.types import Tier
 
     client, layout = kv["client"], kv["layout"]
     hs = hashes(10, "two-nodes")
     data = blocks(10, layout, 1)
     # node A: object-store path, the first 8 blocks
-    assert ray.get(pool(kv["a"]).write_blocks.remote("m", hs[:8], data[:8])) == ["stored"] * 8
+    assert write(pool(kv["a"]), "m", hs[:8], data[:8]) == [""] * 8  # stored
     t_a = wait_for(lambda: client.match("m", hs).prefix_for(loc(kv["a"])) == 8, 1.0)
     # node B: shared-memory path (reserve, write into the slab, commit), the first 5 blocks
     pb = pool(kv["b"])
     info = ray.get(pb.slab_info.remote("m", layout.fingerprint()))
     slab = HostSlab.attach(info.name, info.slot_bytes, info.num_slots)
-    res = ray.get(pb.reserve.remote("m", hs[:5], "pid:1"))
+    res = ray.get(pb.transfer_prepare_write.remote("m", hs[:5], "pid:1", 30.0)).slots
     for r, row in zip(res, data[:5], strict=True):
         slab.view(r.slot)[:] = row
-    ray.get(pb.commit.remote("m", [r.lease_id for r in res], [block_checksum(d) for d in data[:5]]))
+    ray.get(pb.transfer_commit_write.remote("m", "pid:1", [r.lease_id for r in res],
+                                            [block_checksum(d) for d in data[:5]]))
     t_b = wait_for(lambda: client.match("m", hs).prefix_for(loc(kv["b"])) == 5, 1.0)
     m = client.match("m", hs)
     assert m.combined_prefix == 8 and m.num_blocks == 10
@@ -100,22 +112,21 @@ def test_blocks_on_two_nodes_show_up_within_1s(kv: dict[str, Any]) -> None:
     assert m.locations[loc(kv["b"])].tier_counts == {Tier.HOST: 5}
     assert max(t_a, t_b) < 1.0
     # reads: shm (pin, read the slot, unpin) and object store
-    leases = ray.get(pa_pin := pb.pin.remote("m", hs[:5], "pid:1"))  # noqa: F841
+    leases = ray.get(pb.transfer_prepare_read.remote("m", hs[:5], "pid:1", 30.0)).blocks
     assert all(np.array_equal(slab.view(le.slot), d) for le, d in zip(leases, data[:5], strict=True))
-    ray.get(pb.unpin.remote("m", [le.lease_id for le in leases]))
-    got, reasons = ray.get(pool(kv["a"]).read_blocks.remote("m", hs[:9]))
-    assert reasons == [""] * 8 + ["not cached"] and np.array_equal(got[:8], data[:8])
+    ray.get(pb.transfer_finish.remote("m", "pid:1", [le.lease_id for le in leases]))
+    got = ray.get(pool(kv["a"]).transfer_read_blocks.remote("m", hs[:9]))
+    assert got.reasons == ("",) * 8 + (MISSING,) and np.array_equal(got.data[:8], data[:8])
     slab.close()
 
 
 def test_demoted_blocks_are_advertised_in_the_disk_tier(kv: dict[str, Any]) -> None:
-    import ray
 
     from kvshare.types import Tier
 
     client, layout = kv["client"], kv["layout"]
     hs = hashes(24, "demote")  # the host tier has 16 slots, 8 already used
-    assert set(ray.get(pool(kv["b"]).write_blocks.remote("m", hs, blocks(24, layout, 2)))) == {"stored"}
+    assert set(write(pool(kv["b"]), "m", hs, blocks(24, layout, 2))) == {""}  # all stored
     wait_for(lambda: client.match("m", hs).prefix_for(loc(kv["b"])) == 24, 1.0)
     counts = client.match("m", hs).locations[loc(kv["b"])].tier_counts
     assert counts[Tier.DISK] > 0 and counts[Tier.HOST] > 0 and sum(counts.values()) == 24
@@ -132,13 +143,13 @@ def test_bad_input_at_the_actor_boundary_changes_nothing(kv: dict[str, Any]) -> 
     index = ray.get_actor(index_name(0), namespace=RAY_NS)
     before = (ray.get(pa_.stats.remote())["namespaces"]["m"]["tiers"], client.stats()[0]["locations"])
     with pytest.raises(ValueError, match="KV layout"):
-        ray.get(pa_.write_blocks.remote("m", hs, np.zeros((3, 100), np.uint8)))
+        write(pa_, "m", hs, np.zeros((3, 100), np.uint8))
     with pytest.raises(ValueError, match="fix the worker's KV layout"):
         ray.get(pa_.slab_info.remote("m", "0123456789abcdef"))
     with pytest.raises(KeyError, match="unknown namespace 'nope'"):
-        ray.get(pa_.read_blocks.remote("nope", hs))
+        ray.get(pa_.transfer_read_blocks.remote("nope", hs))
     with pytest.raises(ValueError, match="32-byte"):
-        ray.get(pa_.reserve.remote("m", [b"x" * 5], "pid:1"))
+        ray.get(pa_.transfer_prepare_write.remote("m", [b"x" * 5], "pid:1", 30.0))
     with pytest.raises(KeyError, match="known: \\['m'\\]"):
         ray.get(index.match.remote("nope", hs))
     with pytest.raises(ValueError, match="32-byte"):
@@ -160,11 +171,14 @@ def test_leases_of_a_dead_holder_are_released(kv: dict[str, Any]) -> None:
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+    from kvshare.transfer.wire import SourceBlock
+
     @ray.remote(num_cpus=0)
     class Reader:
         def hold(self, pool: Any, hs: list[bytes]) -> int:
             me = ray.get_runtime_context().get_actor_id()
-            return sum(x is not None for x in ray.get(pool.pin.remote("m", hs, me, 60.0)))
+            got = ray.get(pool.transfer_prepare_read.remote("m", hs, me, 60.0))
+            return sum(isinstance(b, SourceBlock) for b in got.blocks)
 
     pa_ = pool(kv["a"])
     reader = Reader.options(scheduling_strategy=NodeAffinitySchedulingStrategy(kv["a"], soft=False)).remote()

@@ -75,6 +75,8 @@ def scrape_metrics(addr: list[str], node: str, host_capacity: int) -> None:
     import ray
     from prometheus_client.parser import text_string_to_metric_families
 
+    from kvshare.tiers.base import block_checksum
+
     proc = subprocess.Popen([KVSHARE, "metrics", *addr, "--port", "0", "--host", "127.0.0.1"],
                             stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "RAY_USAGE_STATS_ENABLED": "0"})
@@ -105,9 +107,10 @@ def scrape_metrics(addr: list[str], node: str, host_capacity: int) -> None:
         pool = ray.get_actor(f"kvshare-pool-{node}", namespace=RAY_NS)
         block_bytes = ray.get(pool.stats.remote())["namespaces"]["chat"]["block_bytes"]
         h = hashlib.sha256(b"metrics-test").digest()
-        assert ray.get(pool.write_blocks.remote("chat", [h], np.ones(block_bytes, np.uint8))) == ["stored"]
-        _, reasons = ray.get(pool.read_blocks.remote("chat", [h]))
-        assert reasons == [""]
+        one_block = np.ones((1, block_bytes), np.uint8)
+        sums = [block_checksum(one_block[0])]
+        assert ray.get(pool.transfer_write_blocks.remote("chat", [h], one_block, sums)) == [""]
+        assert ray.get(pool.transfer_read_blocks.remote("chat", [h])).reasons == ("",)
         deadline = time.monotonic() + 10
         after = scrape()
         while one(after, "kvshare_index_blocks", shard="0", namespace="chat") != 1:

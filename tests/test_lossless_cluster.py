@@ -151,13 +151,13 @@ def test_corrupt_block_is_recomputed_and_counted(env: Env) -> None:
     env.wait_held(shared, env.nodes["B"], Tier.HOST)
     pool = ray.get_actor(f"kvshare-pool-{env.nodes['B']}", namespace="kvshare")
     victim = env.engine.hashes(shared)[1]
-    (lease,) = ray.get(pool.pin.remote(NS, [victim], "test-corrupter"))
+    (lease,) = ray.get(pool.transfer_prepare_read.remote(NS, [victim], "test-corrupter", 30.0)).blocks
     stats = ray.get(pool.stats.remote())
     path = os.path.join("/dev/shm", stats["namespaces"][NS]["shm_name"])
     with open(path, "r+b") as f:  # bit rot in node_1's host slab
         f.seek(lease.slot * env.engine.layout.bytes_per_block + 100)
         f.write(b"\xff" * 16)
-    ray.get(pool.unpin.remote(NS, [lease.lease_id]))
+    ray.get(pool.transfer_finish.remote(NS, "test-corrupter", [lease.lease_id]))
     request = shared + prompt(6, seed=402)
     res = env.run("A", request)
     assert res["misses"] == {"corrupt": 1} and res["reused_tokens"] == BLOCK

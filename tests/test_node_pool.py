@@ -15,6 +15,9 @@ from actors.config import NamespaceSpec, PoolSettings
 from actors.index.global_index import GlobalIndex
 from actors.node_pool import NodePool
 from kvshare.layout import KVLayout
+from kvshare.tiers.base import block_checksum
+from kvshare.transfer.base import MISSING
+from kvshare.transfer.wire import PRESENT, SourceBlock
 from kvshare.types import Location, Tier
 
 LAYOUT = KVLayout(2, 2, 16, "fp32", 16)  # 8 KiB blocks
@@ -23,6 +26,11 @@ BB = LAYOUT.bytes_per_block
 
 def hashes(n: int, salt: str = "np") -> list[bytes]:
     return [hashlib.sha256(f"{salt}{i}".encode()).digest() for i in range(n)]
+
+
+def write(node: NodePool, ns: str, hs: list[bytes], data: np.ndarray) -> list[str]:
+    """Store ``data[i]`` under ``hs[i]`` through the data plane transports use."""
+    return node.transfer_write_blocks(ns, hs, data, [block_checksum(d) for d in data])
 
 
 @pytest.fixture
@@ -48,14 +56,14 @@ def node(settings: PoolSettings, index: GlobalIndex) -> Iterator[NodePool]:
 def test_writes_are_published_and_read_back(node: NodePool, index: GlobalIndex) -> None:
     hs = hashes(12)  # more than the 8 host slots: the head is demoted to disk
     data = np.random.default_rng(0).integers(0, 255, (12, BB), dtype=np.uint8)
-    assert node.write_blocks("m", hs, data) == ["stored"] * 12
-    assert node.write_blocks("m", hs[:1], data[:1]) == ["present"]
+    assert write(node, "m", hs, data) == [""] * 12  # stored
+    assert write(node, "m", hs[:1], data[:1]) == [PRESENT]
     node.flush()
     m = index.match("m", hs)
     counts = m.locations[Location(node.location)].tier_counts
     assert m.prefix_for(Location(node.location)) == 12 and counts[Tier.DISK] > 0
-    got, reasons = node.read_blocks("m", hs + hashes(1, "other"))
-    assert reasons == [""] * 12 + ["not cached"] and np.array_equal(got[:12], data)
+    got = node.transfer_read_blocks("m", hs + hashes(1, "other"))
+    assert got.reasons == ("",) * 12 + (MISSING,) and np.array_equal(got.data[:12], data)
     info = node.slab_info("m", LAYOUT.fingerprint())
     assert info is not None and info.name.endswith(f"-{node.generation}") and info.num_slots == 8
 
@@ -65,7 +73,7 @@ def test_restart_republishes_disk_blocks_under_a_new_generation(
 ) -> None:
     first = NodePool("restart", settings, index, background=False)
     hs = hashes(12, "r")
-    first.write_blocks("m", hs, np.zeros((12, BB), np.uint8))
+    write(first, "m", hs, np.zeros((12, BB), np.uint8))
     first.flush()
     on_disk = sum(h.get(Location(first.location)) == Tier.DISK for h in index.lookup("m", hs))
     first.close()
@@ -81,9 +89,9 @@ def test_restart_republishes_disk_blocks_under_a_new_generation(
 
 def test_a_sequence_gap_triggers_a_resync(node: NodePool, index: GlobalIndex) -> None:
     hs = hashes(4, "gap")
-    node.write_blocks("m", hs[:2], np.zeros((2, BB), np.uint8))
+    write(node, "m", hs[:2], np.zeros((2, BB), np.uint8))
     node._pools["m"].take_events()  # lost on the way: the index never sees them
-    node.write_blocks("m", hs[2:], np.zeros((2, BB), np.uint8))
+    write(node, "m", hs[2:], np.zeros((2, BB), np.uint8))
     node.flush()  # the index sees a gap, asks for the inventory, the pool sends it
     assert index.match("m", hs).prefix_for(Location(node.location)) == 4
     assert node.counters["republishes"] >= 2 and not index.needs_resync("m", node.location)
@@ -91,23 +99,24 @@ def test_a_sequence_gap_triggers_a_resync(node: NodePool, index: GlobalIndex) ->
 
 def test_bad_input_is_refused(node: NodePool) -> None:
     with pytest.raises(KeyError, match="serves \\['m'\\]"):
-        node.reserve("other", hashes(1), "pid:1")
+        node.transfer_prepare_write("other", hashes(1), "pid:1", 10.0)
     with pytest.raises(ValueError, match="KV layout"):
-        node.write_blocks("m", hashes(2), np.zeros((2, BB - 1), np.uint8))
+        write(node, "m", hashes(2), np.zeros((2, BB - 1), np.uint8))
     with pytest.raises(ValueError, match="fix the worker's KV layout"):
         node.slab_info("m", KVLayout(2, 2, 16, "fp16", 16).fingerprint())
     with pytest.raises(ValueError, match="holder"):
-        node.pin("m", hashes(1), "")
+        node.transfer_prepare_read("m", hashes(1), "", 10.0)
     assert node.stats()["namespaces"]["m"]["tiers"]["host"]["blocks"] == 0
 
 
 def test_dead_pid_holders_lose_their_leases(node: NodePool) -> None:
     hs = hashes(2, "lease")
-    node.write_blocks("m", hs, np.zeros((2, BB), np.uint8))
+    write(node, "m", hs, np.zeros((2, BB), np.uint8))
     proc = subprocess.Popen(["true"])
     proc.wait()
     dead = proc.pid
-    assert all(le is not None for le in node.pin("m", hs, f"pid:{dead}"))
+    got = node.transfer_prepare_read("m", hs, f"pid:{dead}", 30.0)
+    assert all(isinstance(b, SourceBlock) for b in got.blocks)
     assert node.stats()["namespaces"]["m"]["active_leases"] == 2
     assert node.check_holders() == 2
     assert node.stats()["namespaces"]["m"]["active_leases"] == 0

@@ -35,6 +35,7 @@ from kvshare.transfer.base import (
 )
 from kvshare.transfer.nixl_agent import dram_reg, make_agent, xfer_descs
 from kvshare.transfer.wire import (
+    PRESENT,
     BlockControl,
     NixlPeerInfo,
     SourceBlock,
@@ -204,7 +205,7 @@ class NixlTransport(Transport):
             if isinstance(e, SourceBlock):
                 moving.append(i)
             else:
-                outcome[i] = "" if e == "present" else e
+                outcome[i] = "" if e == PRESENT else e
         t.state.update(entries=entries, moving=moving)
         if not moving:
             return self._end(t, None)

@@ -25,7 +25,7 @@ from kvshare.transfer.base import (
     Transport,
     check_batch,
 )
-from kvshare.transfer.wire import BlockBatch, BlockControl, SourceGone, call
+from kvshare.transfer.wire import PRESENT, BlockBatch, BlockControl, SourceGone, call
 from kvshare.types import BlockHash
 
 
@@ -89,7 +89,7 @@ class ObjStoreTransport(Transport):
         except TimeoutError:
             return self._end(t, [DEADLINE] * len(t.hashes))
         if t.op == "write":
-            return self._end(t, list(value))
+            return self._end(t, ["" if r == PRESENT else r for r in value])
         return self._end(t, self._unpack(t, value))
 
     def _unpack(self, t: Transfer, batch: BlockBatch) -> list[str]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -45,7 +45,8 @@ from kvshare.types import BlockHash
 class TransferService:
     """Serves transport control calls for the pools of one node, and measures bandwidths.
 
-    ``bandwidth_overrides`` (GB/s per transport; default from ``KVSHARE_BANDWIDTH_GBPS``,
+    ``on_holder(holder)`` hears of every holder that takes leases (the node pool checks
+    their liveness). ``bandwidth_overrides`` (GB/s per transport; default from ``KVSHARE_BANDWIDTH_GBPS``,
     e.g. ``"nixl=10,objstore=1.5"``) take precedence over what :meth:`measure` finds.
     The private namespace :data:`~kvshare.transfer.probe.PROBE_NAMESPACE` (a small pool of
     probe blocks, slab named after ``generation``) is opened on first use.
@@ -54,8 +55,10 @@ class TransferService:
     def __init__(
         self, node: str, *, nixl: bool | None = None,
         bandwidth_overrides: Mapping[str, float] | None = None, generation: int = 0,
+        on_holder: Callable[[str], None] | None = None,
     ) -> None:
         self.node = node
+        self.on_holder = on_holder
         self.generation = generation
         self.nixl = os.environ.get("KVSHARE_NIXL", "1") != "0" if nixl is None else nixl
         if bandwidth_overrides is None:
@@ -79,14 +82,22 @@ class TransferService:
         src = self._sources[ns] = BlockSource(pool, self.node, nixl=self.nixl)
         return src
 
+    def leasing(self, namespace: str, holder: str) -> BlockSource:
+        """:meth:`source`, for a call that takes leases under ``holder`` (``on_holder`` hears
+        of it first, so the host can release the leases of a holder that dies)."""
+        src = self.source(namespace)
+        if self.on_holder is not None:
+            self.on_holder(holder)
+        return src
+
     def source(self, namespace: str) -> BlockSource:
         src = self._sources.get(namespace)
         if src is None and namespace == PROBE_NAMESPACE:
             src = self._open_probe()
         if src is None:
             raise KeyError(
-                f"namespace {namespace!r} is not served on node {self.node}: "
-                f"served are {sorted(self._sources)}"
+                f"unknown namespace {namespace!r}; node {self.node} serves "
+                f"{sorted(self._sources)} (deploy with this namespace or call add_namespace first)"
             )
         return src
 
@@ -178,13 +189,13 @@ class TransferEndpoints:
     def transfer_prepare_read(
         self, namespace: str, hashes: Sequence[BlockHash], holder: str, ttl_s: float
     ) -> PreparedRead:
-        return self.transfer.source(namespace).prepare_read(hashes, holder, ttl_s)
+        return self.transfer.leasing(namespace, holder).prepare_read(hashes, holder, ttl_s)
 
     def transfer_push_read(
         self, namespace: str, hashes: Sequence[BlockHash], holder: str, ttl_s: float,
         request: PushRequest,
     ) -> PushedRead:
-        return self.transfer.source(namespace).push_read(hashes, holder, ttl_s, request)
+        return self.transfer.leasing(namespace, holder).push_read(hashes, holder, ttl_s, request)
 
     def transfer_finish(self, namespace: str, holder: str, lease_ids: Sequence[int]) -> list[bool]:
         return self.transfer.source(namespace).finish(holder, lease_ids)
@@ -195,7 +206,7 @@ class TransferEndpoints:
     def transfer_prepare_write(
         self, namespace: str, hashes: Sequence[BlockHash], holder: str, ttl_s: float
     ) -> PreparedWrite:
-        return self.transfer.source(namespace).prepare_write(hashes, holder, ttl_s)
+        return self.transfer.leasing(namespace, holder).prepare_write(hashes, holder, ttl_s)
 
     def transfer_commit_write(
         self, namespace: str, holder: str, lease_ids: Sequence[int], checksums: Sequence[int]

@@ -31,6 +31,7 @@ from kvshare.transfer.base import (
 )
 from kvshare.transfer.epochs import SharedEpochs
 from kvshare.transfer.wire import (
+    PRESENT,
     BlockControl,
     SlabInfo,
     SourceBlock,
@@ -147,7 +148,7 @@ class ShmTransport(Transport):
         sums: list[int] = []
         for i, s in enumerate(prep.slots):
             if isinstance(s, str):
-                reasons[i] = "" if s == "present" else s
+                reasons[i] = "" if s == PRESENT else s
             elif slab is None:
                 reasons[i] = NOT_SAME_NODE
             elif t.remaining <= 0:

@@ -36,6 +36,7 @@ from kvshare.transfer.epochs import SharedEpochs, epochs_name
 from kvshare.transfer.nixl_agent import NixlSource
 from kvshare.transfer.probe import probe_hashes, seed_probe_blocks
 from kvshare.transfer.wire import (
+    PRESENT,
     BlockBatch,
     NixlPeerInfo,
     PreparedRead,
@@ -49,7 +50,6 @@ from kvshare.types import BlockHash, Tier
 
 log = logging.getLogger(__name__)
 
-PRESENT = "present"
 FINISHED_MEMORY = 4096  # holders remembered as finished (a late prepare for them pins nothing)
 
 
@@ -256,14 +256,16 @@ class BlockSource:
     def write_blocks(
         self, hashes: Sequence[BlockHash], data: ByteArray, checksums: Sequence[int]
     ) -> list[str]:
-        """Store blocks that arrived as bytes (object-store path); ``""`` = stored or present.
+        """Store blocks that arrived as bytes (object-store path); per block ``""`` (stored),
+        :data:`~kvshare.transfer.wire.PRESENT` (already held) or a miss reason.
 
         A payload whose checksum differs from the sender's was damaged on the way: not stored.
         """
         if data.shape != (len(hashes), self.block_bytes) or len(checksums) != len(hashes):
             raise ValueError(
                 f"write_blocks needs data of shape ({len(hashes)}, {self.block_bytes}) and one "
-                "checksum per hash"
+                f"checksum per hash, got {tuple(data.shape)}: check the KV layout (dtype, "
+                "block_tokens, heads)"
             )
         out: list[str] = []
         for i, h in enumerate(hashes):
@@ -272,7 +274,7 @@ class BlockSource:
                 continue
             (r,) = self.pool.reserve([h], "objstore-write")
             if isinstance(r, AlreadyPresent):
-                out.append("")
+                out.append(PRESENT)
             elif isinstance(r, Reserved):
                 try:
                     self.pool.write(r.lease_id, data[i])

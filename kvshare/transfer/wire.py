@@ -28,6 +28,9 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 T_co = TypeVar("T_co", covariant=True)
 
+PRESENT = "present"
+"""A write's answer for a block the pool already holds (counts as stored)."""
+
 LEASE_GRACE_S = 2.0  # a reader that dies mid-transfer holds its pins this long past the deadline
 FINISH_WAIT_S = 2.0
 
