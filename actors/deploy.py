@@ -11,7 +11,7 @@ adds namespaces to a running deployment. Other components find the pieces with
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import ray
@@ -41,8 +41,10 @@ DEFAULT_LAYOUT = KVLayout(num_layers=4, num_kv_heads=4, head_dim=64, dtype="fp32
 _clients: dict[str, IndexClient] = {}
 
 
-def connect(address: str | None = None, ray_namespace: str = RAY_NAMESPACE) -> None:
-    """Attach this process to Ray: ``address``, else a running local cluster, else a new
+def connect(address: str | None = None, ray_namespace: str = RAY_NAMESPACE, *,
+            when_none: Callable[[], None] | None = None) -> None:
+    """Attach this process to Ray: ``address``, else a running local cluster, else (no
+    cluster found) ``when_none()`` starts one to attach to (or raises), by default a new
     embedded one. A process already connected stays as it is."""
     if ray.is_initialized():
         return
@@ -52,6 +54,10 @@ def connect(address: str | None = None, ray_namespace: str = RAY_NAMESPACE) -> N
     try:
         ray.init(address="auto", namespace=ray_namespace, log_to_driver=False)
     except ConnectionError:
+        if when_none is not None:
+            when_none()
+            ray.init(address="auto", namespace=ray_namespace, log_to_driver=False)
+            return
         log.info("no running Ray cluster found: starting an embedded local one")
         ray.init(namespace=ray_namespace, log_to_driver=False)
 

@@ -23,9 +23,7 @@ class EventKind(IntEnum):
 
 
 @dataclass(frozen=True, slots=True)
-class BlockStored:
-    """``block_hash`` is now readable from ``tier`` at ``location``."""
-
+class _BlockEvent:
     namespace: str
     location: Location
     tier: Tier
@@ -35,15 +33,13 @@ class BlockStored:
 
 
 @dataclass(frozen=True, slots=True)
-class BlockRemoved:
-    """``block_hash`` is no longer in ``tier`` at ``location``."""
+class BlockStored(_BlockEvent):
+    """``block_hash`` is now readable from ``tier`` at ``location``."""
 
-    namespace: str
-    location: Location
-    tier: Tier
-    block_hash: BlockHash
-    generation: int
-    seq: int
+
+@dataclass(frozen=True, slots=True)
+class BlockRemoved(_BlockEvent):
+    """``block_hash`` is no longer in ``tier`` at ``location``."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -64,6 +64,14 @@ def block_checksum(data: ByteArray | bytes | memoryview) -> int:
     return int(xxhash.xxh3_64_intdigest(buf))
 
 
+def check_geometry(store: str, slot_bytes: int, num_slots: int) -> None:
+    """ValueError naming the store unless it has positive ``slot_bytes`` and ``num_slots``."""
+    if slot_bytes <= 0 or num_slots <= 0:
+        raise ValueError(
+            f"{store} needs positive slot_bytes and num_slots, got {slot_bytes}, {num_slots}"
+        )
+
+
 class CorruptBlock(Exception):
     """A slot's bytes failed verification (checksum, header or length)."""
 

@@ -17,7 +17,7 @@ import struct
 import numpy as np
 import xxhash
 
-from kvshare.tiers.base import ByteArray, CorruptBlock, TierStore, block_checksum
+from kvshare.tiers.base import ByteArray, CorruptBlock, TierStore, block_checksum, check_geometry
 from kvshare.types import BlockHash, Tier
 
 log = logging.getLogger(__name__)
@@ -39,10 +39,7 @@ class DiskStore(TierStore):
         self, directory: str, slot_bytes: int, num_slots: int, layout_fingerprint: str,
         *, fsync: bool = False,
     ) -> None:
-        if slot_bytes <= 0 or num_slots <= 0:
-            raise ValueError(
-                f"disk store needs positive slot_bytes and num_slots, got {slot_bytes}, {num_slots}"
-            )
+        check_geometry("disk store", slot_bytes, num_slots)
         self.directory = directory
         self.slot_bytes = slot_bytes
         self.num_slots = num_slots

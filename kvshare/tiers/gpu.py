@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from kvshare.tiers.base import ByteArray, TierStore, block_checksum
+from kvshare.tiers.base import ByteArray, TierStore, block_checksum, check_geometry
 from kvshare.types import BlockHash, Tier
 
 
@@ -24,10 +24,7 @@ class GpuStore(TierStore):
 
         if not torch.cuda.is_available():
             raise RuntimeError("the gpu tier needs a CUDA device and none is available")
-        if slot_bytes <= 0 or num_slots <= 0:
-            raise ValueError(
-                f"gpu store needs positive slot_bytes and num_slots, got {slot_bytes}, {num_slots}"
-            )
+        check_geometry("gpu store", slot_bytes, num_slots)
         self.slot_bytes = slot_bytes
         self.num_slots = num_slots
         self.buffer: Any = torch.empty((num_slots, slot_bytes), dtype=torch.uint8, device=device)

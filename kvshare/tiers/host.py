@@ -21,7 +21,7 @@ import time
 import numpy as np
 import xxhash
 
-from kvshare.tiers.base import ByteArray, TierStore, block_checksum, copy_block
+from kvshare.tiers.base import ByteArray, TierStore, block_checksum, check_geometry, copy_block
 from kvshare.types import BlockHash, Tier
 
 log = logging.getLogger(__name__)
@@ -122,10 +122,7 @@ class HostSlab(TierStore):
         pin_cuda: bool = True,
         stream_copies: bool = True,
     ) -> None:
-        if slot_bytes <= 0 or num_slots <= 0:
-            raise ValueError(
-                f"host slab needs positive slot_bytes and num_slots, got {slot_bytes}, {num_slots}"
-            )
+        check_geometry("host slab", slot_bytes, num_slots)
         self.slot_bytes = slot_bytes
         self.num_slots = num_slots
         self.name = name

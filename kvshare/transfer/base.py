@@ -81,15 +81,20 @@ class TransferResult:
 
     def reasons(self) -> dict[str, int]:
         """How many blocks missed for each reason."""
-        out: dict[str, int] = {}
-        for o in self.outcomes:
-            if not o.ok:
-                out[o.reason] = out.get(o.reason, 0) + 1
-        return out
+        return miss_reasons(self.outcomes)
 
     @property
     def gbps(self) -> float:
         return self.nbytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+
+def miss_reasons(outcomes: Sequence[BlockResult]) -> dict[str, int]:
+    """How many of ``outcomes`` missed for each reason."""
+    out: dict[str, int] = {}
+    for o in outcomes:
+        if not o.ok:
+            out[o.reason] = out.get(o.reason, 0) + 1
+    return out
 
 
 def all_missed(
@@ -177,9 +182,13 @@ class Transport(ABC):
         """The result once the batch is done (leases ended), else None. Never blocks long."""
 
     def new_transfer(
-        self, op: str, hashes: Sequence[BlockHash], deadline_s: float, holder_prefix: str
+        self, op: str, hashes: Sequence[BlockHash], bufs: Sequence[ByteArray], deadline_s: float,
+        holder_prefix: str,
     ) -> Transfer:
-        """A fresh transfer of ``hashes`` due in ``deadline_s``, leased as ``{prefix}#t{id}``."""
+        """A fresh transfer of ``hashes`` (one buffer each in ``bufs``, checked: ValueError
+        naming the fix) due in ``deadline_s``, leased as ``{prefix}#t{id}``."""
+        if hashes:
+            check_batch(hashes, bufs, bufs[0].nbytes)
         t = Transfer(self.name, op, tuple(hashes), time.monotonic() + deadline_s, "")
         t.holder = holder_name(holder_prefix, t.transfer_id)
         return t

@@ -117,7 +117,7 @@ class ActorControl:
         try:
             return RayReply(getattr(self.actor, f"transfer_{method}").remote(self.namespace, *args))
         except Exception as exc:  # submitting to a dead actor can raise at once
-            return _Failed(SourceGone(str(exc)))
+            return Ready(None, SourceGone(str(exc)))
 
     def slab_info(self) -> Reply[SlabInfo | None]:
         return self._call("slab_info")  # type: ignore[no-any-return]
@@ -157,14 +157,3 @@ class ActorControl:
         self, hashes: Sequence[BlockHash], holder: str, ttl_s: float, request: PushRequest
     ) -> Reply[PushedRead]:
         return self._call("push_read", list(hashes), holder, ttl_s, request)  # type: ignore[no-any-return]
-
-
-class _Failed(Reply[Any]):
-    def __init__(self, exc: Exception) -> None:
-        self.exc = exc
-
-    def done(self) -> bool:
-        return True
-
-    def get(self, timeout: float) -> Any:
-        raise self.exc

@@ -33,6 +33,7 @@ from kvshare.transfer.base import (
     TransferResult,
     Transport,
     check_batch,
+    miss_reasons,
 )
 from kvshare.transfer.wire import BlockControl
 from kvshare.types import BlockHash, Location, node_location, parse_location
@@ -70,11 +71,8 @@ class FetchResult:
         return n
 
     def reasons(self) -> dict[str, int]:
-        out: dict[str, int] = {}
-        for o in self.outcomes:
-            if not o.ok:
-                out[o.reason] = out.get(o.reason, 0) + 1
-        return out
+        """How many blocks missed for each reason."""
+        return miss_reasons(self.outcomes)
 
 
 class PeerFetcher:

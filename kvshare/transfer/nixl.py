@@ -31,7 +31,6 @@ from kvshare.transfer.base import (
     TransferResult,
     Transport,
     TransportUnavailable,
-    check_batch,
 )
 from kvshare.transfer.nixl_agent import dram_reg, make_agent, xfer_descs
 from kvshare.transfer.wire import (
@@ -171,9 +170,7 @@ class NixlTransport(Transport):
         self, op: str, control: BlockControl, hashes: Sequence[BlockHash],
         bufs: Sequence[ByteArray], deadline_s: float,
     ) -> Transfer:
-        if hashes:
-            check_batch(hashes, bufs, bufs[0].nbytes)
-        t = self.new_transfer(op, hashes, deadline_s, self.agent_name)
+        t = self.new_transfer(op, hashes, bufs, deadline_s, self.agent_name)
         t.state.update(control=control, bufs=list(bufs), handle=None, outcome={})
         if not hashes:
             t.finish([], 0)

@@ -40,7 +40,6 @@ from kvshare.transfer.base import (
     TRANSFER_ERROR,
     Transfer,
     TransferResult,
-    check_batch,
 )
 from kvshare.transfer.nixl import NixlTransport
 from kvshare.transfer.wire import (
@@ -78,9 +77,7 @@ class NixlPushTransport(NixlTransport):
         self, source: BlockControl, hashes: Sequence[BlockHash], dest: Sequence[ByteArray],
         *, deadline_s: float,
     ) -> Transfer:
-        if hashes:
-            check_batch(hashes, dest, dest[0].nbytes)
-        t = self.new_transfer("read", hashes, deadline_s, self.agent_name)
+        t = self.new_transfer("read", hashes, dest, deadline_s, self.agent_name)
         t.state.update(control=source, bufs=list(dest), handle=None, outcome={}, reply=None)
         if not hashes:
             t.finish([], 0)

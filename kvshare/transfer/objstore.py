@@ -23,7 +23,6 @@ from kvshare.transfer.base import (
     Transfer,
     TransferResult,
     Transport,
-    check_batch,
 )
 from kvshare.transfer.wire import PRESENT, BlockBatch, BlockControl, SourceGone, call
 from kvshare.types import BlockHash
@@ -41,9 +40,7 @@ class ObjStoreTransport(Transport):
         self, source: BlockControl, hashes: Sequence[BlockHash], dest: Sequence[ByteArray],
         *, deadline_s: float,
     ) -> Transfer:
-        if hashes:
-            check_batch(hashes, dest, dest[0].nbytes)
-        t = self.new_transfer("read", hashes, deadline_s, self.holder)
+        t = self.new_transfer("read", hashes, dest, deadline_s, self.holder)
         t.state.update(control=source, bufs=list(dest), reply=source.read_blocks(list(hashes)))
         if not hashes:
             t.finish([], 0)
@@ -53,9 +50,7 @@ class ObjStoreTransport(Transport):
         self, sink: BlockControl, hashes: Sequence[BlockHash], data: Sequence[ByteArray],
         *, deadline_s: float,
     ) -> Transfer:
-        if hashes:
-            check_batch(hashes, data, data[0].nbytes)
-        t = self.new_transfer("write", hashes, deadline_s, self.holder)
+        t = self.new_transfer("write", hashes, data, deadline_s, self.holder)
         if not hashes:
             t.finish([], 0)
             return t

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from typing import TypeVar
 
 from kvshare.tiers.base import ByteArray, block_checksum, copy_block
 from kvshare.tiers.host import HostSlab
@@ -27,12 +28,14 @@ from kvshare.transfer.base import (
     Transfer,
     TransferResult,
     Transport,
-    check_batch,
 )
 from kvshare.transfer.epochs import SharedEpochs
 from kvshare.transfer.wire import (
     PRESENT,
     BlockControl,
+    PreparedRead,
+    PreparedWrite,
+    Reply,
     SlabInfo,
     SourceBlock,
     SourceGone,
@@ -75,18 +78,11 @@ class ShmTransport(Transport):
         self, source: BlockControl, hashes: Sequence[BlockHash], dest: Sequence[ByteArray],
         *, deadline_s: float,
     ) -> Transfer:
-        if hashes:
-            check_batch(hashes, dest, dest[0].nbytes)
-        t = self.new_transfer("read", hashes, deadline_s, self.holder)
+        t = self.new_transfer("read", hashes, dest, deadline_s, self.holder)
         reasons = [""] * len(hashes)
-        try:
-            prep = call(source.prepare_read(hashes, t.holder, lease_ttl(deadline_s)), t.remaining)
-        except TimeoutError:
-            finish_quietly(source, t.holder, [])
-            return _done(t, [DEADLINE] * len(hashes), dest)
-        except SourceGone:
-            return _done(t, [SOURCE_DEAD] * len(hashes), dest)
-        _check_size(source, t.holder, prep.slab, dest)
+        prep = _prepared(t, source, source.prepare_read(hashes, t.holder, lease_ttl(deadline_s)), dest)
+        if prep is None:
+            return t
         copied: list[int] = []
         slab = None
         if prep.slab is not None and prep.slab.node == self.node:
@@ -129,18 +125,11 @@ class ShmTransport(Transport):
         self, sink: BlockControl, hashes: Sequence[BlockHash], data: Sequence[ByteArray],
         *, deadline_s: float,
     ) -> Transfer:
-        if hashes:
-            check_batch(hashes, data, data[0].nbytes)
-        t = self.new_transfer("write", hashes, deadline_s, self.holder)
+        t = self.new_transfer("write", hashes, data, deadline_s, self.holder)
         reasons = [""] * len(hashes)
-        try:
-            prep = call(sink.prepare_write(hashes, t.holder, lease_ttl(deadline_s)), t.remaining)
-        except TimeoutError:
-            finish_quietly(sink, t.holder, [])
-            return _done(t, [DEADLINE] * len(hashes), data)
-        except SourceGone:
-            return _done(t, [SOURCE_DEAD] * len(hashes), data)
-        _check_size(sink, t.holder, prep.slab, data)
+        prep = _prepared(t, sink, sink.prepare_write(hashes, t.holder, lease_ttl(deadline_s)), data)
+        if prep is None:
+            return t
         slab = None
         if prep.slab is not None and prep.slab.node == self.node:
             slab = self._slab(prep.slab)
@@ -184,6 +173,25 @@ def _done(t: Transfer, reasons: Sequence[str], bufs: Sequence[ByteArray]) -> Tra
     outs = [BlockResult(h, r == "", r) for h, r in zip(t.hashes, reasons, strict=True)]
     t.finish(outs, sum(b.nbytes for b, o in zip(bufs, outs, strict=True) if o.ok))
     return t
+
+
+P = TypeVar("P", PreparedRead, PreparedWrite)
+
+
+def _prepared(t: Transfer, control: BlockControl, reply: Reply[P], bufs: Sequence[ByteArray]) -> P | None:
+    """The pool's prepare reply, size-checked against ``bufs``; None once ``t`` ended with
+    every block missed (the reply missed the deadline, or the pool is gone)."""
+    try:
+        prep = call(reply, t.remaining)
+    except TimeoutError:
+        finish_quietly(control, t.holder, [])
+        _done(t, [DEADLINE] * len(t.hashes), bufs)
+        return None
+    except SourceGone:
+        _done(t, [SOURCE_DEAD] * len(t.hashes), bufs)
+        return None
+    _check_size(control, t.holder, prep.slab, bufs)
+    return prep
 
 
 def _check_size(

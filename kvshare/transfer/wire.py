@@ -149,15 +149,19 @@ class Reply(Protocol[T_co]):
 
 
 class Ready(Generic[T]):
-    """A reply that is already there (in-process control)."""
+    """A reply that is already there (in-process control), or, with ``error``, a call that
+    failed before it was sent (``get`` raises it)."""
 
-    def __init__(self, value: T) -> None:
+    def __init__(self, value: T, error: Exception | None = None) -> None:
         self._value = value
+        self._error = error
 
     def done(self) -> bool:
         return True
 
     def get(self, timeout: float) -> T:
+        if self._error is not None:
+            raise self._error
         return self._value
 
 
