@@ -47,7 +47,8 @@ def serve_app(app: Any) -> Served:
 
 
 def stub_app(name: str) -> FastAPI:
-    """Answers ``/v1/completions`` with who served and how many token ids it was sent."""
+    """Answers ``/v1/completions`` and ``/v1/chat/completions`` with who served and how many
+    token ids it was sent."""
     app = FastAPI()
 
     @app.post("/v1/completions")
@@ -56,6 +57,14 @@ def stub_app(name: str) -> FastAPI:
         ids = (body.get("kvshare") or {}).get("token_ids", [])
         return JSONResponse({"object": "text_completion", "worker": name, "choices": [
             {"index": 0, "text": f"{name}:{len(ids)}", "finish_reason": "stop"}]})
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> JSONResponse:
+        body = await request.json()
+        ids = (body.get("kvshare") or {}).get("token_ids", [])
+        return JSONResponse({"object": "chat.completion", "worker": name, "choices": [
+            {"index": 0, "finish_reason": "stop",
+             "message": {"role": "assistant", "content": f"{name}:{len(ids)}"}}]})
 
     return app
 
