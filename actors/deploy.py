@@ -28,8 +28,8 @@ from actors.config import (
     PoolSettings,
     pool_name,
 )
-from actors.index_client import IndexClient
-from actors.index_keeper import start_shard
+from actors.index.client import IndexClient
+from actors.index.keeper import start_shard
 from kvshare.layout import KVLayout
 from kvshare.tiers.host import SHM_DIR, shm_free_bytes
 

@@ -19,7 +19,7 @@ the pools (``transfer_bandwidths``; ``actors.deploy.bandwidths`` collects them).
 
 **Index shards**: with ``index_config`` the watcher also checks every round that each index
 shard's name is held, and starts a fresh shard when one is gone for good
-(:class:`~actors.index_keeper.IndexKeeper`); the new shard asks the pools to republish, so the
+(:class:`~actors.index.keeper.IndexKeeper`); the new shard asks the pools to republish, so the
 entries come back within a few rounds.
 
 Runs as a detached, restartable actor (:data:`WatcherActor`) with one background thread.
@@ -38,8 +38,8 @@ from ray.exceptions import RayActorError, RayError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from actors.config import IndexConfig, NamespaceSpec, PoolSettings, pool_name
-from actors.index_client import IndexClient
-from actors.index_keeper import IndexKeeper
+from actors.index.client import IndexClient
+from actors.index.keeper import IndexKeeper
 from actors.node_pool import NodePoolActor
 from kvshare.transfer.probe import PROBE_NAMESPACE
 from kvshare.types import node_location

@@ -36,7 +36,7 @@ def env(ray_cluster: Any) -> Iterator[dict[str, Any]]:
 
     from actors.config import NamespaceSpec
     from actors.deploy import deploy, get_pool, shutdown
-    from actors.index_client import IndexClient
+    from actors.index.client import IndexClient
     from kvshare.layout import KVLayout
     from router.embed import CacheAwareRouter, RouterConfig
     from router.gateway import create_app

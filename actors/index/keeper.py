@@ -6,9 +6,9 @@ handle to it fails with ``ActorDiedError``. Then:
 
 - :class:`IndexKeeper` (run by the watcher every round) sees the name missing and starts a
   fresh shard under it; the new shard asks every pool to republish its inventory
-  (:meth:`actors.index_actor.IndexService.ask_pools_to_republish`), so its entries come back
+  (:meth:`actors.index.actor.IndexService.ask_pools_to_republish`), so its entries come back
   without the old process;
-- :func:`resolve_shards` lets an :class:`~actors.index_client.IndexClient` holding dead handles
+- :func:`resolve_shards` lets an :class:`~actors.index.client.IndexClient` holding dead handles
   look the shards up by name again (it does so itself, at most every ``REFRESH_S``).
 
 Until then the index is unavailable, which callers already treat as a cache miss.
@@ -34,7 +34,7 @@ REFRESH_S = 0.2
 
 def start_shard(config: IndexConfig, scheduling_strategy: Any = None) -> Any:
     """The named, detached shard ``config.shard`` (an existing one is returned as it is)."""
-    from actors.index_actor import GlobalIndexActor
+    from actors.index.actor import GlobalIndexActor
 
     options: dict[str, Any] = {
         "name": index_name(config.shard), "namespace": config.ray_namespace,
