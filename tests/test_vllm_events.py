@@ -44,8 +44,8 @@ def index() -> Iterator[Any]:
     import ray
 
     from actors.config import IndexConfig
-    from actors.index_actor import GlobalIndexActor
-    from actors.index_client import IndexClient
+    from actors.index.actor import GlobalIndexActor
+    from actors.index.client import IndexClient
 
     tmp = tempfile.mkdtemp(prefix="kvs-ray-", dir="/tmp")
     ray.init(num_cpus=1, object_store_memory=100 * 2**20, include_dashboard=False,
