@@ -46,7 +46,11 @@ class Source(IntEnum):
     @classmethod
     def of(cls, tier: Tier, remote: bool) -> Source:
         """The source of a block in ``tier`` of this node (``remote=False``) or another one."""
-        return cls(tier.rank + (cls.REMOTE_GPU if remote else 0))
+        return cls(tier.rank + (REMOTE_OFFSET if remote else 0))
+
+
+REMOTE_OFFSET = int(Source.REMOTE_GPU)
+"""A tier's code (:attr:`Tier.rank`) plus this is its remote :class:`Source`; plus 0 its local one."""
 
 
 _SOURCES = tuple(Source)

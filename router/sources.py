@@ -27,7 +27,7 @@ from itertools import compress, islice
 from operator import ne
 
 from actors.index.runs import HolderRuns, Holders
-from kvshare.cost import Source
+from kvshare.cost import REMOTE_OFFSET, Source
 from kvshare.match import MatchResult
 from kvshare.types import NodeId, Tier, WorkerId, node_location, worker_location
 
@@ -211,6 +211,7 @@ class SourceMap:
     def _runs(self, own_w: list[int] | None, own_n: list[int] | None, node: str | None,
               remote: bool, fetch_s: Sequence[float] | None) -> SourceRuns:
         b1, b1n, b2, lens = self._best1, self._best1_node, self._best2, self._lens
+        far = REMOTE_OFFSET  # tier code -> its remote Source
         out: list[tuple[int, int]] = []
         for j in range(len(lens)):
             s = _NONE
@@ -222,9 +223,9 @@ class SourceMap:
                 r = b1[j] if b1n[j] != node else b2[j]
                 if r != _NONE:
                     if s == _NONE:
-                        s = r + 3
-                    elif fetch_s is not None and fetch_s[r + 3] < fetch_s[s]:
-                        s = r + 3
+                        s = r + far
+                    elif fetch_s is not None and fetch_s[r + far] < fetch_s[s]:
+                        s = r + far
             if s == _NONE:
                 break
             if out and out[-1][0] == s:
