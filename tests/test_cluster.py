@@ -111,10 +111,10 @@ def test_blocks_on_two_nodes_show_up_within_1s(kv: dict[str, Any]) -> None:
     assert m.locations[loc(kv["a"])].tier_counts == {Tier.HOST: 8}
     assert m.locations[loc(kv["b"])].tier_counts == {Tier.HOST: 5}
     assert max(t_a, t_b) < 1.0
-    # reads: shm (pin, read the slot, unpin) and object store
-    leases = ray.get(pb.transfer_prepare_read.remote("m", hs[:5], "pid:1", 30.0)).blocks
+    # reads: shm (pin, read the slot, unpin) and object store; a holder name is one transfer's
+    leases = ray.get(pb.transfer_prepare_read.remote("m", hs[:5], "pid:1#read", 30.0)).blocks
     assert all(np.array_equal(slab.view(le.slot), d) for le, d in zip(leases, data[:5], strict=True))
-    ray.get(pb.transfer_finish.remote("m", "pid:1", [le.lease_id for le in leases]))
+    ray.get(pb.transfer_finish.remote("m", "pid:1#read", [le.lease_id for le in leases]))
     got = ray.get(pool(kv["a"]).transfer_read_blocks.remote("m", hs[:9]))
     assert got.reasons == ("",) * 8 + (MISSING,) and np.array_equal(got.data[:8], data[:8])
     slab.close()
