@@ -442,13 +442,8 @@ class KVShareClient:
         return fut.result(timeout) if fut is not None else None
 
     # ------------------------------------------------------------------ worker side: stores
-    def store(
-        self,
-        tokens: Sequence[int],
-        kv: KVSource,
-        start_block: int = 0,
-        hashes: Sequence[BlockHash] | None = None,
-    ) -> Future[StoreResult]:
+    def store(self, tokens: Sequence[int], kv: KVSource, start_block: int = 0,
+              hashes: Sequence[BlockHash] | None = None) -> Future[StoreResult]:
         """Write-through of full blocks ``start_block..`` of ``kv`` into this node's pool.
 
         Returns at once; the copy runs on a background thread. The caller keeps ``kv``'s

@@ -94,13 +94,8 @@ class LocalKVClient:
             self.counters["failed_blocks"] += len(result.failed)
         return result
 
-    def store(
-        self,
-        tokens: Sequence[int],
-        kv: KVSource,
-        start_block: int = 0,
-        hashes: Sequence[BlockHash] | None = None,
-    ) -> Future[StoreResult]:
+    def store(self, tokens: Sequence[int], kv: KVSource, start_block: int = 0,
+              hashes: Sequence[BlockHash] | None = None) -> Future[StoreResult]:
         """Write blocks ``start_block..`` of ``kv`` (full blocks only) in the background.
 
         The caller must not mutate ``kv``'s memory until the future completes.

@@ -181,10 +181,5 @@ class KVClient(Protocol):
 
     def load(self, plan: Plan, into: KVTarget) -> LoadResult: ...
 
-    def store(
-        self,
-        tokens: Sequence[int],
-        kv: KVSource,
-        start_block: int = 0,
-        hashes: Sequence[BlockHash] | None = None,
-    ) -> Future[StoreResult]: ...
+    def store(self, tokens: Sequence[int], kv: KVSource, start_block: int = 0,
+              hashes: Sequence[BlockHash] | None = None) -> Future[StoreResult]: ...
