@@ -32,7 +32,8 @@ import numpy as np
 from actors.index.runs import HolderRuns
 from kvshare.cost import Bandwidths, CostModel, PrefillModel
 from kvshare.engines.tokenizer import ByteTokenizer, Tokenizer
-from kvshare.hashing import DEFAULT_HASH_FN, HashFn, block_hashes, namespace_root
+from kvshare.hasher import Hasher
+from kvshare.hashing import DEFAULT_HASH_FN, HashFn
 from kvshare.match import EMPTY_MATCH, MatchResult
 from kvshare.pool_types import check_namespace
 from kvshare.types import BlockHash, Tier, WorkerId, worker_location
@@ -171,7 +172,7 @@ class CacheAwareRouter:
         self._load_only = make_policy("least_loaded", cfg.cost_model(), cfg.sharing)
         self.pending = PendingBlocks(cfg.pending_ttl_s)
         self.inflight = InFlight()
-        self._roots: dict[str, BlockHash] = {}
+        self.hasher = Hasher(cfg.model_id, cfg.layout_fingerprint, cfg.block_tokens, fn=cfg.hash_fn)
         self._ids = itertools.count(1)
         self._samples: list[tuple[float, float, float]] = []
         self._seen = 0
@@ -208,16 +209,9 @@ class CacheAwareRouter:
         raise ValueError("'prompt' must be a non-empty string or a list of token ids (ints >= 0)")
 
     def root(self, tenant: Tenant) -> BlockHash:
-        r = self._roots.get(tenant.salt)
-        if r is None:
-            c = self.config
-            r = self._roots[tenant.salt] = namespace_root(
-                c.model_id, c.layout_fingerprint, tenant.salt, fn=c.hash_fn
-            )
-        return r
+        return self.hasher.root_for(tenant.salt)
 
     def hashes(self, token_ids: Sequence[int], tenant: Tenant) -> list[BlockHash]:
-        c = self.config
         packed = array.array("I")
         try:  # u32 packing in C (much faster than numpy on a Python list); range-checked
             if type(token_ids) is list:
@@ -227,7 +221,7 @@ class CacheAwareRouter:
         except (OverflowError, TypeError):
             raise ValueError("token ids must be integers in [0, 2**32)") from None
         ids: Any = np.frombuffer(packed, dtype=np.uint32)
-        return block_hashes(self.root(tenant), ids, c.block_tokens, fn=c.hash_fn)
+        return self.hasher.hashes(ids, tenant.salt)
 
     # ------------------------------------------------------------------ routing
     async def route(

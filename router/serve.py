@@ -50,7 +50,6 @@ from ray.serve._private.request_router.request_router import (
 from ray.util import metrics
 
 from kvshare.cost import Bandwidths, CostModel, PrefillModel
-from kvshare.hashing import block_hashes
 from kvshare.match import MatchResult
 from kvshare.types import BlockHash, NodeId, Tier, WorkerId, node_location
 from kvshare.workers import WorkerInfo, WorkerLoad
@@ -335,7 +334,7 @@ class KVShareRequestRouter(LocalityMixin, MultiplexMixin, RequestRouter):
             if tokens is None:
                 self._count("no_prompt")
                 return None
-            hashes = tuple(block_hashes(hashing.root, tokens, hashing.block_tokens))
+            hashes = tuple(hashing.hasher.hashes(tokens))
         num_tokens = len(tokens) if tokens is not None else len(hashes) * hashing.block_tokens
         return namespace, hashing, hashes, max(1, num_tokens)
 
