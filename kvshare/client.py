@@ -277,9 +277,8 @@ class KVShareClient:
         self._count("lookups")
         if self.index is None or not hs:
             return Plan(self.namespace, len(tokens), self.block_tokens, hs, 0, (), "no index")
-        unavailable = getattr(self.index, "unavailable", 0)
         match = self.index.match(self.namespace, list(hs))
-        if getattr(self.index, "unavailable", 0) != unavailable:
+        if not match.available:
             self._count("index_unavailable")
             return Plan(self.namespace, len(tokens), self.block_tokens, hs, 0, (),
                         "index unavailable")
@@ -293,9 +292,8 @@ class KVShareClient:
         self._count("lookups")
         if self.index is None or not hs:
             return Plan(self.namespace, len(tokens), self.block_tokens, hs, 0, (), "no index")
-        unavailable = getattr(self.index, "unavailable", 0)
         match = await self.index.match_async(self.namespace, list(hs))
-        if getattr(self.index, "unavailable", 0) != unavailable:
+        if not match.available:
             self._count("index_unavailable")
             return Plan(self.namespace, len(tokens), self.block_tokens, hs, 0, (),
                         "index unavailable")

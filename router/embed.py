@@ -320,7 +320,6 @@ class CacheAwareRouter:
             return EMPTY_MATCH, "", 0.0  # without KV events), not a fallback
         if not hashes:
             return EMPTY_MATCH, "", 0.0
-        before = getattr(self.index, "unavailable", 0)
         t = time.perf_counter()
         try:
             if self._inline:  # in-process: no I/O, no deadline needed
@@ -335,7 +334,7 @@ class CacheAwareRouter:
             return EMPTY_MATCH, "index_error", time.perf_counter() - t
         dt = time.perf_counter() - t
         self.metrics.index_latency.observe(dt)
-        if getattr(self.index, "unavailable", 0) != before:
+        if not match.available:
             return EMPTY_MATCH, "index_unavailable", dt
         return match, "", dt
 

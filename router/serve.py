@@ -277,12 +277,11 @@ class KVShareRequestRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         if key is None:
             return None
         namespace, hashing, hashes, num_tokens = key
-        before = client.unavailable
         try:
             match, loads = await asyncio.wait_for(
                 asyncio.gather(client.match_async(namespace, list(hashes)), client.loads_async()),
                 max(0.001, deadline - loop.time()))
-            ok = client.unavailable == before
+            ok = match.available
         except (TimeoutError, RayError):
             ok = False
         if ok:

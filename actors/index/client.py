@@ -7,7 +7,8 @@ shard 0. Implements :class:`kvshare.workers.IndexQuery` (sync ``match`` and asyn
 ``match_async``, which awaits object refs and never blocks the event loop).
 
 An unreachable index (restarting, dead, timed out) is a miss, not an error: ``match`` returns
-an empty result and counts it in ``unavailable``. Caller mistakes (unknown namespace,
+an empty result whose ``unavailable`` says why (:func:`unavailable_reason`); the client also
+counts it in ``unavailable`` (a metric: callers read the answer, not the counter). Caller mistakes (unknown namespace,
 malformed hashes) raise ``KeyError``/``ValueError`` from the shard.
 """
 
@@ -37,6 +38,12 @@ from kvshare.workers import WorkerInfo, WorkerLoad
 log = logging.getLogger(__name__)
 
 UNAVAILABLE = (RayActorError, GetTimeoutError, asyncio.TimeoutError)
+
+
+def unavailable_reason(exc: BaseException) -> str:
+    """``index_timeout`` (no answer within the deadline) or ``index_down`` (shard dead or
+    restarting): the ``unavailable`` of an answer the index could not give."""
+    return "index_down" if isinstance(exc, RayActorError) else "index_timeout"
 
 
 class IndexClient:
@@ -185,9 +192,8 @@ class IndexClient:
             return [self._merge_lookup(len(h), self._get(refs), idx)
                     for h, (refs, idx) in zip(requests, pending, strict=True)]
         except UNAVAILABLE as exc:
-            self.unavailable += 1
-            log.warning("index unavailable, treating match as a miss: %s", exc)
-            return [MatchResult(len(h), 0, {}) for h in requests]
+            why = self._unavailable(exc)
+            return [MatchResult(len(h), 0, {}, why) for h in requests]
 
     async def match_async(self, namespace: str, hashes: Sequence[BlockHash]) -> MatchResult:
         """Same as :meth:`match`, awaiting object refs (never blocks the event loop)."""
@@ -199,9 +205,7 @@ class IndexClient:
             parts = await asyncio.wait_for(asyncio.gather(*refs), self.timeout_s)
             return self._merge_lookup(len(hashes), list(parts), idx)
         except UNAVAILABLE as exc:
-            self.unavailable += 1
-            log.warning("index unavailable, treating match as a miss: %s", exc)
-            return MatchResult(len(hashes), 0, {})
+            return MatchResult(len(hashes), 0, {}, self._unavailable(exc))
 
     async def match_runs_async(self, namespace: str, hashes: Sequence[BlockHash]) -> HolderRuns:
         """:meth:`match_async` in run form ``(num_blocks, runs)`` (see :mod:`actors.index.runs`): what
@@ -214,9 +218,12 @@ class IndexClient:
             parts = await asyncio.wait_for(asyncio.gather(*refs), self.timeout_s)
             return HolderRuns(len(hashes), _runs_of_blocks(self._per_block(len(hashes), list(parts), idx)))
         except UNAVAILABLE as exc:
-            self.unavailable += 1
-            log.warning("index unavailable, treating match as a miss: %s", exc)
-            return HolderRuns(len(hashes), [])
+            return HolderRuns(len(hashes), [], self._unavailable(exc))
+
+    def _unavailable(self, exc: BaseException) -> str:
+        self.unavailable += 1
+        log.warning("index unavailable, treating match as a miss: %s", exc)
+        return unavailable_reason(exc)
 
     @staticmethod
     def _per_block(n: int, parts: list[list[dict[Location, Tier]]],
