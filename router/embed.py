@@ -114,6 +114,8 @@ class Routed:
     hashes: list[BlockHash]
     index_s: float
     fallback: str = ""
+    ranking: Ranking | None = field(default=None, compare=False, repr=False)
+    """The full ranking behind the decision (every candidate's estimate, best first)."""
 
     def kvshare_field(self) -> dict[str, Any]:
         """The ``kvshare`` JSON field forwarded to the worker."""
@@ -242,19 +244,6 @@ class CacheAwareRouter:
         as :attr:`Routed.token_ids` without a copy (copying 8k ids costs as much as scoring
         all workers), so do not change it afterwards.
         """
-        routed, _ = await self.rank(prompt, messages, tenant, request_id, token_ids, exclude)
-        return routed
-
-    async def rank(
-        self,
-        prompt: str | Sequence[int] | None = None,
-        messages: Sequence[Mapping[str, Any]] | None = None,
-        tenant: Tenant | None = None,
-        request_id: str | None = None,
-        token_ids: Sequence[int] | None = None,
-        exclude: Collection[WorkerId] = (),
-    ) -> tuple[Routed, Ranking]:
-        """:meth:`route` plus the full :class:`~router.policy.Ranking` behind the decision."""
         t0 = time.perf_counter()
         tenant = tenant or _DEFAULT_TENANT
         if token_ids is None:
@@ -276,7 +265,7 @@ class CacheAwareRouter:
         cached = d.plan.cached_tokens if d.plan is not None else 0
         core.routed(rid, ranking)
         self._count(d, tenant, len(ids), cached, answer.fallback, time.perf_counter() - t0)
-        return Routed(rid, d, tenant, ns, ids, hashes, answer.index_s, answer.fallback), ranking
+        return Routed(rid, d, tenant, ns, ids, hashes, answer.index_s, answer.fallback, ranking)
 
     def mark_down(self, worker: WorkerId, for_s: float = 5.0) -> None:
         """Avoid ``worker`` for ``for_s`` seconds (it refused a connection)."""

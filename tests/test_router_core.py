@@ -112,7 +112,9 @@ def test_embed_and_serve_adapters_make_identical_decisions() -> None:
         serve.update_replicas(reps)
         got_e, got_s = [], []
         for i, ids in enumerate(STREAM):
-            routed, ranking = await embed.rank(token_ids=ids, request_id=f"q{i}")
+            routed = await embed.route(token_ids=ids, request_id=f"q{i}")
+            ranking = routed.ranking
+            assert ranking is not None
             est = {e.worker: e.est_ttft_s for e in ranking.estimates()}
             best = est[routed.decision.worker]
             # Serve's first pass offers the ranking cut at spill_ratio (default 0.5)
