@@ -157,14 +157,6 @@ class IndexClient:
                 for s, ix in zip(self.shards, idx, strict=True)]
         return refs, idx
 
-    @staticmethod
-    def _merge_lookup(n: int, parts: list[list[dict[Location, Tier]]], idx: list[list[int]]) -> MatchResult:
-        per_block: list[dict[Location, Tier]] = [{}] * n
-        for part, ix in zip(parts, idx, strict=True):
-            for i, holders in zip(ix, part, strict=True):
-                per_block[i] = holders
-        return build_match(per_block)
-
     def match(self, namespace: str, hashes: Sequence[BlockHash]) -> MatchResult:
         """Per-location prefix holdings of ``hashes``; empty if the index is unreachable."""
         return self.match_many(namespace, [hashes])[0]
@@ -189,7 +181,7 @@ class IndexClient:
                         for i in range(0, len(queries), batch)]
                 return [from_runs(*a) for r in self._get(refs) for a in decode_answers(r)]
             pending = [self._lookup_refs(namespace, h) for h in requests]
-            return [self._merge_lookup(len(h), self._get(refs), idx)
+            return [build_match(self._per_block(len(h), self._get(refs), idx))
                     for h, (refs, idx) in zip(requests, pending, strict=True)]
         except UNAVAILABLE as exc:
             why = self._unavailable(exc)
@@ -197,15 +189,10 @@ class IndexClient:
 
     async def match_async(self, namespace: str, hashes: Sequence[BlockHash]) -> MatchResult:
         """Same as :meth:`match`, awaiting object refs (never blocks the event loop)."""
-        try:
-            if len(self.shards) == 1:
-                ref = self.shards[0].match_query.remote(encode_query(namespace, *_pack(hashes)))
-                return from_runs(*decode_runs(await asyncio.wait_for(ref, self.timeout_s)))
-            refs, idx = self._lookup_refs(namespace, hashes)
-            parts = await asyncio.wait_for(asyncio.gather(*refs), self.timeout_s)
-            return self._merge_lookup(len(hashes), list(parts), idx)
-        except UNAVAILABLE as exc:
-            return MatchResult(len(hashes), 0, {}, self._unavailable(exc))
+        runs = await self.match_runs_async(namespace, hashes)
+        if not runs.available:
+            return MatchResult(runs.num_blocks, 0, {}, runs.unavailable)
+        return from_runs(runs.num_blocks, runs.runs)
 
     async def match_runs_async(self, namespace: str, hashes: Sequence[BlockHash]) -> HolderRuns:
         """:meth:`match_async` in run form ``(num_blocks, runs)`` (see :mod:`actors.index.runs`): what
@@ -236,11 +223,7 @@ class IndexClient:
 
     def lookup(self, namespace: str, hashes: Sequence[BlockHash]) -> list[dict[Location, Tier]]:
         refs, idx = self._lookup_refs(namespace, hashes)
-        per_block: list[dict[Location, Tier]] = [{}] * len(hashes)
-        for part, ix in zip(self._get(refs), idx, strict=True):
-            for i, holders in zip(ix, part, strict=True):
-                per_block[i] = holders
-        return per_block
+        return self._per_block(len(hashes), self._get(refs), idx)
 
     # ------------------------------------------------------------------ workers (shard 0)
     def register_worker(self, info: WorkerInfo) -> int:
