@@ -8,7 +8,7 @@ export RAY_USAGE_STATS_ENABLED := 0
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
 export NIXL_LOG_LEVEL := WARN
 
-.PHONY: demo test lint install clean
+.PHONY: demo test lint install bench-install clean
 
 $(STAMP): pyproject.toml setup.py $(wildcard kvshare/*.c)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -19,6 +19,12 @@ $(STAMP): pyproject.toml setup.py $(wildcard kvshare/*.c)
 	touch $(STAMP)
 
 install: $(STAMP)
+
+# benchmark-only peers (NVIDIA Dynamo's RadixTree for benchmarks/index.py, ...): not needed by
+# make test; ai-dynamo goes in without its dependencies (see the bench extra in pyproject.toml)
+bench-install: $(STAMP)
+	$(BIN)/python -m pip install --quiet -e ".[test,bench]"
+	$(BIN)/python -m pip install --quiet --no-deps "ai-dynamo==1.6.1"
 
 demo: $(STAMP)
 	$(BIN)/python examples/demo.py
