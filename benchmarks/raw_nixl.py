@@ -73,52 +73,72 @@ def _reader(conn: Connection, total: int, block_bytes: int, repeats: int) -> Non
     remote[:, 0] = base + np.arange(n, dtype=np.uint64) * block_bytes
     local[:, 1] = remote[:, 1] = block_bytes
     ldesc, rdesc = agent.get_xfer_descs(local, "DRAM"), agent.get_xfer_descs(remote, "DRAM")
-    times = []
-    for _ in range(repeats + 1):
-        t = time.perf_counter()
-        handle = agent.initialize_xfer("READ", ldesc, rdesc, peer)
-        state = agent.transfer(handle)
-        while state == "PROC":
-            state = agent.check_xfer_state(handle)
-        times.append(time.perf_counter() - t)
-        agent.release_xfer_handle(handle)
-        if state != "DONE":
-            raise RuntimeError(f"raw NIXL READ failed: {state}")
+    warm = False
+    while conn.recv() == "read":
+        times = []
+        for _ in range(repeats + (0 if warm else 1)):
+            t = time.perf_counter()
+            handle = agent.initialize_xfer("READ", ldesc, rdesc, peer)
+            state = agent.transfer(handle)
+            while state == "PROC":
+                state = agent.check_xfer_state(handle)
+            times.append(time.perf_counter() - t)
+            agent.release_xfer_handle(handle)
+            if state != "DONE":
+                raise RuntimeError(f"raw NIXL READ failed: {state}")
+        conn.send(total / statistics.median(times if warm else times[1:]) / 1e9)
+        warm = True
     agent.remove_remote_agent(peer)
     agent.deregister_memory(reg)
-    conn.send(total / statistics.median(times[1:]) / 1e9)
+    conn.send("closed")
 
 
-def raw_nixl_read_gbps(total: int, block_bytes: int, repeats: int = 5,
-                       env: dict[str, str] | None = None) -> float:
-    """GB/s of a raw NIXL READ of ``total`` bytes in ``block_bytes`` blocks from a tmpfs
-    mapping in another process (see the module docstring); ``env`` is set in both processes
-    (e.g. ``UCX_TLS``)."""
-    ctx = mp.get_context("spawn")
-    saved = {k: os.environ.get(k) for k in (env or {})}
-    os.environ.update(env or {})
-    src_end, src_conn = ctx.Pipe()
-    rd_end, rd_conn = ctx.Pipe()
-    path = f"/dev/shm/kvshare-rawnixl-{os.getpid()}-{time.monotonic_ns()}"
-    source = ctx.Process(target=_source, args=(src_conn, total, path), daemon=True)
-    reader = ctx.Process(target=_reader, args=(rd_conn, total, block_bytes, repeats), daemon=True)
-    try:
-        source.start()
-        reader.start()
-        rd_end.send(src_end.recv())
-        if not rd_end.poll(300):
-            raise TimeoutError("raw NIXL reader did not finish in 300 s")
-        gbps: float = rd_end.recv()
-        src_end.send("stop")
-        src_end.poll(10)
+class RawNixl:
+    """The two processes (see the module docstring), kept alive so that a benchmark can
+    interleave raw reads with its own; ``env`` is set in both (e.g. ``UCX_TLS``)."""
+
+    def __init__(self, total: int, block_bytes: int, repeats: int = 5,
+                 env: dict[str, str] | None = None) -> None:
+        ctx = mp.get_context("spawn")
+        saved = {k: os.environ.get(k) for k in (env or {})}
+        os.environ.update(env or {})
+        self._src, src_conn = ctx.Pipe()
+        self._rd, rd_conn = ctx.Pipe()
+        path = f"/dev/shm/kvshare-rawnixl-{os.getpid()}-{time.monotonic_ns()}"
+        self._procs = [
+            ctx.Process(target=_source, args=(src_conn, total, path), daemon=True),
+            ctx.Process(target=_reader, args=(rd_conn, total, block_bytes, repeats), daemon=True),
+        ]
+        try:
+            for p in self._procs:
+                p.start()
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+        if not self._src.poll(120):
+            self.close()
+            raise TimeoutError("raw NIXL source did not start in 120 s")
+        self._rd.send(self._src.recv())
+
+    def read_gbps(self) -> float:
+        """Median GB/s of ``repeats`` READs of all blocks (the first call warms up first)."""
+        self._rd.send("read")
+        if not self._rd.poll(300):
+            raise TimeoutError("raw NIXL reader did not answer in 300 s")
+        gbps: float = self._rd.recv()
         return gbps
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        for p in (reader, source):
+
+    def close(self) -> None:
+        for conn in (self._rd, self._src):
+            try:
+                conn.send("stop")
+                conn.poll(10)
+            except (BrokenPipeError, OSError):
+                pass
+        for p in self._procs:
             p.join(timeout=10)
             if p.is_alive():
                 p.kill()

@@ -13,7 +13,8 @@
  *   m.update(keys, fn) -> int                   state := fn(old) per key (0 deletes); fn is
  *                                               called once per distinct old state; returns
  *                                               how many keys changed
- *   m.transform_all(fn) -> int                  the same over every stored key
+ *   m.transform_all(fn, collect=False)          the same over every stored key: how many
+ *                                               changed, with collect (n, their keys packed)
  *   m.state_counts() -> dict[int, int]          keys per state
  *   m.items() -> list[(bytes, int)]
  *
@@ -346,18 +347,35 @@ static PyObject *sm_update(StateMap *m, PyObject *args)
     return PyLong_FromSsize_t(changed);
 }
 
-static PyObject *sm_transform_all(StateMap *m, PyObject *fn)
+static PyObject *sm_transform_all(StateMap *m, PyObject *args)
 {
+    PyObject *fn;
+    int collect = 0;
+    if (!PyArg_ParseTuple(args, "O|p:transform_all", &fn, &collect))
+        return NULL;
     Trans t = {.n = 0, .fn = fn};
     Py_ssize_t changed = 0, dropped = 0, cap = m->mask + 1;
+    PyObject *keys = collect ? PyByteArray_FromStringAndSize(NULL, 0) : NULL;
+    if (collect && keys == NULL)
+        return NULL;
     for (Py_ssize_t i = 0; i < cap; i++) {
         Slot *s = &m->slots[i];
         if (s->state == 0)
             continue;
         int64_t to;
-        if (trans_get(&t, s->state, &to) < 0)
-            return NULL; /* entries changed so far stay changed: fn must not fail */
+        if (trans_get(&t, s->state, &to) < 0) {
+            Py_XDECREF(keys); /* entries changed so far stay changed: fn must not fail */
+            return NULL;
+        }
         if (to != s->state) {
+            if (keys != NULL) {
+                Py_ssize_t at = PyByteArray_GET_SIZE(keys);
+                if (PyByteArray_Resize(keys, at + m->key_size) < 0) {
+                    Py_DECREF(keys);
+                    return NULL;
+                }
+                memcpy(PyByteArray_AS_STRING(keys) + at, s->w, (size_t)m->key_size);
+            }
             changed++;
             dropped += to == 0;
             s->state = to == 0 ? -1 : to; /* -1: removed when rebuilt below (deleting during
@@ -370,8 +388,10 @@ static PyObject *sm_transform_all(StateMap *m, PyObject *fn)
         while (fresh_cap < live * 2 + 2)
             fresh_cap *= 2;
         Slot *fresh = PyMem_Calloc((size_t)fresh_cap, sizeof(Slot));
-        if (fresh == NULL)
+        if (fresh == NULL) {
+            Py_XDECREF(keys);
             return PyErr_NoMemory();
+        }
         m->slots = fresh;
         m->mask = fresh_cap - 1;
         m->used = live;
@@ -381,7 +401,14 @@ static PyObject *sm_transform_all(StateMap *m, PyObject *fn)
         }
         PyMem_Free(old);
     }
-    return PyLong_FromSsize_t(changed);
+    if (keys == NULL)
+        return PyLong_FromSsize_t(changed);
+    PyObject *blob = PyBytes_FromStringAndSize(PyByteArray_AS_STRING(keys),
+                                               PyByteArray_GET_SIZE(keys));
+    Py_DECREF(keys);
+    if (blob == NULL)
+        return NULL;
+    return Py_BuildValue("(nN)", changed, blob);
 }
 
 static PyObject *sm_state_counts(StateMap *m, PyObject *Py_UNUSED(ignored))
@@ -424,8 +451,8 @@ static PyMethodDef sm_methods[] = {
     {"prefix_runs", (PyCFunction)sm_prefix_runs, METH_O,
      "prefix_runs(keys) -> [(state, n)] up to the first absent key"},
     {"update", (PyCFunction)sm_update, METH_VARARGS, "update(keys, fn) -> keys changed"},
-    {"transform_all", (PyCFunction)sm_transform_all, METH_O,
-     "transform_all(fn) -> keys changed"},
+    {"transform_all", (PyCFunction)sm_transform_all, METH_VARARGS,
+     "transform_all(fn, collect=False) -> keys changed (and their bytes when collect)"},
     {"state_counts", (PyCFunction)sm_state_counts, METH_NOARGS, "{state: keys}"},
     {"items", (PyCFunction)sm_items, METH_NOARGS, "[(key, state)]"},
     {NULL, NULL, 0, NULL},

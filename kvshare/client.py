@@ -55,8 +55,8 @@ from kvshare.engines.kv_convert import (
 from kvshare.hashing import block_hashes
 from kvshare.layout import KVLayout
 from kvshare.transfer.base import NIXL_UNAVAILABLE, SOURCE_DEAD, Transfer, Transport
-from kvshare.transfer.objstore import ObjStoreTransport
 from kvshare.transfer.estimate import BandwidthEstimator
+from kvshare.transfer.objstore import ObjStoreTransport
 from kvshare.transfer.probe import Bandwidths, parse_overrides
 from kvshare.transfer.shm import ShmTransport
 from kvshare.transfer.wire import BlockControl

@@ -11,7 +11,8 @@ contract over a dict, the reference and the fallback. Operations:
 - ``update(keys, fn)``: ``state := fn(old)`` for every key (0 deletes); ``fn`` is called at
   least once per distinct old state, must not fail and must be a pure function of it; returns
   how many keys changed;
-- ``transform_all(fn)``: the same over every stored key (dropping a location);
+- ``transform_all(fn)``: the same over every stored key (dropping a location); with
+  ``collect=True`` it returns ``(changed, keys)``, the changed keys packed in one bytes;
 - ``state_counts()``, ``items()``, ``len()``.
 
 ``keys`` is a list of ``bytes`` of exactly ``key_size`` bytes, or one bytes-like buffer of
@@ -32,7 +33,7 @@ class StateMapLike(Protocol):
     def states(self, keys: Any) -> list[int]: ...
     def prefix_runs(self, keys: Any) -> list[tuple[int, int]]: ...
     def update(self, keys: Any, fn: Callable[[int], int]) -> int: ...
-    def transform_all(self, fn: Callable[[int], int]) -> int: ...
+    def transform_all(self, fn: Callable[[int], int], collect: bool = ...) -> Any: ...
     def state_counts(self) -> dict[int, int]: ...
     def items(self) -> list[tuple[bytes, int]]: ...
 
@@ -83,7 +84,8 @@ class PyStateMap:
 
     def update(self, keys: Any, fn: Callable[[int], int]) -> int:
         ks = self._keys(keys)
-        d, memo, changed = self._d, {}, 0
+        d, changed = self._d, 0
+        memo: dict[int, int] = {}
         for k in ks:
             old = d.get(k, 0)
             new = memo.get(old)
@@ -97,19 +99,20 @@ class PyStateMap:
                     del d[k]
         return changed
 
-    def transform_all(self, fn: Callable[[int], int]) -> int:
+    def transform_all(self, fn: Callable[[int], int], collect: bool = False) -> Any:
         memo: dict[int, int] = {}
         out: dict[bytes, int] = {}
-        changed = 0
+        keys: list[bytes] = []
         for k, old in self._d.items():
             new = memo.get(old)
             if new is None:
                 new = memo[old] = _state(fn(old))
-            changed += new != old
+            if new != old:
+                keys.append(k)
             if new:
                 out[k] = new
         self._d = out
-        return changed
+        return (len(keys), b"".join(keys)) if collect else len(keys)
 
     def state_counts(self) -> dict[int, int]:
         out: dict[int, int] = {}

@@ -95,3 +95,12 @@ def test_random_operations_match_a_dict(ops: list[tuple[str, list[int], int]]) -
             assert dict(m.items()) == model
             probe = [h(i) for i in range(42)]
             assert m.states(probe) == [model.get(k, 0) for k in probe]
+
+
+def test_transform_all_can_name_the_keys_it_changed(kind: str) -> None:
+    m = make(kind, 16)
+    m.update([h(i, 16) for i in range(20)], lambda s: 1 + s % 2)
+    m.update([h(i, 16) for i in range(5)], lambda s: 3)
+    n, keys = m.transform_all(lambda s: 0 if s == 3 else s, True)
+    assert n == 5 and sorted(keys[i:i + 16] for i in range(0, len(keys), 16)) == sorted(
+        h(i, 16) for i in range(5))

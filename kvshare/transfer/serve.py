@@ -15,10 +15,10 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-
 from kvshare.pool import TieredBlockPool
 from kvshare.tiers.base import ByteArray
 from kvshare.transfer.base import Transport, TransportUnavailable
+from kvshare.transfer.estimate import BandwidthEstimator
 from kvshare.transfer.nixl_push import PushedRead, PushRequest
 from kvshare.transfer.probe import (
     PROBE_BLOCKS,
@@ -28,7 +28,6 @@ from kvshare.transfer.probe import (
     parse_overrides,
     probe,
 )
-from kvshare.transfer.estimate import BandwidthEstimator
 from kvshare.transfer.source import BlockSource
 from kvshare.transfer.wire import (
     BlockBatch,
