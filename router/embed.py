@@ -39,6 +39,7 @@ from kvshare.workers import IndexQuery, WorkerInfo, WorkerLoad
 from router.metrics import RouterMetrics
 from router.pending import PendingBlocks
 from router.policy import DEFAULT_POLICY, Candidate, Decision, RouteRequest, make_policy
+from router.recent import RecentDecisions
 from router.sources import HolderRuns, Match, Sharing
 from router.workers_view import InFlight, WorkerSource
 
@@ -183,6 +184,7 @@ class CacheAwareRouter:
         self._match_runs = getattr(index, "match_runs_async", None)
         self.decisions = 0
         self.fallbacks = 0
+        self.recent = RecentDecisions()  # for the live page (router/web)
 
     # ------------------------------------------------------------------ inputs
     def tokenize(
@@ -270,6 +272,7 @@ class CacheAwareRouter:
         cached = d.plan.cached_tokens if d.plan is not None else 0
         self.inflight.add(rid, d.worker, len(ids) - cached, len(hashes))
         self._count(d, tenant, len(ids), cached, fallback, time.perf_counter() - t0)
+        self.recent.add(rid, d, tenant.name, len(ids), fallback)
         return Routed(rid, d, tenant, ns, ids, hashes, index_s, fallback)
 
     def mark_down(self, worker: WorkerId, for_s: float = 5.0) -> None:
