@@ -34,7 +34,7 @@ from test_engine_helpers import BLOCK, SMALL
 
 import kvshare
 from actors.admin import ClusterAdmin
-from actors.index_client import IndexClient
+from actors.index.client import IndexClient
 from actors.metrics import ClusterCollector, cluster_registry
 from kvshare.engines.hf import EngineConfig, model_keys
 from kvshare.engines.service import WorkerService
