@@ -213,7 +213,6 @@ def test_status_web_serves_the_same_page(env: Env) -> None:
 @pytest.mark.skipif(bool(browser.missing()), reason=browser.missing() or "ok")
 def test_browser_shows_nodes_hit_rates_and_a_dead_node(env: Env) -> None:
     """Runs last: it removes node 1 (and the worker on it)."""
-    from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import WebDriverWait
 
     driver = browser.headless_chromium()
@@ -221,16 +220,22 @@ def test_browser_shows_nodes_hit_rates_and_a_dead_node(env: Env) -> None:
         driver.get(env.url + "/dashboard#key=k-admin")
         wait = WebDriverWait(driver, 30, poll_frequency=0.1)
 
+        def attrs(css: str, *names: str) -> list[list[str]]:
+            """The attributes of every element matching ``css``, read in one script call
+            (the page re-renders every second: element handles go stale)."""
+            return driver.execute_script(  # type: ignore[no-any-return]
+                "return [...document.querySelectorAll(arguments[0])]"
+                ".map(e => arguments[1].map(n => e.getAttribute(n)))", css, list(names))
+
         def states() -> dict[str, str]:
-            return {el.get_attribute("data-node"): el.get_attribute("data-state")
-                    for el in driver.find_elements(By.CSS_SELECTOR, "[data-node]")}
+            return {node: state for node, state in attrs("[data-node]", "data-node", "data-state")}
 
         wait.until(lambda _: all(states().get(n) == "up" for n in env.nodes.values()))
-        rates = wait.until(lambda d: [float(r) for el in d.find_elements(By.CSS_SELECTOR, "[data-hit-rate]")
-                                      if (r := el.get_attribute("data-hit-rate"))] or None)
+        rates = wait.until(lambda _: [float(r) for (r,) in attrs("[data-hit-rate]", "data-hit-rate")
+                                      if r] or None)
         assert max(rates) > 0, f"no tier shows a hit after reuse: {rates}"
-        assert driver.find_elements(By.CSS_SELECTOR, "[data-reason]")  # routing decisions shown
-        assert "acme" in driver.find_element(By.ID, "tenants").text  # admin view
+        assert attrs("[data-reason]", "data-reason")  # routing decisions shown
+        assert "acme" in driver.execute_script("return document.getElementById('tenants').textContent")
         with tempfile.TemporaryDirectory() as tmp:  # the page renders to pixels
             assert driver.save_screenshot(f"{tmp}/page.png") and Path(f"{tmp}/page.png").stat().st_size > 10_000
 
