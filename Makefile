@@ -33,9 +33,11 @@ browser:
 	  else echo "chromium/chromedriver missing and not root: the browser test will skip"; fi; \
 	fi
 
-# Peers measured side by side by benchmarks/ (LMCache); not needed by tests.
+# Peers measured side by side by benchmarks/ (LMCache, NVIDIA Dynamo's RadixTree); not needed by
+# tests. ai-dynamo goes in without its dependencies (see the bench extra in pyproject.toml).
 bench-install: $(STAMP)
 	$(BIN)/python -m pip install --quiet -e ".[test,vllm,bench]"
+	$(BIN)/python -m pip install --quiet --no-deps "ai-dynamo==1.6.1"
 	$(BIN)/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
 
 demo: $(STAMP) browser
