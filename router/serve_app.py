@@ -45,7 +45,7 @@ from kvshare.engines.openai_api import (
 )
 from kvshare.engines.runtime import LoadReporter, LoadTracker, WorkerRuntime, choose_cut
 from kvshare.engines.worker import Completion, ReferenceWorker
-from kvshare.hashing import block_hashes
+from kvshare.hasher import Hasher
 from kvshare.tokenizer import tokenizer_from_spec, tokenizer_spec
 from kvshare.types import BlockHash, NodeId
 from kvshare.workers import WorkerInfo, WorkerRegistrar
@@ -114,7 +114,7 @@ class KVShareWorker:
         remote = "auto" if sharing == "global" else "objstore"  # local: no NIXL agent needed
         for attempt in range(2):
             try:
-                return KVShareClient.connect(self.namespace, self.engine.layout, self.engine.root,
+                return KVShareClient.connect(self.namespace, self.engine.layout, self.engine.hasher,
                                              worker_id=self.worker_id, cut_policy=cut,
                                              remote=remote)
             except ValueError as exc:  # no index actor: kvshare is not deployed
@@ -228,7 +228,7 @@ class OpenAIIngress:
         d = await self._describe()
         req = parse_request(body, chat=chat, namespace=d["namespace"], tokenizer=self._tok)
         root = BlockHash(bytes.fromhex(d["root_hex"]))
-        hashes = block_hashes(root, req.tokens, int(d["block_tokens"]))
+        hashes = Hasher.from_root(root, int(d["block_tokens"])).hashes(req.tokens)
         return {**body, "kvshare": {"token_ids": req.tokens, "namespace": d["namespace"],
                                     "hashes_hex": [h.hex() for h in hashes]}}
 

@@ -1,6 +1,6 @@
 """The index that comes back: killed for good (``ray.kill``, no restart) under gateway load.
 
-A real two-node cluster (``kvshare.deploy``: index, watcher, a pool per node), two real HTTP
+A real two-node cluster (``actors.deploy.deploy``: index, watcher, a pool per node), two real HTTP
 workers registered in the index the way the reference worker does it, and the real gateway
 (``IndexWorkers`` + ``IndexClient.connect``) on loopback. While requests flow, the index shard
 is killed for good. The gateway must keep answering (load-only routing, no 5xx, /health ok),
@@ -38,6 +38,7 @@ def env(ray_cluster: Any) -> Iterator[dict[str, Any]]:
     from actors.deploy import deploy, get_pool, shutdown
     from actors.index.client import IndexClient
     from kvshare.layout import KVLayout
+    from kvshare.tiers.base import block_checksum
     from router.embed import CacheAwareRouter, RouterConfig
     from router.gateway import create_app
     from router.workers_view import IndexWorkers
@@ -48,7 +49,9 @@ def env(ray_cluster: Any) -> Iterator[dict[str, Any]]:
     nodes = [n["NodeID"] for n in ray.nodes() if n["Alive"] and "node_0" in n["Resources"]]
     data = np.random.default_rng(0).integers(0, 255, (8, layout.bytes_per_block), dtype=np.uint8)
     hs = hashes(8)
-    assert ray.get(get_pool(nodes[0], RAY_NS).write_blocks.remote("m", hs, data)) == ["stored"] * 8
+    sums = [block_checksum(d) for d in data]
+    stored = ray.get(get_pool(nodes[0], RAY_NS).transfer_write_blocks.remote("m", hs, data, sums))
+    assert stored == [""] * 8  # stored
     workers = [StubWorker(f"w{i}", IndexClient.connect(RAY_NS), "m", nodes[0]) for i in range(2)]
     index = IndexClient.connect(RAY_NS, timeout_s=2.0)
     router = CacheAwareRouter(index, IndexWorkers(index, refresh_s=0.2),

@@ -72,7 +72,7 @@ class WorkerService:
         node = "local"
         if connect:
             self.client = KVShareClient.connect(
-                namespace, self.engine.layout, self.engine.root, worker_id=self.worker_id,
+                namespace, self.engine.layout, self.engine.hasher, worker_id=self.worker_id,
                 remote=remote, cut_policy=choose_cut(self.engine, cut_policy),
             )
             node = self.client.node
