@@ -256,8 +256,8 @@ def test_flipped_byte_in_slab_is_a_corrupt_miss(kv: dict[str, Any], name: str) -
     import ray
 
     from kvshare.tiers.host import HostSlab
+    from kvshare.transfer.base import call
     from kvshare.transfer.control import ActorControl
-    from kvshare.transfer.wire import call
 
     tag = f"rot-{name}"
     ray.get(kv["ra"].write.remote("shm", kv["pa"], NS, tag, [0, 1, 2]))

@@ -21,14 +21,23 @@ implementation (``shm``, ``nixl``, ``objstore``; checked by one conformance suit
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 from kvshare.tiers.base import ByteArray
+from kvshare.transfer.wire import BlockControl, Reply, SourceGone
 from kvshare.types import BlockHash
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+LEASE_GRACE_S = 2.0  # a reader that dies mid-transfer holds its pins this long past the deadline
+FINISH_WAIT_S = 2.0
 
 # Why a block is a miss. Stable strings: they appear in metrics and logs.
 MISSING = "missing"  # the source does not hold the block
@@ -151,6 +160,27 @@ def check_batch(hashes: Sequence[BlockHash], buffers: Sequence[ByteArray], block
                 f"each buffer must be a contiguous {block_bytes}-byte block, got "
                 f"{b.size * b.dtype.itemsize} bytes: check the KV layout of the namespace"
             )
+
+
+def lease_ttl(deadline_s: float) -> float:
+    """TTL of the leases a transfer takes: its deadline plus a grace period."""
+    return max(deadline_s, 0.0) + LEASE_GRACE_S
+
+
+def call(reply: Reply[T], timeout: float) -> T:
+    """Await a control reply for at most ``timeout`` s (TimeoutError / SourceGone)."""
+    if timeout <= 0 and not reply.done():
+        raise TimeoutError("deadline passed before the control reply arrived")
+    return reply.get(max(timeout, 0.0))
+
+
+def finish_quietly(control: BlockControl, holder: str, lease_ids: Sequence[int]) -> list[bool]:
+    """End ``holder``'s leases; a dead source has nothing left to release (returns [])."""
+    try:
+        return call(control.finish(holder, lease_ids), FINISH_WAIT_S)
+    except (TimeoutError, SourceGone) as exc:
+        log.debug("finish(%s): %s", holder, exc)
+        return []
 
 
 def holder_name(prefix: str, transfer_id: int) -> str:

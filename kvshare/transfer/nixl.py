@@ -31,6 +31,9 @@ from kvshare.transfer.base import (
     TransferResult,
     Transport,
     TransportUnavailable,
+    call,
+    finish_quietly,
+    lease_ttl,
 )
 from kvshare.transfer.nixl_agent import dram_reg, make_agent, xfer_descs
 from kvshare.transfer.wire import (
@@ -39,9 +42,6 @@ from kvshare.transfer.wire import (
     NixlPeerInfo,
     SourceBlock,
     SourceGone,
-    call,
-    finish_quietly,
-    lease_ttl,
 )
 from kvshare.types import BlockHash
 

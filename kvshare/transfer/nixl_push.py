@@ -40,6 +40,9 @@ from kvshare.transfer.base import (
     TRANSFER_ERROR,
     Transfer,
     TransferResult,
+    call,
+    finish_quietly,
+    lease_ttl,
 )
 from kvshare.transfer.nixl import NixlTransport
 from kvshare.transfer.wire import (
@@ -49,9 +52,6 @@ from kvshare.transfer.wire import (
     Reply,
     SourceBlock,
     SourceGone,
-    call,
-    finish_quietly,
-    lease_ttl,
 )
 from kvshare.types import BlockHash
 

@@ -23,8 +23,9 @@ from kvshare.transfer.base import (
     Transfer,
     TransferResult,
     Transport,
+    call,
 )
-from kvshare.transfer.wire import PRESENT, BlockBatch, BlockControl, SourceGone, call
+from kvshare.transfer.wire import PRESENT, BlockBatch, BlockControl, SourceGone
 from kvshare.types import BlockHash
 
 

@@ -24,9 +24,9 @@ from kvshare.cost import bytes_per_s
 from kvshare.layout import KVLayout
 from kvshare.pool import TieredBlockPool
 from kvshare.tiers.base import ByteArray
-from kvshare.transfer.base import Transport
+from kvshare.transfer.base import Transport, call
 from kvshare.transfer.estimate import BandwidthEstimator, fit
-from kvshare.transfer.wire import BlockControl, SourceGone, call
+from kvshare.transfer.wire import BlockControl, SourceGone
 from kvshare.types import BlockHash
 
 log = logging.getLogger(__name__)

@@ -28,6 +28,9 @@ from kvshare.transfer.base import (
     Transfer,
     TransferResult,
     Transport,
+    call,
+    finish_quietly,
+    lease_ttl,
 )
 from kvshare.transfer.epochs import SharedEpochs
 from kvshare.transfer.wire import (
@@ -39,9 +42,6 @@ from kvshare.transfer.wire import (
     SlabInfo,
     SourceBlock,
     SourceGone,
-    call,
-    finish_quietly,
-    lease_ttl,
 )
 from kvshare.types import BlockHash
 

@@ -23,6 +23,7 @@ from kvshare.pool import TieredBlockPool
 from kvshare.pool_types import AlreadyPresent, InFlightWrite, NoSpace, Reserved
 from kvshare.tiers.base import ByteArray, CorruptBlock, block_checksum
 from kvshare.tiers.host import HostSlab
+from kvshare.transfer import wire
 from kvshare.transfer.base import (
     CORRUPT,
     DEADLINE,
@@ -35,17 +36,6 @@ from kvshare.transfer.base import (
 from kvshare.transfer.epochs import SharedEpochs, epochs_name
 from kvshare.transfer.nixl_agent import NixlSource
 from kvshare.transfer.probe import probe_hashes, seed_probe_blocks
-from kvshare.transfer.wire import (
-    PRESENT,
-    BlockBatch,
-    NixlPeerInfo,
-    PreparedRead,
-    PreparedWrite,
-    PushedRead,
-    PushRequest,
-    SlabInfo,
-    SourceBlock,
-)
 from kvshare.types import BlockHash, Tier
 
 log = logging.getLogger(__name__)
@@ -97,14 +87,14 @@ class BlockSource:
         return f"{self.pool.config.namespace}/{self.node}/{self.generation}"
 
     # ------------------------------------------------------------------ discovery
-    def slab_info(self) -> SlabInfo | None:
+    def slab_info(self) -> wire.SlabInfo | None:
         s = self.slab
         if s is None or s.name is None:
             return None
-        return SlabInfo(s.name, s.slot_bytes, s.num_slots, self.generation, self.node,
+        return wire.SlabInfo(s.name, s.slot_bytes, s.num_slots, self.generation, self.node,
                         self._epochs.name if self._epochs is not None else "")
 
-    def nixl_info(self) -> NixlPeerInfo | None:
+    def nixl_info(self) -> wire.NixlPeerInfo | None:
         if self._nixl is None:
             return None
         return self._nixl.info(self.generation)
@@ -120,14 +110,14 @@ class BlockSource:
     # ------------------------------------------------------------------ reads
     def prepare_read(
         self, hashes: Sequence[BlockHash], holder: str, ttl_s: float
-    ) -> PreparedRead:
+    ) -> wire.PreparedRead:
         """Pin ``hashes`` in the host slab for ``holder``; a miss says missing or corrupt."""
         with self._lock:
             if holder in self._finished:
-                return PreparedRead(self.generation, (DEADLINE,) * len(hashes))
+                return wire.PreparedRead(self.generation, (DEADLINE,) * len(hashes))
             known = [h in self.pool for h in hashes]
             leases = self.pool.pin(hashes, holder, ttl_s, promote=True)
-        blocks: list[SourceBlock | str] = []
+        blocks: list[wire.SourceBlock | str] = []
         for was, lease in zip(known, leases, strict=True):
             if lease is None:
                 blocks.append(CORRUPT if was else MISSING)
@@ -135,15 +125,15 @@ class BlockSource:
                 self.pool.unpin([lease.lease_id])
                 blocks.append(NO_SPACE)
             else:
-                blocks.append(SourceBlock(lease.lease_id, lease.slot, lease.epoch, lease.checksum))
+                blocks.append(wire.SourceBlock(lease.lease_id, lease.slot, lease.epoch, lease.checksum))
         # the reader copies these slots itself (shm mapping, NIXL): they leave the slab now
-        self.pool.note_read(Tier.HOST, sum(isinstance(b, SourceBlock) for b in blocks))
+        self.pool.note_read(Tier.HOST, sum(isinstance(b, wire.SourceBlock) for b in blocks))
         agent, err = self._nixl_fields()
-        return PreparedRead(self.generation, tuple(blocks), self.slab_info(), agent, err)
+        return wire.PreparedRead(self.generation, tuple(blocks), self.slab_info(), agent, err)
 
     def push_read(
-        self, hashes: Sequence[BlockHash], holder: str, ttl_s: float, request: PushRequest
-    ) -> PushedRead:
+        self, hashes: Sequence[BlockHash], holder: str, ttl_s: float, request: wire.PushRequest
+    ) -> wire.PushedRead:
         """Pin ``hashes``, NIXL-WRITE them into the reader's memory, end the pins (nixl_push).
 
         Raises ValueError (nothing pinned) when the request does not match the pool's blocks.
@@ -158,15 +148,15 @@ class BlockSource:
                 f"{self.block_bytes} bytes: check the KV layout of the namespace"
             )
         prep = self.prepare_read(hashes, holder, ttl_s)
-        blocks: list[SourceBlock | str] = list(prep.blocks)
-        moving = [i for i, b in enumerate(blocks) if isinstance(b, SourceBlock)]
+        blocks: list[wire.SourceBlock | str] = list(prep.blocks)
+        moving = [i for i, b in enumerate(blocks) if isinstance(b, wire.SourceBlock)]
         try:
             if not moving:
                 reason = ""
             elif self._nixl is None:
                 reason = NIXL_UNAVAILABLE
             else:
-                slots = [b.slot for b in blocks if isinstance(b, SourceBlock)]
+                slots = [b.slot for b in blocks if isinstance(b, wire.SourceBlock)]
                 reason = self._nixl.write_slots(slots, [request.dest_addrs[i] for i in moving],
                                                 request, start)
         finally:
@@ -174,7 +164,7 @@ class BlockSource:
         if reason:
             for i in moving:
                 blocks[i] = reason
-        return PushedRead(prep.generation, tuple(blocks))
+        return wire.PushedRead(prep.generation, tuple(blocks))
 
     def finish(self, holder: str, lease_ids: Sequence[int]) -> list[bool]:
         """Report which of ``lease_ids`` were still valid, then end every lease of ``holder``."""
@@ -186,7 +176,7 @@ class BlockSource:
                 self._finished.popitem(last=False)
             return alive
 
-    def read_blocks(self, hashes: Sequence[BlockHash]) -> BlockBatch:
+    def read_blocks(self, hashes: Sequence[BlockHash]) -> wire.BlockBatch:
         """Copy the held blocks out (object-store path); disk blocks are verified on read."""
         holder = "objstore-read"
         known = [h in self.pool for h in hashes]
@@ -210,7 +200,7 @@ class BlockSource:
                     reasons[i] = CORRUPT if res.reason.startswith("corrupt") else MISSING
         finally:
             self.pool.unpin([x.lease_id for x in leases if x is not None])
-        return BlockBatch(data[:row], tuple(rows), tuple(sums), tuple(reasons))
+        return wire.BlockBatch(data[:row], tuple(rows), tuple(sums), tuple(reasons))
 
     def report_corrupt(self, hashes: Sequence[BlockHash]) -> int:
         """A reader saw bad bytes: re-verify those blocks and drop the corrupt ones."""
@@ -219,29 +209,29 @@ class BlockSource:
     # ------------------------------------------------------------------ writes
     def prepare_write(
         self, hashes: Sequence[BlockHash], holder: str, ttl_s: float
-    ) -> PreparedWrite:
+    ) -> wire.PreparedWrite:
         """Reserve a host slot per new hash for ``holder`` (``"present"`` if already held)."""
         with self._lock:
             if holder in self._finished:
-                return PreparedWrite(self.generation, (DEADLINE,) * len(hashes))
+                return wire.PreparedWrite(self.generation, (DEADLINE,) * len(hashes))
             res = self.pool.reserve(hashes, holder, ttl_s)
-        slots: list[SourceBlock | str] = []
+        slots: list[wire.SourceBlock | str] = []
         for r in res:
             if isinstance(r, Reserved):
                 if r.tier != Tier.HOST:
                     self.pool.abort([r.lease_id])
                     slots.append(NO_SPACE)
                 else:
-                    slots.append(SourceBlock(r.lease_id, r.slot, r.epoch, -1))
+                    slots.append(wire.SourceBlock(r.lease_id, r.slot, r.epoch, -1))
             elif isinstance(r, AlreadyPresent):
-                slots.append(PRESENT)
+                slots.append(wire.PRESENT)
             elif isinstance(r, InFlightWrite):
                 slots.append(IN_FLIGHT)
             else:
                 assert isinstance(r, NoSpace)
                 slots.append(NO_SPACE)
         agent, err = self._nixl_fields()
-        return PreparedWrite(self.generation, tuple(slots), self.slab_info(), agent, err)
+        return wire.PreparedWrite(self.generation, tuple(slots), self.slab_info(), agent, err)
 
     def commit_write(
         self, holder: str, lease_ids: Sequence[int], checksums: Sequence[int]
@@ -276,7 +266,7 @@ class BlockSource:
                 continue
             (r,) = self.pool.reserve([h], "objstore-write")
             if isinstance(r, AlreadyPresent):
-                out.append(PRESENT)
+                out.append(wire.PRESENT)
             elif isinstance(r, Reserved):
                 try:
                     self.pool.write(r.lease_id, data[i])

@@ -1,9 +1,10 @@
 """The control interface between a reader's transport and the pool that holds the blocks.
 
 Defined once, here: :class:`BlockControl` (what a transport asks of the pool), the messages
-it carries, :class:`Reply` (every call returns one, so transports bound control messages by
-their deadline too) and the reader's helpers :func:`call`, :func:`finish_quietly`,
-:func:`lease_ttl`. Bytes never travel in these messages except for the object-store path
+it carries and :class:`Reply` (every call returns one, so transports bound control messages by
+their deadline too; the reader's helpers :func:`~kvshare.transfer.base.call`,
+:func:`~kvshare.transfer.base.finish_quietly` and :func:`~kvshare.transfer.base.lease_ttl`
+await them). Bytes never travel in these messages except for the object-store path
 (``BlockBatch``); the others carry slot numbers, epochs, checksums, lease ids and addresses.
 
 The pool's side implements it in :class:`~kvshare.transfer.source.BlockSource`; the reader's
@@ -13,7 +14,6 @@ side reaches a BlockSource through :class:`~kvshare.transfer.control.LocalContro
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Generic, Protocol, TypeVar
@@ -23,16 +23,12 @@ import numpy as np
 from kvshare.tiers.base import ByteArray
 from kvshare.types import BlockHash
 
-log = logging.getLogger(__name__)
-
 T = TypeVar("T")
 T_co = TypeVar("T_co", covariant=True)
 
 PRESENT = "present"
 """A write's answer for a block the pool already holds (counts as stored)."""
 
-LEASE_GRACE_S = 2.0  # a reader that dies mid-transfer holds its pins this long past the deadline
-FINISH_WAIT_S = 2.0
 
 
 class SourceGone(Exception):
@@ -208,24 +204,3 @@ class BlockControl(Protocol):
     ) -> Reply[PushedRead]:
         """Pin ``hashes``, NIXL-WRITE them into the reader's addresses, end the pins."""
         ...
-
-
-def lease_ttl(deadline_s: float) -> float:
-    """TTL of the leases a transfer takes: its deadline plus a grace period."""
-    return max(deadline_s, 0.0) + LEASE_GRACE_S
-
-
-def call(reply: Reply[T], timeout: float) -> T:
-    """Await a control reply for at most ``timeout`` s (TimeoutError / SourceGone)."""
-    if timeout <= 0 and not reply.done():
-        raise TimeoutError("deadline passed before the control reply arrived")
-    return reply.get(max(timeout, 0.0))
-
-
-def finish_quietly(control: BlockControl, holder: str, lease_ids: Sequence[int]) -> list[bool]:
-    """End ``holder``'s leases; a dead source has nothing left to release (returns [])."""
-    try:
-        return call(control.finish(holder, lease_ids), FINISH_WAIT_S)
-    except (TimeoutError, SourceGone) as exc:
-        log.debug("finish(%s): %s", holder, exc)
-        return []
