@@ -136,6 +136,12 @@ class Transfer:
     def remaining(self) -> float:
         return self.deadline - time.monotonic()
 
+    def finish_reasons(self, reasons: Sequence[str], bufs: Sequence[ByteArray]) -> TransferResult:
+        """:meth:`finish` with one reason per block (``""`` = it arrived), counting the bytes
+        of the buffers whose block did."""
+        outs = [BlockResult(h, r == "", r) for h, r in zip(self.hashes, reasons, strict=True)]
+        return self.finish(outs, sum(b.nbytes for b, o in zip(bufs, outs, strict=True) if o.ok))
+
     def finish(self, outcomes: Sequence[BlockResult], nbytes: int) -> TransferResult:
         """Record the result (once) and return it."""
         if self.result is None:

@@ -26,7 +26,6 @@ from kvshare.transfer.base import (
     NIXL_UNAVAILABLE,
     SOURCE_DEAD,
     TRANSFER_ERROR,
-    BlockResult,
     Transfer,
     TransferResult,
     Transport,
@@ -322,10 +321,8 @@ class NixlTransport(Transport):
 
     def _result(self, t: Transfer) -> TransferResult:
         outcome: dict[int, str] = t.state["outcome"]
-        outs = [BlockResult(h, outcome.get(i, TRANSFER_ERROR) == "", outcome.get(i, TRANSFER_ERROR))
-                for i, h in enumerate(t.hashes)]
-        nbytes = sum(t.state["bufs"][i].nbytes for i, o in enumerate(outs) if o.ok)
-        return t.finish(outs, nbytes)
+        reasons = [outcome.get(i, TRANSFER_ERROR) for i in range(len(t.hashes))]
+        return t.finish_reasons(reasons, t.state["bufs"])
 
     def close(self) -> None:
         for remote, _ in self._peers.values():

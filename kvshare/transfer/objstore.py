@@ -19,7 +19,6 @@ from kvshare.transfer.base import (
     CORRUPT,
     DEADLINE,
     SOURCE_DEAD,
-    BlockResult,
     Transfer,
     TransferResult,
     Transport,
@@ -109,6 +108,4 @@ class ObjStoreTransport(Transport):
         return reasons
 
     def _end(self, t: Transfer, reasons: Sequence[str]) -> TransferResult:
-        bufs: list[ByteArray] = t.state["bufs"]
-        outs = [BlockResult(h, r == "", r) for h, r in zip(t.hashes, reasons, strict=True)]
-        return t.finish(outs, sum(b.nbytes for b, o in zip(bufs, outs, strict=True) if o.ok))
+        return t.finish_reasons(reasons, t.state["bufs"])

@@ -24,7 +24,6 @@ from kvshare.transfer.base import (
     NOT_SAME_NODE,
     SLOT_REUSED,
     SOURCE_DEAD,
-    BlockResult,
     Transfer,
     TransferResult,
     Transport,
@@ -170,8 +169,7 @@ class ShmTransport(Transport):
 
 
 def _done(t: Transfer, reasons: Sequence[str], bufs: Sequence[ByteArray]) -> Transfer:
-    outs = [BlockResult(h, r == "", r) for h, r in zip(t.hashes, reasons, strict=True)]
-    t.finish(outs, sum(b.nbytes for b, o in zip(bufs, outs, strict=True) if o.ok))
+    t.finish_reasons(reasons, bufs)
     return t
 
 
