@@ -130,6 +130,11 @@ class KVShareConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None
                  ) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
+        if self._kv_transfer_config.kv_load_failure_policy != "recompute":
+            # vLLM's default ("fail") turns a failed load into a failed request; for kvshare a
+            # failed load is a cache miss: the scheduler reads the policy after this call.
+            log.info("KVShareConnector: kv_load_failure_policy set to 'recompute'")
+            self._kv_transfer_config.kv_load_failure_policy = "recompute"
         extra = self._kv_transfer_config.kv_connector_extra_config
         self.settings = ConnectorSettings.from_extra(extra)
         self.keys = model_keys(vllm_config, self.settings)
@@ -195,6 +200,11 @@ class KVShareConnector(KVConnectorBase_V1):
 
         return self._sched.build_meta(dict(scheduler_output.num_scheduled_tokens),
                                       list(scheduler_output.preempted_req_ids or ()), pages)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        assert self._sched is not None
+        self._sched.update_connector_output(set(connector_output.finished_recving or ()),
+                                            set(connector_output.invalid_block_ids or ()))
 
     def request_finished(self, request: Any, block_ids: list[int]
                          ) -> tuple[bool, dict[str, Any] | None]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -31,6 +32,9 @@ from kvshare.vllm.metadata import KVShareMetadata, LoadSpec, SaveSpec
 
 log = logging.getLogger(__name__)
 
+MAX_LOADS = 2
+"""Load attempts per request (a preempted request may load again once)."""
+
 
 @dataclass
 class _Req:
@@ -41,6 +45,9 @@ class _Req:
     hit_tokens: int = 0  # prompt tokens the plan brings (capped below the last token)
     saved_upto: int = 0  # blocks [0, saved_upto) are in the cluster or being saved
     sources: dict[str, int] = field(default_factory=dict)
+    loading: tuple[int, ...] = ()  # pages of the load in flight
+    loads: int = 0  # load attempts; a failed one is never retried (no load/fail loops)
+    failed: bool = False
 
 
 class SchedulerSide:
@@ -59,7 +66,7 @@ class SchedulerSide:
         self._sending: set[str] = set()
         self._lookups = ThreadPoolExecutor(1, thread_name_prefix="kvshare-lookup")
         self._lock = threading.Lock()
-        self.counters: dict[str, int] = {}
+        self.counters: dict[str, float] = {}
 
     def _count(self, key: str, n: int = 1) -> None:
         with self._lock:
@@ -87,12 +94,11 @@ class SchedulerSide:
     def num_new_matched_tokens(self, request: Any, num_computed: int) -> tuple[int | None, bool]:
         """``get_num_new_matched_tokens``: tokens beyond ``num_computed`` the cluster brings."""
         st = self._state(request)
-        if st is None or not st.hashes:
+        if st is None or not st.hashes or st.failed or st.loads >= MAX_LOADS:
             return 0, False
         if st.lookup is None:
             self._count("lookups")
-            st.lookup = self._lookups.submit(self.client.lookup, request.prompt_token_ids,
-                                             st.hashes)
+            st.lookup = self._lookups.submit(self._lookup, request.prompt_token_ids, st.hashes)
         try:
             plan = st.lookup.result(timeout=self.lookup_wait_s)
         except FutureTimeout:
@@ -113,6 +119,15 @@ class SchedulerSide:
             return 0, False
         st.hit_tokens = hit
         return hit - num_computed, True
+
+    def _lookup(self, tokens: Sequence[int], hashes: Sequence[BlockHash]) -> Plan:
+        t0 = time.perf_counter()
+        try:
+            return self.client.lookup(tokens, hashes)
+        finally:
+            with self._lock:
+                self.counters["lookup_seconds"] = (self.counters.get("lookup_seconds", 0.0)
+                                                   + time.perf_counter() - t0)
 
     def update_state_after_alloc(self, request: Any, page_ids: Sequence[int],
                                  num_external: int) -> None:
@@ -135,6 +150,8 @@ class SchedulerSide:
                 "host" if b.transport == "shm" else "p2p")
             st.sources[key] = st.sources.get(key, 0) + self.block_tokens
         st.lookup = None  # a preempted request looks up again
+        st.loads += 1
+        st.loading = tuple(int(p) for p in page_ids)
         self._count("load_requests")
         self._count("load_tokens", num_external)
 
@@ -153,6 +170,17 @@ class SchedulerSide:
             last = next(reversed(out))
             out[last] += left
         return out
+
+    def update_connector_output(self, finished_recving: set[str], invalid_pages: set[int]) -> None:
+        """A load that left invalid pages marks its request: vLLM recomputes, we never retry."""
+        for rid in finished_recving:
+            st = self._reqs.get(rid)
+            if st is None:
+                continue
+            if invalid_pages and not invalid_pages.isdisjoint(st.loading):
+                st.failed = True
+                self._count("failed_loads")
+            st.loading = ()
 
     # ------------------------------------------------------------------ per step
     def build_meta(self, scheduled: dict[str, int], preempted: Sequence[str],
