@@ -23,9 +23,11 @@ $(STAMP): pyproject.toml setup.py $(wildcard kvshare/*.c)
 
 install: $(STAMP)
 
-# Peers measured side by side by benchmarks/ (LMCache); not needed by tests.
+# Peers measured side by side by benchmarks/ (LMCache, NVIDIA Dynamo's RadixTree); not needed by
+# tests. ai-dynamo goes in without its dependencies (see the bench extra in pyproject.toml).
 bench-install: $(STAMP)
 	$(BIN)/python -m pip install --quiet -e ".[test,vllm,bench]"
+	$(BIN)/python -m pip install --quiet --no-deps "ai-dynamo==1.6.1"
 	$(BIN)/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
 
 demo: $(STAMP)

@@ -3,8 +3,8 @@
 Each line: ``timestamp`` (ms from trace start), ``input_length``, ``output_length`` (tokens),
 ``hash_ids`` (one id per ``block_tokens`` block; an id stands for its block *and every block
 before it*). The simulator turns ids into real chained :class:`~kvshare.types.BlockHash` es
-with :func:`kvshare.hashing.block_hashes`, treating each id as one "token" of a one-token
-block: ``h_i = H(h_{i-1}, id_i)``. Because an id already names its whole prefix, the same id
+with a :class:`~kvshare.hasher.Hasher`, treating each id as one "token" of a one-token block:
+``h_i = H(h_{i-1}, id_i)``. Because an id already names its whole prefix, the same id
 always gets the same hash, so hashes are memoised per id.
 """
 
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pyarrow.json as pj
 
-from kvshare.hashing import block_hashes, namespace_root
+from kvshare.hasher import Hasher
 from kvshare.types import BlockHash
 
 _REQUIRED = ("timestamp", "input_length", "hash_ids")
@@ -64,7 +64,8 @@ class TraceHasher:
     """Memoised chained hashes of trace hash ids under one namespace root."""
 
     def __init__(self, model_id: str, layout_fingerprint: str, tenant_salt: str = "") -> None:
-        self.root = namespace_root(model_id, layout_fingerprint, tenant_salt)
+        self._hasher = Hasher(model_id, layout_fingerprint, 1, salt=tenant_salt)  # one id a block
+        self.root = self._hasher.root
         self._memo: dict[int, BlockHash] = {}
 
     def hashes(self, ids: tuple[int, ...]) -> list[BlockHash]:
@@ -75,7 +76,7 @@ class TraceHasher:
         out = [memo[x] for x in ids[:j]]
         if j < len(ids):
             parent = out[-1] if out else self.root
-            new = block_hashes(self.root, ids[j:], 1, parent=parent)
+            new = self._hasher.hashes(ids[j:], parent=parent)
             for x, h in zip(ids[j:], new, strict=True):
                 memo.setdefault(x, h)
             out.extend(new)
