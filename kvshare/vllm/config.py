@@ -103,9 +103,9 @@ class ModelKeys:
     tp_size: int
 
     def root(self, cache_salt: str | None) -> bytes:
-        from kvshare.engines.identity import model_namespace_root
+        from kvshare.hasher import Hasher
 
-        return bytes(model_namespace_root(self.identity, self.layout, cache_salt or b""))
+        return bytes(Hasher.for_layout(self.identity, self.layout).root_for(cache_salt or ""))
 
 
 def check_model(vllm_config: Any, settings: ConnectorSettings) -> None:
