@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import replace
@@ -25,6 +26,8 @@ def run_sim(args: argparse.Namespace) -> int:
     from router.sim import simulate
     from router.trace import read_trace
 
+    cpu: dict[str, float] = {}
+    t0 = time.process_time()
     quiet: bool | None = True if args.no_progress else (False if args.progress else None)
     paths = [Path(p) for p in args.trace]
     size = sum(p.stat().st_size for p in paths if p.is_file())
@@ -35,6 +38,7 @@ def run_sim(args: argparse.Namespace) -> int:
             warm_prefix_pct=args.warm_prefix_pct, max_delay_s=args.max_delay,
             time_scale=args.time_scale,
         )
+    cpu["load"] = time.process_time() - t0
     for w in trace.warnings:
         print(f"warning: {w}", file=sys.stderr)
     cfg = ClusterConfig(
@@ -47,12 +51,16 @@ def run_sim(args: argparse.Namespace) -> int:
     with _bar(quiet, len(trace), "reference global_lru", "req") as tick:
         from router.sim import global_lru
 
+        t0 = time.process_time()
         reference = global_lru(trace, cfg, progress=tick)
+        cpu["reference"] = time.process_time() - t0
     rows: dict[str, Any] = {}
     results: dict[str, dict[str, Any]] = {}
     for n in names:
         with _bar(quiet, len(trace), f"replay {n}", "req") as tick:
+            t0 = time.process_time()
             r = simulate(trace, cfg, [n], args.sharing, tick, reference=False)
+            cpu[f"replay {n}"] = time.process_time() - t0
         rows[n] = r.rows[n]
         results[n] = summarize(r.rows[n], r.busy[n], len(r.unfit[n]))
     print(format_table(reference, results, args.sharing))
@@ -61,7 +69,7 @@ def run_sim(args: argparse.Namespace) -> int:
     if args.plot:
         _plot(args, trace, cfg, names, results, quiet)
     if args.json:
-        print(json.dumps(json_summary(reference, results)))
+        print(json.dumps(json_summary(reference, results) | {"cpu_s": cpu}))
     return 0
 
 
