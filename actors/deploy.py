@@ -28,7 +28,7 @@ from actors.config import (
     index_name,
     pool_name,
 )
-from actors.index_client import IndexClient
+from actors.index.client import IndexClient
 from kvshare.layout import KVLayout
 from kvshare.tiers.host import SHM_DIR, shm_free_bytes
 
@@ -131,7 +131,7 @@ def deploy(
         check_shm(settings)
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
     known = tuple((s.name, s.hash_size, s.layout.fingerprint()) for s in specs)
-    from actors.index_actor import GlobalIndexActor
+    from actors.index.actor import GlobalIndexActor
 
     shards = [
         GlobalIndexActor.options(

@@ -37,7 +37,7 @@ import pyarrow as pa
 
 from actors.admin_pins import AdminPins
 from actors.config import NamespaceSpec, PoolSettings, SlabInfo
-from actors.index import PublishAck
+from actors.index.global_index import PublishAck
 from actors.liveness import pid_alive, ray_holder_alive
 from kvshare.events import Event, events_to_arrow
 from kvshare.pool import TieredBlockPool
@@ -457,7 +457,7 @@ class NodePoolService(NodePool):
     def __init__(self, settings: PoolSettings, index: IndexSink | None = None) -> None:
         import ray
 
-        from actors.index_client import IndexClient
+        from actors.index.client import IndexClient
 
         node_id = ray.get_runtime_context().get_node_id()
         super().__init__(node_id, settings, index or IndexClient.connect(settings.ray_namespace),

@@ -33,7 +33,7 @@ from ray.exceptions import RayActorError, RayError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from actors.config import NamespaceSpec, PoolSettings, pool_name
-from actors.index_client import IndexClient
+from actors.index.client import IndexClient
 from actors.node_pool import NodePoolActor
 from kvshare.transfer.probe import PROBE_NAMESPACE
 from kvshare.types import node_location

@@ -32,7 +32,7 @@ import numpy as np  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from actors.index import GlobalIndex  # noqa: E402
+from actors.index.global_index import GlobalIndex  # noqa: E402
 from kvshare.events import BlockStored, events_to_arrow  # noqa: E402
 from kvshare.hashing import block_hashes, namespace_root  # noqa: E402
 from kvshare.match import MatchResult  # noqa: E402
@@ -182,8 +182,8 @@ def actor_bench(batches: list, queries: list[list[BlockHash]],  # type: ignore[t
     import ray
 
     from actors.config import IndexConfig
-    from actors.index_actor import GlobalIndexActor
-    from actors.index_client import IndexClient
+    from actors.index.actor import GlobalIndexActor
+    from actors.index.client import IndexClient
 
     ray.init(address="local", num_cpus=2, object_store_memory=200 * 2**20,
              include_dashboard=False, log_to_driver=False, namespace="kvshare-bench")
@@ -203,7 +203,7 @@ def actor_bench(batches: list, queries: list[list[BlockHash]],  # type: ignore[t
             client.publish(b)
         for q in queries[:20]:  # warm up
             client.match("bench", q)
-        from actors.index_wire import encode_query
+        from actors.index.wire import encode_query
 
         n = 2000
         reqs = [queries[i % len(queries)] for i in range(n)]

@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np  # noqa: E402
 
-from actors.index import GlobalIndex  # noqa: E402
+from actors.index.global_index import GlobalIndex  # noqa: E402
 from kvshare.events import BlockStored  # noqa: E402
 from kvshare.types import NodeId, Tier, WorkerId, node_location  # noqa: E402
 from kvshare.workers import WorkerInfo, WorkerLoad  # noqa: E402
@@ -134,8 +134,8 @@ def main() -> None:
     import ray
 
     from actors.config import IndexConfig
-    from actors.index_actor import GlobalIndexActor
-    from actors.index_client import IndexClient
+    from actors.index.actor import GlobalIndexActor
+    from actors.index.client import IndexClient
 
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
              namespace="kvshare-bench-router", object_store_memory=200 * 2**20)

@@ -1,7 +1,7 @@
 """Embed kvshare's CacheAwareRouter in your own asyncio gateway (a few lines).
 
 Runs stand-alone: an in-process GlobalIndex stands in for the cluster's index (with a cluster,
-pass ``actors.index_client.IndexClient.connect()`` instead), three workers, two tenants.
+pass ``actors.index.client.IndexClient.connect()`` instead), three workers, two tenants.
 It shows: a prefix already cached on one node attracts its request (or is pulled by an idle
 worker when that node's worker is busy); a burst sharing a new
 prefix stays together (pending blocks); another tenant never matches those blocks; a dead
@@ -18,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from actors.index import GlobalIndex  # noqa: E402
+from actors.index.global_index import GlobalIndex  # noqa: E402
 from kvshare.events import BlockStored  # noqa: E402
 from kvshare.types import NodeId, Tier, WorkerId, node_location  # noqa: E402
 from kvshare.workers import WorkerInfo, WorkerLoad  # noqa: E402

@@ -168,7 +168,7 @@ class KVShareClient:
 
         config = import_module("actors.config")
         ray_ns = ray_namespace or config.RAY_NAMESPACE
-        index = import_module("actors.index_client").IndexClient.connect(
+        index = import_module("actors.index.client").IndexClient.connect(
             ray_ns, timeout_s=index_timeout_s)
         node = kwargs.pop("node", None) or ray.get_runtime_context().get_node_id()
 

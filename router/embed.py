@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from actors.index.runs import HolderRuns
 from kvshare.cost import Bandwidths, CostModel, PrefillModel
 from kvshare.engines.tokenizer import ByteTokenizer, Tokenizer
 from kvshare.hashing import DEFAULT_HASH_FN, HashFn, block_hashes, namespace_root
@@ -39,7 +40,7 @@ from kvshare.workers import IndexQuery, WorkerInfo, WorkerLoad
 from router.metrics import RouterMetrics
 from router.pending import PendingBlocks
 from router.policy import DEFAULT_POLICY, Candidate, Decision, RouteRequest, make_policy
-from router.sources import HolderRuns, Match, Sharing
+from router.sources import Match, Sharing
 from router.workers_view import InFlight, WorkerSource
 
 
@@ -145,7 +146,7 @@ class InProcessIndex:
         return self.match(namespace, hashes)
 
     async def match_runs_async(self, namespace: str, hashes: Sequence[BlockHash]) -> tuple[int, Any]:
-        """The match in run form ``(num_blocks, runs)`` (see :class:`~router.sources.HolderRuns`)."""
+        """The match in run form ``(num_blocks, runs)`` (see :class:`~actors.index.runs.HolderRuns`)."""
         result: tuple[int, Any] = self.index.match_runs(namespace, hashes)
         return result
 

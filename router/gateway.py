@@ -306,7 +306,7 @@ def serve_from_args(args: argparse.Namespace) -> int:
     if args.address:
         import ray
 
-        from actors.index_client import IndexClient
+        from actors.index.client import IndexClient
 
         ray.init(address=args.address, log_to_driver=False)
         from actors.admin import ClusterAdmin

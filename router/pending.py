@@ -15,9 +15,9 @@ from collections.abc import Callable, Sequence
 from itertools import repeat
 from typing import Any
 
+from actors.index.runs import HolderRuns
 from kvshare.match import EMPTY_MATCH, LocationMatch, MatchResult
 from kvshare.types import BlockHash, Location, Tier
-from router.sources import HolderRuns
 
 _RANK = {t: t.rank for t in Tier}
 

@@ -136,7 +136,7 @@ class Policy(ABC):
         ``match``: the index's answer; ``pending``: blocks the router's own recent decisions
         are about to create (:class:`~router.pending.PendingBlocks`), local to their workers.
         Either may be a :class:`~kvshare.match.MatchResult` or the same in run form
-        (:class:`~router.sources.HolderRuns`).
+        (:class:`~actors.index.runs.HolderRuns`).
         """
         cands, nodes = self._eligible(candidates, request.namespace, request.tenant)
         if not cands:

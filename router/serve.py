@@ -136,7 +136,7 @@ class KVShareRequestRouter(LocalityMixin, MultiplexMixin, RequestRouter):
             return
         if time.monotonic() < self._next_connect:
             return
-        from actors.index_client import IndexClient
+        from actors.index.client import IndexClient
 
         def connect() -> Any:
             client = IndexClient.connect(self.settings.ray_namespace, self.settings.index_timeout_s)

@@ -4,7 +4,7 @@ Model (see :mod:`router.cluster` for the numbers):
 
 - One prefill worker per node; each node runs a :class:`~kvshare.pool.TieredBlockPool` in
   null mode (no bytes) over host (+ disk) with the configured capacity. Its events feed the
-  real :class:`actors.index.GlobalIndex` through ``apply(events)``; routers and workers read
+  real :class:`actors.index.global_index.GlobalIndex` through ``apply(events)``; routers and workers read
   it with ``match``.
 - A request arrives at its trace timestamp. The policy sees the index's match plus the
   router's own pending blocks (:class:`~router.pending.PendingBlocks`) and each worker's load
@@ -84,7 +84,7 @@ class SimIndex:
 
 
 def default_index() -> SimIndex:
-    from actors.index import GlobalIndex
+    from actors.index.global_index import GlobalIndex
 
     return SimIndex(GlobalIndex())
 

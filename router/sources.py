@@ -9,7 +9,7 @@ cheap.
 It works on *segments*: runs of consecutive blocks over which no holder changes (a prompt is a
 shared prefix held by many, then a tail held by few, so a 32-block match is typically 2-4
 segments), with exactly the per-block result. Its input is a :class:`MatchResult` or, cheaper,
-the same match in run form (:class:`HolderRuns`, what the index computes anyway);
+the same match in run form (:class:`~actors.index.runs.HolderRuns`, what the index computes anyway);
 :meth:`SourceMap.source_runs` returns a worker's view as runs ``(source, count)`` (hashable,
 cheap to compare; :meth:`~kvshare.cost.CostModel.plan_runs` takes them) and
 :meth:`SourceMap.sources_for` the same expanded per block.
@@ -25,8 +25,8 @@ from collections.abc import Mapping, Sequence
 from enum import StrEnum
 from itertools import compress, islice
 from operator import ne
-from typing import NamedTuple
 
+from actors.index.runs import HolderRuns, Holders
 from kvshare.cost import Source
 from kvshare.match import MatchResult
 from kvshare.types import NodeId, Tier, WorkerId, node_location, worker_location
@@ -37,8 +37,6 @@ _RANK: dict[Tier | None, int] = {None: _NONE, **{t: t.rank for t in Tier}}
 
 SourceRuns = tuple[tuple[int, int], ...]
 """A worker's view as runs ``(source, count)`` of equal consecutive :class:`Source` values."""
-Holders = Sequence[tuple[str, int]]
-"""``((location, tier rank), ...)``: who holds a block, in which tier (``Tier.rank``)."""
 
 _worker_loc = functools.lru_cache(maxsize=4096)(worker_location)
 _node_loc = functools.lru_cache(maxsize=4096)(node_location)
@@ -47,19 +45,6 @@ _node_loc = functools.lru_cache(maxsize=4096)(node_location)
 class Sharing(StrEnum):
     LOCAL = "local"
     GLOBAL = "global"
-
-
-class HolderRuns(NamedTuple):
-    """A match in run form: ``runs[j] = (holders, count)`` for consecutive blocks from block 0
-    with the same holders, up to the combined prefix (the form
-    :meth:`actors.index.GlobalIndex.match_runs` computes; tier codes there are tier ranks)."""
-
-    num_blocks: int
-    runs: Sequence[tuple[Holders, int]]
-
-    @property
-    def combined_prefix(self) -> int:
-        return sum(n for _, n in self.runs)
 
 
 Match = MatchResult | HolderRuns

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from actors.index import GlobalIndex
+from actors.index.global_index import GlobalIndex
 from kvshare.client import KVShareClient
 from kvshare.client_types import PagedKV
 from kvshare.engines.kv_convert import block_view, new_contiguous

@@ -193,7 +193,7 @@ def test_workers_register_and_match_async(kv: dict[str, Any]) -> None:
     assert client.loads()["w-b"].queued_prefill_tokens == 3
     m = asyncio.run(client.match_async("m", hs))
     assert m.prefix_for(wloc) == 4 and m.locations[wloc].tier_counts == {Tier.GPU: 4}
-    from actors.runs import from_runs
+    from actors.index.runs import from_runs
 
     assert from_runs(*asyncio.run(client.match_runs_async("m", hs))) == m  # the run form
     # several queries per actor call answer the same as one per call
@@ -288,9 +288,9 @@ def test_sharded_index_client_agrees_with_one_index(kv: dict[str, Any]) -> None:
     import ray
 
     from actors.config import IndexConfig
-    from actors.index import GlobalIndex
-    from actors.index_actor import GlobalIndexActor
-    from actors.index_client import IndexClient
+    from actors.index.actor import GlobalIndexActor
+    from actors.index.client import IndexClient
+    from actors.index.global_index import GlobalIndex
     from kvshare.events import BlockRemoved, BlockStored, events_to_arrow
     from kvshare.types import Tier
 
@@ -314,7 +314,7 @@ def test_sharded_index_client_agrees_with_one_index(kv: dict[str, Any]) -> None:
         assert client.publish(batch).resync == () and local.apply_arrow(batch).resync == ()
     assert client.match("m", hs) == local.match("m", hs)
     assert asyncio.run(client.match_async("m", hs)) == local.match("m", hs)
-    from actors.runs import from_runs
+    from actors.index.runs import from_runs
 
     assert from_runs(*asyncio.run(client.match_runs_async("m", hs))) == local.match("m", hs)
     assert client.match_many("m", [hs, hs[:5]], batch=2) == [local.match("m", hs), local.match("m", hs[:5])]

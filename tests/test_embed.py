@@ -11,7 +11,7 @@ from dataclasses import replace
 import pytest
 from conftest import wait_dead
 
-from actors.index import GlobalIndex
+from actors.index.global_index import GlobalIndex
 from kvshare.events import BlockStored
 from kvshare.hashing import block_hashes, namespace_root
 from kvshare.match import MatchResult
@@ -146,8 +146,8 @@ def test_index_actor_down_means_load_only_routing(local_ray: None) -> None:
     import ray
 
     from actors.config import IndexConfig
-    from actors.index_actor import GlobalIndexActor
-    from actors.index_client import IndexClient
+    from actors.index.actor import GlobalIndexActor
+    from actors.index.client import IndexClient
 
     actor = GlobalIndexActor.remote(IndexConfig(worker_ttl_s=120.0))  # slow shared machine
     client = IndexClient([actor], timeout_s=30.0)  # a busy shared machine starts actors slowly

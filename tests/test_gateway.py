@@ -19,7 +19,7 @@ import openai
 import pytest
 import uvicorn
 
-from actors.index import GlobalIndex
+from actors.index.global_index import GlobalIndex
 from kvshare.events import BlockStored
 from kvshare.types import NodeId, Tier, WorkerId, node_location
 from kvshare.workers import WorkerInfo

@@ -178,8 +178,8 @@ def _driver_client(env: Env, index: Any) -> KVShareClient:
 
 def test_index_down_means_recompute(env: Env) -> None:
     from actors.config import IndexConfig
-    from actors.index_actor import GlobalIndexActor
-    from actors.index_client import IndexClient
+    from actors.index.actor import GlobalIndexActor
+    from actors.index.client import IndexClient
 
     shared = prompt(3 * BLOCK, seed=500)
     env.run("B", shared + prompt(2, seed=501))

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from actors.config import NamespaceSpec, PoolSettings
-from actors.index import GlobalIndex
+from actors.index.global_index import GlobalIndex
 from actors.node_pool import NodePool
 from kvshare.layout import KVLayout
 from kvshare.types import Location, Tier

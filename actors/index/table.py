@@ -2,7 +2,7 @@
 
 Storage only: no generations, sequence numbers or workers (``GlobalIndex`` applies those
 rules and calls in here). Holder states are interned ints shared across namespaces
-(:class:`~actors.holders.HolderStates`); a hash whose last holder goes is deleted, so a
+(:class:`~actors.index.holders.HolderStates`); a hash whose last holder goes is deleted, so a
 lookup that finds nothing returns ``EMPTY``.
 """
 
@@ -14,8 +14,8 @@ from collections.abc import Callable, Iterator, Sequence
 from itertools import groupby, repeat
 from typing import cast
 
-from actors.holders import EMPTY, HolderStates
-from actors.runs import Runs
+from actors.index.holders import EMPTY, HolderStates
+from actors.index.runs import Runs
 from kvshare.types import BlockHash, Location, Tier
 
 
@@ -113,7 +113,7 @@ class BlockTable:
             raise ValueError(f"block hashes of namespace {self.name!r} must be bytes") from None
 
     def match_runs(self, hashes: Sequence[BlockHash]) -> tuple[int, Runs]:
-        """``(num_blocks, runs)`` of the combined prefix (see :mod:`actors.runs`)."""
+        """``(num_blocks, runs)`` of the combined prefix (see :mod:`actors.index.runs`)."""
         states = self._states(hashes)
         try:
             k = states.index(EMPTY)  # an int sentinel compares much faster than None

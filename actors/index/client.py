@@ -24,11 +24,11 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 
 from actors.config import RAY_NAMESPACE, index_name
-from actors.holders import TIER_CODES
-from actors.index import PublishAck
-from actors.index_io import check_event_batch, column_np, single_group
-from actors.index_wire import decode_answers, decode_runs, encode_queries, encode_query
-from actors.runs import Runs, from_runs
+from actors.index.arrow_io import check_event_batch, column_np, single_group
+from actors.index.global_index import PublishAck
+from actors.index.holders import TIER_CODES
+from actors.index.runs import HolderRuns, Runs, from_runs
+from actors.index.wire import decode_answers, decode_runs, encode_queries, encode_query
 from kvshare.events import events_from_arrow, events_to_arrow
 from kvshare.match import MatchResult, build_match
 from kvshare.types import BlockHash, Location, NodeId, Tier, WorkerId
@@ -203,20 +203,20 @@ class IndexClient:
             log.warning("index unavailable, treating match as a miss: %s", exc)
             return MatchResult(len(hashes), 0, {})
 
-    async def match_runs_async(self, namespace: str, hashes: Sequence[BlockHash]) -> tuple[int, Runs]:
-        """:meth:`match_async` in run form ``(num_blocks, runs)`` (see :mod:`actors.runs`): what
+    async def match_runs_async(self, namespace: str, hashes: Sequence[BlockHash]) -> HolderRuns:
+        """:meth:`match_async` in run form ``(num_blocks, runs)`` (see :mod:`actors.index.runs`): what
         a shard sends anyway, so a router skips expanding it per block. Empty if unreachable."""
         try:
             if len(self.shards) == 1:
                 ref = self.shards[0].match_query.remote(encode_query(namespace, *_pack(hashes)))
-                return decode_runs(await asyncio.wait_for(ref, self.timeout_s))
+                return HolderRuns(*decode_runs(await asyncio.wait_for(ref, self.timeout_s)))
             refs, idx = self._lookup_refs(namespace, hashes)
             parts = await asyncio.wait_for(asyncio.gather(*refs), self.timeout_s)
-            return len(hashes), _runs_of_blocks(self._per_block(len(hashes), list(parts), idx))
+            return HolderRuns(len(hashes), _runs_of_blocks(self._per_block(len(hashes), list(parts), idx)))
         except UNAVAILABLE as exc:
             self.unavailable += 1
             log.warning("index unavailable, treating match as a miss: %s", exc)
-            return len(hashes), []
+            return HolderRuns(len(hashes), [])
 
     @staticmethod
     def _per_block(n: int, parts: list[list[dict[Location, Tier]]],

@@ -1,7 +1,7 @@
 """GlobalIndex: which location holds which block, in which tier (plain class, no Ray).
 
 Per namespace ``hash -> holder state`` (an interned ``{location: tier}``, see
-:mod:`actors.holders`) plus a reverse map ``location -> hashes`` so a dead location goes at
+:mod:`actors.index.holders`) plus a reverse map ``location -> hashes`` so a dead location goes at
 once. Rules (DESIGN.md, "Index and events"):
 
 - **Generations** are issued here (:meth:`new_generation`), increase per location (and across
@@ -28,8 +28,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import pyarrow as pa
 
-from actors.holders import TIER_BY_NAME, TIERS, HolderStates
-from actors.index_io import (
+from actors.index.arrow_io import (
     all_stored_one_tier,
     check_event_batch,
     column_np,
@@ -39,10 +38,11 @@ from actors.index_io import (
     single_group,
     validate_events,
 )
-from actors.index_wire import decode_queries, decode_query, encode_answers, encode_runs
-from actors.registry import WorkerRegistry
-from actors.runs import Runs, from_runs
-from actors.table import BlockTable
+from actors.index.holders import TIER_BY_NAME, TIERS, HolderStates
+from actors.index.registry import WorkerRegistry
+from actors.index.runs import HolderRuns, Runs, from_runs
+from actors.index.table import BlockTable
+from actors.index.wire import decode_queries, decode_query, encode_answers, encode_runs
 from kvshare.events import AllCleared, BlockStored, Event, EventKind
 from kvshare.match import MatchResult
 from kvshare.pool_types import check_namespace
@@ -372,12 +372,12 @@ class GlobalIndex:
         """Per location, the prefix of ``hashes`` it holds (see :class:`MatchResult`)."""
         return from_runs(*self.match_runs(namespace, hashes))
 
-    def match_runs(self, namespace: str, hashes: Sequence[BlockHash]) -> tuple[int, Runs]:
-        """The match in its compact form ``(num_blocks, runs)`` (see :mod:`actors.runs`)."""
+    def match_runs(self, namespace: str, hashes: Sequence[BlockHash]) -> HolderRuns:
+        """The match in its compact form ``(num_blocks, runs)`` (see :mod:`actors.index.runs`)."""
         ns = self._get_ns(namespace)
         ns.check(hashes)
         self._expire_workers()
-        return ns.match_runs(hashes)
+        return HolderRuns(*ns.match_runs(hashes))
 
     def match_packed(self, namespace: str, blob: bytes, hash_len: int) -> tuple[int, Runs]:
         """:meth:`match_runs` of hashes sent as one bytes object of ``hash_len``-byte hashes."""
@@ -387,13 +387,13 @@ class GlobalIndex:
         return ns.match_runs(hashes)
 
     def match_query(self, query: bytes) -> bytes:
-        """:meth:`match_packed` in the wire format of :mod:`actors.index_wire`: one bytes
+        """:meth:`match_packed` in the wire format of :mod:`actors.index.wire`: one bytes
         argument in, the pickled ``(num_blocks, runs)`` out (the cheapest Ray actor call)."""
         namespace, blob, hash_len = decode_query(query)
         return encode_runs(*self.match_packed(namespace, blob, hash_len))
 
     def match_queries(self, queries: bytes) -> bytes:
-        """Several :meth:`match_query` queries in one call (:func:`actors.index_wire.encode_queries`);
+        """Several :meth:`match_query` queries in one call (:func:`actors.index.wire.encode_queries`);
         the reply pickles the list of ``(num_blocks, runs)``. Any bad query fails the call."""
         return encode_answers([self.match_packed(*decode_query(q)) for q in decode_queries(queries)])
 
@@ -456,7 +456,7 @@ class GlobalIndex:
 
     def snapshot(self) -> pa.Table:
         """Every entry as rows (namespace, location, tier, hash, generation, seq)."""
-        from actors.index_io import snapshot_table
+        from actors.index.arrow_io import snapshot_table
 
         entries = []
         names = self._s.loc_names
@@ -470,7 +470,7 @@ class GlobalIndex:
 
     def load_snapshot(self, table: pa.Table) -> int:
         """Warm-start from :meth:`snapshot` output; returns the number of entries loaded."""
-        from actors.index_io import inventory_groups
+        from actors.index.arrow_io import inventory_groups
 
         n = 0
         for (ns_name, loc, gen, seq), batch in inventory_groups(table):

@@ -5,22 +5,42 @@ shared system prompt on many nodes, then the tail on one or two). The index answ
 with ``(num_blocks, runs)``, each run ``(((location, tier_code), ...), length)``, covering the
 combined prefix; :func:`from_runs` expands that into a :class:`~kvshare.match.MatchResult`
 (equal to :func:`kvshare.match.build_match` over the per-block holders). Runs are small to
-pickle, so an actor call costs little more than the call itself.
+pickle, so an actor call costs little more than the call itself. :class:`HolderRuns` is that
+answer as one typed value (routers score it without expanding it).
 """
 
 from __future__ import annotations
 
-from actors.holders import TIERS
+from collections.abc import Sequence
+from typing import NamedTuple
+
+from actors.index.holders import TIERS
 from kvshare.match import LocationMatch, MatchResult
 from kvshare.types import Location, Tier
 
 NamedItems = tuple[tuple[str, int], ...]
 Runs = list[tuple[NamedItems, int]]
+Holders = Sequence[tuple[str, int]]
+"""``((location, tier code), ...)``: who holds a block, in which tier (codes of
+:data:`~actors.index.holders.TIER_CODES`, equal to ``Tier.rank``)."""
+
+
+class HolderRuns(NamedTuple):
+    """A match in run form: ``runs[j] = (holders, count)`` for consecutive blocks from block 0
+    with the same holders, up to the combined prefix (what
+    :meth:`actors.index.global_index.GlobalIndex.match_runs` computes)."""
+
+    num_blocks: int
+    runs: Sequence[tuple[Holders, int]]
+
+    @property
+    def combined_prefix(self) -> int:
+        return sum(n for _, n in self.runs)
 Row = tuple[Tier | None, ...]
 Segs = tuple[tuple[int, int, int], ...]
 
 
-def from_runs(num_blocks: int, runs: Runs) -> MatchResult:
+def from_runs(num_blocks: int, runs: Sequence[tuple[Holders, int]]) -> MatchResult:
     """Expand runs into per-location prefixes, tier counts and per-block tiers."""
     segs: dict[str, Segs] = {}  # location -> ((start, length, tier code), ...)
     pos = 0

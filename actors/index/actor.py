@@ -1,6 +1,6 @@
 """GlobalIndexActor: one index shard as a restartable Ray actor (thin wrapper).
 
-The actor *is* a :class:`~actors.index.GlobalIndex` (every public method is callable
+The actor *is* a :class:`~actors.index.global_index.GlobalIndex` (every public method is callable
 remotely) plus what only an actor needs: it starts from its Parquet snapshot when one is
 configured, and on every start (including a restart after a crash) it asks every node pool
 found among the named actors of its Ray namespace to republish its inventory.
@@ -16,8 +16,8 @@ from typing import Any
 import ray
 
 from actors.config import POOL_PREFIX, IndexConfig
-from actors.index import GlobalIndex
-from actors.index_io import read_snapshot, write_snapshot
+from actors.index.arrow_io import read_snapshot, write_snapshot
+from actors.index.global_index import GlobalIndex
 
 log = logging.getLogger(__name__)
 
