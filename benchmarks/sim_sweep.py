@@ -23,12 +23,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from router.cluster import ClusterConfig
-from router.policy import POLICIES
-from router.report import summarize
-from router.sim import simulate
-from router.trace import Trace, read_trace
-from router.trace_conversations import ConversationShape, conversation_rows, write_jsonl
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo's router, not ./router.py
+
+from router.cluster import ClusterConfig  # noqa: E402
+from router.policy import POLICIES  # noqa: E402
+from router.report import summarize  # noqa: E402
+from router.sim import simulate  # noqa: E402
+from router.trace import Trace, read_trace  # noqa: E402
+from router.trace_conversations import ConversationShape, conversation_rows, write_jsonl  # noqa: E402
 
 TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces"
 WORKERS = (4, 10, 32)
