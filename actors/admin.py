@@ -97,14 +97,20 @@ def lookup(namespace: str, hashes: Sequence[BlockHash], *,
     return out
 
 
+MAX_PIN_TTL_S = 30 * 86_400.0
+"""The longest pin; a longer (or infinite) ``ttl_s`` is refused before anything is pinned."""
+
+
 def pin_prefix(namespace: str, hashes: Sequence[BlockHash], ttl_s: float, name: str,
                nodes: Sequence[str] | None = None, *,
                ray_namespace: str = RAY_NAMESPACE) -> dict[str, int]:
     """Pin the leading run of the prefix each node (or each of ``nodes``) holds, for
     ``ttl_s`` s under holder ``admin:<name>``; returns ``{node: pinned_blocks}`` (0: the
     node holds no leading block; an earlier pin of ``name`` there ended)."""
-    if isinstance(ttl_s, bool) or not isinstance(ttl_s, int | float) or not ttl_s > 0:
-        raise ValueError(f"ttl_s must be positive seconds, got {ttl_s!r}")
+    if (isinstance(ttl_s, bool) or not isinstance(ttl_s, int | float)
+            or not 0 < ttl_s <= MAX_PIN_TTL_S):
+        raise ValueError(f"ttl_s must be positive seconds up to {MAX_PIN_TTL_S:g} (30 days), "
+                         f"got {ttl_s!r}")
     holder = _holder(name)
     hashes = check_prefix(namespace, hashes, ray_namespace)
     pools = _pools(ray_namespace, nodes)

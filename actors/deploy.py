@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 import ray
@@ -25,10 +26,10 @@ from actors.config import (
     IndexConfig,
     NamespaceSpec,
     PoolSettings,
-    index_name,
     pool_name,
 )
 from actors.index.client import IndexClient
+from actors.index.keeper import start_shard
 from kvshare.layout import KVLayout
 from kvshare.tiers.host import SHM_DIR, shm_free_bytes
 
@@ -131,17 +132,10 @@ def deploy(
         check_shm(settings)
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
     known = tuple((s.name, s.hash_size, s.layout.fingerprint()) for s in specs)
-    from actors.index.actor import GlobalIndexActor
-
-    shards = [
-        GlobalIndexActor.options(
-            name=index_name(i), namespace=ray_namespace, lifetime="detached",
-            get_if_exists=True, scheduling_strategy=here,
-        ).remote(IndexConfig(i, index_shards, worker_ttl_s, snapshot_path, ray_namespace, known))
-        for i in range(index_shards)
-    ]
+    index_config = IndexConfig(0, index_shards, worker_ttl_s, snapshot_path, ray_namespace, known)
+    shards = [start_shard(replace(index_config, shard=i), here) for i in range(index_shards)]
     ray.get([s.ready.remote() for s in shards], timeout=wait_s)
-    client = IndexClient(shards)
+    client = IndexClient(shards, ray_namespace=ray_namespace)
     _clients[ray_namespace] = client
     for spec in specs:
         client.declare_namespace(spec.name, spec.hash_size, spec.layout.fingerprint())
@@ -155,7 +149,8 @@ def deploy(
         watcher = WatcherActor.options(
             name=WATCHER_NAME, namespace=ray_namespace, lifetime="detached",
             get_if_exists=True, scheduling_strategy=here,
-        ).remote(settings, snapshot_every_s=10.0 if snapshot_path else 0.0)
+        ).remote(settings, snapshot_every_s=10.0 if snapshot_path else 0.0,
+                 index_config=index_config)
     ray.get(watcher.reconcile.remote(wait_s=wait_s), timeout=wait_s + 10)
     return status(ray_namespace)
 

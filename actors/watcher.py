@@ -17,6 +17,11 @@ the transports' deadlines). The calls run in the pools' own threads; the watcher
 for them, it only starts the next round once the previous one is done. The figures live in
 the pools (``transfer_bandwidths``; ``actors.deploy.bandwidths`` collects them).
 
+**Index shards**: with ``index_config`` the watcher also checks every round that each index
+shard's name is held, and starts a fresh shard when one is gone for good
+(:class:`~actors.index.keeper.IndexKeeper`); the new shard asks the pools to republish, so the
+entries come back within a few rounds.
+
 Runs as a detached, restartable actor (:data:`WatcherActor`) with one background thread.
 """
 
@@ -32,8 +37,9 @@ import ray
 from ray.exceptions import RayActorError, RayError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from actors.config import NamespaceSpec, PoolSettings, pool_name
+from actors.config import IndexConfig, NamespaceSpec, PoolSettings, pool_name
 from actors.index.client import IndexClient
+from actors.index.keeper import IndexKeeper
 from actors.node_pool import NodePoolActor
 from kvshare.transfer.probe import PROBE_NAMESPACE
 from kvshare.types import node_location
@@ -62,8 +68,9 @@ class ClusterWatcher:
 
     def __init__(self, settings: PoolSettings, poll_s: float = 0.5, watch_s: float = 10.0,
                  snapshot_every_s: float = 0.0, probe: bool = True,
-                 probe_settle_s: float = 3.0) -> None:
+                 probe_settle_s: float = 3.0, index_config: IndexConfig | None = None) -> None:
         self.settings = settings
+        self.keeper = IndexKeeper(index_config) if index_config is not None else None
         self.probe = probe
         self.probe_settle_s = probe_settle_s  # wait this long for pools still starting
         self._probe_due: float | None = None  # when a probe round was asked for
@@ -113,6 +120,8 @@ class ClusterWatcher:
                 self.settings = replace(self.settings, namespaces=(*self.settings.namespaces, spec))
             pools = list(self.pools.values())
         self.index.declare_namespace(spec.name, spec.hash_size, spec.layout.fingerprint())
+        if self.keeper is not None:
+            self.keeper.declare(spec.name, spec.hash_size, spec.layout.fingerprint())
         ray.get([p.add_namespace.remote(spec) for p in pools], timeout=60)
         return len(pools)
 
@@ -124,6 +133,7 @@ class ClusterWatcher:
             return {"pools": {n: self.generations.get(n) for n in self.pools},
                     "dead_nodes": sorted(self.dead), "events": self.events[-50:],
                     "probe_rounds": self.probe_rounds,
+                    "index_recreated": self.keeper.recreated if self.keeper else 0,
                     "probing": sorted(set(self._probes.values()))}
 
     def stop(self) -> None:
@@ -227,6 +237,9 @@ class ClusterWatcher:
             try:
                 with self._lock:
                     self._round()
+                if self.keeper is not None:
+                    for shard in self.keeper.check():
+                        self._note(f"index shard {shard} was gone for good: started a new one")
                 self._check_watches()
                 if self.probe:
                     self._maybe_probe()

@@ -35,7 +35,9 @@ class WorkerLoad:
 
     ``queued_prefill_tokens``: prompt tokens admitted but not yet prefilled;
     ``running``: requests in flight; ``prefill_tokens_per_s``: measured prefill speed
-    (0 = unknown); ``ts``: the worker's wall clock at report time (``time.time()``).
+    (0 = unknown); ``ts``: the worker's wall clock at report time (``time.time()``);
+    ``waiting``: requests queued but not yet scheduled (engines that say so, e.g. vLLM);
+    ``kv_usage``: fraction of the engine's own KV cache in use (0..1, 0 = unknown).
     """
 
     worker_id: WorkerId
@@ -43,6 +45,8 @@ class WorkerLoad:
     running: int = 0
     prefill_tokens_per_s: float = 0.0
     ts: float = 0.0
+    waiting: int = 0
+    kv_usage: float = 0.0
 
 
 @runtime_checkable

@@ -14,7 +14,6 @@ every admin call answers 501.
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import Callable
 from typing import Any
 
@@ -22,27 +21,37 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from router.embed import CacheAwareRouter, Tenant
+from router.limits import BadRequest, Limits, read_json
+from router.requests import AdminRequest, validate
 
 Fail = Callable[..., JSONResponse]
 OPS = ("lookup", "pin", "unpin", "prefetch")
 PRIVILEGED = ("pin", "unpin", "prefetch")  # need an admin key when the gateway has API keys
 
 
-async def json_object(request: Request, fail: Fail) -> dict[str, Any] | JSONResponse:
-    """The request body as a JSON object, or the 400 answer saying why it is not one (the
-    completion endpoints use it too)."""
+async def json_object(request: Request, fail: Fail, limits: Limits) -> dict[str, Any] | JSONResponse:
+    """The request body as a JSON object within ``limits`` (size, nesting, no NaN), or the
+    4xx answer saying why it is not one (the completion endpoints use it too)."""
     try:
-        body = json.loads(await request.body())
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        return fail(400, "the request body must be valid JSON")
+        body = await read_json(request, limits)
+    except BadRequest as exc:
+        return fail(exc.status, str(exc))
     if not isinstance(body, dict):
         return fail(400, "the request body must be a JSON object")
     return body
 
 
+def checked_body(model: Any, body: dict[str, Any], limits: Limits, fail: Fail) -> Any:
+    """``body`` validated as ``model`` (:func:`router.requests.validate`) or the 400 answer."""
+    try:
+        return validate(model, body, limits)
+    except BadRequest as exc:
+        return fail(exc.status, str(exc))
+
+
 def add_admin_routes(app: FastAPI, router: CacheAwareRouter,
                      tenant_of: Callable[[Request], Tenant | JSONResponse], fail: Fail,
-                     admin: Any | None) -> None:
+                     admin: Any | None, limits: Limits) -> None:
     """Register the admin endpoints on ``app``; ``admin`` is a ClusterAdmin or None."""
 
     @app.post("/v1/kvshare/{op}")
@@ -56,12 +65,15 @@ def add_admin_routes(app: FastAPI, router: CacheAwareRouter,
         if op in PRIVILEGED and not tenant.admin:
             return fail(403, f"{op} changes what the cluster keeps: use an API key marked "
                         '"admin": true in --api-keys', "permission_error", "not_admin")
+        body = await json_object(request, fail, limits)
+        if isinstance(body, JSONResponse):
+            return body
+        checked = checked_body(AdminRequest, body, limits, fail)
+        if isinstance(checked, JSONResponse):
+            return checked
         if admin is None:
             return fail(501, "kvshare admin operations need the gateway to run against a kvshare "
                         "cluster: start it with --address", "not_implemented", "no_cluster")
-        body = await json_object(request, fail)
-        if isinstance(body, JSONResponse):
-            return body
         try:
             call = _call(op, body, router, tenant, admin)
         except (ValueError, TypeError) as exc:

@@ -32,9 +32,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvshare.types import NodeId, WorkerId
 from kvshare.workers import WorkerInfo
-from router.admin_routes import add_admin_routes, json_object
+from router.admin_routes import add_admin_routes, checked_body, json_object
 from router.embed import CacheAwareRouter, Routed, RouterConfig, Tenant
+from router.limits import BodyLimit, Limits
 from router.policy import NoEligibleWorker
+from router.requests import AdminRequest, ChatRequest, CompletionRequest, RouteRequest, document
 from router.workers_view import IndexWorkers, StaticWorkers
 
 log = logging.getLogger(__name__)
@@ -95,10 +97,13 @@ def create_app(
     api_keys: Mapping[str, Tenant] | None = None,
     upstream_timeout_s: float = 300.0,
     admin: Any | None = None,
+    limits: Limits | None = None,
 ) -> FastAPI:
     """The gateway app around ``router``; ``api_keys`` empty = open (tenant ``default``);
-    ``admin`` (an :class:`actors.admin.ClusterAdmin`) serves ``/v1/kvshare/*`` (501 without)."""
+    ``admin`` (an :class:`actors.admin.ClusterAdmin`) serves ``/v1/kvshare/*`` (501 without);
+    ``limits`` bound every request body (:mod:`router.limits`, :mod:`router.requests`)."""
     keys = dict(api_keys or {})
+    limits = limits or Limits()
     state: dict[str, httpx.AsyncClient] = {}
 
     @asynccontextmanager
@@ -125,7 +130,9 @@ def create_app(
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         etype = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return fail(exc.status_code, str(exc.detail), etype)
+        answer = fail(exc.status_code, str(exc.detail), etype)
+        answer.headers.update(exc.headers or {})  # 405 keeps its Allow
+        return answer
 
     @app.exception_handler(Exception)
     async def _crash(_: Request, exc: Exception) -> JSONResponse:
@@ -147,22 +154,20 @@ def create_app(
         tenant = tenant_of(request)
         if isinstance(tenant, JSONResponse):
             return tenant
-        body = await json_object(request, fail)
+        body = await json_object(request, fail, limits)
         if isinstance(body, JSONResponse):
             return body
-        mt = body.get("max_completion_tokens", body.get("max_tokens"))
-        if mt is not None and (not isinstance(mt, int) or isinstance(mt, bool) or mt < 1):
-            return fail(400, f"max_tokens must be a positive integer, got {mt!r}")
-        if not isinstance(body.get("stream", False), bool):
-            return fail(400, "'stream' must be true or false")
+        if chat and "messages" not in body:
+            return fail(400, "'messages' is required for chat completions")
+        if not chat and "prompt" not in body:
+            return fail(400, "'prompt' is required for completions")
+        checked = checked_body(ChatRequest if chat else CompletionRequest, body, limits, fail)
+        if isinstance(checked, JSONResponse):
+            return checked
         try:
             if chat:
-                if "messages" not in body:
-                    return fail(400, "'messages' is required for chat completions")
                 routed = await router.route(messages=body["messages"], tenant=tenant)
             else:
-                if "prompt" not in body:
-                    return fail(400, "'prompt' is required for completions")
                 prompt = body["prompt"]
                 if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
                     prompt = prompt[0]
@@ -253,10 +258,9 @@ def create_app(
     @app.post("/v1/route")
     async def route(request: Request) -> Response:
         """Decision only. Body: ``{"prompt": ...}`` or ``{"messages": [...]}``."""
-        try:
-            probe = json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            return fail(400, "the request body must be valid JSON")
+        probe = await json_object(request, fail, limits)
+        if isinstance(probe, JSONResponse):
+            return probe
         parsed = await parse_with(request, probe)
         if isinstance(parsed, JSONResponse):
             return parsed
@@ -273,7 +277,13 @@ def create_app(
         chat = isinstance(probe, dict) and "messages" in probe
         return await parse(request, chat)
 
-    add_admin_routes(app, router, tenant_of, fail, admin)
+    add_admin_routes(app, router, tenant_of, fail, admin, limits)
+    app.add_middleware(BodyLimit, max_bytes=limits.max_body_bytes,
+                       on_reject=lambda status: metrics.errors.labels(str(status)).inc())
+    document(app, {("post", "/v1/completions"): CompletionRequest,
+                   ("post", "/v1/chat/completions"): ChatRequest,
+                   ("post", "/v1/route"): RouteRequest,
+                   ("post", "/v1/kvshare/{op}"): AdminRequest})
 
     @app.get("/v1/models")
     async def models() -> Response:

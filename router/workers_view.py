@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -18,6 +19,8 @@ from typing import Any, Protocol
 
 from kvshare.types import WorkerId
 from kvshare.workers import WorkerInfo, WorkerLoad
+
+log = logging.getLogger(__name__)
 
 
 class WorkerSource(Protocol):
@@ -44,20 +47,42 @@ class StaticWorkers:
 
 
 class IndexWorkers:
-    """Workers registered in the cluster index, cached for ``refresh_s``."""
+    """Workers registered in the cluster index, cached for ``refresh_s``.
 
-    def __init__(self, client: Any, refresh_s: float = 0.5) -> None:
+    When the index cannot answer (dead, restarting, timed out: any error) the last list it gave
+    stays in use, so routing goes on from loads alone; ``failures`` counts those refreshes. The
+    next refresh is tried after ``refresh_s`` again. An index that lists no workers at all
+    right after listing some (a recreated index before the workers registered again) is not
+    believed for ``empty_grace_s``: a worker that did leave fails to connect, and the gateway
+    then tries another."""
+
+    def __init__(self, client: Any, refresh_s: float = 0.5, empty_grace_s: float = 5.0) -> None:
         self.client = client
         self.refresh_s = refresh_s
+        self.empty_grace_s = empty_grace_s
+        self.failures = 0
+        self._listed_at = -1e18  # when the index last listed at least one worker
         self._at = -1e18
         self._cache: tuple[list[WorkerInfo], dict[WorkerId, WorkerLoad]] = ([], {})
 
     async def snapshot(self) -> tuple[list[WorkerInfo], dict[WorkerId, WorkerLoad]]:
         now = time.monotonic()
         if now - self._at >= self.refresh_s:
-            infos = await self.client.workers_async()
-            loads = await self.client.loads_async()
-            self._cache, self._at = (list(infos), dict(loads)), now
+            try:
+                infos = await self.client.workers_async()
+                loads = await self.client.loads_async()
+            except Exception as exc:  # the index is a hint: keep the workers we knew
+                self._at = now
+                self.failures += 1
+                log.warning("index did not list workers (%s): keeping the last %d",
+                            type(exc).__name__, len(self._cache[0]))
+                return self._cache
+            self._at = now
+            if infos:
+                self._listed_at = now
+            elif self._cache[0] and now - self._listed_at < self.empty_grace_s:
+                return self._cache
+            self._cache = (list(infos), dict(loads))
         return self._cache
 
 

@@ -262,8 +262,9 @@ def test_gateway_pins_and_prefetches_by_prompt_text(kv: dict[str, Any]) -> None:
     bare = Gateway(create_app(router, parse_api_keys(keys)))  # static-workers mode: no cluster
     try:
         def post(op: str, key: str = "k-acme", url: str = gw.url, **body: Any) -> httpx.Response:
-            return httpx.post(f"{url}/v1/kvshare/{op}", json=body, timeout=60,
-                              headers={"Authorization": f"Bearer {key}"})
+            return httpx.post(f"{url}/v1/kvshare/{op}", content=json.dumps(body), timeout=60,
+                              headers={"Authorization": f"Bearer {key}",
+                                       "content-type": "application/json"})  # NaN too
 
         assert wait_for(lambda: post("lookup", prompt=prompt).json()["nodes"]
                         .get(a, {}).get("prefix_blocks") == 6)
@@ -292,9 +293,19 @@ def test_gateway_pins_and_prefetches_by_prompt_text(kv: dict[str, Any]) -> None:
             ("lookup", {}, 400, "'prompt' or 'messages'"),
             ("lookup", {"prompt": "tiny"}, 400, "fewer than one block"),
             ("evict", {"prompt": prompt}, 404, "unknown admin operation"),
+            # bounded numbers, checked before anything is pinned
+            ("pin", {"prompt": prompt, "ttl_s": float("inf"), "name": "x"}, 400, "Infinity"),
+            ("pin", {"prompt": prompt, "ttl_s": 1e308, "name": "x"}, 400, "limit"),
+            ("pin", {"prompt": prompt, "ttl_s": "30", "name": "x"}, 400, "ttl_s"),
+            ("prefetch", {"prompt": prompt, "node": b, "deadline_s": float("nan")}, 400, "NaN"),
         ]:
             r = post(op, **body)
             assert r.status_code == code and words in r.json()["error"]["message"], (op, r.text)
+        deep = '{"prompt": ' + "[" * 1000 + "]" * 1000 + ', "ttl_s": 30, "name": "x"}'
+        r = httpx.post(f"{gw.url}/v1/kvshare/pin", content=deep, timeout=60,
+                       headers={"Authorization": "Bearer k-acme"})
+        assert r.status_code == 400 and "nested" in r.json()["error"]["message"], r.text
+        assert leases(kv["pa"], FETCH) == 0  # no rejected pin pinned anything
         assert post("pin", key="wrong", prompt=prompt, ttl_s=3, name="x").status_code == 401
         for op in ("pin", "unpin", "prefetch"):  # a tenant's plain key may look, not change
             r = post(op, key="k-user", prompt=prompt, ttl_s=3, name="x", node=b)

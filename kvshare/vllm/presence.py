@@ -1,0 +1,121 @@
+"""A vLLM worker's registration with the index, under the lease its load reports renew.
+
+:class:`Presence` registers :class:`~kvshare.workers.WorkerInfo` and, every
+``interval_s`` (<= 100 ms), reports :class:`~kvshare.workers.WorkerLoad` from ``load_fn`` (e.g.
+:func:`kvshare.vllm.load.scrape_load` reading vLLM's ``/metrics``). When ``load_fn`` returns
+None (the engine does not answer) the lease is *not* renewed, so a dead engine's entries expire
+with it. When the index answers that it does not know the worker (lease lost, index restarted)
+the presence registers again: a new generation, which drops the old incarnation's entries at
+once; the events consumer sees the new :attr:`generation` and republishes its inventory.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from kvshare.hashing import DEFAULT_HASH_FN, HashFn
+from kvshare.types import Location, WorkerId, worker_location
+from kvshare.workers import WorkerInfo, WorkerLoad
+
+log = logging.getLogger(__name__)
+
+
+class IndexSink(Protocol):
+    """What a vLLM worker needs from the index (``actors.index_client.IndexClient`` has it)."""
+
+    def register_worker(self, info: WorkerInfo) -> int: ...
+
+    def report_load(self, load: WorkerLoad) -> bool: ...
+
+    def unregister_worker(self, worker_id: WorkerId | str) -> int: ...
+
+    def publish(self, batch: Any) -> Any:
+        """Apply one Arrow event batch; the reply's ``resync`` asks for the inventory."""
+        ...
+
+    def replace_inventory(self, location: str, generation: int, batch: Any, seq: int,
+                          namespace: str | None = None) -> bool: ...
+
+
+class Presence:
+    """Registration + lease renewal of one worker (thread-safe)."""
+
+    def __init__(self, info: WorkerInfo, index: IndexSink,
+                 load_fn: Callable[[], WorkerLoad | None] | None = None,
+                 interval_s: float = 0.1, hash_fn: HashFn = DEFAULT_HASH_FN) -> None:
+        if not 0 < interval_s <= 0.1:
+            raise ValueError("interval_s must be in (0, 0.1] s: the worker lease renews on it")
+        self.info = info
+        self.index = index
+        self.load_fn = load_fn or (lambda: WorkerLoad(info.worker_id))
+        self.interval_s = interval_s
+        self.hash_fn = hash_fn
+        self._gen = 0
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.counters = dict.fromkeys(
+            ("registrations", "reports", "report_errors", "engine_silent"), 0)
+        self.last_load: WorkerLoad | None = None
+
+    @property
+    def worker_id(self) -> WorkerId:
+        return self.info.worker_id
+
+    @property
+    def location(self) -> Location:
+        return worker_location(self.info.worker_id)
+
+    @property
+    def generation(self) -> int:
+        """The generation events must carry now (0 until registered)."""
+        return self._gen
+
+    def new_incarnation(self) -> int:
+        """Register again: a new generation; the index drops every older entry now."""
+        with self._lock:
+            self._gen = int(self.index.register_worker(self.info))
+            self.counters["registrations"] += 1
+            return self._gen
+
+    def start(self) -> Presence:
+        self._thread = threading.Thread(target=self._run, name="kvshare-vllm-lease", daemon=True)
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.tick()
+            except Exception as exc:  # index unreachable: keep trying, never stop serving
+                self.counters["report_errors"] += 1
+                log.debug("load report of %s failed: %s", self.worker_id, exc)
+            self._stop.wait(self.interval_s)
+
+    def tick(self) -> None:
+        """Register if needed, then report one load (renewing the lease) if the engine answers."""
+        if self._gen == 0:
+            self.new_incarnation()
+        load = self.load_fn()
+        if load is None:
+            self.counters["engine_silent"] += 1
+            return
+        self.last_load = load
+        self.counters["reports"] += 1
+        if not self.index.report_load(load):
+            log.info("index forgot worker %s (lease lost or index restarted): registering again",
+                     self.worker_id)
+            self.new_incarnation()
+
+    def stop(self, unregister: bool = True) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=2)
+        if unregister and self._gen:
+            try:
+                self.index.unregister_worker(self.worker_id)
+            except Exception as exc:
+                log.debug("unregister of %s failed: %s", self.worker_id, exc)
