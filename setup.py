@@ -1,9 +1,10 @@
 """Build hook for the optional C accelerators; all metadata lives in pyproject.toml.
 
 ``kvshare._chain`` runs the sha256 block-hash chain loop in C with OpenSSL's libcrypto;
-``kvshare._copy`` copies pool blocks with non-temporal stores. Both are ``optional``: where no
+``kvshare._copy`` copies pool blocks with non-temporal stores; ``kvshare._statemap`` is the
+block index's hash table (block hash -> holder state). All are ``optional``: where no
 compiler (or no OpenSSL headers) is found, the build prints a warning, installs without them and
-``kvshare.hashing`` / ``kvshare.tiers.base.copy_block`` use their pure-Python/numpy paths (same
+``kvshare.hashing`` / ``kvshare.tiers.base.copy_block`` / the index table use their pure-Python/numpy paths (same
 results, slower).
 """
 
@@ -15,6 +16,12 @@ setup(
             "kvshare._chain",
             sources=["kvshare/_chain.c"],
             libraries=["crypto"],
+            extra_compile_args=["-O2"],
+            optional=True,
+        ),
+        Extension(
+            "kvshare._statemap",
+            sources=["kvshare/_statemap.c"],
             extra_compile_args=["-O2"],
             optional=True,
         ),

@@ -12,7 +12,7 @@ It relies on Ray's own signals, not heartbeats of its own:
 **Bandwidth probes**: whenever a pool comes up (at start, a node joined, a pool restarted), and
 every ``PoolSettings.probe_every_s`` seconds after the last round (default 10 min), the
 watcher asks every pool that is up to measure each transport to every other one
-(``transfer_measure`` over the private probe namespace: 8 MiB per read, best of 3, bounded by
+(``transfer_measure`` over the private probe namespace: 8 and 32 MiB reads after a warm-up, fitted robustly, bounded by
 the transports' deadlines). The calls run in the pools' own threads; the watcher never waits
 for them, it only starts the next round once the previous one is done. The figures live in
 the pools (``transfer_bandwidths``; ``actors.deploy.bandwidths`` collects them).

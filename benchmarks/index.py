@@ -13,6 +13,19 @@ Last line: one JSON object with events_per_s, match_per_s, baseline_match_per_s,
 actor_match_per_s (one GlobalIndexActor on a local Ray, one query per call, calls pipelined),
 plus ray_floor_calls_per_s (an empty call of the same shape: Ray's own limit here) and
 actor_batched_match_per_s (actor_batch queries per call).
+
+Second baseline, NVIDIA Dynamo's Rust ``RadixTree`` (``dynamo.llm``, ``make bench-install``):
+the same prompts, with Dynamo's own block hashes (``compute_block_hash_for_seq`` of the same
+tokens) as its local hashes and the first 8 bytes of kvshare's chained hashes as its sequence
+hashes; one ``stored`` event (JSON, serialized before timing) per (prompt, node) as a worker
+publishes it, ``find_matches`` (its ``scores``: matched blocks per worker) over the same
+queries against ``match_runs`` plus the per-node prefixes it implies (the same information,
+the router's path; a full ``MatchResult`` with per-block tiers is reported beside it). Both sides are timed in CPU time of the
+whole process (Dynamo's tree runs on a background thread: its CPU time counts), interleaved,
+best of ``ROUNDS``; the run checks that
+both give every node the same matched prefix. Keys ``dynamo_match_per_s``,
+``dynamo_events_per_s``, ``vs_dynamo_match``, ``vs_dynamo_apply`` (null when Dynamo is not
+installed).
 """
 
 from __future__ import annotations
@@ -33,6 +46,7 @@ import numpy as np  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from actors.index.global_index import GlobalIndex  # noqa: E402
+from actors.index.runs import HolderRuns  # noqa: E402
 from kvshare.events import BlockStored, events_to_arrow  # noqa: E402
 from kvshare.hashing import block_hashes, namespace_root  # noqa: E402
 from kvshare.match import MatchResult  # noqa: E402
@@ -134,6 +148,19 @@ def main() -> None:
           f"{match_per_s / chars['match_per_s']:.1f}x; longest-prefix answers agree on "
           f"{agree}/{len(results)} prompts)")
 
+    dyn = dynamo_bench(placement, nodes, stored + fresh, batches, queries, results)
+    if dyn is None:
+        print("dynamo: not installed (make bench-install); vs_dynamo_* are null")
+    else:
+        print(f"vs Dynamo's RadixTree (CPU time, interleaved, best of {ROUNDS}): match "
+              f"(match_runs + per-node prefixes, as OverlapScores) kvshare {dyn['match']:,.0f}/s "
+              f"vs Dynamo {dyn['dynamo_match']:,.0f}/s = {dyn['match'] / dyn['dynamo_match']:.2f}x "
+              f"(full MatchResult: {dyn['match_result']:,.0f}/s = "
+              f"{dyn['match_result'] / dyn['dynamo_match']:.2f}x); apply kvshare {dyn['apply']:,.0f} "
+              f"vs Dynamo {dyn['dynamo_apply']:,.0f} blocks/s = "
+              f"{dyn['apply'] / dyn['dynamo_apply']:.2f}x; per-node prefixes agree on "
+              f"{dyn['agree']}/{len(queries)} queries")
+
     actor = actor_bench(batches, queries, results)
     print(f"actor: {actor['match']:,.0f} matches/s through one GlobalIndexActor, one query per "
           f"call, pipelined; Ray's own floor here and now, an empty actor call of the same shape "
@@ -149,6 +176,12 @@ def main() -> None:
         "ray_floor_calls_per_s": round(actor["floor"]),
         "actor_batched_match_per_s": round(actor["batched"]),
         "actor_batch": ACTOR_BATCH,
+        "dynamo_match_per_s": None if dyn is None else round(dyn["dynamo_match"]),
+        "dynamo_events_per_s": None if dyn is None else round(dyn["dynamo_apply"]),
+        "vs_dynamo_match": None if dyn is None else round(dyn["match"] / dyn["dynamo_match"], 2),
+        "vs_dynamo_match_result": None if dyn is None else round(
+            dyn["match_result"] / dyn["dynamo_match"], 2),
+        "vs_dynamo_apply": None if dyn is None else round(dyn["apply"] / dyn["dynamo_apply"], 2),
     }))
 
 
@@ -171,6 +204,84 @@ def baseline(placement: list[list[int]], nodes: list[Location], texts: list[str]
         matched = [len(tree.prefix_match(text)[0]) for text in texts]
         best = min(best, CLOCK() - t)
     return {"insert_s": insert_s, "match_per_s": len(texts) / best, "matched": matched}
+
+
+def held_prefixes(runs: HolderRuns) -> dict[str, int]:
+    """Per location, how many leading blocks it holds: what Dynamo's ``OverlapScores.scores``
+    says, from kvshare's answer in run form (what the router scores)."""
+    out: dict[str, int] = {}
+    pos = 0
+    for holders, n in runs.runs:
+        for loc, _ in holders:
+            if out.get(loc, 0) == pos:
+                out[loc] = pos + n
+        pos += n
+    return out
+
+
+def dynamo_bench(placement: list[list[int]], nodes: list[Location], prompts: list[np.ndarray],
+                 batches: list, queries: list[list[BlockHash]],  # type: ignore[type-arg]
+                 local: list[MatchResult]) -> dict[str, float] | None:
+    """kvshare vs Dynamo's RadixTree on the same prompts (see the module docstring)."""
+    try:
+        from dynamo.llm import RadixTree, compute_block_hash_for_seq
+    except ImportError:
+        return None
+    local_hashes = [compute_block_hash_for_seq(p.tolist(), BLOCK_TOKENS) for p in prompts]
+    seq_hashes = [[int.from_bytes(h[:8], "little") >> 1 for h in q] for q in queries]
+    events: list[tuple[int, bytes]] = []
+    for p, where in enumerate(placement):
+        blocks = [{"block_hash": s, "tokens_hash": t}
+                  for s, t in zip(seq_hashes[p], local_hashes[p], strict=True)]
+        for ni in where:
+            events.append((ni, json.dumps({"event_id": len(events), "data": {
+                "stored": {"parent_hash": None, "blocks": blocks}}}).encode()))
+    n_blocks = sum(b.num_rows for b in batches)
+    best = {"match": 0.0, "dynamo_match": 0.0, "apply": 0.0, "dynamo_apply": 0.0}
+    tree = None
+    index = None
+    for _ in range(ROUNDS):
+        index = GlobalIndex()
+        index.declare_namespace("bench")
+        for loc in nodes:
+            index.new_generation(loc)
+        gens = {loc: index.generation(loc) for loc in nodes}
+        import pyarrow as pa
+
+        fresh = [b.set_column(5, "generation", pa.array([gens[b.column(2)[0].as_py()]] * b.num_rows,
+                                                         pa.int64())) for b in batches]
+        gc.collect()
+        t = CLOCK()
+        for b in fresh:
+            index.apply_arrow(b)
+        best["apply"] = max(best["apply"], n_blocks / (CLOCK() - t))
+        tree = RadixTree()
+        gc.collect()
+        t = CLOCK()
+        for worker, ev in events:
+            tree.apply_event(worker, ev)
+        tree.find_matches(local_hashes[0])  # a barrier: events are applied in order before it
+        best["dynamo_apply"] = max(best["dynamo_apply"], n_blocks / (CLOCK() - t))
+    assert tree is not None and index is not None
+    best["match_result"] = 0.0
+    for _ in range(ROUNDS):
+        t = CLOCK()
+        prefixes = [held_prefixes(index.match_runs("bench", q)) for q in queries]
+        best["match"] = max(best["match"], len(queries) / (CLOCK() - t))
+        t = CLOCK()
+        mine = [index.match("bench", q) for q in queries]
+        best["match_result"] = max(best["match_result"], len(queries) / (CLOCK() - t))
+        t = CLOCK()
+        theirs = [tree.find_matches(h).scores for h in local_hashes]
+        best["dynamo_match"] = max(best["dynamo_match"], len(queries) / (CLOCK() - t))
+    assert mine == local
+    assert prefixes == [{loc: m.prefix_blocks for loc, m in r.locations.items() if m.prefix_blocks}
+                        for r in mine]
+    agree = sum(
+        {int(loc.removeprefix("node:n")): m.prefix_blocks for loc, m in r.locations.items()
+         if m.prefix_blocks} == {w: n for (w, _), n in s.items()}
+        for r, s in zip(mine, theirs, strict=True))
+    return {**best, "agree": agree}
 
 
 def actor_bench(batches: list, queries: list[list[BlockHash]],  # type: ignore[type-arg]

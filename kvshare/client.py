@@ -52,9 +52,10 @@ from kvshare.engines.kv_convert import (
     check_target,
     source_tokens,
 )
-from kvshare.hashing import block_hashes
+from kvshare.hasher import Hasher
 from kvshare.layout import KVLayout
 from kvshare.transfer.base import NIXL_UNAVAILABLE, SOURCE_DEAD, Transfer, Transport
+from kvshare.transfer.estimate import BandwidthEstimator
 from kvshare.transfer.objstore import ObjStoreTransport
 from kvshare.transfer.probe import Bandwidths, parse_overrides
 from kvshare.transfer.shm import ShmTransport
@@ -66,6 +67,10 @@ log = logging.getLogger(__name__)
 
 AUTO_WAIT_S = 120.0
 """How long a ``remote="auto"`` client keeps asking for its node's first bandwidth probe."""
+REFINE_EVERY = 8
+"""Loads between two refinements of the bandwidths from this worker's own timed transfers."""
+REFINE_MIN_SAMPLES = 4
+"""Timed batches of a transport (>= 1 MiB each) before they replace the probe's figure."""
 
 BandwidthSource = Callable[[], Mapping[str, float]] | Mapping[str, float]
 """GB/s per transport (``nixl``, ``objstore``, ...), or a callable returning them."""
@@ -97,7 +102,7 @@ class KVShareClient:
         *,
         namespace: str,
         layout: KVLayout,
-        root: BlockHash,
+        root: BlockHash | Hasher,
         node: str,
         index: IndexQuery | None,
         control_for: Callable[[str], BlockControl | None],
@@ -115,7 +120,8 @@ class KVShareClient:
         self.namespace = namespace
         self.layout = layout
         self.block_tokens = layout.block_tokens
-        self.root = root
+        self.hasher = root if isinstance(root, Hasher) else Hasher.from_root(root, self.block_tokens)
+        self.root = self.hasher.root
         self.node = node
         self.location = node_location(node)
         self.index = index
@@ -135,6 +141,8 @@ class KVShareClient:
         self.remote = SOURCE_NIXL if self._nixl is not None else SOURCE_OBJSTORE
         self.auto = remote == SOURCE_AUTO
         self.bandwidths: dict[str, float] = {}  # GB/s the auto choice was made on
+        self.estimator = BandwidthEstimator(32)  # this worker's own loads, per transport/peer
+        self._loads = 0
         self._bw_source = bandwidths
         self._closed = threading.Event()
         if self.auto and not self.choose_remote() and callable(bandwidths):  # probe running
@@ -153,7 +161,7 @@ class KVShareClient:
     # ------------------------------------------------------------------ setup
     @classmethod
     def connect(
-        cls, namespace: str, layout: KVLayout, root: BlockHash, *,
+        cls, namespace: str, layout: KVLayout, root: BlockHash | Hasher, *,
         index_timeout_s: float = 2.0, ray_namespace: str | None = None, **kwargs: Any
     ) -> KVShareClient:
         """Inside Ray: the deployment's index client and this node's (and peers') pool actors.
@@ -221,6 +229,17 @@ class KVShareClient:
             gbps[self.remote] = self.bandwidths[self.remote]
         setter({k: v * 1e9 for k, v in gbps.items()})
 
+    def refine_bandwidths(self) -> dict[str, float]:
+        """Replace the probe's GB/s by this worker's own timed loads where it has at least
+        :data:`REFINE_MIN_SAMPLES` of a transport (overrides still win), and give them to the
+        cut policy. Runs every :data:`REFINE_EVERY` loads; returns the figures in use."""
+        live = {t: self.estimator.estimate(t) for t in self.estimator.transports()}
+        for name, est in live.items():
+            if est.samples >= REFINE_MIN_SAMPLES and est.gbps > 0:
+                self.bandwidths[name] = self.bandwidth_overrides.get(name, est.gbps)
+        self._feed_cut_policy()
+        return dict(self.bandwidths)
+
     def _await_bandwidths(self) -> None:
         deadline = time.monotonic() + AUTO_WAIT_S
         while not self._closed.wait(1.0) and time.monotonic() < deadline:
@@ -264,8 +283,11 @@ class KVShareClient:
             return dict(self._counters)
 
     # ------------------------------------------------------------------ scheduler side
-    def hashes(self, tokens: Sequence[int]) -> list[BlockHash]:
-        return block_hashes(self.root, tokens, self.block_tokens)
+    def hashes(self, tokens: Sequence[int], salt: str | None = None) -> list[BlockHash]:
+        """Block hashes of ``tokens`` under tenant ``salt``'s root (None: the client's root).
+        A client given only a root (not a :class:`~kvshare.hasher.Hasher`) raises ValueError
+        for another salt rather than hashing under the wrong root."""
+        return self.hasher.hashes(tokens, salt)
 
     def lookup(self, tokens: Sequence[int], hashes: Sequence[BlockHash] | None = None) -> Plan:
         """Where the prompt's cached prefix is and how much of it to load."""
@@ -273,9 +295,8 @@ class KVShareClient:
         self._count("lookups")
         if self.index is None or not hs:
             return Plan(self.namespace, len(tokens), self.block_tokens, hs, 0, (), "no index")
-        unavailable = getattr(self.index, "unavailable", 0)
         match = self.index.match(self.namespace, list(hs))
-        if getattr(self.index, "unavailable", 0) != unavailable:
+        if not match.available:
             self._count("index_unavailable")
             return Plan(self.namespace, len(tokens), self.block_tokens, hs, 0, (),
                         "index unavailable")
@@ -289,9 +310,8 @@ class KVShareClient:
         self._count("lookups")
         if self.index is None or not hs:
             return Plan(self.namespace, len(tokens), self.block_tokens, hs, 0, (), "no index")
-        unavailable = getattr(self.index, "unavailable", 0)
         match = await self.index.match_async(self.namespace, list(hs))
-        if getattr(self.index, "unavailable", 0) != unavailable:
+        if not match.available:
             self._count("index_unavailable")
             return Plan(self.namespace, len(tokens), self.block_tokens, hs, 0, (),
                         "index unavailable")
@@ -366,6 +386,9 @@ class KVShareClient:
                 outcomes.append(BlockOutcome(i, ok, b.transport, reasons[i],
                                              self.layout.bytes_per_block if ok else 0))
         result = LoadResult(outcomes, time.perf_counter() - start)
+        self._loads += 1
+        if self._loads % REFINE_EVERY == 0:
+            self.refine_bandwidths()
         self._count("loaded_blocks", result.loaded_blocks)
         for o in outcomes:
             if o.ok:
@@ -397,6 +420,7 @@ class KVShareClient:
         for tr, t, idx, used, t0 in running:
             res = tr.wait(t)
             self._count_transfer(used, t0)
+            self.estimator.observe(used, loc, res.nbytes, res.seconds)
             for i, o in zip(idx, res.outcomes, strict=True):
                 reasons[i] = "" if o.ok else o.reason
             if tr is self._nixl and all(reasons[i] == NIXL_UNAVAILABLE for i in idx):
@@ -412,6 +436,7 @@ class KVShareClient:
             res = self._objstore.read(control, hs, [staging[i] for i in idx],
                                       deadline_s=self.load_deadline_s)
             self._count_transfer(self._objstore.name, t0)
+            self.estimator.observe(self._objstore.name, loc, res.nbytes, res.seconds)
             for i, o in zip(idx, res.outcomes, strict=True):
                 reasons[i] = "" if o.ok else o.reason
         return reasons

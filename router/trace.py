@@ -5,7 +5,7 @@ numpy columns (a 685,767-request Mooncake trace takes ~150 MB, not the ~5 GB of 
 objects). Block ids follow Mooncake's convention: one id per ``block_tokens`` block, and an id
 stands for its block *and every block before it* (equal ids mean an equal prefix). The
 simulator turns ids into real chained :class:`~kvshare.types.BlockHash` es with
-:func:`kvshare.hashing.block_hashes`, treating each id as one "token" of a one-token block:
+:class:`~kvshare.hasher.Hasher`, treating each id as one "token" of a one-token block:
 ``h_i = H(h_{i-1}, id_i)``; because an id names its whole prefix, hashes are memoised per id.
 
 Formats (:func:`read_trace` detects them, or pass ``fmt``):
@@ -28,7 +28,7 @@ from typing import overload
 import numpy as np
 import numpy.typing as npt
 
-from kvshare.hashing import block_hashes, namespace_root
+from kvshare.hasher import Hasher
 from kvshare.types import BlockHash
 
 FORMATS = ("mooncake", "agentic")
@@ -276,7 +276,8 @@ class TraceHasher:
     """
 
     def __init__(self, model_id: str, layout_fingerprint: str, tenant_salt: str = "") -> None:
-        self.root = namespace_root(model_id, layout_fingerprint, tenant_salt)
+        self._hasher = Hasher(model_id, layout_fingerprint, 1, salt=tenant_salt)  # one id a block
+        self.root = self._hasher.root
         self._memo: dict[int, BlockHash] = {}
 
     def hashes(self, ids: Sequence[int]) -> list[BlockHash]:
@@ -290,7 +291,7 @@ class TraceHasher:
             if len(memo) > _MEMO_LIMIT:
                 memo.clear()
             parent = out[-1] if out else self.root
-            new = block_hashes(self.root, ids[j:], 1, parent=parent)
+            new = self._hasher.hashes(ids[j:], parent=parent)
             for x, h in zip(ids[j:], new, strict=True):
                 memo.setdefault(x, h)
             out.extend(new)

@@ -7,15 +7,16 @@ file holds namespaces with 16- and 32-byte hashes; they are written as Parquet.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from kvshare.events import EventKind
+from kvshare.events import EventKind, event_schema
 
 SNAPSHOT_SCHEMA = pa.schema(
     [
@@ -29,6 +30,9 @@ SNAPSHOT_SCHEMA = pa.schema(
 )
 
 _EVENT_COLUMNS = ("kind", "namespace", "location", "tier", "hash", "generation", "seq")
+_SCHEMA32 = event_schema(32)
+_SCHEMA16 = event_schema(16)
+_LAST_SCHEMA: list[pa.Schema | None] = [None]  # the last schema seen equal to _SCHEMA32
 
 
 def check_event_batch(batch: Any) -> pa.RecordBatch:
@@ -39,7 +43,11 @@ def check_event_batch(batch: Any) -> pa.RecordBatch:
         raise ValueError(
             f"expected an Arrow RecordBatch from kvshare.events.events_to_arrow, got {type(batch).__name__}"
         )
-    missing = [c for c in _EVENT_COLUMNS if c not in batch.schema.names]
+    if batch.schema is _LAST_SCHEMA[0] or batch.schema.equals(_SCHEMA32):
+        _LAST_SCHEMA[0] = batch.schema
+        return batch
+    names = set(batch.schema.names)
+    missing = [c for c in _EVENT_COLUMNS if c not in names]
     if missing:
         raise ValueError(f"event batch lacks columns {missing}: build it with events_to_arrow")
     return batch
@@ -81,6 +89,84 @@ def hash_list(col: pa.Array) -> list[bytes]:
         return []
     data = raw.to_pybytes()[col.offset * size : (col.offset + len(col)) * size]
     return [data[i : i + size] for i in range(0, len(data), size)]
+
+
+def packed_hashes(col: pa.Array) -> memoryview | list[bytes]:
+    """The hashes of a ``FixedSizeBinary`` column as one zero-copy buffer of packed hashes
+    (a list of bytes where the column has nulls or another type)."""
+    if not pa.types.is_fixed_size_binary(col.type) or col.null_count:
+        return hash_list(col)
+    size = col.type.byte_width
+    raw = col.buffers()[1]
+    if raw is None:
+        return []
+    return memoryview(raw)[col.offset * size : (col.offset + len(col)) * size]
+
+
+class StoredGroup(NamedTuple):
+    """A batch of BlockStored events of one (namespace, location, generation) into one tier,
+    as pools publish them: what :func:`stored_group` found."""
+
+    namespace: str
+    location: str
+    generation: int
+    tier: str
+    seqs: np.ndarray[Any, Any]
+    consecutive: bool
+
+
+def stored_group(batch: pa.RecordBatch) -> StoredGroup | None:
+    """The batch as a :class:`StoredGroup` when it is exactly one (columns in
+    :func:`kvshare.events.event_schema` order, no nulls), else None (the general path takes
+    it). Byte-level comparisons of the Arrow buffers: the hot path of event ingestion."""
+    n = batch.num_rows
+    schema = batch.schema
+    if n == 0 or not (schema is _LAST_SCHEMA[0] or schema.equals(_SCHEMA32)
+                      or schema.equals(_SCHEMA16)):
+        return None
+    kind, ns, loc, tier, hashes, gen, seq = batch.columns
+    if kind.null_count or hashes.null_count or gen.null_count or seq.null_count:
+        return None
+    if _raw(kind, 1) != bytes(n):  # every row EventKind.STORED (0)
+        return None
+    graw = _raw(gen, 8)
+    if graw != graw[:8] * n:
+        return None
+    values = [_uniform_str(c, n) for c in (ns, loc, tier)]
+    if None in values:
+        return None
+    sraw = _raw(seq, 8)
+    seqs = np.frombuffer(sraw, dtype=np.int64)
+    first = int(seqs[0])
+    consecutive = sraw == np.arange(first, first + n, dtype=np.int64).tobytes()
+    return StoredGroup(values[0], values[1], int.from_bytes(graw[:8], "little", signed=True),  # type: ignore[arg-type]
+                       values[2], seqs, consecutive)  # type: ignore[arg-type]
+
+
+def _raw(col: pa.Array, width: int) -> bytes:
+    """The data bytes of a fixed-width column (its slice)."""
+    buf = col.buffers()[1]
+    return b"" if buf is None else buf.to_pybytes()[col.offset * width : (col.offset + len(col)) * width]
+
+
+def _uniform_str(col: pa.Array, n: int) -> str | None:
+    """The value of a string column whose rows all hold it, else None."""
+    if col.null_count:
+        return None
+    bufs = col.buffers()
+    offs = np.frombuffer(bufs[1], dtype=np.int32)[col.offset : col.offset + n + 1]
+    start, width = int(offs[0]), int(offs[1] - offs[0])
+    if int(offs[-1]) - start != width * n or offs.tobytes() != _offsets(start, width, n):
+        return None
+    data = b"" if bufs[2] is None else bufs[2].to_pybytes()[start : start + width * n]
+    first = data[:width]
+    return first.decode() if data == first * n else None
+
+
+@functools.lru_cache(maxsize=256)
+def _offsets(start: int, width: int, n: int) -> bytes:
+    """The offsets buffer of ``n`` strings of ``width`` bytes each from ``start``."""
+    return (np.arange(n + 1, dtype=np.int32) * width + start).tobytes()
 
 
 def _uniform(col: pa.Array) -> Any:

@@ -20,6 +20,7 @@ Not thread-safe: one actor thread owns it. Reads are :meth:`lookup` and the fast
 
 from __future__ import annotations
 
+import functools
 import time
 import uuid
 from collections.abc import Callable, Iterable, Sequence
@@ -29,13 +30,15 @@ import numpy as np
 import pyarrow as pa
 
 from actors.index.arrow_io import (
+    StoredGroup,
     all_stored_one_tier,
     check_event_batch,
     column_np,
     columns_of,
-    hash_list,
     inventory_rows,
+    packed_hashes,
     single_group,
+    stored_group,
     validate_events,
 )
 from actors.index.holders import TIER_BY_NAME, TIERS, HolderStates
@@ -105,7 +108,7 @@ class GlobalIndex:
     def namespaces(self) -> dict[str, dict[str, Any]]:
         return {
             n: {"hash_size": ns.hash_size, "layout_fingerprint": ns.layout_fingerprint,
-                "blocks": len(ns.table)}
+                "blocks": len(ns)}
             for n, ns in self._ns.items()
         }
 
@@ -151,6 +154,11 @@ class GlobalIndex:
         shard's part of it (single-group batches only), so gaps are judged on the whole.
         """
         batch = check_event_batch(batch)
+        fast = stored_group(batch)
+        if fast is not None and fast.tier in TIER_BY_NAME:
+            ns = self._ns.get(fast.namespace)
+            if ns is None or ns.hash_size == _hash_width(batch):
+                return self._apply_stored(batch, fast, seq_range)
         group = single_group(batch)
         validate_events(batch, group)
         names = [group[0]] if group is not None else batch.column(1).unique().to_pylist()
@@ -223,6 +231,32 @@ class GlobalIndex:
             self._seq[key] = last
         return 0 if prev is None else prev
 
+    def _apply_stored(self, batch: pa.RecordBatch, g: StoredGroup,
+                      seq_range: tuple[int, int] | None) -> PublishAck:
+        """:meth:`_apply_group` of a :class:`StoredGroup` (same rules, fewer steps)."""
+        applied0, stale0 = self.counters["applied"], self.counters["stale"]
+        resync: set[tuple[str, str]] = set()
+        ns_name, loc = g.namespace, g.location
+        _check_location(loc)
+        if ns_name not in self._ns:
+            self.declare_namespace(ns_name, _hash_width(batch))
+        seqs, n = g.seqs, batch.num_rows
+        first, last = seq_range if seq_range is not None else (int(seqs[0]), int(seqs[-1]))
+        if seq_range is None and not g.consecutive:
+            self._resync.add((ns_name, loc))
+            self.counters["gaps"] += 1
+        floor = self._admit(ns_name, loc, g.generation, first, last, n, resync)
+        if floor >= 0:
+            if (first if g.consecutive and seq_range is None else int(seqs.min())) <= floor:
+                keep = seqs > floor
+                self.counters["duplicate"] += int(n - keep.sum())
+                batch = batch.filter(pa.array(keep))
+            if batch.num_rows:
+                self._ns[ns_name].store_many(self._s.loc_id(loc), TIER_BY_NAME[g.tier],
+                                             packed_hashes(batch.column(4)))
+                self.counters["applied"] += batch.num_rows
+        return self._ack(applied0, stale0, resync)
+
     def _apply_group(self, batch: pa.RecordBatch, group: tuple[str, str, int],
                      seq_range: tuple[int, int] | None, resync: set[tuple[str, str]]) -> None:
         ns_name, loc, gen = group
@@ -251,9 +285,9 @@ class GlobalIndex:
             code = TIER_BY_NAME.get(tier)
             if code is None:
                 raise ValueError(f"event batch has unknown tier {tier!r}")
-            hashes = hash_list(batch.column(4))
+            hashes = packed_hashes(batch.column(4))
             ns.store_many(lid, code, hashes)
-            self.counters["applied"] += len(hashes)
+            self.counters["applied"] += batch.num_rows
             return
         kinds, _, _, tiers, hashes, _, _ = columns_of(batch)
         for kind, t, h in zip(kinds, tiers, hashes, strict=True):
@@ -370,21 +404,23 @@ class GlobalIndex:
 
     def match(self, namespace: str, hashes: Sequence[BlockHash]) -> MatchResult:
         """Per location, the prefix of ``hashes`` it holds (see :class:`MatchResult`)."""
-        return from_runs(*self.match_runs(namespace, hashes))
+        runs = self.match_runs(namespace, hashes)
+        return from_runs(runs.num_blocks, runs.runs)
 
     def match_runs(self, namespace: str, hashes: Sequence[BlockHash]) -> HolderRuns:
         """The match in its compact form ``(num_blocks, runs)`` (see :mod:`actors.index.runs`)."""
-        ns = self._get_ns(namespace)
-        ns.check(hashes)
+        ns = self._get_ns(namespace)  # the table checks the hashes as it reads them
+        if isinstance(hashes, bytes | str):
+            raise ValueError("hashes must be a list of block hashes (bytes), not one value")
         self._expire_workers()
         return HolderRuns(*ns.match_runs(hashes))
 
     def match_packed(self, namespace: str, blob: bytes, hash_len: int) -> tuple[int, Runs]:
         """:meth:`match_runs` of hashes sent as one bytes object of ``hash_len``-byte hashes."""
         ns = self._get_ns(namespace)
-        hashes = ns.split(blob, hash_len)
+        blob = ns.check_packed(blob, hash_len)
         self._expire_workers()
-        return ns.match_runs(hashes)
+        return ns.match_runs(blob)
 
     def match_query(self, query: bytes) -> bytes:
         """:meth:`match_packed` in the wire format of :mod:`actors.index.wire`: one bytes
@@ -480,6 +516,13 @@ class GlobalIndex:
                 n += batch.num_rows
                 self._resync.add((ns_name, loc))  # still ask the owner to confirm
         return n
+
+
+@functools.lru_cache(maxsize=4096)
+def _check_location(location: str) -> None:
+    """:func:`~kvshare.types.parse_location` (ValueError if malformed), remembered for the
+    locations that passed."""
+    parse_location(location)
 
 
 def _hash_width(batch: pa.RecordBatch) -> int:

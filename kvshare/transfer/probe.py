@@ -4,7 +4,9 @@ Every node pool stores a few *probe blocks* under hashes derived from its node i
 (:func:`probe_hashes`), so any process can read them without asking. The cluster's pools keep
 them in a private namespace (:data:`PROBE_NAMESPACE`, :data:`PROBE_LAYOUT`: 4 blocks of 2 MiB,
 never published to the index) so probing never shows up as cached blocks. :func:`probe`
-reads them through each transport a few times and keeps the best batch bandwidth (GB/s).
+reads them through each transport after a warm-up, in batches of two sizes, several times, and
+fits latency + bytes / bandwidth with a robust estimator (:func:`kvshare.transfer.estimate.fit`):
+the GB/s it returns is the copy rate a large prefix sees, not one small batch's.
 :class:`Bandwidths` holds the measured figures, lets a config override any of them, and ranks
 transports for :class:`~kvshare.transfer.fetch.PeerFetcher` and the router's cost model.
 """
@@ -23,16 +25,17 @@ from kvshare.pool import TieredBlockPool
 from kvshare.tiers.base import ByteArray
 from kvshare.transfer.base import Transport
 from kvshare.transfer.control import call
+from kvshare.transfer.estimate import BandwidthEstimator, fit
 from kvshare.transfer.wire import BlockControl, SourceGone
 from kvshare.types import BlockHash
 
 log = logging.getLogger(__name__)
 
-PROBE_BLOCKS = 4
+PROBE_BLOCKS = 16
 PROBE_NAMESPACE = "kvshare-probe"
 """The private namespace a node pool serves its probe blocks from (not in the index)."""
 PROBE_LAYOUT = KVLayout(num_layers=4, num_kv_heads=4, head_dim=64, dtype="fp32", block_tokens=256)
-"""2 MiB blocks: one probe batch moves ``PROBE_BLOCKS * 2 MiB`` = 8 MiB per transport."""
+"""2 MiB blocks: probe batches move 8 and 32 MiB (``PROBE_BLOCKS // 4`` and ``PROBE_BLOCKS``)."""
 TRANSPORTS = ("shm", "nixl", "objstore")
 
 
@@ -59,29 +62,45 @@ def probe(
     control: BlockControl,
     dest: Sequence[ByteArray],
     *,
-    repeats: int = 3,
+    repeats: int = 5,
+    warmup: int = 1,
     deadline_s: float = 5.0,
+    estimator: BandwidthEstimator | None = None,
+    peer: str = "",
 ) -> dict[str, float]:
-    """Best-of-``repeats`` GB/s of reading ``len(dest)`` probe blocks of a pool per transport.
+    """GB/s per transport of reading probe blocks of a pool into ``dest`` (one per block).
 
-    The pool seeds its probe blocks on first request. A transport that cannot reach it (another
-    node for shm, NIXL missing, a dead pool) measures 0.0.
+    Per transport: ``warmup`` untimed reads (connections, registrations, page faults), then
+    ``repeats`` rounds of one batch of ``len(dest) // 4`` blocks and one of ``len(dest)``; the
+    figure is the Theil-Sen fit of the timings (robust to a slow round). The samples also go to
+    ``estimator`` under ``peer``, where live transfers keep refining them. The pool seeds its
+    probe blocks on first request. A transport that cannot reach it (another node for shm,
+    NIXL missing, a dead pool) measures 0.0.
     """
+    if repeats < 1 or warmup < 0:
+        raise ValueError(f"probe needs repeats >= 1 and warmup >= 0, got {repeats}, {warmup}")
     try:
         hashes = call(control.probe_blocks(len(dest)), deadline_s)
     except (TimeoutError, SourceGone) as exc:
         log.info("probe: pool unreachable (%s)", exc)
         return dict.fromkeys(transports, 0.0)
+    small = max(1, len(dest) // 4)
+    sizes = [small, len(dest)] if small < len(dest) else [len(dest)]
     out: dict[str, float] = {}
     for name, transport in transports.items():
-        best = 0.0
-        for _ in range(repeats):
-            res = transport.read(control, hashes, dest, deadline_s=deadline_s)
+        samples: list[tuple[int, float]] = []
+        for i in range(warmup + repeats * len(sizes)):
+            n = sizes[i % len(sizes)]
+            res = transport.read(control, hashes[:n], dest[:n], deadline_s=deadline_s)
             if not res.ok:
                 log.info("probe over %s: %s", name, res.reasons())
+                samples = []
                 break
-            best = max(best, res.gbps)
-        out[name] = best
+            if i >= warmup:
+                samples.append((res.nbytes, res.seconds))
+        out[name] = fit(samples).gbps
+        if estimator is not None:
+            estimator.observe_all(name, peer, samples)
     return out
 
 
