@@ -36,7 +36,7 @@ def _connect(address: str | None, ray_namespace: str, start: bool) -> None:
         subprocess.run([ray_bin, "start", "--head", "--disable-usage-stats"], check=True,
                        stdout=subprocess.DEVNULL)
 
-    connect(address, ray_namespace, when_none=start_local)
+    connect(address, ray_namespace, start_local)
 
 
 def _up(args: argparse.Namespace) -> int:

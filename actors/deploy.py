@@ -42,11 +42,11 @@ DEFAULT_LAYOUT = KVLayout(num_layers=4, num_kv_heads=4, head_dim=64, dtype="fp32
 _clients: dict[str, IndexClient] = {}
 
 
-def connect(address: str | None = None, ray_namespace: str = RAY_NAMESPACE, *,
-            when_none: Callable[[], None] | None = None) -> None:
+def connect(address: str | None = None, ray_namespace: str = RAY_NAMESPACE,
+            start: Callable[[], None] | None = None) -> None:
     """Attach this process to Ray: ``address``, else a running local cluster, else (no
-    cluster found) ``when_none()`` starts one to attach to (or raises), by default a new
-    embedded one. A process already connected stays as it is."""
+    cluster runs) ``start()`` and then that cluster, or without ``start`` a new embedded one.
+    A process already connected stays as it is."""
     if ray.is_initialized():
         return
     if address:
@@ -55,8 +55,8 @@ def connect(address: str | None = None, ray_namespace: str = RAY_NAMESPACE, *,
     try:
         ray.init(address="auto", namespace=ray_namespace, log_to_driver=False)
     except ConnectionError:
-        if when_none is not None:
-            when_none()
+        if start is not None:
+            start()
             ray.init(address="auto", namespace=ray_namespace, log_to_driver=False)
             return
         log.info("no running Ray cluster found: starting an embedded local one")

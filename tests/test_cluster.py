@@ -209,7 +209,8 @@ def test_workers_register_and_match_async(kv: dict[str, Any]) -> None:
     assert m.prefix_for(wloc) == 4 and m.locations[wloc].tier_counts == {Tier.GPU: 4}
     from actors.index.runs import from_runs
 
-    assert from_runs(*asyncio.run(client.match_runs_async("m", hs))) == m  # the run form
+    runs = asyncio.run(client.match_runs_async("m", hs))
+    assert from_runs(runs.num_blocks, runs.runs) == m and runs.unavailable == ""  # the run form
     # several queries per actor call answer the same as one per call
     assert client.match_many("m", [hs, hs[:2], hs[1:]], batch=2) == client.match_many("m", [hs, hs[:2], hs[1:]])
 
@@ -330,7 +331,8 @@ def test_sharded_index_client_agrees_with_one_index(kv: dict[str, Any]) -> None:
     assert asyncio.run(client.match_async("m", hs)) == local.match("m", hs)
     from actors.index.runs import from_runs
 
-    assert from_runs(*asyncio.run(client.match_runs_async("m", hs))) == local.match("m", hs)
+    runs = asyncio.run(client.match_runs_async("m", hs))
+    assert from_runs(runs.num_blocks, runs.runs) == local.match("m", hs)
     assert client.match_many("m", [hs, hs[:5]], batch=2) == [local.match("m", hs), local.match("m", hs[:5])]
     assert client.match("m", hs).prefix_for("node:x") == 20  # type: ignore[arg-type]
     assert client.drop_location("node:y") == 12

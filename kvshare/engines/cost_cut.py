@@ -7,10 +7,9 @@ The prefill model ``a*n + b*n*(c + n/2)`` is fitted from a short calibration at 
 from __future__ import annotations
 
 import threading
-from collections import deque
 from collections.abc import Mapping, Sequence
 
-from kvshare.cost import Bandwidths, CostModel, PrefillModel, Source
+from kvshare.cost import Bandwidths, CostModel, PrefillModel, PrefillTimings, Source
 from kvshare.engines.hf import HFEngine
 from kvshare.layout import KVLayout
 
@@ -29,15 +28,14 @@ class CostCut:
     ) -> None:
         self.layout = layout
         self._bw = Bandwidths.from_measured(dict(bandwidths or {}))
-        self._samples: deque[tuple[float, float, float]] = deque(samples, maxlen=max_samples)
+        self._timings = PrefillTimings(refit_every, max_samples, samples)
         self._lock = threading.Lock()
-        self._since_fit = 0
         self.refit_every = refit_every
         self._model = self._fit()
 
     def _fit(self) -> CostModel:
         try:
-            prefill = PrefillModel.fit(list(self._samples))
+            prefill = PrefillModel.fit(self._timings.samples)
         except ValueError:
             prefill = PrefillModel.from_tokens_per_s(5_000.0)
         return CostModel(prefill, self._bw, self.layout.block_tokens, self.layout.bytes_per_token)
@@ -58,13 +56,8 @@ class CostCut:
 
     def observe(self, new_tokens: int, cached_tokens: int, seconds: float) -> None:
         """Record one prefill timing; the model is refitted every ``refit_every`` samples."""
-        if new_tokens <= 0 or seconds <= 0:
-            return
         with self._lock:
-            self._samples.append((float(new_tokens), float(cached_tokens), float(seconds)))
-            self._since_fit += 1
-            if self._since_fit >= self.refit_every:
-                self._since_fit = 0
+            if self._timings.add(new_tokens, cached_tokens, seconds) is not None:
                 self._model = self._fit()
 
     def __call__(self, prompt_tokens: int, sources: Sequence[Source]) -> int:
