@@ -87,7 +87,7 @@ def main() -> None:
     try:
         engine = HFEngine(EngineConfig())
         kvshare.deploy(cluster.address, namespace=NAMESPACE, layout=engine.layout, host_gb=0.1)
-        client = KVShareClient.connect(NAMESPACE, engine.layout, engine.root, worker_id="example")
+        client = KVShareClient.connect(NAMESPACE, engine.layout, engine.hasher, worker_id="example")
         rng = random.Random(0)
         document = [rng.randrange(256) for _ in range(2048)]
         print("cold request:")

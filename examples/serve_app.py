@@ -51,7 +51,7 @@ from kvshare.engines.openai_api import (  # noqa: E402
 )
 from kvshare.engines.tokenizer import tokenizer_from_spec, tokenizer_spec  # noqa: E402
 from kvshare.engines.worker import Completion, ReferenceWorker  # noqa: E402
-from kvshare.hashing import block_hashes  # noqa: E402
+from kvshare.hasher import Hasher  # noqa: E402
 from kvshare.types import BlockHash, NodeId  # noqa: E402
 from kvshare.workers import WorkerInfo  # noqa: E402
 from router.serve_request import (  # noqa: E402
@@ -138,7 +138,7 @@ class KVShareWorker:
         remote = "auto" if sharing == "global" else "objstore"  # local: no NIXL agent needed
         for attempt in range(2):
             try:
-                return KVShareClient.connect(self.namespace, self.engine.layout, self.engine.root,
+                return KVShareClient.connect(self.namespace, self.engine.layout, self.engine.hasher,
                                              worker_id=self.worker_id, cut_policy=cut,
                                              remote=remote)
             except ValueError as exc:  # no index actor: kvshare is not deployed
@@ -294,7 +294,7 @@ class OpenAIIngress:
         d = await self._describe()
         req = parse_request(body, chat=chat, namespace=d["namespace"], tokenizer=self._tok)
         root = BlockHash(bytes.fromhex(d["root_hex"]))
-        hashes = block_hashes(root, req.tokens, int(d["block_tokens"]))
+        hashes = Hasher.from_root(root, int(d["block_tokens"])).hashes(req.tokens)
         return {**body, "kvshare": {"token_ids": req.tokens, "namespace": d["namespace"],
                                     "hashes_hex": [h.hex() for h in hashes]}}
 

@@ -52,7 +52,7 @@ from kvshare.engines.kv_convert import (
     check_target,
     source_tokens,
 )
-from kvshare.hashing import block_hashes
+from kvshare.hasher import Hasher
 from kvshare.layout import KVLayout
 from kvshare.transfer.base import NIXL_UNAVAILABLE, SOURCE_DEAD, Transfer, Transport
 from kvshare.transfer.estimate import BandwidthEstimator
@@ -102,7 +102,7 @@ class KVShareClient:
         *,
         namespace: str,
         layout: KVLayout,
-        root: BlockHash,
+        root: BlockHash | Hasher,
         node: str,
         index: IndexQuery | None,
         control_for: Callable[[str], BlockControl | None],
@@ -120,7 +120,8 @@ class KVShareClient:
         self.namespace = namespace
         self.layout = layout
         self.block_tokens = layout.block_tokens
-        self.root = root
+        self.hasher = root if isinstance(root, Hasher) else Hasher.from_root(root, self.block_tokens)
+        self.root = self.hasher.root
         self.node = node
         self.location = node_location(node)
         self.index = index
@@ -160,7 +161,7 @@ class KVShareClient:
     # ------------------------------------------------------------------ setup
     @classmethod
     def connect(
-        cls, namespace: str, layout: KVLayout, root: BlockHash, *,
+        cls, namespace: str, layout: KVLayout, root: BlockHash | Hasher, *,
         index_timeout_s: float = 2.0, ray_namespace: str | None = None, **kwargs: Any
     ) -> KVShareClient:
         """Inside Ray: the deployment's index client and this node's (and peers') pool actors.
@@ -282,8 +283,11 @@ class KVShareClient:
             return dict(self._counters)
 
     # ------------------------------------------------------------------ scheduler side
-    def hashes(self, tokens: Sequence[int]) -> list[BlockHash]:
-        return block_hashes(self.root, tokens, self.block_tokens)
+    def hashes(self, tokens: Sequence[int], salt: str | None = None) -> list[BlockHash]:
+        """Block hashes of ``tokens`` under tenant ``salt``'s root (None: the client's root).
+        A client given only a root (not a :class:`~kvshare.hasher.Hasher`) raises ValueError
+        for another salt rather than hashing under the wrong root."""
+        return self.hasher.hashes(tokens, salt)
 
     def lookup(self, tokens: Sequence[int], hashes: Sequence[BlockHash] | None = None) -> Plan:
         """Where the prompt's cached prefix is and how much of it to load."""
@@ -291,9 +295,8 @@ class KVShareClient:
         self._count("lookups")
         if self.index is None or not hs:
             return Plan(self.namespace, len(tokens), self.block_tokens, hs, 0, (), "no index")
-        unavailable = getattr(self.index, "unavailable", 0)
         match = self.index.match(self.namespace, list(hs))
-        if getattr(self.index, "unavailable", 0) != unavailable:
+        if not match.available:
             self._count("index_unavailable")
             return Plan(self.namespace, len(tokens), self.block_tokens, hs, 0, (),
                         "index unavailable")
@@ -307,9 +310,8 @@ class KVShareClient:
         self._count("lookups")
         if self.index is None or not hs:
             return Plan(self.namespace, len(tokens), self.block_tokens, hs, 0, (), "no index")
-        unavailable = getattr(self.index, "unavailable", 0)
         match = await self.index.match_async(self.namespace, list(hs))
-        if getattr(self.index, "unavailable", 0) != unavailable:
+        if not match.available:
             self._count("index_unavailable")
             return Plan(self.namespace, len(tokens), self.block_tokens, hs, 0, (),
                         "index unavailable")

@@ -31,7 +31,7 @@ from kvshare.engines.kv_convert import (
     check_target,
     source_tokens,
 )
-from kvshare.hashing import block_hashes
+from kvshare.hasher import Hasher
 from kvshare.pool import TieredBlockPool
 from kvshare.pool_types import AlreadyPresent, Reserved
 from kvshare.types import BlockHash
@@ -40,19 +40,22 @@ from kvshare.types import BlockHash
 class LocalKVClient:
     """Plan, load and store against one in-process pool."""
 
-    def __init__(self, pool: TieredBlockPool, root: BlockHash, holder: str = "local-client") -> None:
+    def __init__(self, pool: TieredBlockPool, root: BlockHash | Hasher,
+                 holder: str = "local-client") -> None:
         self.pool = pool
         self.layout = pool.config.layout
         self.namespace = pool.config.namespace
         self.block_tokens = self.layout.block_tokens
-        self.root = root
+        self.hasher = root if isinstance(root, Hasher) else Hasher.from_root(root, self.block_tokens)
+        self.root = self.hasher.root
         self.holder = holder
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="kvshare-store")
         self._lock = threading.Lock()
         self.counters = {"stored_blocks": 0, "loaded_blocks": 0, "failed_blocks": 0}
 
-    def hashes(self, tokens: Sequence[int]) -> list[BlockHash]:
-        return block_hashes(self.root, tokens, self.block_tokens)
+    def hashes(self, tokens: Sequence[int], salt: str | None = None) -> list[BlockHash]:
+        """Block hashes under tenant ``salt``'s root (None: the client's); see KVShareClient."""
+        return self.hasher.hashes(tokens, salt)
 
     def lookup(self, tokens: Sequence[int], hashes: Sequence[BlockHash] | None = None) -> Plan:
         """Plan to load every leading block the pool holds."""

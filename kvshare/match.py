@@ -30,11 +30,21 @@ class LocationMatch:
 
 @dataclass(frozen=True)
 class MatchResult:
-    """The index's answer for one request's block hashes."""
+    """The index's answer for one request's block hashes.
+
+    ``unavailable``: why the index could not answer (``""``: it answered). An unavailable
+    answer is empty: a miss for a worker, load-only routing for a router.
+    """
 
     num_blocks: int
     combined_prefix: int
     locations: Mapping[Location, LocationMatch] = field(default_factory=dict)
+    unavailable: str = ""
+
+    @property
+    def available(self) -> bool:
+        """Whether the index answered (an empty answer is then a real miss)."""
+        return not self.unavailable
 
     def prefix_for(self, location: Location) -> int:
         """Longest prefix held by ``location`` alone."""

@@ -54,7 +54,8 @@ class IndexQuery(Protocol):
     """Read side of the global index, as routers and workers use it."""
 
     def match(self, namespace: str, hashes: Sequence[BlockHash]) -> MatchResult:
-        """Per-location holdings of the prefix ``hashes`` (see :mod:`kvshare.match`)."""
+        """Per-location holdings of the prefix ``hashes`` (see :mod:`kvshare.match`). An index
+        that cannot answer returns an empty result with ``unavailable`` set to the reason."""
         ...
 
     async def match_async(self, namespace: str, hashes: Sequence[BlockHash]) -> MatchResult:

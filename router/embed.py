@@ -8,40 +8,38 @@
     ...
     router.finished(routed.request_id)      # when the response is complete
 
-Per request: tokenize once (pluggable tokenizer, byte-level by default), hash the full blocks
-under the tenant's namespace root (so tenants never match each other's blocks), ask the index
-(``IndexQuery.match_async``) under a deadline, add the blocks this router's recent decisions
-are about to create (pending, with a TTL), and score every worker with the policy. If the
-index is unreachable or slower than the deadline, the decision is load-only (same policy,
-empty match) and counted as a fallback. Nothing here blocks the event loop. One router per
-event loop (policies and pending state are not thread-safe).
+Per request the adapter tokenizes once (pluggable tokenizer, byte-level by default) and
+hands the rest to :class:`~router.core.RoutingCore`: hashing under the tenant's namespace root
+(so tenants never match each other's blocks), the index query under its deadline with the
+load-only fallback, in-flight load, pending blocks and the policy's ranking. What stays here
+is the gateway's own: tenants, workers marked down or excluded, Prometheus metrics. Nothing
+here blocks the event loop. One router per event loop (policies and pending state are not
+thread-safe).
 """
 
 from __future__ import annotations
 
-import array
-import asyncio
 import itertools
 import time
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
 from actors.index.runs import HolderRuns
-from kvshare.cost import Bandwidths, CostModel, PrefillModel
+from kvshare.cost import Bandwidths
 from kvshare.engines.tokenizer import ByteTokenizer, Tokenizer
-from kvshare.hashing import DEFAULT_HASH_FN, HashFn, block_hashes, namespace_root
-from kvshare.match import EMPTY_MATCH, MatchResult
+from kvshare.hasher import Hasher
+from kvshare.hashing import DEFAULT_HASH_FN, HashFn
+from kvshare.match import MatchResult
 from kvshare.pool_types import check_namespace
-from kvshare.types import BlockHash, Tier, WorkerId, worker_location
+from kvshare.types import BlockHash, WorkerId
 from kvshare.workers import IndexQuery, WorkerInfo, WorkerLoad
+from router.core import CostInputs, RoutingCore
 from router.metrics import RouterMetrics
-from router.pending import PendingBlocks
-from router.policy import DEFAULT_POLICY, Candidate, Decision, RouteRequest, make_policy
-from router.sources import Match, Sharing
-from router.workers_view import InFlight, WorkerSource
+from router.policy import DEFAULT_POLICY, Decision, Policy, Ranking, RouteRequest
+from router.recent import RecentDecisions
+from router.sources import Sharing
+from router.workers_view import WorkerSource
 
 
 @dataclass(frozen=True)
@@ -99,9 +97,10 @@ class RouterConfig:
                    block_tokens=layout.block_tokens, bytes_per_token=layout.bytes_per_token,
                    **options)
 
-    def cost_model(self, prefill: PrefillModel | None = None) -> CostModel:
-        pm = prefill or PrefillModel.from_tokens_per_s(self.prefill_tokens_per_s)
-        return CostModel(pm, self.bandwidths, self.block_tokens, self.bytes_per_token)
+    def cost_inputs(self) -> CostInputs:
+        """What the router's cost model is assembled from (:class:`~router.core.RoutingCore`)."""
+        return CostInputs(self.block_tokens, self.bytes_per_token, self.bandwidths,
+                          self.prefill_tokens_per_s, self.sharing)
 
 
 @dataclass(frozen=True)
@@ -116,6 +115,8 @@ class Routed:
     hashes: list[BlockHash]
     index_s: float
     fallback: str = ""
+    ranking: Ranking | None = field(default=None, compare=False, repr=False)
+    """The full ranking behind the decision (every candidate's estimate, best first)."""
 
     def kvshare_field(self) -> dict[str, Any]:
         """The ``kvshare`` JSON field forwarded to the worker."""
@@ -130,8 +131,9 @@ class Routed:
 
 class InProcessIndex:
     """:class:`~kvshare.workers.IndexQuery` over an in-process ``GlobalIndex`` (embedding a
-    router next to its own index, tests, benchmarks). ``match_async`` runs inline: an
-    in-process match takes microseconds and must not hop threads."""
+    router next to its own index, tests, benchmarks), with the worker registry reads of
+    ``IndexClient`` too. ``match_async`` runs inline: an in-process match takes microseconds
+    and must not hop threads."""
 
     inline = True
 
@@ -145,14 +147,23 @@ class InProcessIndex:
     async def match_async(self, namespace: str, hashes: Sequence[BlockHash]) -> MatchResult:
         return self.match(namespace, hashes)
 
-    async def match_runs_async(self, namespace: str, hashes: Sequence[BlockHash]) -> tuple[int, Any]:
-        """The match in run form ``(num_blocks, runs)`` (see :class:`~actors.index.runs.HolderRuns`)."""
-        result: tuple[int, Any] = self.index.match_runs(namespace, hashes)
+    async def match_runs_async(self, namespace: str, hashes: Sequence[BlockHash]) -> HolderRuns:
+        """The match in run form (:class:`~actors.index.runs.HolderRuns`)."""
+        result: HolderRuns = self.index.match_runs(namespace, hashes)
         return result
+
+    async def workers_async(self) -> list[WorkerInfo]:
+        """The registered workers (as ``IndexClient.workers_async``)."""
+        return list(self.index.workers())
+
+    async def loads_async(self) -> dict[WorkerId, WorkerLoad]:
+        """Their latest load reports (as ``IndexClient.loads_async``)."""
+        return dict(self.index.loads())
 
 
 class CacheAwareRouter:
-    """Tokenize, hash, match, score; see the module docstring."""
+    """The asyncio gateway's adapter over :class:`~router.core.RoutingCore`: tokenizing,
+    tenants, workers marked down, metrics; see the module docstring."""
 
     def __init__(
         self,
@@ -163,27 +174,30 @@ class CacheAwareRouter:
         metrics: RouterMetrics | None = None,
     ) -> None:
         self.config = cfg = config or RouterConfig()
-        self.index = index
         self.workers = workers
         self.tokenizer: Tokenizer = tokenizer or ByteTokenizer()
         self.metrics = metrics or RouterMetrics()
-        self.policy = make_policy(cfg.policy, cfg.cost_model(), cfg.sharing, **cfg.policy_options)
-        self._load_only = make_policy("least_loaded", cfg.cost_model(), cfg.sharing)
-        self.pending = PendingBlocks(cfg.pending_ttl_s)
-        self.inflight = InFlight()
-        self._roots: dict[str, BlockHash] = {}
+        self.hasher = Hasher(cfg.model_id, cfg.layout_fingerprint, cfg.block_tokens, fn=cfg.hash_fn)
+        self.core = RoutingCore(
+            index, cfg.cost_inputs(), policy=cfg.policy, policy_options=cfg.policy_options,
+            index_timeout_s=cfg.index_timeout_s, pending_ttl_s=cfg.pending_ttl_s,
+            refit_every=cfg.refit_every)
+        self.pending = self.core.pending
+        self.inflight = self.core.inflight
         self._ids = itertools.count(1)
-        self._samples: list[tuple[float, float, float]] = []
-        self._seen = 0
         self._children: dict[tuple[str, str, str], tuple[Any, Any]] = {}
         self._down: dict[WorkerId, float] = {}
-        self._cands: dict[WorkerId, Candidate] = {}
-        self._last_key: tuple[tuple[WorkerInfo, ...], list[tuple[WorkerLoad, int]]] = ((), [])
-        self._last_cands: list[Candidate] = []
-        self._inline = bool(getattr(index, "inline", False))
-        self._match_runs = getattr(index, "match_runs_async", None)
         self.decisions = 0
         self.fallbacks = 0
+        self.recent = RecentDecisions()  # for the live page (router/web)
+
+    @property
+    def index(self) -> IndexQuery | None:
+        return self.core.index
+
+    @property
+    def policy(self) -> Policy:
+        return self.core.policy
 
     # ------------------------------------------------------------------ inputs
     def tokenize(
@@ -208,26 +222,10 @@ class CacheAwareRouter:
         raise ValueError("'prompt' must be a non-empty string or a list of token ids (ints >= 0)")
 
     def root(self, tenant: Tenant) -> BlockHash:
-        r = self._roots.get(tenant.salt)
-        if r is None:
-            c = self.config
-            r = self._roots[tenant.salt] = namespace_root(
-                c.model_id, c.layout_fingerprint, tenant.salt, fn=c.hash_fn
-            )
-        return r
+        return self.hasher.root_for(tenant.salt)
 
     def hashes(self, token_ids: Sequence[int], tenant: Tenant) -> list[BlockHash]:
-        c = self.config
-        packed = array.array("I")
-        try:  # u32 packing in C (much faster than numpy on a Python list); range-checked
-            if type(token_ids) is list:
-                packed.fromlist(token_ids)  # ~1.5x faster than array.array("I", list)
-            else:
-                packed.extend(token_ids)
-        except (OverflowError, TypeError):
-            raise ValueError("token ids must be integers in [0, 2**32)") from None
-        ids: Any = np.frombuffer(packed, dtype=np.uint32)
-        return block_hashes(self.root(tenant), ids, c.block_tokens, fn=c.hash_fn)
+        return self.core.hashes(self.hasher, token_ids, tenant.salt)
 
     # ------------------------------------------------------------------ routing
     async def route(
@@ -256,49 +254,25 @@ class CacheAwareRouter:
             ids = token_ids if type(token_ids) is list else list(token_ids)
         hashes = self.hashes(ids, tenant)
         ns = self.config.namespace
-        match, fallback, index_s = await self._match(ns, hashes)
+        core = self.core
+        answer = await core.query(ns, hashes)
+        if answer.timed:
+            self.metrics.index_latency.observe(answer.index_s)
         infos, loads = await self.workers.snapshot()
-        cands = self._candidates(self._usable(infos, exclude), loads)
+        cands = core.candidates(self._usable(infos, exclude), loads)
         req = RouteRequest(ns, hashes, len(ids), tenant.name, request_id or "")
-        if fallback:
-            d = self._load_only.choose(req, EMPTY_MATCH, cands)
-            d = Decision(d.worker, d.endpoint, self.policy.name, f"fallback_{fallback}",
-                         d.est_ttft_s, 0.0, 0, 0, d.plan)
-        else:
-            d = self.policy.choose(req, match, cands, self.pending.match_runs(ns, hashes))
+        ranking = core.rank(req, answer, cands)
+        d = ranking.decision
         rid = request_id or f"r{next(self._ids)}"
-        self.pending.add(ns, worker_location(d.worker), hashes, Tier.GPU)
         cached = d.plan.cached_tokens if d.plan is not None else 0
-        self.inflight.add(rid, d.worker, len(ids) - cached, len(hashes))
-        self._count(d, tenant, len(ids), cached, fallback, time.perf_counter() - t0)
-        return Routed(rid, d, tenant, ns, ids, hashes, index_s, fallback)
+        core.routed(rid, ranking)
+        self._count(d, tenant, len(ids), cached, answer.fallback, time.perf_counter() - t0)
+        self.recent.add(rid, d, tenant.name, len(ids), answer.fallback)
+        return Routed(rid, d, tenant, ns, ids, hashes, answer.index_s, answer.fallback, ranking)
 
     def mark_down(self, worker: WorkerId, for_s: float = 5.0) -> None:
         """Avoid ``worker`` for ``for_s`` seconds (it refused a connection)."""
         self._down[worker] = time.monotonic() + for_s
-
-    def _candidates(self, infos: Sequence[WorkerInfo],
-                    loads: Mapping[WorkerId, WorkerLoad]) -> list[Candidate]:
-        """One candidate per worker: its last report plus this router's in-flight work.
-
-        A worker whose inputs did not change since the last decision keeps its (frozen)
-        Candidate object, so the policy's per-candidate work is reused too.
-        """
-        self.inflight.sweep()
-        key = (tuple(infos), self.inflight.loads(infos, loads))
-        if key == self._last_key:  # nothing changed (compared by identity first): same list
-            return self._last_cands
-        cache = self._cands
-        if len(cache) > 2 * len(infos) + 64:  # workers come and go: forget the departed
-            cache.clear()
-        out = []
-        for info, (load, blocks) in zip(*key, strict=True):
-            c = cache.get(info.worker_id)
-            if c is None or c.info is not info or c.load is not load or c.active_blocks != blocks:
-                c = cache[info.worker_id] = Candidate(info, load, blocks)
-            out.append(c)
-        self._last_key, self._last_cands = key, out
-        return out
 
     def _usable(self, infos: Sequence[WorkerInfo], exclude: Collection[WorkerId]) -> Sequence[WorkerInfo]:
         if not self._down and not exclude:
@@ -311,39 +285,6 @@ class CacheAwareRouter:
         if out or not down:
             return out
         return [i for i in infos if i.worker_id not in exclude]  # all marked down: try anyway
-
-    async def _query(self, ns: str, hashes: list[BlockHash]) -> Match:
-        """The index's match: in run form when the index offers it (``match_runs_async``:
-        what the index computes anyway, and cheaper to score), else a MatchResult."""
-        if self._match_runs is not None:
-            return HolderRuns(*await self._match_runs(ns, hashes))
-        assert self.index is not None
-        result: MatchResult = await self.index.match_async(ns, hashes)
-        return result
-
-    async def _match(self, ns: str, hashes: list[BlockHash]) -> tuple[Match, str, float]:
-        if self.index is None:  # no index configured: pending blocks only (like Dynamo
-            return EMPTY_MATCH, "", 0.0  # without KV events), not a fallback
-        if not hashes:
-            return EMPTY_MATCH, "", 0.0
-        before = getattr(self.index, "unavailable", 0)
-        t = time.perf_counter()
-        try:
-            if self._inline:  # in-process: no I/O, no deadline needed
-                match = await self._query(ns, hashes)
-            else:
-                match = await asyncio.wait_for(self._query(ns, hashes), self.config.index_timeout_s)
-        except TimeoutError:
-            return EMPTY_MATCH, "index_timeout", time.perf_counter() - t
-        except KeyError:  # namespace not declared yet: nothing cached anywhere
-            return EMPTY_MATCH, "", time.perf_counter() - t
-        except Exception:  # noqa: BLE001 - any index failure means load-only routing
-            return EMPTY_MATCH, "index_error", time.perf_counter() - t
-        dt = time.perf_counter() - t
-        self.metrics.index_latency.observe(dt)
-        if getattr(self.index, "unavailable", 0) != before:
-            return EMPTY_MATCH, "index_unavailable", dt
-        return match, "", dt
 
     def _count(self, d: Decision, tenant: Tenant, tokens: int, cached: int, fallback: str,
                dt: float) -> None:
@@ -366,11 +307,11 @@ class CacheAwareRouter:
     # ------------------------------------------------------------------ feedback
     def prefilled(self, request_id: str) -> None:
         """The worker produced the first token: its prefill no longer loads the queue."""
-        self.inflight.prefilled(request_id)
+        self.core.prefilled(request_id)
 
     def finished(self, request_id: str) -> None:
         """The request is complete (or failed): stop counting it as load."""
-        self.inflight.done(request_id)
+        self.core.finished(request_id)
 
     def report_load(self, load: WorkerLoad) -> None:
         """Record a worker's load report (for worker sources that accept reports)."""
@@ -381,16 +322,8 @@ class CacheAwareRouter:
     @property
     def prefill_samples(self) -> int:
         """Measured prefill timings seen so far (:meth:`observe_prefill`)."""
-        return self._seen
+        return self.core.prefill_samples
 
     def observe_prefill(self, new_tokens: int, cached_tokens: int, seconds: float) -> None:
         """A measured prefill; every ``refit_every`` samples the prefill model is refitted."""
-        if new_tokens <= 0 or seconds <= 0:
-            return
-        self._samples.append((float(new_tokens), float(cached_tokens), float(seconds)))
-        self._samples = self._samples[-512:]
-        self._seen += 1
-        if self._seen % self.config.refit_every == 0 and len(self._samples) >= 2:
-            cost = self.config.cost_model(PrefillModel.fit(self._samples))
-            self.policy.cost = cost
-            self._load_only.cost = cost
+        self.core.observe_prefill(new_tokens, cached_tokens, seconds)

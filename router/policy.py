@@ -2,7 +2,9 @@
 
 A policy gets a request (namespace, block hashes, token count), the index's
 :class:`~kvshare.match.MatchResult` and every candidate worker's info and load, and returns a
-:class:`Decision`: the worker, the reason, and the cost model's estimate for that worker.
+:class:`Ranking` (:meth:`Policy.rank`): the :class:`Decision` (the worker, the reason, the cost
+model's estimate for it) and every candidate's :class:`Estimate`, best first.
+:meth:`Policy.choose` returns the decision alone.
 
 - ``round_robin``, ``least_loaded``: baselines that ignore the cache.
 - ``prefix_affinity``: Ray Serve LLM's PrefixCacheAffinityRouter rule. If the queue lengths
@@ -87,6 +89,89 @@ class Decision:
         }
 
 
+@dataclass(frozen=True)
+class Estimate:
+    """One candidate's estimate: queue wait plus its best plan, and why it ranks there
+    (the policy's reason for the chosen worker; the plan's kind for the others)."""
+
+    worker: WorkerId
+    endpoint: str
+    est_ttft_s: float
+    queue_s: float
+    plan: Plan = field(compare=False)
+    reason: str
+
+
+def plan_reason(plan: Plan) -> str:
+    """``load`` (no cached prefix used), ``cache_remote`` or ``cache_local``."""
+    if plan.cut == 0:
+        return "load"
+    return "cache_remote" if plan.remote_blocks else "cache_local"
+
+
+class Ranking:
+    """A policy's answer: the :class:`Decision` and every eligible candidate's
+    :class:`Estimate`, the chosen worker first, then by increasing estimate (candidate order
+    among equals)."""
+
+    def __init__(self, request: RouteRequest, decision: Decision,
+                 estimator: _Estimator | None = None) -> None:
+        self.request = request
+        self.decision = decision
+        self._estimator = estimator
+        self._estimates: list[Estimate] | None = None
+
+    def estimates(self) -> list[Estimate]:
+        """Every eligible candidate ranked (computed on first use, from the decision's view)."""
+        if self._estimates is None:
+            est = self._estimator.estimates(self.decision) if self._estimator is not None else []
+            self._estimates = est
+        return self._estimates
+
+    def order(self) -> list[WorkerId]:
+        return [e.worker for e in self.estimates()]
+
+    def plan_of(self, worker: WorkerId) -> Plan | None:
+        """The plan estimated for ``worker`` (None if it was not a candidate)."""
+        if worker == self.decision.worker:
+            return self.decision.plan
+        return next((e.plan for e in self.estimates() if e.worker == worker), None)
+
+    def with_decision(self, decision: Decision) -> Ranking:
+        """The same ranking with ``decision`` (same worker and plan, e.g. another reason)."""
+        assert decision.worker == self.decision.worker
+        return Ranking(self.request, decision, self._estimator)
+
+
+class _Estimator:
+    """What a ranking needs to estimate every candidate later: the policy's cost model and
+    sharing as they were when it decided, the view and the plans already made."""
+
+    def __init__(self, policy: Policy, request: RouteRequest, view: SourceMap,
+                 cands: list[Candidate], planned: dict[WorkerId, Plan]) -> None:
+        self.cost, self.sharing, self.queue_s = policy.cost, policy.sharing, policy.queue_s
+        self.request, self.view, self.cands, self.planned = request, view, cands, planned
+
+    def estimates(self, decision: Decision) -> list[Estimate]:
+        cost, view, n = self.cost, self.view, self.request.num_tokens
+        by_runs: dict[SourceRuns, Plan] = {}
+        out = []
+        for c in self.cands:
+            wid = c.info.worker_id
+            plan = decision.plan if wid == decision.worker else self.planned.get(wid)
+            if plan is None:
+                runs = view.source_runs(wid, c.info.node, self.sharing, cost.block_fetch_s)
+                plan = by_runs.get(runs)
+                if plan is None:
+                    plan = by_runs[runs] = cost.plan_runs(n, runs)
+            assert plan is not None
+            q = self.queue_s(c.load)
+            reason = decision.reason if wid == decision.worker else plan_reason(plan)
+            out.append(Estimate(wid, c.info.endpoint, q + plan.total_s, q, plan, reason))
+        out.sort(key=lambda e: (e.worker != decision.worker, e.est_ttft_s))
+        return out
+
+
 class NoEligibleWorker(ValueError):
     """No registered worker serves this namespace/tenant."""
 
@@ -131,12 +216,25 @@ class Policy(ABC):
         candidates: Sequence[Candidate],
         pending: Match | None = None,
     ) -> Decision:
-        """Pick a worker; NoEligibleWorker if none serves the request's namespace/tenant.
+        """:meth:`rank`'s decision alone (the simulator's call)."""
+        return self.rank(request, match, candidates, pending).decision
+
+    def rank(
+        self,
+        request: RouteRequest,
+        match: Match,
+        candidates: Sequence[Candidate],
+        pending: Match | None = None,
+    ) -> Ranking:
+        """Pick a worker and rank the others; NoEligibleWorker if none serves the request's
+        namespace/tenant.
 
         ``match``: the index's answer; ``pending``: blocks the router's own recent decisions
         are about to create (:class:`~router.pending.PendingBlocks`), local to their workers.
         Either may be a :class:`~kvshare.match.MatchResult` or the same in run form
-        (:class:`~actors.index.runs.HolderRuns`).
+        (:class:`~actors.index.runs.HolderRuns`). The decision is made (and :meth:`observe`
+        d) here; the other candidates' estimates are computed when
+        :meth:`Ranking.estimates` is first read, from the same view.
         """
         cands, nodes = self._eligible(candidates, request.namespace, request.tenant)
         if not cands:
@@ -157,7 +255,11 @@ class Policy(ABC):
             plan.cut, plan.remote_blocks, plan,
         )
         self.observe(request, decision)
-        return decision
+        return Ranking(request, decision, _Estimator(self, request, view, cands, self._planned()))
+
+    def _planned(self) -> dict[WorkerId, Plan]:
+        """Plans :meth:`_select` computed for this request (reused by the ranking)."""
+        return {}
 
     def _eligible(
         self, candidates: Sequence[Candidate], namespace: str, tenant: str
@@ -384,14 +486,7 @@ class CostPolicy(Policy):
         # Near-ties (e.g. a new prefix on idle workers) rotate, so new blocks spread over nodes.
         ties = [i for i, e in enumerate(ests) if e <= best + self.tie_s]
         best_i = self._rotate.pick(ties, cands)
-        plan = plans[cands[best_i].info.worker_id]
-        if plan.cut == 0:
-            reason = "load"
-        elif plan.remote_blocks:
-            reason = "cache_remote"
-        else:
-            reason = "cache_local"
-        return best_i, reason
+        return best_i, plan_reason(plans[cands[best_i].info.worker_id])
 
     def _bound(self, n: int, runs: SourceRuns) -> float:
         """A lower bound of ``plan_runs(n, runs).total_s``, from the runs' first source and
@@ -413,6 +508,9 @@ class CostPolicy(Policy):
     def plan_for(self, request: RouteRequest, view: SourceMap, cand: Candidate) -> Plan:
         return self._plans.get(cand.info.worker_id) or super().plan_for(request, view, cand)
 
+    def _planned(self) -> dict[WorkerId, Plan]:
+        return self._plans
+
 
 _SHRINK = 1.0 - 1e-9
 
@@ -432,3 +530,8 @@ def make_policy(
     except KeyError:
         raise KeyError(f"unknown policy {name!r}: choose one of {sorted(POLICIES)}") from None
     return factory(cost, Sharing(sharing), **options)
+
+# Peers' rules subclass Policy, so they register after it exists.
+from router.policy_peers import PEER_POLICIES  # noqa: E402
+
+POLICIES.update(PEER_POLICIES)

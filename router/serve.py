@@ -21,12 +21,15 @@ does it). For every request the router
    The first passes offer only replicas close to the best (Serve retries them with backoff);
    later passes offer every replica ("spill").
 
-If the index is not deployed or unreachable, the request carries no prompt, or the index is
-slower than the deadline and the router's own recent decisions know nothing of this prefix,
-the router uses Serve's own power-of-two choice and counts the fallback (Ray metric
-``kvshare_serve_routing_total{reason}``). Replicas added, removed or dead reach it through
-``update_replicas`` / ``on_replica_actor_died``. Request parsing and settings live in
-:mod:`router.serve_request`.
+Steps 1-3 are :class:`~router.core.RoutingCore`'s, the same core the asyncio gateway uses
+(hashing, the index deadline and its fallback, in-flight load, pending blocks, the cost model
+and the full ranking); this module only translates Serve's replicas and requests to it and
+its ranking back to Serve's shortlists. If the index is not connected yet, the workers'
+registrations cannot be read in time, or the request carries no prompt, the router uses
+Serve's own power-of-two choice and counts the fallback (Ray metric
+``kvshare_serve_routing_total{reason}``); an index slower than its deadline gives the core's
+fallback ranking. Replicas added, removed or dead reach it through ``update_replicas`` /
+``on_replica_actor_died``. Request parsing and settings live in :mod:`router.serve_request`.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any, NamedTuple
 
 from ray.exceptions import RayError
@@ -49,13 +53,11 @@ from ray.serve._private.request_router.request_router import (
 )
 from ray.util import metrics
 
-from kvshare.cost import Bandwidths, CostModel, PrefillModel
-from kvshare.hashing import block_hashes
-from kvshare.match import MatchResult
-from kvshare.types import BlockHash, NodeId, Tier, WorkerId, node_location
+from kvshare.cost import Bandwidths
+from kvshare.types import BlockHash, NodeId, WorkerId
 from kvshare.workers import WorkerInfo, WorkerLoad
-from router.pending import PendingBlocks
-from router.policy import Candidate, Policy, RouteRequest, make_policy
+from router.core import CostInputs, IndexAnswer, RoutingCore
+from router.policy import Ranking, RouteRequest
 from router.serve_request import (
     PromptInput,
     ServeRouterSettings,
@@ -63,20 +65,17 @@ from router.serve_request import (
     extract_prompt,
     replica_worker_id,
 )
-from router.sources import Sharing, SourceMap
+from router.sources import Sharing
 
 log = logging.getLogger("ray.serve")
 BANDWIDTH_REFRESH_S = 30.0  # how often measured transport bandwidths are re-read
 
 class _Routing(NamedTuple):
-    """A request's routing so far: what it will compute, passes made, its shortlist."""
+    """A request's routing so far: its ranking, passes made, its shortlist."""
 
-    namespace: str
-    hashes: tuple[BlockHash, ...]
-    compute: int
+    ranking: Ranking
     passes: int
     shortlist: tuple[WorkerId, ...]
-    tokens: int = 0
 
 
 class KVShareRequestRouter(LocalityMixin, MultiplexMixin, RequestRouter):
@@ -95,17 +94,15 @@ class KVShareRequestRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         self._workers_at = -1e9
         self._loads: dict[WorkerId, WorkerLoad] = {}
         self._hashing: dict[str, WorkerHashing] = {}
-        self._pending = PendingBlocks(self.settings.pending_ttl_s)
-        self._policy: Policy | None = None
-        self._cost_key: tuple[Any, ...] | None = None
+        st = self.settings
+        self.core = RoutingCore(
+            None, CostInputs(256, st.bytes_per_token or 1, Bandwidths.from_measured(st.bandwidths or {}),
+                             st.prefill_tokens_per_s),
+            policy=st.policy, index_timeout_s=st.index_timeout_s, pending_ttl_s=st.pending_ttl_s)
         self._measured: dict[str, float] = {}
         self._bw_at = -1e9
         self._bw_task: asyncio.Task[None] | None = None
-        # replica -> [(routed at, tokens it will compute)] not yet visible in its load reports
-        self._routed: dict[WorkerId, list[tuple[float, int]]] = {}
-        self._inflight: dict[str, tuple[WorkerId, int, int]] = {}  # id -> (replica, blocks, tokens)
-        # replica -> [(completed at, prompt tokens)]: work its last load report may still show
-        self._done: dict[WorkerId, list[tuple[float, int]]] = {}
+        self._refresh_bandwidth = True  # False when the index was handed in (use_index)
         self._last: dict[str, _Routing] = {}
         self.counters: dict[str, int] = {}
         # Serve pickles this module by value into each handle's process, so counters go out
@@ -130,6 +127,15 @@ class KVShareRequestRouter(LocalityMixin, MultiplexMixin, RequestRouter):
                 "replicas": len(self._replicas), "index_connected": self._client is not None}
 
     # ------------------------------------------------------------------ index access
+    def use_index(self, client: Any) -> None:
+        """Route with this index client (an :class:`~actors.index.client.IndexClient` or any
+        object with its ``workers_async``/``loads_async``/``match_async``) instead of
+        connecting to the deployment's; the transports' bandwidths then come from
+        ``settings.bandwidths`` only."""
+        self._client = client
+        self.core.index = client
+        self._refresh_bandwidth = False
+
     def _start_connect(self) -> None:
         """Look the index up on a thread (``ray.get_actor`` blocks), once per retry period."""
         if self._client is not None or self._connect_task is not None:
@@ -158,6 +164,7 @@ class KVShareRequestRouter(LocalityMixin, MultiplexMixin, RequestRouter):
             return None
         try:
             self._client = await asyncio.wait_for(asyncio.shield(task), self.settings.index_timeout_s)
+            self.core.index = self._client
             self._connect_task = None
         except TimeoutError:
             return None
@@ -181,7 +188,7 @@ class KVShareRequestRouter(LocalityMixin, MultiplexMixin, RequestRouter):
             for ns in w.namespaces:
                 if ns not in self._hashing and (h := WorkerHashing.from_meta(w.meta)) is not None:
                     self._hashing[ns] = h
-        if now - self._bw_at > BANDWIDTH_REFRESH_S and self._bw_task is None:
+        if self._refresh_bandwidth and now - self._bw_at > BANDWIDTH_REFRESH_S and self._bw_task is None:
             self._bw_task = asyncio.get_running_loop().create_task(self._refresh_bandwidths())
 
     async def _refresh_bandwidths(self) -> None:
@@ -206,23 +213,16 @@ class KVShareRequestRouter(LocalityMixin, MultiplexMixin, RequestRouter):
                 if (w := self._workers.get(replica_worker_id(r))) is not None for ns in w.namespaces}
         return next(iter(mine)) if len(mine) == 1 else None
 
-    def _policy_for(self, hashing: WorkerHashing, loads: Mapping[WorkerId, WorkerLoad]) -> Policy:
+    def _use_cost(self, hashing: WorkerHashing, loads: Mapping[WorkerId, WorkerLoad]) -> None:
+        """The core's cost model from the workers' hashing, their median reported prefill
+        speed (rounded, so jitter does not rebuild it) and the measured bandwidths."""
         speeds = sorted(ld.prefill_tokens_per_s for ld in loads.values() if ld.prefill_tokens_per_s > 0)
         tps = speeds[len(speeds) // 2] if speeds else self.settings.prefill_tokens_per_s
         bpt = hashing.bytes_per_token or self.settings.bytes_per_token or 1
         sharing = Sharing(self.settings.sharing or hashing.sharing)
         measured = {**self._measured, **(self.settings.bandwidths or {})}  # settings win
-        key = (hashing.block_tokens, bpt, round(tps, -1), sharing, tuple(sorted(measured.items())))
-        if self._policy is None or key != self._cost_key:
-            bw = Bandwidths.from_measured(measured)
-            cost = CostModel(PrefillModel.from_tokens_per_s(tps), bw, hashing.block_tokens, bpt)
-            if self._policy is None:
-                self._policy = make_policy(self.settings.policy, cost, sharing)
-            else:
-                self._policy.cost = cost
-                self._policy.sharing = sharing
-            self._cost_key = key
-        return self._policy
+        self.core.use_cost(CostInputs(hashing.block_tokens, bpt, Bandwidths.from_measured(measured),
+                                      round(tps, -1), sharing))
 
     # ------------------------------------------------------------------ choosing
     async def choose_replicas(
@@ -278,29 +278,20 @@ class KVShareRequestRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         if key is None:
             return None
         namespace, hashing, hashes, num_tokens = key
-        before = client.unavailable
+        answer, loads = await asyncio.gather(
+            self.core.query(namespace, hashes), self._fresh_loads(client, deadline))
+        return self._order(replicas, RouteRequest(namespace, hashes, num_tokens,
+                                                  request_id=pr.metadata.internal_request_id),
+                           answer, loads, hashing, pr)
+
+    async def _fresh_loads(self, client: Any, deadline: float) -> dict[WorkerId, WorkerLoad]:
+        """The workers' load reports by ``deadline`` (the last ones read, if late or down)."""
         try:
-            match, loads = await asyncio.wait_for(
-                asyncio.gather(client.match_async(namespace, list(hashes)), client.loads_async()),
-                max(0.001, deadline - loop.time()))
-            ok = client.unavailable == before
+            remaining = max(0.001, deadline - asyncio.get_running_loop().time())
+            self._loads = dict(await asyncio.wait_for(client.loads_async(), remaining))
         except (TimeoutError, RayError):
-            ok = False
-        if ok:
-            self._loads = dict(loads)
-        else:
-            # Index slow or down: the router's own recent decisions (pending blocks) still
-            # say where this prefix went; without them, power of two.
-            match, loads = MatchResult(len(hashes), 0, {}), self._loads
-            if self._pending.match(namespace, hashes).combined_prefix == 0:
-                self._count("fallback_index_slow")
-                # remember where power of two sends it: the next request may need to know
-                rid = pr.metadata.internal_request_id
-                if rid not in self._last:
-                    self._remember(rid, _Routing(namespace, hashes, num_tokens, 0, (), num_tokens))
-                return None
-            self._count("index_slow_pending_only")
-        return self._order(replicas, namespace, hashes, num_tokens, match, loads, hashing, pr)
+            pass
+        return self._loads
 
     def _repass(
         self, replicas: list[RunningReplica], pr: PendingRequest
@@ -335,37 +326,33 @@ class KVShareRequestRouter(LocalityMixin, MultiplexMixin, RequestRouter):
             if tokens is None:
                 self._count("no_prompt")
                 return None
-            hashes = tuple(block_hashes(hashing.root, tokens, hashing.block_tokens))
+            hashes = tuple(self.core.hashes(hashing.hasher, tokens))
         num_tokens = len(tokens) if tokens is not None else len(hashes) * hashing.block_tokens
         return namespace, hashing, hashes, max(1, num_tokens)
 
     def _order(
-        self, replicas: list[RunningReplica], namespace: str, hashes: tuple[BlockHash, ...],
-        num_tokens: int, match: MatchResult, loads: Mapping[WorkerId, WorkerLoad],
-        hashing: WorkerHashing, pr: PendingRequest,
+        self, replicas: list[RunningReplica], request: RouteRequest, answer: IndexAnswer,
+        reported: Mapping[WorkerId, WorkerLoad], hashing: WorkerHashing, pr: PendingRequest,
     ) -> list[list[RunningReplica]]:
         by_worker = {replica_worker_id(r.replica_id): r for r in replicas}
-        rid = pr.metadata.internal_request_id
+        rid = request.request_id
         prev = self._last.pop(rid, None)
         passes = prev.passes + 1 if prev is not None else 1
         pr.routing_context.should_backoff = passes > 1
-        # pending blocks help only the worker about to create them: never a remote source
-        pending = self._pending.match(namespace, hashes)
-        cands = [self._candidate(w, r, namespace, loads.get(w)) for w, r in by_worker.items()]
-        policy = self._policy_for(hashing, loads)
-        request = RouteRequest(namespace, hashes, num_tokens, request_id=rid)
-        decision = policy.choose(request, match, cands, pending)
-        view = SourceMap(match, {c.info.worker_id: c.info.node for c in cands}, pending)
-        est = {c.info.worker_id: policy.queue_s(c.load) + policy.plan_for(request, view, c).total_s
-               for c in cands}
-        order = sorted(by_worker, key=lambda w: (w != decision.worker, est[w]))
+        if answer.fallback:
+            self._count(f"fallback_{answer.fallback}")
+        infos = [self._workers.get(w) or WorkerInfo(w, NodeId(r.node_id), (request.namespace,))
+                 for w, r in by_worker.items()]
+        loads = self._with_queue_lengths(by_worker, reported)
+        self._use_cost(hashing, loads)
+        ranking = self.core.rank(request, answer, self.core.candidates(infos, loads))
+        decision = ranking.decision
+        est = {e.worker: e.est_ttft_s for e in ranking.estimates()}
+        order = ranking.order()
         if self.settings.log_decisions:
-            log.info("kvshare route %s pass %d: %d/%d blocks held, est %s, load %s -> %s (%s)",
-                     rid, passes, match.combined_prefix, match.num_blocks,
-                     {w: round(e, 4) for w, e in est.items()},
-                     {c.info.worker_id: (c.load.queued_prefill_tokens,
-                                         round(c.load.prefill_tokens_per_s)) for c in cands},
-                     decision.worker, decision.reason)
+            log.info("kvshare route %s pass %d: %d/%d blocks held, est %s -> %s (%s)",
+                     rid, passes, answer.match.combined_prefix, answer.match.num_blocks,
+                     {w: round(e, 4) for w, e in est.items()}, decision.worker, decision.reason)
         if passes == 1:
             self._count(f"decision_{decision.reason}")
             # Replicas estimated much slower than the best are held back at first.
@@ -373,78 +360,52 @@ class KVShareRequestRouter(LocalityMixin, MultiplexMixin, RequestRouter):
             order = [w for w in order if w == decision.worker or est[w] <= limit]
         else:
             self._count("spilled")
-        compute = num_tokens - decision.cached_blocks * hashing.block_tokens
-        self._remember(rid, _Routing(namespace, hashes, compute, passes, tuple(order), num_tokens))
+        self._remember(rid, _Routing(ranking, passes, tuple(order)))
         return [[by_worker[w]] for w in order]
+
+    def _with_queue_lengths(self, by_worker: Mapping[WorkerId, RunningReplica],
+                            reported: Mapping[WorkerId, WorkerLoad]) -> dict[WorkerId, WorkerLoad]:
+        """The reports, with each replica's running count at least the queue length Serve
+        last probed (Serve's own, fresher view of what runs there)."""
+        loads = dict(reported)
+        for wid, replica in by_worker.items():
+            queue_len = self._replica_queue_len_cache.get(replica.replica_id) or 0
+            report = loads.get(wid)
+            if queue_len and (report is None or report.running < queue_len):
+                loads[wid] = (replace(report, running=queue_len) if report is not None
+                              else WorkerLoad(wid, 0, queue_len))
+        return loads
 
     def _remember(self, rid: str, routing: _Routing) -> None:
         while len(self._last) >= 4096:  # requests cancelled before being routed
             del self._last[next(iter(self._last))]
         self._last[rid] = routing
 
-    def _candidate(
-        self, wid: WorkerId, replica: RunningReplica, namespace: str, reported: WorkerLoad | None
-    ) -> Candidate:
-        info = self._workers.get(wid) or WorkerInfo(wid, NodeId(replica.node_id), (namespace,))
-        now = time.time()
-        since = reported.ts if reported is not None else 0.0
-        recent = [(t, n) for t, n in self._routed.get(wid, []) if now - t < 2.0]
-        self._routed[wid] = recent
-        extra = sum(n for t, n in recent if t > since)
-        done = [(t, n) for t, n in self._done.get(wid, []) if now - t < 2.0]
-        self._done[wid] = done
-        finished = sum(n for t, n in done if t > since)  # still in a stale report
-        reported_q = reported.queued_prefill_tokens if reported else 0
-        queued = max(0, reported_q - finished) + extra
-        queue_len = self._replica_queue_len_cache.get(replica.replica_id) or 0
-        running = max(reported.running if reported else 0, queue_len)
-        tps = reported.prefill_tokens_per_s if reported else 0.0
-        active = sum(v[1] for v in self._inflight.values() if v[0] == wid)
-        return Candidate(info, WorkerLoad(wid, queued, running, tps, now), active)
-
     # ------------------------------------------------------------------ lifecycle hooks
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID,
                           result: Any) -> None:
-        """Remember where this prompt's blocks are about to be (pending) and the queued work."""
+        """The request went to ``replica_id``: its blocks are pending there, its work in flight."""
         rid = pending_request.metadata.internal_request_id
         last = self._last.pop(rid, None)
-        if last is None:
-            return
-        namespace, hashes, compute = last.namespace, last.hashes, last.compute
-        wid = replica_worker_id(replica_id)
-        node = self._node_of(replica_id)
-        if node is not None:
-            self._pending.add(namespace, node_location(node), hashes, Tier.HOST)
-        self._routed.setdefault(wid, []).append((time.time(), max(0, compute)))
-        self._inflight[rid] = (wid, len(hashes), last.tokens)
+        if last is not None:
+            self.core.routed(rid, last.ranking, replica_worker_id(replica_id))
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         """The request left the replica: its queued tokens no longer count there."""
-        done = self._inflight.pop(internal_request_id, None)
-        if done is not None:
-            self._done.setdefault(done[0], []).append((time.time(), done[2]))
-
-    def _node_of(self, replica_id: ReplicaID) -> str | None:
-        r = self._replicas.get(replica_id)
-        return r.node_id if r is not None else None
+        self.core.finished(internal_request_id)
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         """Serve's replica set changed: forget removed replicas' queued work."""
         super().update_replicas(replicas)
         self._start_connect()  # connect before the first request needs the index
         live = {replica_worker_id(r.replica_id) for r in replicas}
-        for table in (self._routed, self._done):
-            for wid in [w for w in table if w not in live]:
-                del table[wid]
-        self._inflight = {k: v for k, v in self._inflight.items() if v[0] in live}
+        self.core.inflight.keep_only(live)
         self._workers_at = -1e9  # re-read registrations on the next request
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         """A replica died: never route to it again, drop its queued work."""
         super().on_replica_actor_died(replica_id)
         wid = replica_worker_id(replica_id)
-        self._routed.pop(wid, None)
-        self._done.pop(wid, None)
         self._workers.pop(wid, None)
-        self._inflight = {k: v for k, v in self._inflight.items() if v[0] != wid}
+        self.core.inflight.drop(wid)
         self._count("replica_died")

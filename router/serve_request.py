@@ -14,6 +14,7 @@ into every process holding a handle; this one is imported by reference.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ from typing import Any
 from ray.serve._private.common import ReplicaID
 
 from kvshare.engines.tokenizer import ByteTokenizer, HFTokenizer, tokenizer_from_spec
+from kvshare.hasher import Hasher
 from kvshare.types import BlockHash, WorkerId
 from router.sources import Sharing
 
@@ -172,6 +174,11 @@ class WorkerHashing:
     bytes_per_token: int
     tokenizer: ByteTokenizer | HFTokenizer
     sharing: Sharing
+
+    @functools.cached_property
+    def hasher(self) -> Hasher:
+        """Hashes under the workers' root (the router learns no identity, so no other salt)."""
+        return Hasher.from_root(self.root, self.block_tokens)
 
     @classmethod
     def from_meta(cls, meta: Mapping[str, str]) -> WorkerHashing | None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any, Protocol
 
 from kvshare.types import WorkerId
@@ -111,6 +111,15 @@ class InFlight:
 
     def done(self, rid: str) -> None:
         self._reqs.pop(rid, None)
+
+    def keep_only(self, workers: Collection[WorkerId]) -> None:
+        """Forget the requests of every worker not in ``workers`` (removed or dead)."""
+        self._reqs = {rid: r for rid, r in self._reqs.items() if r[0] in workers}
+        self._oldest = min((r[3] for r in self._reqs.values()), default=math.inf)
+
+    def drop(self, worker: WorkerId) -> None:
+        """Forget ``worker``'s requests (it died)."""
+        self.keep_only({r[0] for r in self._reqs.values()} - {worker})
 
     def sweep(self) -> None:
         """Forget requests older than ``max_age_s`` (a caller that never said done)."""

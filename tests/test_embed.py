@@ -173,3 +173,9 @@ def test_index_actor_down_means_load_only_routing(local_ray: None) -> None:
     after = run(r.route(prompt=PROMPT + " again"))
     assert after.fallback in ("index_unavailable", "index_error", "index_timeout"), after
     assert after.decision.reason.startswith("fallback_") and r.fallbacks == 1, (after, r.fallbacks)
+    # the answer itself says the index did not answer (no counter to compare before/after)
+    hashes = r.hashes(ids, Tenant())
+    dead = client.match(NS, hashes)
+    assert (dead.available, dead.unavailable, dead.combined_prefix) == (False, "index_down", 0)
+    runs = run(client.match_runs_async(NS, hashes))
+    assert (runs.available, runs.unavailable, runs.runs) == (False, "index_down", [])

@@ -7,10 +7,12 @@ shard 0. Implements :class:`kvshare.workers.IndexQuery` (sync ``match`` and asyn
 ``match_async``, which awaits object refs and never blocks the event loop).
 
 An unreachable index (restarting, dead, timed out) is a miss, not an error: ``match`` returns
-an empty result and counts it in ``unavailable``. A client that knows its Ray namespace
-(:meth:`connect`, or ``ray_namespace=``) looks dead shards up by name again, so it follows a
-shard the watcher recreated (:mod:`actors.index.keeper`). Caller mistakes (unknown namespace,
-malformed hashes) raise ``KeyError``/``ValueError`` from the shard.
+an empty result whose ``unavailable`` says why (:func:`unavailable_reason`); the client also
+counts it in ``unavailable`` (a metric: callers read the answer, not the counter). A client
+that knows its Ray namespace (:meth:`connect`, or ``ray_namespace=``) looks dead shards up by
+name again, so it follows a shard the watcher recreated (:mod:`actors.index.keeper`). Caller
+mistakes (unknown namespace, malformed hashes) raise ``KeyError``/``ValueError`` from the
+shard.
 """
 
 from __future__ import annotations
@@ -41,6 +43,12 @@ from kvshare.workers import WorkerInfo, WorkerLoad
 log = logging.getLogger(__name__)
 
 UNAVAILABLE = (RayActorError, GetTimeoutError, asyncio.TimeoutError)
+
+
+def unavailable_reason(exc: BaseException) -> str:
+    """``index_timeout`` (no answer within the deadline) or ``index_down`` (shard dead or
+    restarting): the ``unavailable`` of an answer the index could not give."""
+    return "index_down" if isinstance(exc, RayActorError) else "index_timeout"
 
 
 class IndexClient:
@@ -183,14 +191,6 @@ class IndexClient:
                 for s, ix in zip(self.shards, idx, strict=True)]
         return refs, idx
 
-    @staticmethod
-    def _merge_lookup(n: int, parts: list[list[dict[Location, Tier]]], idx: list[list[int]]) -> MatchResult:
-        per_block: list[dict[Location, Tier]] = [{}] * n
-        for part, ix in zip(parts, idx, strict=True):
-            for i, holders in zip(ix, part, strict=True):
-                per_block[i] = holders
-        return build_match(per_block)
-
     def match(self, namespace: str, hashes: Sequence[BlockHash]) -> MatchResult:
         """Per-location prefix holdings of ``hashes``; empty if the index is unreachable."""
         return self.match_many(namespace, [hashes])[0]
@@ -215,28 +215,18 @@ class IndexClient:
                         for i in range(0, len(queries), batch)]
                 return [from_runs(*a) for r in self._get(refs) for a in decode_answers(r)]
             pending = [self._lookup_refs(namespace, h) for h in requests]
-            return [self._merge_lookup(len(h), self._get(refs), idx)
+            return [build_match(self._per_block(len(h), self._get(refs), idx))
                     for h, (refs, idx) in zip(requests, pending, strict=True)]
         except UNAVAILABLE as exc:
-            self._failed(exc)
-            self.unavailable += 1
-            log.warning("index unavailable, treating match as a miss: %s", exc)
-            return [MatchResult(len(h), 0, {}) for h in requests]
+            why = self._unavailable(exc)
+            return [MatchResult(len(h), 0, {}, why) for h in requests]
 
     async def match_async(self, namespace: str, hashes: Sequence[BlockHash]) -> MatchResult:
         """Same as :meth:`match`, awaiting object refs (never blocks the event loop)."""
-        try:
-            if len(self.shards) == 1:
-                ref = self.shards[0].match_query.remote(encode_query(namespace, *_pack(hashes)))
-                return from_runs(*decode_runs(await asyncio.wait_for(ref, self.timeout_s)))
-            refs, idx = self._lookup_refs(namespace, hashes)
-            parts = await asyncio.wait_for(asyncio.gather(*refs), self.timeout_s)
-            return self._merge_lookup(len(hashes), list(parts), idx)
-        except UNAVAILABLE as exc:
-            self._failed(exc)
-            self.unavailable += 1
-            log.warning("index unavailable, treating match as a miss: %s", exc)
-            return MatchResult(len(hashes), 0, {})
+        runs = await self.match_runs_async(namespace, hashes)
+        if not runs.available:
+            return MatchResult(runs.num_blocks, 0, {}, runs.unavailable)
+        return from_runs(runs.num_blocks, runs.runs)
 
     async def match_runs_async(self, namespace: str, hashes: Sequence[BlockHash]) -> HolderRuns:
         """:meth:`match_async` in run form ``(num_blocks, runs)`` (see :mod:`actors.index.runs`): what
@@ -249,10 +239,13 @@ class IndexClient:
             parts = await asyncio.wait_for(asyncio.gather(*refs), self.timeout_s)
             return HolderRuns(len(hashes), _runs_of_blocks(self._per_block(len(hashes), list(parts), idx)))
         except UNAVAILABLE as exc:
-            self._failed(exc)
-            self.unavailable += 1
-            log.warning("index unavailable, treating match as a miss: %s", exc)
-            return HolderRuns(len(hashes), [])
+            return HolderRuns(len(hashes), [], self._unavailable(exc))
+
+    def _unavailable(self, exc: BaseException) -> str:
+        self._failed(exc)
+        self.unavailable += 1
+        log.warning("index unavailable, treating match as a miss: %s", exc)
+        return unavailable_reason(exc)
 
     @staticmethod
     def _per_block(n: int, parts: list[list[dict[Location, Tier]]],
@@ -265,11 +258,7 @@ class IndexClient:
 
     def lookup(self, namespace: str, hashes: Sequence[BlockHash]) -> list[dict[Location, Tier]]:
         refs, idx = self._lookup_refs(namespace, hashes)
-        per_block: list[dict[Location, Tier]] = [{}] * len(hashes)
-        for part, ix in zip(self._get(refs), idx, strict=True):
-            for i, holders in zip(ix, part, strict=True):
-                per_block[i] = holders
-        return per_block
+        return self._per_block(len(hashes), self._get(refs), idx)
 
     # ------------------------------------------------------------------ workers (shard 0)
     def register_worker(self, info: WorkerInfo) -> int:

@@ -407,7 +407,8 @@ class GlobalIndex:
 
     def match(self, namespace: str, hashes: Sequence[BlockHash]) -> MatchResult:
         """Per location, the prefix of ``hashes`` it holds (see :class:`MatchResult`)."""
-        return from_runs(*self.match_runs(namespace, hashes))
+        runs = self.match_runs(namespace, hashes)
+        return from_runs(runs.num_blocks, runs.runs)
 
     def match_runs(self, namespace: str, hashes: Sequence[BlockHash]) -> HolderRuns:
         """The match in its compact form ``(num_blocks, runs)`` (see :mod:`actors.index.runs`)."""

@@ -28,14 +28,20 @@ Holders = Sequence[tuple[str, int]]
 class HolderRuns(NamedTuple):
     """A match in run form: ``runs[j] = (holders, count)`` for consecutive blocks from block 0
     with the same holders, up to the combined prefix (what
-    :meth:`actors.index.global_index.GlobalIndex.match_runs` computes)."""
+    :meth:`actors.index.global_index.GlobalIndex.match_runs` computes). ``unavailable``: why
+    the index could not answer (``""``: it answered), as in :class:`~kvshare.match.MatchResult`."""
 
     num_blocks: int
     runs: Sequence[tuple[Holders, int]]
+    unavailable: str = ""
 
     @property
     def combined_prefix(self) -> int:
         return sum(n for _, n in self.runs)
+
+    @property
+    def available(self) -> bool:
+        return not self.unavailable
 Row = tuple[Tier | None, ...]
 Segs = tuple[tuple[int, int, int], ...]
 

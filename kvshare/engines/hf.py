@@ -13,6 +13,7 @@ recomputation would produce; in fp32 the next-token logits match full recomputat
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import time
@@ -23,10 +24,10 @@ from typing import Any
 
 import torch
 
-from kvshare.engines.identity import model_namespace_root, path_identity, random_init_identity
+from kvshare.engines.identity import path_identity, random_init_identity
 from kvshare.engines.kv_convert import TORCH_DTYPES, check_contiguous
 from kvshare.engines.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
-from kvshare.hashing import block_hashes
+from kvshare.hasher import Hasher
 from kvshare.layout import KVLayout
 from kvshare.types import BlockHash
 
@@ -93,14 +94,18 @@ class ModelKeys:
     root: BlockHash
     tokenizer: ByteTokenizer | HFTokenizer
 
+    @functools.cached_property
+    def hasher(self) -> Hasher:
+        """Roots per tenant salt and block hashes (default root: the configured salt's)."""
+        layout = self.layout
+        return Hasher(self.identity, layout.fingerprint(), layout.block_tokens, root=self.root)
+
     def root_for(self, salt: str | None = None) -> BlockHash:
         """The namespace root for a tenant cache salt (None: the configured one)."""
-        if salt is None:
-            return self.root
-        return model_namespace_root(self.identity, self.layout, salt)
+        return self.hasher.root_for(salt)
 
     def hashes(self, tokens: Sequence[int], salt: str | None = None) -> list[BlockHash]:
-        return block_hashes(self.root_for(salt), tokens, self.layout.block_tokens)
+        return self.hasher.hashes(tokens, salt)
 
 
 def model_keys(cfg: EngineConfig) -> ModelKeys:
@@ -116,7 +121,7 @@ def model_keys(cfg: EngineConfig) -> ModelKeys:
     layout = KVLayout.from_hf_config(config_dict, dtype=cfg.dtype, block_tokens=cfg.block_tokens)
     vocab = int(config_dict.get("vocab_size") or config_dict.get("text_config", {}).get("vocab_size", 512))
     tokenizer = load_tokenizer(cfg.model_path, vocab)
-    root = model_namespace_root(identity, layout, cfg.tenant_salt)
+    root = Hasher.for_layout(identity, layout, cfg.tenant_salt).root
     return ModelKeys(config_dict, identity, layout, root, tokenizer)
 
 
@@ -146,7 +151,7 @@ class HFEngine:
         self.tokenizer = keys.tokenizer
         self.layout = keys.layout
         self.root = keys.root
-        self._roots: dict[str, BlockHash] = {cfg.tenant_salt: keys.root}
+        self.hasher = keys.hasher
         text = hf_config.get_text_config(decoder=True) if hasattr(hf_config, "get_text_config") else hf_config
         self.vocab_size = int(text.vocab_size)
         self.max_positions = int(getattr(text, "max_position_embeddings", None) or 2**31)
@@ -154,16 +159,11 @@ class HFEngine:
     # ------------------------------------------------------------------ keys
     def root_for(self, salt: str | None = None) -> BlockHash:
         """The namespace root for a tenant cache salt (None: the engine's configured salt)."""
-        if salt is None:
-            return self.root
-        root = self._roots.get(salt)
-        if root is None:
-            root = self._roots[salt] = model_namespace_root(self.identity, self.layout, salt)
-        return root
+        return self.hasher.root_for(salt)
 
     def hashes(self, tokens: Sequence[int], salt: str | None = None) -> list[BlockHash]:
         """Chained hashes of the full blocks of ``tokens`` (in the tenant ``salt``'s namespace)."""
-        return block_hashes(self.root_for(salt), tokens, self.layout.block_tokens)
+        return self.hasher.hashes(tokens, salt)
 
     def check_tokens(self, tokens: Sequence[int]) -> None:
         """ValueError naming the fix for an empty, too long or out-of-vocabulary prompt."""

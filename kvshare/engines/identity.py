@@ -8,7 +8,7 @@
 
 New weights at the same path therefore never match old blocks; identical copies of a model on
 different nodes (any mtime) share them. The identity, the layout's
-fingerprint and a tenant salt make the namespace root (:func:`kvshare.hashing.namespace_root`).
+fingerprint and a tenant salt make the namespace root (:class:`kvshare.hasher.Hasher`).
 """
 
 from __future__ import annotations
@@ -21,9 +21,6 @@ from collections.abc import Mapping
 from typing import Any
 
 from kvshare.engines.tokenizer import TOKENIZER_FILES
-from kvshare.hashing import namespace_root
-from kvshare.layout import KVLayout
-from kvshare.types import BlockHash
 
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 SAMPLES = 16
@@ -96,8 +93,3 @@ def path_identity(model_path: str, kv_dtype: str) -> str:
             with open(full, "rb") as f:
                 h.update(b"tok:" + name.encode() + f.read())
     return "path-" + h.hexdigest()[:32]
-
-
-def model_namespace_root(identity: str, layout: KVLayout, tenant_salt: str | bytes = b"") -> BlockHash:
-    """The namespace root for a model identity, its KV layout and a tenant salt."""
-    return namespace_root(identity, layout.fingerprint(), tenant_salt)

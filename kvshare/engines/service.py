@@ -75,7 +75,7 @@ class WorkerService:
         if connect:
             assert callable(cut_policy)
             self.client = KVShareClient.connect(
-                namespace, self.engine.layout, self.engine.root, worker_id=self.worker_id,
+                namespace, self.engine.layout, self.engine.hasher, worker_id=self.worker_id,
                 remote=remote, cut_policy=cut_policy,
             )
             node = self.client.node

@@ -1,0 +1,272 @@
+"""RoutingCore: the one place a routing decision is made; every front end is a thin adapter.
+
+The asyncio gateway's :class:`~router.embed.CacheAwareRouter` and Ray Serve's
+:class:`~router.serve.KVShareRequestRouter` translate their host's request and worker list into
+the calls below and nothing more::
+
+    hashes = core.hashes(hasher, token_ids, salt)        # one Hasher per model namespace
+    answer = await core.query(namespace, hashes)         # the index, under its deadline
+    cands = core.candidates(infos, loads)                # reports + this router's in-flight work
+    ranking = core.rank(request, answer, cands)          # Decision + every candidate's Estimate
+    core.routed(request_id, ranking, worker)             # once it is sent there
+    ...
+    core.prefilled(request_id); core.finished(request_id)
+
+Rules kept here, once:
+
+- **Index deadline and fallback.** An index that is missing answers nothing and is no
+  fallback (pending blocks only, like Dynamo without KV events). One that is slower than
+  ``index_timeout_s``, fails, or says it is unavailable (``MatchResult.unavailable``) makes the
+  decision a fallback: if this router's own pending blocks know the prompt's prefix, the
+  policy ranks over those alone (reason ``fallback_<cause>_pending``), else the ranking is
+  load-only (``least_loaded``, reason ``fallback_<cause>``).
+- **Pending blocks** are recorded at the chosen *worker's gpu tier*: the blocks come into
+  existence in that worker's own KV cache when it prefills, so until the index confirms them
+  they can help only that worker (no other worker on its node can read another engine's gpu
+  memory, and a node's host pool holds them only after an offload that may never happen).
+- **In-flight load**: what this router sent and has not seen prefilled or finished is added
+  on top of each worker's last report (:class:`~router.workers_view.InFlight`).
+- **Cost model**: :meth:`use_cost` assembles it from block geometry, bandwidths and a prefill
+  speed; measured prefill timings (:meth:`observe_prefill`) refit the prefill model.
+
+Not thread-safe: one core per event loop (policies and pending state are plain objects).
+"""
+
+from __future__ import annotations
+
+import array
+import asyncio
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from kvshare.cost import Bandwidths, CostModel, PrefillModel
+from kvshare.hasher import Hasher
+from kvshare.match import EMPTY_MATCH, MatchResult
+from kvshare.types import BlockHash, Tier, WorkerId, worker_location
+from kvshare.workers import IndexQuery, WorkerInfo, WorkerLoad
+from router.pending import PendingBlocks
+from router.policy import Candidate, Decision, Policy, Ranking, RouteRequest, make_policy
+from router.sources import Match, Sharing
+from router.workers_view import InFlight
+
+PENDING_TIER = Tier.GPU
+"""Where pending blocks are recorded: the chosen worker's own gpu tier (module docstring)."""
+
+
+@dataclass(frozen=True)
+class IndexAnswer:
+    """The index's answer for one prompt, or why there is none.
+
+    ``fallback``: ``""`` (answered, or no index configured), ``index_timeout``,
+    ``index_error`` or ``index_unavailable``. ``index_s``: time spent waiting.
+    ``timed``: the call returned (its latency is a fair sample for metrics).
+    """
+
+    match: Match
+    fallback: str = ""
+    index_s: float = 0.0
+    timed: bool = False
+
+
+@dataclass(frozen=True)
+class CostInputs:
+    """What the cost model is assembled from (equal inputs: the same model is kept)."""
+
+    block_tokens: int
+    bytes_per_token: int
+    bandwidths: Bandwidths
+    prefill_tokens_per_s: float
+    sharing: Sharing = Sharing.GLOBAL
+
+
+class RoutingCore:
+    """Hashing, index query, in-flight load, cost model, pending blocks and ranking (module
+    docstring). ``index`` may be None (pending blocks only) or set later (:attr:`index`)."""
+
+    def __init__(
+        self,
+        index: IndexQuery | None,
+        cost: CostInputs,
+        *,
+        policy: str,
+        policy_options: Mapping[str, Any] | None = None,
+        index_timeout_s: float = 0.05,
+        pending_ttl_s: float = 10.0,
+        refit_every: int = 32,
+    ) -> None:
+        if index_timeout_s <= 0 or pending_ttl_s <= 0:
+            raise ValueError("index_timeout_s and pending_ttl_s must be positive seconds")
+        self.index = index
+        self.index_timeout_s = index_timeout_s
+        self.refit_every = refit_every
+        self._inputs = cost
+        self._prefill: PrefillModel | None = None  # refitted from measured timings
+        model = self._model(cost)
+        self.policy: Policy = make_policy(policy, model, cost.sharing, **dict(policy_options or {}))
+        self._load_only = make_policy("least_loaded", model, cost.sharing)
+        self.pending = PendingBlocks(pending_ttl_s)
+        self.inflight = InFlight()
+        self._samples: list[tuple[float, float, float]] = []
+        self._seen = 0
+        self._cands: dict[WorkerId, Candidate] = {}
+        self._last_key: tuple[tuple[WorkerInfo, ...], list[tuple[WorkerLoad, int]]] = ((), [])
+        self._last_cands: list[Candidate] = []
+
+    # ------------------------------------------------------------------ cost model
+    @property
+    def cost(self) -> CostModel:
+        return self.policy.cost
+
+    def use_cost(self, inputs: CostInputs) -> None:
+        """Assemble the cost model from ``inputs`` (kept while they do not change)."""
+        if inputs == self._inputs:
+            return
+        self._inputs = inputs
+        self._set(self._model(inputs), inputs.sharing)
+
+    def _model(self, c: CostInputs) -> CostModel:
+        prefill = self._prefill or PrefillModel.from_tokens_per_s(c.prefill_tokens_per_s)
+        return CostModel(prefill, c.bandwidths, c.block_tokens, c.bytes_per_token)
+
+    def _set(self, model: CostModel, sharing: Sharing) -> None:
+        for p in (self.policy, self._load_only):
+            p.cost = model
+            p.sharing = sharing
+
+    @property
+    def prefill_samples(self) -> int:
+        return self._seen
+
+    def observe_prefill(self, new_tokens: int, cached_tokens: int, seconds: float) -> None:
+        """A measured prefill; every ``refit_every`` samples the prefill model is refitted."""
+        if new_tokens <= 0 or seconds <= 0:
+            return
+        self._samples.append((float(new_tokens), float(cached_tokens), float(seconds)))
+        self._samples = self._samples[-512:]
+        self._seen += 1
+        if self._seen % self.refit_every == 0 and len(self._samples) >= 2:
+            self._prefill = PrefillModel.fit(self._samples)
+            self._set(self._model(self._inputs), self._inputs.sharing)
+
+    # ------------------------------------------------------------------ inputs
+    @staticmethod
+    def hashes(hasher: Hasher, token_ids: Sequence[int], salt: str | None = None) -> list[BlockHash]:
+        """Block hashes of a prompt (ValueError for ids outside [0, 2**32))."""
+        packed = array.array("I")
+        try:  # u32 packing in C (much faster than numpy on a Python list); range-checked
+            if type(token_ids) is list:
+                packed.fromlist(token_ids)  # ~1.5x faster than array.array("I", list)
+            else:
+                packed.extend(token_ids)
+        except (OverflowError, TypeError):
+            raise ValueError("token ids must be integers in [0, 2**32)") from None
+        ids: Any = np.frombuffer(packed, dtype=np.uint32)
+        return hasher.hashes(ids, salt)
+
+    async def query(self, namespace: str, hashes: Sequence[BlockHash]) -> IndexAnswer:
+        """The index's match under ``index_timeout_s`` (an in-process index, ``inline``, runs
+        without one); in run form when the index offers ``match_runs_async``."""
+        index = self.index
+        if index is None or not hashes:
+            return IndexAnswer(EMPTY_MATCH)
+        t = time.perf_counter()
+        try:
+            if getattr(index, "inline", False):  # in-process: no I/O, no deadline needed
+                match = await self._ask(index, namespace, hashes)
+            else:
+                match = await asyncio.wait_for(self._ask(index, namespace, hashes),
+                                               self.index_timeout_s)
+        except TimeoutError:
+            return IndexAnswer(EMPTY_MATCH, "index_timeout", time.perf_counter() - t)
+        except KeyError:  # namespace not declared yet: nothing cached anywhere
+            return IndexAnswer(EMPTY_MATCH, "", time.perf_counter() - t)
+        except Exception:  # noqa: BLE001 - any index failure means load-only routing
+            return IndexAnswer(EMPTY_MATCH, "index_error", time.perf_counter() - t)
+        dt = time.perf_counter() - t
+        if not match.available:
+            return IndexAnswer(EMPTY_MATCH, "index_unavailable", dt, True)
+        return IndexAnswer(match, "", dt, True)
+
+    @staticmethod
+    async def _ask(index: Any, namespace: str, hashes: Sequence[BlockHash]) -> Match:
+        runs = getattr(index, "match_runs_async", None)
+        if runs is not None:
+            got: Match = await runs(namespace, hashes)
+            return got
+        result: MatchResult = await index.match_async(namespace, hashes)
+        return result
+
+    def candidates(self, infos: Sequence[WorkerInfo],
+                   loads: Mapping[WorkerId, WorkerLoad]) -> list[Candidate]:
+        """One candidate per worker: its last report plus this router's in-flight work.
+
+        A worker whose inputs did not change since the last call keeps its (frozen)
+        Candidate object, so the policy's per-candidate work is reused too.
+        """
+        self.inflight.sweep()
+        key = (tuple(infos), self.inflight.loads(infos, loads))
+        if key == self._last_key:  # nothing changed (compared by identity first): same list
+            return self._last_cands
+        cache = self._cands
+        if len(cache) > 2 * len(infos) + 64:  # workers come and go: forget the departed
+            cache.clear()
+        out = []
+        for info, (load, blocks) in zip(*key, strict=True):
+            c = cache.get(info.worker_id)
+            if c is None or c.info is not info or c.load is not load or c.active_blocks != blocks:
+                c = cache[info.worker_id] = Candidate(info, load, blocks)
+            out.append(c)
+        self._last_key, self._last_cands = key, out
+        return out
+
+    # ------------------------------------------------------------------ deciding
+    def rank(self, request: RouteRequest, answer: IndexAnswer,
+             candidates: Sequence[Candidate]) -> Ranking:
+        """The policy's ranking, or the fallback's (module docstring); NoEligibleWorker if no
+        candidate serves the request's namespace/tenant."""
+        ns, hashes = request.namespace, request.hashes
+        if not answer.fallback:
+            return self.policy.rank(request, answer.match, candidates,
+                                    self.pending.match_runs(ns, hashes))
+        mine = self.pending.match_runs(ns, hashes)
+        if mine.combined_prefix:
+            return _relabel(self.policy.rank(request, EMPTY_MATCH, candidates, mine),
+                            f"fallback_{answer.fallback}_pending", keep_estimate=True)
+        return _relabel(self._load_only.rank(request, EMPTY_MATCH, candidates),
+                        f"fallback_{answer.fallback}", keep_estimate=False, policy=self.policy.name)
+
+    def routed(self, request_id: str, ranking: Ranking, worker: WorkerId | None = None) -> None:
+        """The ranked request was sent to ``worker`` (default: the decision's): its blocks are
+        pending there (gpu tier) and the tokens its plan there leaves to prefill load the
+        worker until :meth:`prefilled`."""
+        req = ranking.request
+        worker = worker or ranking.decision.worker
+        plan = ranking.plan_of(worker)
+        cached = plan.cached_tokens if plan is not None else 0
+        self.pending.add(req.namespace, worker_location(worker), req.hashes, PENDING_TIER)
+        self.inflight.add(request_id, worker, req.num_tokens - cached, len(req.hashes))
+
+    def prefilled(self, request_id: str) -> None:
+        """The worker produced the first token: its prefill no longer loads the queue."""
+        self.inflight.prefilled(request_id)
+
+    def finished(self, request_id: str) -> None:
+        """The request is complete (or failed): stop counting it as load."""
+        self.inflight.done(request_id)
+
+
+def _relabel(ranking: Ranking, reason: str, *, keep_estimate: bool, policy: str = "") -> Ranking:
+    """The ranking with its decision's reason replaced (a load-only decision also drops its
+    cache estimate: nothing cached was considered)."""
+    d = ranking.decision
+    if keep_estimate:
+        decision = Decision(d.worker, d.endpoint, d.policy, reason, d.est_ttft_s,
+                            d.est_ttft_saved_s, d.cached_blocks, d.remote_blocks, d.plan)
+    else:
+        decision = Decision(d.worker, d.endpoint, policy or d.policy, reason, d.est_ttft_s,
+                            0.0, 0, 0, d.plan)
+    return ranking.with_decision(decision)

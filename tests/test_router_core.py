@@ -1,0 +1,217 @@
+"""One routing core behind both front ends: the same request stream routed through the
+asyncio gateway's CacheAwareRouter and through Ray Serve's KVShareRequestRouter (real Serve
+router class, its replicas described as Serve describes them) makes the same decisions, with
+the same full ranking; the core's own rules (pending at the worker's gpu tier, fallbacks)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from collections import Counter
+from typing import Any
+
+import pytest
+from ray.serve._private.common import (
+    DeploymentHandleSource,
+    DeploymentID,
+    ReplicaID,
+    RequestMetadata,
+)
+from ray.serve._private.request_router.common import PendingRequest
+
+from actors.index.global_index import GlobalIndex
+from kvshare.cost import Bandwidths
+from kvshare.events import BlockStored
+from kvshare.hasher import Hasher
+from kvshare.match import EMPTY_MATCH as EMPTY
+from kvshare.match import MatchResult
+from kvshare.types import NodeId, Tier, WorkerId, node_location, worker_location
+from kvshare.workers import WorkerInfo, WorkerLoad
+from router.core import CostInputs, IndexAnswer, RoutingCore
+from router.embed import CacheAwareRouter, InProcessIndex, RouterConfig
+from router.policy import RouteRequest
+from router.serve import KVShareRequestRouter
+from router.serve_request import (
+    META_BLOCK_TOKENS,
+    META_BYTES_PER_TOKEN,
+    META_ROOT,
+    META_TOKENIZER,
+    replica_worker_id,
+)
+from router.workers_view import IndexWorkers
+
+NS = "llm"
+BT = 16
+BPT = 4096
+TPS = 2000.0
+DEPLOYMENT = DeploymentID(name="llm", app_name="app")
+HASHER = Hasher("m", "fp", BT)
+
+
+class Replica:
+    """What Serve's RequestRouter reads of a replica (its RunningReplica would look up the
+    replica's actor on construction; routing never calls the replica)."""
+
+    def __init__(self, i: int) -> None:
+        self.replica_id = ReplicaID(f"r{i}", DEPLOYMENT)
+        self.node_id = f"n{i % 3}"
+        self.availability_zone = None
+        self.multiplexed_model_ids: set[str] = set()
+        self.max_ongoing_requests = 8
+
+
+def replicas(n: int) -> list[Any]:
+    return [Replica(i) for i in range(n)]
+
+
+def cluster(reps: list[Any]) -> GlobalIndex:
+    """An index that knows the replicas as workers (registered as a Serve replica does) and
+    holds some prefixes on nodes n0 and n2."""
+    index = GlobalIndex()
+    index.declare_namespace(NS, 32)
+    meta = {META_ROOT: HASHER.root.hex(), META_BLOCK_TOKENS: str(BT),
+            META_BYTES_PER_TOKEN: str(BPT), META_TOKENIZER: json.dumps({"kind": "bytes"})}
+    for i, r in enumerate(reps):
+        wid = replica_worker_id(r.replica_id)
+        index.register_worker(WorkerInfo(wid, NodeId(r.node_id), (NS,), meta=meta))
+        index.report_load(WorkerLoad(wid, 300 * i, i % 2, TPS, time.time() - 60))
+    for node, prefix in (("n0", SYSTEMS[0]), ("n2", SYSTEMS[1])):
+        hashes = HASHER.hashes(prefix)
+        index.apply([BlockStored(NS, node_location(node), Tier.HOST, h, 0, j + 1)
+                     for j, h in enumerate(hashes)])
+    return index
+
+
+RNG = random.Random(7)
+SYSTEMS = [[RNG.randrange(256) for _ in range(BT * n)] for n in (24, 12, 40)]
+STREAM = [SYSTEMS[RNG.randrange(3)] + [RNG.randrange(256) for _ in range(RNG.randrange(1, 80))]
+          for _ in range(40)]
+
+
+def pending_request(i: int, ids: list[int]) -> PendingRequest:
+    meta = RequestMetadata(request_id=f"q{i}", internal_request_id=f"q{i}")
+    return PendingRequest(args=[{"kvshare": {"token_ids": ids, "namespace": NS}}], kwargs={},
+                          metadata=meta)
+
+
+def test_embed_and_serve_adapters_make_identical_decisions() -> None:
+    reps = replicas(6)
+    by_id = {replica_worker_id(r.replica_id): r for r in reps}
+
+    async def stream() -> tuple[list[Any], list[Any]]:
+        index = InProcessIndex(cluster(reps))
+        embed = CacheAwareRouter(index, IndexWorkers(index, refresh_s=0.0), RouterConfig(
+            namespace=NS, model_id="m", layout_fingerprint="fp", block_tokens=BT,
+            bytes_per_token=BPT, prefill_tokens_per_s=TPS))
+        serve = KVShareRequestRouter(deployment_id=DEPLOYMENT,
+                                     handle_source=DeploymentHandleSource.UNKNOWN)
+        serve.initialize_state(namespace=NS, prefill_tokens_per_s=TPS, workers_refresh_s=0.0)
+        serve.use_index(index)
+        serve.update_replicas(reps)
+        got_e, got_s = [], []
+        for i, ids in enumerate(STREAM):
+            routed = await embed.route(token_ids=ids, request_id=f"q{i}")
+            ranking = routed.ranking
+            assert ranking is not None
+            est = {e.worker: e.est_ttft_s for e in ranking.estimates()}
+            best = est[routed.decision.worker]
+            # Serve's first pass offers the ranking cut at spill_ratio (default 0.5)
+            offered = [w for w in ranking.order()
+                       if w == routed.decision.worker or est[w] <= best * 1.5 + 0.005]
+            got_e.append((routed.decision.worker, routed.decision.reason, offered))
+            pr = pending_request(i, ids)
+            shortlist = await serve.choose_replicas(reps, pr)
+            chosen = shortlist[0][0]
+            got_s.append((replica_worker_id(chosen.replica_id),
+                          [replica_worker_id(s[0].replica_id) for s in shortlist]))
+            serve.on_request_routed(pr, chosen.replica_id, None)
+            if i % 5 == 4:  # some finish, on both
+                embed.finished(f"q{i - 2}")
+                serve.on_request_completed(by_id[got_s[i - 2][0]].replica_id, f"q{i - 2}")
+        serve_reasons = {k.removeprefix("decision_"): n for k, n in serve.counters.items()
+                         if k.startswith("decision_")}
+        return got_e, got_s, serve_reasons
+
+    got_e, got_s, serve_reasons = asyncio.run(stream())
+    assert len(got_s) == len(STREAM)
+    assert [(w, order) for w, _, order in got_e] == got_s
+    assert Counter(r for _, r, _ in got_e) == serve_reasons
+    # the stream is not trivial: it used the index's blocks, pending ones, load, several workers
+    assert {"cache_local", "cache_remote", "load"} <= set(serve_reasons), serve_reasons
+    assert len({w for w, _ in got_s}) >= 3
+    assert any(len(order) > 1 for _, order in got_s)
+
+
+# ------------------------------------------------------------------ the core's own rules
+class SlowIndex:
+    """Answers after the deadline (a real coroutine), or says it is unavailable."""
+
+    def __init__(self, unavailable: str = "") -> None:
+        self.unavailable = unavailable
+
+    def match(self, namespace: str, hashes: Any) -> MatchResult:
+        raise AssertionError("the core must not call the blocking match")
+
+    async def match_async(self, namespace: str, hashes: Any) -> MatchResult:
+        if not self.unavailable:
+            await asyncio.sleep(1.0)
+        return MatchResult(len(hashes), 0, {}, self.unavailable)
+
+
+def core(index: Any = None) -> RoutingCore:
+    return RoutingCore(index, CostInputs(BT, BPT, Bandwidths(), TPS), policy="cost",
+                       index_timeout_s=0.05)
+
+
+WORKERS = [WorkerInfo(WorkerId(f"w{i}"), NodeId("n0" if i < 2 else "n1"), (NS,)) for i in range(3)]
+
+
+def request(ids: list[int]) -> RouteRequest:
+    return RouteRequest(NS, HASHER.hashes(ids), len(ids))
+
+
+def test_pending_blocks_are_the_chosen_workers_gpu_blocks_and_help_only_it() -> None:
+    c = core()
+    loads = {w.worker_id: WorkerLoad(w.worker_id, 0, 0, TPS, 0.0) for w in WORKERS}
+    req = request(SYSTEMS[0])
+    first = c.rank(req, IndexAnswer(EMPTY), c.candidates(WORKERS, loads))
+    assert first.decision.reason == "load"
+    c.routed("a", first)
+    holders = c.pending.match(NS, req.hashes).locations
+    assert list(holders) == [worker_location(first.decision.worker)]
+    assert set(holders[worker_location(first.decision.worker)].tier_counts) == {Tier.GPU}
+    c.prefilled("a")  # its prefill no longer queues there; the index has not heard of it yet
+    again = c.rank(request(SYSTEMS[0] + [1] * BT), IndexAnswer(EMPTY), c.candidates(WORKERS, loads))
+    assert again.decision.worker == first.decision.worker
+    assert again.decision.reason == "cache_local"
+    neighbour = next(w.worker_id for w in WORKERS
+                     if w.node == WORKERS[0].node and w.worker_id != first.decision.worker)
+    assert again.plan_of(neighbour) is not None and again.plan_of(neighbour).cut == 0  # type: ignore[union-attr]
+    # the full ranking: every candidate, the chosen first, then by estimate
+    est = again.estimates()
+    assert [e.worker for e in est][0] == first.decision.worker and len(est) == 3
+    assert [e.est_ttft_s for e in est[1:]] == sorted(e.est_ttft_s for e in est[1:])
+
+
+@pytest.mark.parametrize("index, cause", [(SlowIndex(), "index_timeout"),
+                                           (SlowIndex("index_down"), "index_unavailable")])
+def test_a_slow_or_unavailable_index_falls_back_to_pending_then_to_load(index: Any, cause: str) -> None:
+    c = core(index)
+    loads = {w.worker_id: WorkerLoad(w.worker_id, 4000 * (w.worker_id == "w2"), 0, TPS, 0.0)
+             for w in WORKERS}
+    known = request(SYSTEMS[1])
+
+    async def go(req: RouteRequest) -> Any:
+        answer = await c.query(NS, req.hashes)
+        return answer, c.rank(req, answer, c.candidates(WORKERS, loads))
+
+    answer, cold = asyncio.run(go(known))
+    assert answer.fallback == cause
+    assert cold.decision.reason == f"fallback_{cause}" and cold.decision.worker != "w2"
+    c.routed("a", cold)
+    c.prefilled("a")
+    _, warm = asyncio.run(go(request(SYSTEMS[1] + [3] * BT)))
+    assert warm.decision.reason == f"fallback_{cause}_pending"
+    assert warm.decision.worker == cold.decision.worker and warm.decision.cached_blocks > 0
