@@ -11,8 +11,9 @@ snapshots of every shard. The replica therefore lags the actor index by about on
 
 It implements :class:`~kvshare.workers.IndexQuery` (``match``, ``match_async``,
 ``match_runs_async``) answering inline. Until the first sync, and while no round succeeded
-for ``stale_after_s``, answers are empty and counted in ``unavailable`` (the router then
-routes on load only, as with an unreachable index). The actor index stays the source of truth
+for ``stale_after_s``, answers are empty with ``unavailable`` = :data:`NOT_SYNCED` (and
+counted in :attr:`unavailable`): the router then routes on load only, as with an unreachable
+index. The actor index stays the source of truth
 for resyncs and for workers' lookups; worker registrations are not replicated.
 """
 
@@ -36,6 +37,8 @@ from kvshare.types import BlockHash
 log = logging.getLogger(__name__)
 
 _Tables = tuple[HolderStates, dict[str, BlockTable]]
+NOT_SYNCED = "replica_not_synced"
+"""The ``unavailable`` of an answer given before the first sync or after ``stale_after_s``."""
 
 
 class IndexReplica:
@@ -138,7 +141,7 @@ class IndexReplica:
         empty (and counted in ``unavailable``) while not :attr:`ready`."""
         if not self.ready:
             self.unavailable += 1
-            return HolderRuns(len(hashes), [])
+            return HolderRuns(len(hashes), [], NOT_SYNCED)
         if isinstance(hashes, bytes | str):
             raise ValueError("hashes must be a list of block hashes (bytes), not one value")
         table = self._tables[1].get(namespace)
@@ -147,7 +150,10 @@ class IndexReplica:
         return HolderRuns(*table.match_runs(hashes))
 
     def match(self, namespace: str, hashes: Sequence[BlockHash]) -> MatchResult:
-        return from_runs(*self.match_runs(namespace, hashes))
+        runs = self.match_runs(namespace, hashes)
+        if runs.unavailable:
+            return MatchResult(runs.num_blocks, 0, {}, runs.unavailable)
+        return from_runs(runs.num_blocks, runs.runs)
 
     async def match_async(self, namespace: str, hashes: Sequence[BlockHash]) -> MatchResult:
         return self.match(namespace, hashes)
