@@ -8,7 +8,7 @@ export RAY_USAGE_STATS_ENABLED := 0
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
 export NIXL_LOG_LEVEL := WARN
 
-.PHONY: demo test lint install bench-install clean
+.PHONY: demo test lint install bench-install browser clean
 
 $(STAMP): pyproject.toml setup.py $(wildcard kvshare/*.c)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -23,6 +23,16 @@ $(STAMP): pyproject.toml setup.py $(wildcard kvshare/*.c)
 
 install: $(STAMP)
 
+# Headless Chromium + chromedriver (Debian packages) for the live page's browser test and the
+# demo's screenshot; installed once, only where missing (CI runs as root on a clean machine).
+browser:
+	@if ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null; then \
+	  if [ "$$(id -u)" = 0 ]; then \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+	      --no-install-recommends chromium chromium-driver >/dev/null; \
+	  else echo "chromium/chromedriver missing and not root: the browser test will skip"; fi; \
+	fi
+
 # Peers measured side by side by benchmarks/ (LMCache, NVIDIA Dynamo's RadixTree); not needed by
 # tests. ai-dynamo goes in without its dependencies (see the bench extra in pyproject.toml).
 bench-install: $(STAMP)
@@ -30,14 +40,14 @@ bench-install: $(STAMP)
 	$(BIN)/python -m pip install --quiet --no-deps "ai-dynamo==1.6.1"
 	$(BIN)/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
 
-demo: $(STAMP)
+demo: $(STAMP) browser
 	$(BIN)/python examples/demo.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check kvshare actors router tests benchmarks examples
 	$(BIN)/mypy kvshare actors router
 
-test: lint
+test: lint browser
 	$(BIN)/python -m pytest -q -p no:cacheprovider
 
 clean:

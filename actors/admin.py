@@ -30,6 +30,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from actors.config import POOL_PREFIX, RAY_NAMESPACE
 from actors.deploy import _named, get_index_client
+from actors.deploy import status as deploy_status
 from kvshare.types import BlockHash, parse_location
 
 HOLDER_PREFIX = "admin:"
@@ -226,6 +227,14 @@ class ClusterAdmin:
 
     def __init__(self, ray_namespace: str = RAY_NAMESPACE) -> None:
         self.ray_namespace = ray_namespace
+
+    def status(self, timeout_s: float = 5.0) -> dict[str, Any]:
+        """The deployment's status snapshot (:func:`actors.deploy.status`)."""
+        return deploy_status(self.ray_namespace, timeout_s=timeout_s)
+
+    def node_liveness(self) -> dict[str, bool]:
+        """``{node_id: alive}`` from Ray's node table (one GCS call, no actor calls)."""
+        return {n["NodeID"]: bool(n["Alive"]) for n in ray.nodes()}  # type: ignore[no-untyped-call]
 
     def lookup(self, namespace: str, hashes: Sequence[BlockHash]) -> dict[str, dict[str, Any]]:
         return lookup(namespace, hashes, ray_namespace=self.ray_namespace)

@@ -71,7 +71,25 @@ def _status(args: argparse.Namespace) -> int:
     from actors.deploy import status
 
     _connect(args.address, args.ray_namespace, start=False)
+    if args.web:
+        return _serve_web(args)
     _print_status(status(args.ray_namespace), args.json)
+    return 0
+
+
+def _serve_web(args: argparse.Namespace) -> int:
+    """``kvshare status --web``: the live page (router/web) for this cluster until Ctrl-C."""
+    import uvicorn
+
+    from actors.admin import ClusterAdmin
+    from router.web import status_app
+
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port must be 0..65535, got {args.port}")
+    print(f"kvshare status page on http://{args.host}:{args.port}/dashboard (Ctrl-C stops)",
+          file=sys.stderr, flush=True)
+    uvicorn.run(status_app(ClusterAdmin(args.ray_namespace)), host=args.host, port=args.port,
+                log_level="warning")
     return 0
 
 
@@ -180,6 +198,11 @@ def register(subparsers: Any) -> None:
     status = subparsers.add_parser("status", help="nodes, tiers, capacity, blocks, hit rates")
     common(status)
     status.add_argument("--json", action="store_true", help="print one JSON object")
+    status.add_argument("--web", action="store_true",
+                        help="serve the live status page at http://HOST:PORT/dashboard")
+    status.add_argument("--port", type=int, default=9479, help="--web: HTTP port")
+    status.add_argument("--host", default="127.0.0.1",
+                        help="--web: address to listen on (the page has no API keys)")
     status.set_defaults(func=_status)
     metrics = subparsers.add_parser(
         "metrics", help="serve the pools' and index's Prometheus metrics over HTTP")

@@ -27,8 +27,8 @@ log = logging.getLogger(__name__)
 TIER_COUNTERS = {
     "hits": "Lookups (pin/read) that found the block in this tier",
     "misses": "Lookups that found the block in no tier (counted on the first tier)",
-    "bytes_in": "Bytes written into this tier",
-    "bytes_out": "Bytes read out of this tier",
+    "bytes_in": "Bytes written into this tier (stores and moves from another tier)",
+    "bytes_out": "Bytes read out of this tier (copies, moves to another tier, slots handed to shm/NIXL readers)",
     "stores": "Blocks committed into this tier",
     "evictions": "Blocks that left this tier to make room",
     "demotions": "Blocks moved from this tier to the next one down",

@@ -7,7 +7,7 @@
 4. drives a multi-user, multi-turn chat workload with shared system prompts and documents
    through the gateway with the official ``openai`` client (two users at a time);
 5. prints per-tier hit rates, bytes moved per transport, TTFT cold vs warm and prefill tokens
-   saved, and writes ``out/demo.png``.
+   saved, and writes ``out/demo.png`` and a screenshot of the live page, ``out/dashboard.png``.
 
 Exits non-zero if no prefix was reused. Runs in a few minutes on 2 CPU cores.
 """
@@ -126,8 +126,10 @@ def start_gateway(engine_cfg: Any) -> tuple[str, Any]:
                                        bandwidths=Bandwidths.from_measured(measured))
     router = CacheAwareRouter(index, IndexWorkers(index), cfg, keys.tokenizer)
     port = _free_port()
-    server = uvicorn.Server(uvicorn.Config(create_app(router), host="127.0.0.1", port=port,
-                                           log_level="warning"))
+    from actors.admin import ClusterAdmin
+
+    app = create_app(router, admin=ClusterAdmin())  # admin: the live page shows the cluster
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
@@ -257,6 +259,18 @@ def _plot(turns: list[Turn], path: str) -> None:
     plt.close(fig)
 
 
+def page_screenshot(url: str, path: str) -> None:
+    """The gateway's live page in headless Chromium (``make browser``), saved as a PNG."""
+    from router.web import browser
+
+    if browser.missing():
+        print(f"no screenshot of {url}: {browser.missing()}")
+        return
+    time.sleep(1.5)  # one more refresh of the page's cluster status after the last request
+    browser.screenshot(url, path, wait_for_css="[data-hit-rate]")
+    print(f"live page: {url} (screenshot {path})")
+
+
 def main() -> int:
     logging.basicConfig(level=logging.WARNING)
     import ray
@@ -280,6 +294,7 @@ def main() -> int:
         from actors.deploy import status
 
         ok = report(turns, status(), os.path.join("out", "demo.png"))
+        page_screenshot(base_url.removesuffix("/v1") + "/dashboard", os.path.join("out", "dashboard.png"))
         server.should_exit = True
         for w in workers.values():
             ray.get(w.stop.remote(), timeout=30)

@@ -337,6 +337,7 @@ class TieredBlockPool:
                     self._tiers[self._order[0]].counters["misses"] += 1
                     out.append(None)
                     continue
+                found = e.tier  # the tier that served it, also when promoted out of it
                 if promote and e.tier != self._order[0] and e.pins == 0:
                     self._promote(e)
                     if self._entries.get(h) is not e:  # corrupt: dropped
@@ -346,7 +347,7 @@ class TieredBlockPool:
                 st = self._tiers[e.tier]
                 e.hits += 1
                 e.pins += 1
-                st.counters["hits"] += 1
+                self._tiers[found].counters["hits"] += 1
                 lease = self._new_lease(holder, h, ttl_s, write=False)
                 out.append(ReadLease(h, lease, e.tier, e.slot, int(st.epochs[e.slot]), e.checksum))
             for h in reversed(hashes):
@@ -378,6 +379,12 @@ class TieredBlockPool:
                 return ReadResult(lease.block_hash, False, f"corrupt: {exc}")
             st.counters["bytes_out"] += self.block_bytes
             return ReadResult(lease.block_hash, True)
+
+    def note_read(self, tier: Tier, blocks: int) -> None:
+        """Count ``blocks`` handed to a reader that copies them itself from the tier's memory
+        (shm mapping, NIXL READ), so ``bytes_out`` covers every way out of the tier."""
+        with self._lock:
+            self._tiers[tier].counters["bytes_out"] += blocks * self.block_bytes
 
     def unpin(self, lease_ids: Iterable[int]) -> None:
         """End read leases; unknown ids are ignored (they may have expired)."""
@@ -623,6 +630,8 @@ class TieredBlockPool:
                 self._free_slot(dest, slot)
                 raise
             dst.store.write(slot, buf, e.block_hash, e.checksum)
+        src.counters["bytes_out"] += self.block_bytes  # the same books without byte stores
+        dst.counters["bytes_in"] += self.block_bytes
         old_tier, old_slot = e.tier, e.slot
         del src.lru[e.block_hash]
         self._free_slot(old_tier, old_slot)

@@ -37,6 +37,7 @@ from kvshare.workers import IndexQuery, WorkerInfo, WorkerLoad
 from router.core import CostInputs, RoutingCore
 from router.metrics import RouterMetrics
 from router.policy import DEFAULT_POLICY, Decision, Policy, Ranking, RouteRequest
+from router.recent import RecentDecisions
 from router.sources import Sharing
 from router.workers_view import WorkerSource
 
@@ -188,6 +189,7 @@ class CacheAwareRouter:
         self._down: dict[WorkerId, float] = {}
         self.decisions = 0
         self.fallbacks = 0
+        self.recent = RecentDecisions()  # for the live page (router/web)
 
     @property
     def index(self) -> IndexQuery | None:
@@ -265,6 +267,7 @@ class CacheAwareRouter:
         cached = d.plan.cached_tokens if d.plan is not None else 0
         core.routed(rid, ranking)
         self._count(d, tenant, len(ids), cached, answer.fallback, time.perf_counter() - t0)
+        self.recent.add(rid, d, tenant.name, len(ids), answer.fallback)
         return Routed(rid, d, tenant, ns, ids, hashes, answer.index_s, answer.fallback, ranking)
 
     def mark_down(self, worker: WorkerId, for_s: float = 5.0) -> None:

@@ -3,7 +3,7 @@
 Endpoints: ``POST /v1/completions`` and ``POST /v1/chat/completions`` (``stream: true`` is
 passed through as server-sent events), ``POST /v1/route`` (the decision only, for other
 gateways), ``POST /v1/kvshare/lookup|pin|unpin|prefetch`` (admin, :mod:`router.admin_routes`;
-``--address`` only), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus text).
+``--address`` only), ``GET /dashboard`` (the live page, :mod:`router.web`), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus text).
 
 The gateway tokenizes once and forwards the body plus ``kvshare: {token_ids, namespace,
 hashes_hex, tenant[, cache_salt]}``, so the worker never re-tokenizes. API keys
@@ -37,6 +37,7 @@ from router.embed import CacheAwareRouter, Routed, RouterConfig, Tenant
 from router.limits import BodyLimit, Limits
 from router.policy import NoEligibleWorker
 from router.requests import AdminRequest, ChatRequest, CompletionRequest, RouteRequest, document
+from router.web import add_web_routes
 from router.workers_view import IndexWorkers, StaticWorkers
 
 log = logging.getLogger(__name__)
@@ -178,11 +179,12 @@ def create_app(
             return fail(400, str(exc))
         return body, routed
 
-    def learn_prefill(raw: bytes) -> None:
+    def learn_prefill(raw: bytes, request_id: str) -> None:
         """Feed the worker's measured prefill (its ``kvshare`` stats) back to the cost model."""
         try:
             kv = json.loads(raw).get("kvshare")
             if isinstance(kv, dict):
+                router.recent.finish(request_id, kv)
                 router.observe_prefill(int(kv.get("computed_tokens", 0)),
                                        int(kv.get("reused_tokens", 0)),
                                        float(kv.get("prefill_s", 0.0)))
@@ -229,7 +231,7 @@ def create_app(
                 return fail(502, f"worker {d.worker} failed with HTTP {resp.status_code}",
                             "upstream_error", "worker_error")
             if resp.status_code == 200:
-                learn_prefill(raw)
+                learn_prefill(raw, routed.request_id)
             ctype = resp.headers.get("content-type", "application/json")
             return Response(raw, resp.status_code, headers=headers, media_type=ctype)
 
@@ -278,6 +280,7 @@ def create_app(
         return await parse(request, chat)
 
     add_admin_routes(app, router, tenant_of, fail, admin, limits)
+    add_web_routes(app, router, tenant_of, admin)  # GET /dashboard: the live page (router/web)
     app.add_middleware(BodyLimit, max_bytes=limits.max_body_bytes,
                        on_reject=lambda status: metrics.errors.labels(str(status)).inc())
     document(app, {("post", "/v1/completions"): CompletionRequest,

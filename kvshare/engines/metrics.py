@@ -43,7 +43,10 @@ _NAME = re.compile(r"[^a-zA-Z0-9_]")
 
 def _families(source: str, counters: dict[str, float], worker: str,
               rules: tuple[tuple[str, str, str, str], ...]) -> Iterator[Metric]:
-    fams: dict[str, CounterMetricFamily] = {}
+    # Every family is declared, with no sample until its first event (a dashboard over
+    # misses by reason finds the metric before the first miss).
+    fams = {name: CounterMetricFamily(name, doc, labels=["worker", label])
+            for _, name, label, doc in rules}
     plain: list[CounterMetricFamily] = []
     for key, value in sorted(counters.items()):
         rule = None if key in PLAIN else next((r for r in rules if key.startswith(r[0])), None)
@@ -53,9 +56,7 @@ def _families(source: str, counters: dict[str, float], worker: str,
             fam.add_metric([worker], float(value))
             plain.append(fam)
             continue
-        prefix, name, label, doc = rule
-        if name not in fams:
-            fams[name] = CounterMetricFamily(name, doc, labels=["worker", label])
+        prefix, name = rule[0], rule[1]
         fams[name].add_metric([worker, key[len(prefix):]], float(value))
     yield from plain
     yield from fams.values()

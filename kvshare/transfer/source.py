@@ -137,6 +137,8 @@ class BlockSource:
                 blocks.append(NO_SPACE)
             else:
                 blocks.append(SourceBlock(lease.lease_id, lease.slot, lease.epoch, lease.checksum))
+        # the reader copies these slots itself (shm mapping, NIXL): they leave the slab now
+        self.pool.note_read(Tier.HOST, sum(isinstance(b, SourceBlock) for b in blocks))
         agent, err = self._nixl_fields()
         return PreparedRead(self.generation, tuple(blocks), self.slab_info(), agent, err)
 

@@ -1,0 +1,95 @@
+"""The last routing decisions a router made, for people to look at (the live page).
+
+A bounded ring of :class:`DecisionRecord`: what was decided, why, and the cost model's
+estimate of the TTFT it saves; a front end that hears back from the worker adds what the
+worker measured (:meth:`RecentDecisions.finish`: reused/computed tokens, prefill time and,
+when the worker reports one, its TTFT breakdown). Appending is O(1) and never blocks routing;
+nothing here feeds back into decisions.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from router.policy import Decision
+
+#: Worker-reported fields (the ``kvshare`` object of a worker's reply) kept per decision.
+WORKER_FIELDS = ("reused_tokens", "computed_tokens", "load_s", "prefill_s", "ttft_s")
+#: Per-tenant totals kept since the router started (the admin view's usage table).
+TENANT_FIELDS = ("requests", "prompt_tokens", "cached_blocks", "est_ttft_saved_s")
+#: Keys under which a worker may report a per-request TTFT breakdown ({phase: seconds}).
+BREAKDOWN_KEYS = ("ttft_breakdown", "breakdown", "timings")
+
+
+@dataclass
+class DecisionRecord:
+    """One decision; ``worker_stats`` fills in when the worker's answer comes back."""
+
+    request_id: str
+    at: float  # wall clock (time.time())
+    tenant: str
+    worker: str
+    policy: str
+    reason: str
+    prompt_tokens: int
+    cached_blocks: int
+    remote_blocks: int
+    est_ttft_s: float
+    est_ttft_saved_s: float
+    fallback: str = ""
+    worker_stats: dict[str, float] = field(default_factory=dict)
+    breakdown: dict[str, float] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class RecentDecisions:
+    """The last ``size`` decisions, newest last, and per-tenant totals of all of them."""
+
+    def __init__(self, size: int = 50) -> None:
+        if size < 1:
+            raise ValueError(f"RecentDecisions size must be >= 1, got {size}")
+        self._ring: deque[DecisionRecord] = deque(maxlen=size)
+        self._by_id: dict[str, DecisionRecord] = {}
+        self.tenants: dict[str, dict[str, float]] = {}  # since start, all decisions
+
+    def add(self, request_id: str, d: Decision, tenant: str, prompt_tokens: int,
+            fallback: str = "") -> None:
+        if len(self._ring) == self._ring.maxlen:
+            self._by_id.pop(self._ring[0].request_id, None)
+        rec = DecisionRecord(request_id, time.time(), tenant, str(d.worker), d.policy, d.reason,
+                             prompt_tokens, d.cached_blocks, d.remote_blocks, d.est_ttft_s,
+                             d.est_ttft_saved_s, fallback)
+        self._ring.append(rec)
+        self._by_id[request_id] = rec
+        t = self.tenants.setdefault(tenant, dict.fromkeys(TENANT_FIELDS, 0.0))
+        t["requests"] += 1
+        t["prompt_tokens"] += prompt_tokens
+        t["cached_blocks"] += d.cached_blocks
+        t["est_ttft_saved_s"] += d.est_ttft_saved_s
+
+    def finish(self, request_id: str, kvshare: Mapping[str, Any]) -> None:
+        """Attach the worker's own figures (its reply's ``kvshare`` object); unknown ids and
+        malformed values are ignored (the record just stays without them)."""
+        rec = self._by_id.get(request_id)
+        if rec is None:
+            return
+        for key in WORKER_FIELDS:
+            value = kvshare.get(key)
+            if isinstance(value, int | float) and not isinstance(value, bool):
+                rec.worker_stats[key] = float(value)
+        for key in BREAKDOWN_KEYS:
+            phases = kvshare.get(key)
+            if isinstance(phases, Mapping):
+                rec.breakdown = {str(k): float(v) for k, v in phases.items()
+                                 if isinstance(v, int | float) and not isinstance(v, bool)}
+                break
+
+    def snapshot(self, tenant: str | None = None) -> list[dict[str, Any]]:
+        """Newest first; only ``tenant``'s when given (a tenant sees its own requests)."""
+        return [r.to_dict() for r in reversed(self._ring) if tenant is None or r.tenant == tenant]
