@@ -42,7 +42,7 @@ import zmq  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from kvshare.hashing import namespace_root  # noqa: E402
+from kvshare.hasher import Hasher  # noqa: E402
 from kvshare.types import NodeId, WorkerId  # noqa: E402
 from kvshare.vllm.events import EventsConfig, KVEventsConsumer  # noqa: E402
 from kvshare.vllm.presence import Presence  # noqa: E402
@@ -124,15 +124,14 @@ class _NullIndex:
         return True
 
 
-def root_for(salt: str) -> bytes:
-    return namespace_root("bench-model", "bench-layout", salt)
+HASHER = Hasher("bench-model", "bench-layout", BLOCK)
 
 
 def inprocess_rate(payloads: list[bytes], pages: int) -> float:
     presence = Presence(WorkerInfo(WorkerId("w-mem"), NodeId("n"), (NS,)), _NullIndex())
     presence.new_incarnation()
     cfg = EventsConfig("ipc:///tmp/unused", NS, BLOCK, PAGE)
-    consumer = KVEventsConsumer(cfg, presence, root_for)
+    consumer = KVEventsConsumer(cfg, presence, HASHER)
     consumer._gen = presence.generation
     t0 = time.perf_counter()
     for i, p in enumerate(payloads):
@@ -163,7 +162,7 @@ def zmq_ray_rate(payloads: list[bytes], pages: int) -> tuple[float, int]:
         pub = zmq.Context.instance().socket(zmq.PUB)
         pub.setsockopt(zmq.SNDHWM, 0)
         pub.bind(endpoint)
-        consumer = KVEventsConsumer(EventsConfig(endpoint, NS, BLOCK, PAGE), presence, root_for)
+        consumer = KVEventsConsumer(EventsConfig(endpoint, NS, BLOCK, PAGE), presence, HASHER)
         consumer.start()
         time.sleep(1.0)  # the subscription must land before the first frame
         consumer.counters["page_hashes"] = 0

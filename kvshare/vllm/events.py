@@ -33,7 +33,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,7 +41,8 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from kvshare.events import BlockStored, EventKind, event_schema, events_to_arrow
-from kvshare.types import BlockHash, Location
+from kvshare.hasher import Hasher
+from kvshare.types import Location
 from kvshare.vllm.event_wire import (
     AllPagesCleared,
     MalformedEvents,
@@ -98,12 +98,14 @@ class KVEventsConsumer:
     """Subscribe to one vLLM engine's KV events; keep its gpu tier in the index."""
 
     def __init__(self, config: EventsConfig, presence: Presence,
-                 root_for: Callable[[str], BlockHash],
+                 hasher: Hasher,
                  context: zmq.Context[Any] | None = None) -> None:
         self.config = config
         self.presence = presence
-        self.blocks = ShareBlocks(config.block_tokens, config.page_tokens, root_for,
-                                  presence.hash_fn)
+        if hasher.block_tokens != config.block_tokens:
+            raise ValueError(f"the hasher cuts {hasher.block_tokens}-token blocks, the namespace "
+                             f"{config.block_tokens}: build both from the same layout")
+        self.blocks = ShareBlocks(hasher, config.page_tokens)
         self._ctx = context or zmq.Context.instance()
         self._sub: zmq.Socket[Any] | None = None
         self._monitor: zmq.Socket[Any] | None = None

@@ -1,14 +1,15 @@
 """vLLM pages -> kvshare share blocks (plain class, no ZMQ, no Ray).
 
 vLLM hashes its pages (``block_size`` tokens) with its own scheme; kvshare's index holds share
-blocks of ``block_tokens = k * block_size`` tokens hashed with :mod:`kvshare.hashing`. From
+blocks of ``block_tokens = k * block_size`` tokens hashed by the namespace's
+:class:`~kvshare.hasher.Hasher`. From
 the pages' token ids and parent chain, :class:`ShareBlocks` rebuilds each share block's
 kvshare hash, and keeps the rule that **a share block is resident only while all k of its
 pages are**: it appears when its last page arrives with the k-1 before it present, and goes
 when any of them is removed.
 
 Chains start at a page with no parent; its extra keys carry vLLM's ``cache_salt`` (the
-tenant salt the gateway passed), which selects the namespace root (``root_for(salt)``). LoRA
+tenant salt the gateway passed), which selects the namespace root (``hasher.root_for(salt)``). LoRA
 names and multimodal / prompt-embeds keys join the share block's hash as extra keys
 (:func:`share_extra`), so blocks of another adapter or image never match. A page whose parent
 this tracker does not know (it missed events) is an orphan and is skipped, with its chain:
@@ -21,13 +22,14 @@ as ``(share_hash, old_tier | None, new_tier | None)`` transitions for the publis
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any, NamedTuple
 
 import msgspec
 import numpy as np
 
-from kvshare.hashing import DEFAULT_HASH_FN, HashFn, block_hashes, tokens_to_u32le
+from kvshare.hasher import Hasher
+from kvshare.hashing import tokens_to_u32le
 from kvshare.types import BlockHash, Tier
 from kvshare.vllm.event_wire import PagesRemoved, PagesStored, VllmHash
 
@@ -83,8 +85,8 @@ class _Page(NamedTuple):
 class ShareBlocks:
     """Which kvshare share blocks one vLLM engine holds, from its page events."""
 
-    def __init__(self, block_tokens: int, page_tokens: int, root_for: Callable[[str], BlockHash],
-                 hash_fn: HashFn = DEFAULT_HASH_FN) -> None:
+    def __init__(self, hasher: Hasher, page_tokens: int) -> None:
+        block_tokens = hasher.block_tokens
         if page_tokens <= 0 or block_tokens <= 0 or block_tokens % page_tokens:
             raise ValueError(
                 f"kvshare block_tokens ({block_tokens}) must be a positive multiple of vLLM's "
@@ -93,8 +95,7 @@ class ShareBlocks:
         self.block_tokens = block_tokens
         self.page_tokens = page_tokens
         self.k = block_tokens // page_tokens
-        self.root_for = root_for
-        self.hash_fn = hash_fn
+        self.hasher = hasher
         self._pages: dict[Tier, dict[VllmHash, _Page]] = {}
         # resident share block -> its pages (first..last); a page -> the share blocks it is in
         self._members: dict[Tier, dict[BlockHash, tuple[VllmHash, ...]]] = {}
@@ -130,7 +131,7 @@ class ShareBlocks:
         base: BlockHash | None
         head: list[tuple[VllmHash, _Page]] | None = []
         if parent is None:
-            pos, base = 0, self.root_for(_salt_of(ev))
+            pos, base = 0, self.hasher.root_for(_salt_of(ev))
         else:
             prev = pages.get(parent)
             if prev is None:
@@ -240,8 +241,8 @@ class ShareBlocks:
         tokens = np.frombuffer(b"".join(t for t, _ in run[:full * k]), dtype="<u4")
         extras = [share_extra(lora_name, (keys for _, keys in run[j * k:(j + 1) * k]))
                   for j in range(full)]
-        return block_hashes(base, tokens, self.block_tokens,
-                            None if all(e is None for e in extras) else extras, fn=self.hash_fn)
+        return self.hasher.hashes(tokens, parent=base, extra_keys=None if all(
+            e is None for e in extras) else extras)
 
     def _register(self, tier: Tier, hashes: list[BlockHash],
                   names: list[VllmHash]) -> list[Change]:
