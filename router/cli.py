@@ -4,16 +4,28 @@ entry-point group: ``router.cli:register``)."""
 from __future__ import annotations
 
 import argparse
-import json
-import sys
-from dataclasses import replace
 from typing import Any
 
 
 def _tokens(text: str) -> int:
-    value = int(float(text))
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0 tokens, got {text}")
+    from router.cluster import MAX_TOKENS
+
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of tokens, got {text!r}") from None
+    if not 0 <= value <= MAX_TOKENS:  # also refuses inf and nan
+        raise argparse.ArgumentTypeError(f"must be a number of tokens in [0, {MAX_TOKENS:.0e}], got {text}")
+    return int(value)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
     return value
 
 
@@ -22,11 +34,14 @@ def register(subparsers: Any) -> None:
     from router.policy import DEFAULT_POLICY, POLICIES
 
     sim = subparsers.add_parser(
-        "sim", help="replay a Mooncake-format trace through the routing policies",
+        "sim", help="replay a request trace through the routing policies",
         description="Replay a trace on a modelled cluster (defaults: 10 workers, 3M tokens of "
-        "host cache each, 512-token blocks, Llama-2-70B KV, 100 Gbit/s; see router/cluster.py).",
+        "host cache each, 512-token blocks, Llama-2-70B KV, 100 Gbit/s; see router/cluster.py). "
+        "Formats: Mooncake JSONL, or kv-cache-tester agentic JSON (a directory or files).",
     )
-    sim.add_argument("trace", help="Mooncake-format JSONL trace")
+    sim.add_argument("trace", nargs="+", help="Mooncake JSONL file, or agentic trace dir/files")
+    sim.add_argument("--format", default="auto", choices=["auto", "mooncake", "agentic"],
+                     help="trace format (default: detected)")
     sim.add_argument("--policy", default="all", choices=[*sorted(POLICIES), "all"],
                      help=f"one policy or all (default all; routers default to {DEFAULT_POLICY})")
     sim.add_argument("--sharing", default="global", choices=["local", "global"],
@@ -34,14 +49,31 @@ def register(subparsers: Any) -> None:
     sim.add_argument("--workers", type=int, default=10)
     sim.add_argument("--host-tokens", type=_tokens, default=3_000_000, help="per node")
     sim.add_argument("--disk-tokens", type=_tokens, default=0, help="per node")
-    sim.add_argument("--block-tokens", type=int, default=512)
+    sim.add_argument("--block-tokens", type=_positive_int, default=None,
+                     help="tokens per trace hash id (default: 512 for Mooncake, the files' "
+                     "block_size for agentic; a multiple of it coarsens the blocks)")
     sim.add_argument("--model", default="Llama-2-70b-hf", help="bundled config name or path")
     sim.add_argument("--net-gbps", type=float, default=100.0, help="between nodes, Gbit/s")
-    sim.add_argument("--limit", type=int, default=None, help="first N requests only")
+    sim.add_argument("--gpu-gb", type=float, default=640.0,
+                     help="GPU memory per worker, GB (weights + the KV of the running prompt; "
+                     "prompts that do not fit are reported, not replayed)")
+    sim.add_argument("--limit", type=_positive_int, default=None, help="first N requests only")
+    agentic = sim.add_argument_group("agentic traces (kv-cache-tester's replay knobs)")
+    agentic.add_argument("--users", type=_positive_int, default=None,
+                         help="concurrent users (default: one per conversation)")
+    agentic.add_argument("--warm-prefix-pct", type=float, default=None,
+                         help="fraction of max(tool+system tokens) shared by every "
+                         "conversation (default 0.5; 0 disables)")
+    agentic.add_argument("--max-delay", type=float, default=None,
+                         help="cap on the gap between a user's requests, s (default 60)")
+    agentic.add_argument("--time-scale", type=float, default=None,
+                         help="scale the gaps (0.5 = twice as fast; default 1)")
     sim.add_argument("--json", action="store_true", help="print one JSON object last")
     sim.add_argument("--plot", default=None, help="write a PNG: hit rate vs capacity, TTFT")
     sim.add_argument("--parquet", default=None, help="write per-request results as Parquet")
-    sim.add_argument("--no-progress", action="store_true")
+    sim.add_argument("--no-progress", action="store_true", help="no progress bars")
+    sim.add_argument("--progress", action="store_true",
+                     help="progress bars even when stderr is not a terminal (default: only on one)")
     sim.set_defaults(func=_sim)
 
     gw = subparsers.add_parser("gateway", help="OpenAI-compatible cache-aware gateway")
@@ -70,44 +102,9 @@ def register(subparsers: Any) -> None:
 
 
 def _sim(args: argparse.Namespace) -> int:
-    from tqdm import tqdm
+    from router.sim_cli import run_sim
 
-    from router.cluster import ClusterConfig
-    from router.policy import POLICIES
-    from router.report import format_table, json_summary, plot, summarize, write_parquet
-    from router.sim import global_lru, simulate
-    from router.trace import read_trace
-
-    cfg = ClusterConfig(
-        workers=args.workers, host_tokens=args.host_tokens, disk_tokens=args.disk_tokens,
-        block_tokens=args.block_tokens, model=args.model, net_bw=args.net_gbps * 1e9 / 8,
-    )
-    requests = read_trace(args.trace, args.limit)
-    names = list(POLICIES) if args.policy == "all" else [args.policy]
-    bar = tqdm(total=len(requests) * len(names), unit="req", disable=args.no_progress or None,
-               file=sys.stderr, desc=f"sim {args.sharing}")
-    reference, rows, busy = simulate(requests, cfg, names, args.sharing, bar.update)
-    bar.close()
-    results = {n: summarize(rows[n], busy[n]) for n in names}
-    print(format_table(reference, results, args.sharing))
-    if args.parquet:
-        write_parquet(args.parquet, rows)
-    if args.plot:
-        per_node = [cfg.host_tokens // 30, cfg.host_tokens // 10, cfg.host_tokens // 3,
-                    cfg.host_tokens, cfg.host_tokens * 2]
-        curve: dict[str, list[tuple[float, float]]] = {
-            "global_lru": [(c, global_lru(requests, replace(cfg, host_tokens=c))) for c in per_node]
-        }
-        for n in names:
-            pts = []
-            for c in per_node:
-                _, r, _ = simulate(requests, replace(cfg, host_tokens=c), [n], args.sharing)
-                pts.append((float(c), summarize(r[n], [1.0])["hit_rate"]))
-            curve[n] = pts
-        plot(args.plot, curve, results, f"{args.trace.split('/')[-1]}, sharing={args.sharing}")
-    if args.json:
-        print(json.dumps(json_summary(reference, results)))
-    return 0
+    return run_sim(args)
 
 
 def _gateway(args: argparse.Namespace) -> int:

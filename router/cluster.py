@@ -13,6 +13,11 @@ The router does not read these constants: it fits its :class:`~kvshare.cost.Pref
 from timings of the modelled worker (:meth:`ClusterConfig.measured_timings`), as a live
 deployment fits from measured ones.
 
+A worker serves a prompt only if the prompt's KV fits its GPUs: ``gpu_bytes`` (8 x 80 GB)
+less the weights (``params`` x 2 bytes, bf16) over the KV bytes per token; the default
+Llama-2-70B worker holds ~1.53M tokens. Longer prompts are reported as not fitting, never
+replayed.
+
 Bandwidths: host slab -> GPU 25 GB/s (PCIe 4 x16 with pinned memory), local NVMe 5 GB/s,
 remote 12.5 GB/s (100 Gbit/s RDMA). Transfers and compute are not overlapped (conservative).
 """
@@ -25,6 +30,8 @@ from functools import cached_property
 
 from kvshare.cost import Bandwidths, CostModel, PrefillModel
 from kvshare.layout import KVLayout, resolve_config
+
+MAX_TOKENS = 10**15  # per node and tier: far past any real node, short of float trouble
 
 
 @dataclass(frozen=True)
@@ -42,6 +49,7 @@ class ClusterConfig:
     disk_bw: float = 5e9
     net_bw: float = 12.5e9
     remote_latency_s: float = 0.001
+    gpu_bytes: float = 8 * 80e9
     pending_ttl_s: float = 60.0
     namespace: str = "sim"
     extra: dict[str, str] = field(default_factory=dict, compare=False)
@@ -49,11 +57,18 @@ class ClusterConfig:
     def __post_init__(self) -> None:
         if self.workers < 1:
             raise ValueError("a cluster needs at least 1 worker (--workers)")
-        if self.host_tokens < 0 or self.disk_tokens < 0:
-            raise ValueError("cache capacities must be >= 0 tokens")
+        if self.block_tokens < 1:
+            raise ValueError(f"block_tokens must be >= 1, got {self.block_tokens} (--block-tokens)")
+        for name in ("host_tokens", "disk_tokens"):
+            value = getattr(self, name)
+            if not 0 <= value <= MAX_TOKENS:
+                raise ValueError(
+                    f"{name} must be in [0, {MAX_TOKENS:.0e}] tokens per node, got {value} "
+                    f"(--{name.replace('_', '-')})"
+                )
         if self.host_tokens + self.disk_tokens < self.block_tokens:
             raise ValueError("each node needs room for at least one block (--host-tokens)")
-        for name in ("params", "prefill_flops", "host_bw", "disk_bw", "net_bw"):
+        for name in ("params", "prefill_flops", "host_bw", "disk_bw", "net_bw", "gpu_bytes"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"ClusterConfig.{name} must be positive")
 
@@ -70,6 +85,17 @@ class ClusterConfig:
     @property
     def hidden_size(self) -> int:
         return int(str(self._hf.get("hidden_size", self.layout.num_kv_heads * self.layout.head_dim)))
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        """Tokens of KV one worker's GPUs hold next to the weights: the longest prompt it serves."""
+        return max(0, int((self.gpu_bytes - 2 * self.params) // self.layout.bytes_per_token))
+
+    @property
+    def max_context_tokens(self) -> int | None:
+        """The model's ``max_position_embeddings``, if its config gives one."""
+        value = self._hf.get("max_position_embeddings")
+        return int(str(value)) if value is not None else None
 
     def worker_prefill(self) -> PrefillModel:
         """The modelled worker's true prefill speed (what the simulated GPUs take)."""
@@ -100,4 +126,5 @@ class ClusterConfig:
             "disk_tokens": self.disk_tokens, "block_tokens": self.block_tokens,
             "model": self.model, "kv_bytes_per_token": self.layout.bytes_per_token,
             "prefill_tokens_per_s": round(pm.tokens_per_s), "net_gbit_s": self.net_bw * 8 / 1e9,
+            "kv_capacity_tokens": self.kv_capacity_tokens,
         }

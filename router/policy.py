@@ -530,3 +530,8 @@ def make_policy(
     except KeyError:
         raise KeyError(f"unknown policy {name!r}: choose one of {sorted(POLICIES)}") from None
     return factory(cost, Sharing(sharing), **options)
+
+# Peers' rules subclass Policy, so they register after it exists.
+from router.policy_peers import PEER_POLICIES  # noqa: E402
+
+POLICIES.update(PEER_POLICIES)

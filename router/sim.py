@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import heapq
 import math
+from array import array
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -49,6 +50,19 @@ RESULT_COLUMNS = (
     "host_tokens", "disk_tokens", "remote_tokens", "queue_s", "fetch_s", "prefill_s", "ttft_s",
     "recompute_s", "reason", "est_ttft_s",
 )
+_INT_COLUMNS = frozenset(
+    ("request", "input_tokens", "cached_tokens", "gpu_tokens", "host_tokens", "disk_tokens",
+     "remote_tokens"))
+_TEXT_COLUMNS = frozenset(("worker", "reason"))
+
+
+def result_columns() -> dict[str, Any]:
+    """Empty per-request result columns: compact arrays for numbers (8 bytes a value), lists
+    of shared strings for the worker and the reason."""
+    return {
+        c: [] if c in _TEXT_COLUMNS else array("q" if c in _INT_COLUMNS else "d")
+        for c in RESULT_COLUMNS
+    }
 
 
 class SimIndex:
@@ -159,7 +173,9 @@ class Simulator:
         self._nodes = {w.info.worker_id: w.info.node for w in self.workers}
         self.pending = PendingBlocks(config.pending_ttl_s, clock=self._clock)
         self.hasher = TraceHasher(config.model, layout.fingerprint())
-        self.rows: dict[str, list[Any]] = {c: [] for c in RESULT_COLUMNS}
+        self.rows: dict[str, Any] = result_columns()
+        self.unfit: list[int] = []  # requests whose KV does not fit a worker's GPUs
+        self.kv_capacity = config.kv_capacity_tokens
         self._events: list[tuple[float, int, int]] = []
         self._jobs = 0
 
@@ -174,7 +190,10 @@ class Simulator:
         for req in requests:
             self._advance(req.arrival_s)
             self.now = max(self.now, req.arrival_s)
-            self._route(req)
+            if req.input_tokens > self.kv_capacity:
+                self.unfit.append(req.index)
+            else:
+                self._route(req)
             if progress is not None:
                 progress(1)
         self._advance(math.inf)
@@ -299,9 +318,11 @@ class Simulator:
 
 
 def global_lru(
-    requests: Sequence[TraceRequest], config: ClusterConfig, capacity_tokens: int | None = None
+    requests: Sequence[TraceRequest], config: ClusterConfig, capacity_tokens: int | None = None,
+    progress: Callable[[int], None] | None = None,
 ) -> float:
-    """Hit rate of one LRU pool with the whole cluster's capacity, in arrival order."""
+    """Hit rate of one LRU pool with the whole cluster's capacity, in arrival order (requests
+    that do not fit a worker are left out, as the replay leaves them out)."""
     layout = config.layout
     cap = capacity_tokens if capacity_tokens is not None else config.workers * (
         config.host_tokens + config.disk_tokens)
@@ -313,7 +334,12 @@ def global_lru(
     hasher = TraceHasher(config.model, layout.fingerprint())
     hit = total = 0
     bt = config.block_tokens
+    fits = config.kv_capacity_tokens
     for req in requests:
+        if progress is not None:
+            progress(1)
+        if req.input_tokens > fits:
+            continue
         hashes = hasher.hashes(req.hash_ids)
         k = pool.prefix_len(hashes)
         leases = [x.lease_id for x in pool.pin(hashes[:k], "lru") if x is not None]
@@ -326,24 +352,41 @@ def global_lru(
     return hit / total if total else 0.0
 
 
+@dataclass(frozen=True)
+class SimResult:
+    """What :func:`simulate` returns: the reference hit rate (``global_lru``; None when not
+    asked for) and, per policy, the per-request rows, each worker's busy seconds and the
+    requests that did not fit a worker (not replayed)."""
+
+    reference: float | None
+    rows: dict[str, dict[str, Any]]
+    busy: dict[str, list[float]]
+    unfit: dict[str, list[int]]
+
+
 def simulate(
     requests: Sequence[TraceRequest],
     config: ClusterConfig,
     policies: Sequence[str],
     sharing: Sharing | str = Sharing.GLOBAL,
     progress: Callable[[int], None] | None = None,
+    *,
+    reference: bool = True,
     **policy_options: Any,
-) -> tuple[float, dict[str, dict[str, list[Any]]], dict[str, list[float]]]:
-    """Run each policy on a fresh cluster; returns (global_lru hit rate, rows, busy seconds)."""
+) -> SimResult:
+    """Run each policy on a fresh cluster (and ``global_lru`` first unless ``reference`` is
+    False); ``progress(n)`` ticks once per request of each pass."""
     from router.policy import make_policy
 
-    reference = global_lru(requests, config)
-    rows: dict[str, dict[str, list[Any]]] = {}
+    ref = global_lru(requests, config, progress=progress) if reference else None
+    rows: dict[str, dict[str, Any]] = {}
     busy: dict[str, list[float]] = {}
+    unfit: dict[str, list[int]] = {}
     cost = config.cost_model()
     for name in policies:
         sim = Simulator(config, make_policy(name, cost, sharing, **policy_options.get(name, {})),
                         sharing)
         rows[name] = sim.run(requests, progress)
         busy[name] = sim.busy_seconds()
-    return reference, rows, busy
+        unfit[name] = sim.unfit
+    return SimResult(ref, rows, busy, unfit)

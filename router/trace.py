@@ -1,80 +1,295 @@
-"""Mooncake-format request traces, read with ``pyarrow.json``.
+"""Request traces the simulator replays: one in-memory form, two file formats.
 
-Each line: ``timestamp`` (ms from trace start), ``input_length``, ``output_length`` (tokens),
-``hash_ids`` (one id per ``block_tokens`` block; an id stands for its block *and every block
-before it*). The simulator turns ids into real chained :class:`~kvshare.types.BlockHash` es
-with a :class:`~kvshare.hasher.Hasher`, treating each id as one "token" of a one-token block:
-``h_i = H(h_{i-1}, id_i)``. Because an id already names its whole prefix, the same id
-always gets the same hash, so hashes are memoised per id.
+A :class:`Trace` is a sequence of :class:`TraceRequest` in arrival order, stored as flat
+numpy columns (a 685,767-request Mooncake trace takes ~150 MB, not the ~5 GB of Python
+objects). Block ids follow Mooncake's convention: one id per ``block_tokens`` block, and an id
+stands for its block *and every block before it* (equal ids mean an equal prefix). The
+simulator turns ids into real chained :class:`~kvshare.types.BlockHash` es with
+:class:`~kvshare.hasher.Hasher`, treating each id as one "token" of a one-token block:
+``h_i = H(h_{i-1}, id_i)``; because an id names its whole prefix, hashes are memoised per id.
+
+Formats (:func:`read_trace` detects them, or pass ``fmt``):
+
+- ``mooncake``: JSONL, one request a line (:mod:`router.trace_mooncake`).
+- ``agentic``: kv-cache-tester's per-conversation JSON files (:mod:`router.trace_agentic`).
+
+Every reader validates each row (:func:`validate`) and refuses bad input with a ValueError
+that names the row and what to change; nothing is replayed from a trace that fails.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import overload
 
-import pyarrow.json as pj
+import numpy as np
+import numpy.typing as npt
 
 from kvshare.hasher import Hasher
 from kvshare.types import BlockHash
 
-_REQUIRED = ("timestamp", "input_length", "hash_ids")
+FORMATS = ("mooncake", "agentic")
+MAX_ID = 2**32 - 1  # ids are hashed as u32 "tokens"
+_MEMO_LIMIT = 1 << 21  # memoised ids before the memo starts over (bounds memory, not results)
+I64 = npt.NDArray[np.int64]
+F64 = npt.NDArray[np.float64]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class TraceRequest:
+    """One request: ``index`` is its row in the source (file line, or request number for the
+    agentic format); ``user`` the concurrent user (conversation or sub-agent) that sent it."""
+
     index: int
     arrival_s: float
     input_tokens: int
     output_tokens: int
-    hash_ids: tuple[int, ...]
+    hash_ids: Sequence[int]
+    user: int = 0
 
 
-def read_trace(path: str | Path, limit: int | None = None) -> list[TraceRequest]:
-    """Requests of a Mooncake-format JSONL trace, in arrival order.
+@dataclass(frozen=True, eq=False)
+class Trace(Sequence[TraceRequest]):
+    """Requests in arrival order (ties in source order) as flat columns.
 
-    ValueError naming the problem if a required column is missing or a row is inconsistent.
+    ``starts[i]:ends[i]`` slices request ``i``'s ids out of ``ids``. ``warnings``: things the
+    reader accepted but a user should know (e.g. timestamps that look like seconds).
     """
-    p = Path(path)
-    if not p.is_file():
-        raise FileNotFoundError(f"trace {str(p)!r} not found (see ../shared/traces/SOURCES.md)")
-    table = pj.read_json(p)
-    missing = [c for c in _REQUIRED if c not in table.column_names]
-    if missing:
-        raise ValueError(f"trace {p.name} lacks column(s) {missing}: expected Mooncake format")
-    ts = table.column("timestamp").to_pylist()
-    lens = table.column("input_length").to_pylist()
-    outs = (
-        table.column("output_length").to_pylist()
-        if "output_length" in table.column_names else [0] * len(ts)
+
+    name: str
+    block_tokens: int
+    rows: I64
+    arrival_s: F64
+    input_tokens: I64
+    output_tokens: I64
+    ids: I64
+    starts: I64
+    ends: I64
+    users: I64
+    warnings: tuple[str, ...] = ()
+    meta: dict[str, float | int | str] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    @overload
+    def __getitem__(self, i: int) -> TraceRequest: ...
+    @overload
+    def __getitem__(self, i: slice) -> Sequence[TraceRequest]: ...
+    def __getitem__(self, i: int | slice) -> TraceRequest | Sequence[TraceRequest]:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        if i < 0:
+            i += len(self)
+        if not 0 <= i < len(self):
+            raise IndexError(i)
+        return TraceRequest(
+            int(self.rows[i]), float(self.arrival_s[i]), int(self.input_tokens[i]),
+            int(self.output_tokens[i]), self.ids[self.starts[i]:self.ends[i]].tolist(),
+            int(self.users[i]),
+        )
+
+    def __iter__(self) -> Iterator[TraceRequest]:
+        ids, starts, ends = self.ids, self.starts.tolist(), self.ends.tolist()
+        for i, (row, t, n, out, user) in enumerate(zip(
+            self.rows.tolist(), self.arrival_s.tolist(), self.input_tokens.tolist(),
+            self.output_tokens.tolist(), self.users.tolist(), strict=True,
+        )):
+            yield TraceRequest(row, t, n, out, ids[starts[i]:ends[i]].tolist(), user)
+
+    @property
+    def total_tokens(self) -> int:
+        return int(self.input_tokens.sum())
+
+
+def build_trace(
+    name: str, block_tokens: int, rows: I64, arrival_s: F64, input_tokens: I64,
+    output_tokens: I64, ids: I64, offsets: I64, users: I64 | None = None,
+    warnings: Sequence[str] = (), meta: dict[str, float | int | str] | None = None,
+) -> Trace:
+    """A :class:`Trace` from per-request columns in source order (``offsets``: n+1 bounds of
+    each request's ids in ``ids``); sorts by arrival, keeping source order for ties."""
+    order = np.argsort(arrival_s, kind="stable")
+    users = users if users is not None else np.zeros(len(rows), np.int64)
+    return Trace(
+        name, block_tokens, rows[order], arrival_s[order], input_tokens[order],
+        output_tokens[order], ids, offsets[:-1][order], offsets[1:][order], users[order],
+        tuple(warnings), dict(meta or {}),
     )
-    ids = table.column("hash_ids").to_pylist()
-    n = len(ts) if limit is None else min(limit, len(ts))
-    out = []
-    for i in range(n):
-        if lens[i] is None or lens[i] <= 0 or not ids[i]:
-            raise ValueError(f"trace {p.name} row {i}: needs input_length > 0 and hash_ids")
-        out.append(TraceRequest(i, float(ts[i]) / 1000.0, int(lens[i]), int(outs[i] or 0),
-                                tuple(int(x) for x in ids[i])))
-    out.sort(key=lambda r: (r.arrival_s, r.index))
-    return out
+
+
+def read_trace(
+    path: str | Path | Sequence[str | Path], limit: int | None = None, *,
+    fmt: str | None = None, block_tokens: int | None = None,
+    progress: Callable[[int], None] | None = None, **options: float | int | None,
+) -> Trace:
+    """The requests of a trace file or directory, validated, in arrival order.
+
+    ``path``: a file, a directory of agentic files, or several agentic files.
+    ``fmt``: ``mooncake`` or ``agentic`` (default: detected; a directory is agentic).
+    ``block_tokens``: tokens per hash id (default: the format's, 512 for Mooncake, the
+    ``block_size`` the agentic files declare). ``limit``: the first N requests of the source
+    (N >= 1). ``progress(n)``: bytes read (Mooncake). ``options``: the agentic replay's knobs
+    (:func:`router.trace_agentic.read_agentic`); None means that knob's default.
+    FileNotFoundError or ValueError naming what to change.
+    """
+    if limit is not None and limit < 1:
+        raise ValueError(f"limit must be >= 1 request, got {limit} (drop --limit to replay all)")
+    if block_tokens is not None and block_tokens < 1:
+        raise ValueError(f"block_tokens must be >= 1, got {block_tokens} (--block-tokens)")
+    paths = [Path(path)] if isinstance(path, str | Path) else [Path(x) for x in path]
+    if not paths:
+        raise ValueError("no trace given")
+    for p in paths:
+        if not p.exists():
+            raise FileNotFoundError(
+                f"trace {str(p)!r} not found: pass a Mooncake-format JSONL file (e.g. "
+                "synthetic_trace.jsonl from github.com/kvcache-ai/Mooncake, FAST25-release/"
+                "traces) or kv-cache-tester JSON traces (a directory or files)"
+            )
+    fmt = fmt or detect_format(paths[0])
+    options = {k: v for k, v in options.items() if v is not None}
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown trace format {fmt!r}: choose one of {list(FORMATS)} (--format)")
+    if fmt == "mooncake":
+        if options:
+            raise ValueError(f"{sorted(options)} apply to the agentic format only (--format agentic)")
+        if len(paths) > 1:
+            raise ValueError("replay one Mooncake JSONL file at a time")
+        from router.trace_mooncake import read_mooncake
+
+        return read_mooncake(paths[0], limit, block_tokens or 512, progress)
+    from router.trace_agentic import read_agentic
+
+    return read_agentic(paths, limit, block_tokens, **options)  # type: ignore[arg-type]
+
+
+def detect_format(path: Path) -> str:
+    """``agentic`` for a directory, or a file holding one JSON object with a ``requests``
+    list; ``mooncake`` otherwise (JSONL: one request object a line)."""
+    if path.is_dir():
+        return "agentic"
+    with open(path, "rb") as f:
+        first = f.readline(1 << 26)
+    try:
+        obj = json.loads(first)
+    except ValueError:
+        obj = None
+    return "agentic" if isinstance(obj, dict) and isinstance(obj.get("requests"), list) else "mooncake"
+
+
+def validate(
+    source: str, rows: I64, arrival_s: F64, input_tokens: F64, output_tokens: F64, ids: F64,
+    offsets: I64, block_tokens: int, full_blocks_only: bool, what: str = "line",
+) -> None:
+    """Refuse the first bad row with a ValueError naming it and the fix.
+
+    Checks: timestamps present, finite, >= 0; ``input_length`` a whole number > 0;
+    ``output_length`` a whole number >= 0; ids whole numbers in [0, 2^32); one id per block:
+    ``len(hash_ids) == ceil(input_length / block_tokens)`` (``floor`` with
+    ``full_blocks_only``: formats that give ids for full blocks only). Values arrive as float64
+    with NaN for missing ones so that fractions and nulls are seen, not truncated.
+    """
+
+    def fail(mask: npt.NDArray[np.bool_], problem: Callable[[int], str], fix: str) -> None:
+        bad = np.flatnonzero(mask)
+        if bad.size:
+            i = int(bad[0])
+            more = f" (and {bad.size - 1} more)" if bad.size > 1 else ""
+            raise ValueError(f"trace {source} {what} {int(rows[i]) + 1}{more}: {problem(i)}; {fix}")
+
+    fail(~np.isfinite(arrival_s), lambda i: f"timestamp is {_show(arrival_s[i])}",
+         "every request needs a finite timestamp (ms from trace start)")
+    fail(arrival_s < 0, lambda i: f"timestamp {arrival_s[i]:g} is negative",
+         "timestamps count from the trace's start (>= 0)")
+    fail(~(input_tokens > 0) | (input_tokens != np.floor(input_tokens)),
+         lambda i: f"input_length is {_show(input_tokens[i])}",
+         "it must be a whole number of tokens > 0")
+    fail(~(output_tokens >= 0) | (output_tokens != np.floor(output_tokens)),
+         lambda i: f"output_length is {_show(output_tokens[i])}",
+         "it must be a whole number of tokens >= 0 (or absent)")
+    n_ids = np.diff(offsets)
+    if ids.size:
+        bad_id = ~((ids >= 0) & (ids <= MAX_ID) & (ids == np.floor(ids)))
+        owner = np.searchsorted(offsets, np.flatnonzero(bad_id), side="right") - 1
+        mask = np.zeros(len(rows), bool)
+        mask[owner] = True
+        fail(mask, lambda i: "a hash id is not a whole number in [0, 2^32)",
+             "hash ids are non-negative integers")
+    need = input_tokens // block_tokens if full_blocks_only else -(-input_tokens // block_tokens)
+    rule = "floor" if full_blocks_only else "ceil"
+    fits = _block_sizes(input_tokens, n_ids, full_blocks_only)
+    hint = (f"the ids fit --block-tokens {fits}" if fits
+            else "check that the ids belong to these prompts")
+    fail(n_ids != need,
+         lambda i: (f"{n_ids[i]} hash ids but input_length {int(input_tokens[i])} needs "
+                    f"{rule}({int(input_tokens[i])}/{block_tokens}) = {int(need[i])} at "
+                    f"{block_tokens}-token blocks"),
+         f"replay with the trace's block size ({hint})")
+
+
+def check_prefix_semantics(source: str, rows: I64, ids: I64, offsets: I64, what: str = "line") -> None:
+    """Refuse ids that break prefix semantics: one id must always follow the same id (or
+    always start a prompt), since an id stands for its whole prefix."""
+    if not ids.size:
+        return
+    parent = np.empty_like(ids)
+    parent[0] = -1
+    parent[1:] = ids[:-1]
+    parent[offsets[:-1][np.diff(offsets) > 0]] = -1
+    order = np.argsort(ids, kind="stable")
+    sid, spar = ids[order], parent[order]
+    clash = np.flatnonzero((sid[1:] == sid[:-1]) & (spar[1:] != spar[:-1]))
+    del parent, sid, spar
+    if clash.size:
+        k = int(clash[0])
+        first, second = int(order[k]), int(order[k + 1])
+        row_a, row_b = (int(rows[np.searchsorted(offsets, x, side="right") - 1]) for x in (first, second))
+        raise ValueError(
+            f"trace {source} {what} {row_b + 1}: hash id {int(ids[second])} follows a different "
+            f"prefix than at {what} {row_a + 1} (an id stands for its block and every block "
+            "before it); give distinct prefixes distinct ids"
+        )
+
+
+def _block_sizes(input_tokens: F64, n_ids: I64, full_blocks_only: bool) -> int | None:
+    """A power-of-two block size every row agrees with, if there is one."""
+    for b in (16, 32, 64, 128, 256, 512, 1024, 2048, 4096):
+        need = input_tokens // b if full_blocks_only else -(-input_tokens // b)
+        if np.array_equal(need, n_ids):
+            return b
+    return None
+
+
+def _show(x: float) -> str:
+    return "missing (null)" if np.isnan(x) else f"{x:g}"
 
 
 class TraceHasher:
-    """Memoised chained hashes of trace hash ids under one namespace root."""
+    """Memoised chained hashes of trace hash ids under one namespace root.
+
+    The memo holds at most ~2M ids and starts over when full: a hash is a pure function of
+    the id's prefix, so forgetting costs a recomputation, never a different answer.
+    """
 
     def __init__(self, model_id: str, layout_fingerprint: str, tenant_salt: str = "") -> None:
         self._hasher = Hasher(model_id, layout_fingerprint, 1, salt=tenant_salt)  # one id a block
         self.root = self._hasher.root
         self._memo: dict[int, BlockHash] = {}
 
-    def hashes(self, ids: tuple[int, ...]) -> list[BlockHash]:
+    def hashes(self, ids: Sequence[int]) -> list[BlockHash]:
         memo = self._memo
         j = 0
-        while j < len(ids) and ids[j] in memo:
+        n = len(ids)
+        while j < n and ids[j] in memo:
             j += 1
         out = [memo[x] for x in ids[:j]]
-        if j < len(ids):
+        if j < n:
+            if len(memo) > _MEMO_LIMIT:
+                memo.clear()
             parent = out[-1] if out else self.root
             new = self._hasher.hashes(ids[j:], parent=parent)
             for x, h in zip(ids[j:], new, strict=True):

@@ -134,7 +134,8 @@ def test_pending_blocks_count_only_for_their_own_worker_and_expire() -> None:
 
 # ---------------------------------------------------------------- policies
 def test_registry_has_every_policy_and_rejects_unknown_names() -> None:
-    assert set(POLICIES) == {"round_robin", "least_loaded", "prefix_affinity", "kv_overlap", "cost"}
+    assert set(POLICIES) == {"round_robin", "least_loaded", "prefix_affinity", "kv_overlap", "cost",
+                             "dynamo_kv", "llmd_precise", "ray_prefix"}
     with pytest.raises(KeyError, match="choose one of"):
         make_policy("random", cost_model())
 

@@ -77,8 +77,8 @@ def test_index_matches_the_pools_after_a_replay() -> None:
 
 def test_local_sharing_cost_policy_beats_mooncakes_local_cache_figure() -> None:
     reqs = read_trace(SYNTH)
-    _, rows, busy = simulate(reqs, ClusterConfig(), ["cost"], "local")
-    hit = summarize(rows["cost"], busy["cost"])["hit_rate"]
+    r = simulate(reqs, ClusterConfig(), ["cost"], "local", reference=False)
+    hit = summarize(r.rows["cost"], r.busy["cost"])["hit_rate"]
     assert hit >= 0.50, f"local-sharing hit rate {hit:.3f} < 0.50 (Mooncake local: ~0.265)"
 
 
@@ -88,7 +88,7 @@ def test_cli_all_policies_global_meets_targets(tmp_path: Path) -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "kvshare.cli", "sim", str(SYNTH), "--policy", "all",
          "--sharing", "global", "--json", "--no-progress", "--parquet", str(out)],
-        capture_output=True, text=True, timeout=170,
+        capture_output=True, text=True, timeout=400,
     )
     cpu = _children_cpu() - cpu0  # CPU seconds: robust to other tests sharing the cores
     assert proc.returncode == 0, proc.stderr
@@ -97,7 +97,8 @@ def test_cli_all_policies_global_meets_targets(tmp_path: Path) -> None:
     result = json.loads(lines[-1])
     ref = result["reference"]["global_lru_hit_rate"]
     pols = result["policies"]
-    assert set(pols) == {"round_robin", "least_loaded", "prefix_affinity", "kv_overlap", "cost"}
+    assert set(pols) == {"round_robin", "least_loaded", "prefix_affinity", "kv_overlap", "cost",
+                         "dynamo_kv", "llmd_precise", "ray_prefix"}
     for p in pols.values():
         assert {"hit_rate", "ttft_mean_s", "ttft_p99_s", "imbalance"} <= set(p)
     cost = pols["cost"]
@@ -105,9 +106,9 @@ def test_cli_all_policies_global_meets_targets(tmp_path: Path) -> None:
     others = [p for name, p in pols.items() if name != "cost"]
     assert cost["ttft_mean_s"] < min(p["ttft_mean_s"] for p in others)
     assert cost["ttft_p99_s"] <= min(p["ttft_p99_s"] for p in others)
-    assert cpu < 60, f"--policy all took {cpu:.0f} CPU s (target: under 60 s)"
+    assert cpu < 12 * len(pols), f"--policy all took {cpu:.0f} CPU s (target: 12 s a policy)"
     table = pq.read_table(out)
-    assert table.num_rows == 5 * 3993 and "ttft_s" in table.column_names
+    assert table.num_rows == len(pols) * 3993 and "ttft_s" in table.column_names
 
 
 def _children_cpu() -> float:

@@ -1,0 +1,71 @@
+"""llm-d's precise prefix-cache scorer plus its queue scorer, as a kvshare policy
+(``llmd_precise``).
+
+Sources: llm-d/llm-d-kv-cache ``pkg/kvcache/kvblock_scorer.go`` (``LongestPrefixScorer``:
+walk the request's blocks from block 0 while a pod holds each one; every held block adds
+the pod's best tier weight, ``DefaultKVCacheBackendConfig``: gpu 1.0, cpu 0.8, storage 0.3),
+llm-d/llm-d-inference-scheduler ``precise_prefix_cache`` scorer
+(``indexedScoresToNormalizedScoredPods``: min-max normalised over the pods that hold the first
+block, 1.0 when they all tie, 0 for pods holding nothing), the Gateway API Inference
+Extension's ``queue-scorer`` (``(max_q - q) / (max_q - min_q)`` over waiting requests, 1.0
+when equal) and the ``max-score-picker`` (highest weighted sum, ties at random). Weights: the
+precise-prefix guide's 2.0 for the prefix scorer and 1.0 for the queue scorer. The guide's
+``kv-cache-utilization-scorer`` is left out: a modelled prefill worker's GPU KV holds only its
+running prompt, so the scorer would not tell workers apart.
+
+Mapping onto kvshare's view: a pod is a worker; the blocks it holds are those on its own gpu
+and its node's host/disk pool (the index's view, plus the router's pending blocks); waiting
+requests are its requests in flight less the one running.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from typing import ClassVar
+
+from kvshare.cost import CostModel, Source
+from router.policy import Candidate, Policy, RouteRequest
+from router.sources import Sharing, SourceMap
+
+
+class LlmdPrecise(Policy):
+    """llm-d's precise-prefix-cache scorer + queue scorer, max-score picker."""
+
+    name: ClassVar[str] = "llmd_precise"
+
+    def __init__(
+        self,
+        cost: CostModel,
+        sharing: Sharing = Sharing.GLOBAL,
+        prefix_weight: float = 2.0,
+        queue_weight: float = 1.0,
+        tier_weights: tuple[float, float, float] = (1.0, 0.8, 0.3),
+        seed: int = 0,
+    ) -> None:
+        super().__init__(cost, sharing)
+        if not all(math.isfinite(w) and w >= 0 for w in (prefix_weight, queue_weight, *tier_weights)):
+            raise ValueError("llm-d scorer weights must be finite and >= 0")
+        self.prefix_weight, self.queue_weight = prefix_weight, queue_weight
+        self.tier_weights = tier_weights
+        self._rng = random.Random(seed)
+
+    def prefix_score(self, view: SourceMap, cand: Candidate) -> float:
+        """Tier-weighted length of the worker's consecutive prefix (``LongestPrefixScorer``)."""
+        w = self.tier_weights
+        return sum(w[src] * n for src, n in view.source_runs(
+            cand.info.worker_id, cand.info.node, Sharing.LOCAL) if src <= Source.LOCAL_DISK)
+
+    def _select(self, request: RouteRequest, view: SourceMap, cands: list[Candidate]) -> tuple[int, str]:
+        raw = [self.prefix_score(view, c) for c in cands]
+        held = [x for x in raw if x > 0]
+        lo, hi = (min(held), max(held)) if held else (0.0, 0.0)
+        prefix = [0.0 if x <= 0 else (1.0 if hi == lo else (x - lo) / (hi - lo)) for x in raw]
+        waiting = [max(0, c.load.running - 1) for c in cands]
+        qlo, qhi = min(waiting), max(waiting)
+        queue = [1.0 if qhi == qlo else (qhi - q) / (qhi - qlo) for q in waiting]
+        total = [self.prefix_weight * p + self.queue_weight * q for p, q in zip(prefix, queue, strict=True)]
+        best = max(total)
+        ties = [i for i, t in enumerate(total) if t == best]
+        return (ties[0] if len(ties) == 1 else self._rng.choice(ties)), (
+            "prefix" if prefix[ties[0]] > 0 else "queue")

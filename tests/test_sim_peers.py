@@ -1,0 +1,91 @@
+"""Today's peer routing rules (Dynamo's KV cost, llm-d's precise prefix scorer, Ray 2.60's
+PrefixCacheAffinityRouter): each scenario checks the rule's documented arithmetic."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from kvshare.cost import Bandwidths, CostModel, PrefillModel
+from kvshare.match import MatchResult, build_match
+from kvshare.types import BlockHash, Location, NodeId, Tier, WorkerId, node_location
+from kvshare.workers import WorkerInfo, WorkerLoad
+from router.policy import POLICIES, Candidate, RouteRequest, make_policy
+from router.policy_dynamo import sample_lowest
+from router.sources import SourceMap
+
+BT = 16
+NS = "m"
+HASHES = [BlockHash(i.to_bytes(32, "big")) for i in range(1, 9)]  # 8 blocks, 128 tokens
+
+
+def _cost() -> CostModel:
+    return CostModel(PrefillModel(1e-3, 0.0), Bandwidths(), BT, 1000)
+
+
+def _cand(i: int, queued: int = 0, running: int = 0, active: int = 0) -> Candidate:
+    info = WorkerInfo(WorkerId(f"w{i}"), NodeId(f"n{i}"), (NS,), f"http://w{i}")
+    return Candidate(info, WorkerLoad(info.worker_id, queued, running), active)
+
+
+def _held(layout: dict[Location, tuple[int, Tier]]) -> MatchResult:
+    return build_match([{loc: t for loc, (k, t) in layout.items() if i < k} for i in range(8)])
+
+
+REQ = RouteRequest(NS, HASHES, 128)
+
+
+def test_peer_rules_are_registered() -> None:
+    assert {"dynamo_kv", "llmd_precise", "ray_prefix"} <= set(POLICIES)
+
+
+def test_dynamo_cost_credits_host_and_disk_at_their_weights() -> None:
+    p = make_policy("dynamo_kv", _cost())
+    match = _held({node_location("n0"): (8, Tier.HOST), node_location("n1"): (8, Tier.DISK)})
+    view = SourceMap(match, {WorkerId("w0"): NodeId("n0"), WorkerId("w1"): NodeId("n1")})
+    c0, c1, c2 = _cand(0, queued=96), _cand(1), _cand(2, active=4)
+    # raw = (queued + 128) / 16; credit 0.75 x 8 host blocks, 0.25 x 8 disk; decode = active + 8
+    assert p.logit(REQ, view, c0) == pytest.approx((96 + 128) / 16 - 6 + 8)
+    assert p.logit(REQ, view, c1) == pytest.approx(8 - 2 + 8)
+    assert p.logit(REQ, view, c2) == pytest.approx(8 + 4 + 8)
+    assert p.choose(REQ, match, [c0, c1, c2]).worker == "w1"
+
+
+def test_dynamo_temperature_samples_by_normalised_cost() -> None:
+    rng = random.Random(1)
+    assert sample_lowest([3.0, 1.0, 2.0], 0.0, rng) == 1
+    picks = [sample_lowest([0.0, 10.0], 0.5, rng) for _ in range(2000)]
+    # p(second) = e^-2 / (1 + e^-2) = 0.119
+    assert 0.09 < picks.count(1) / 2000 < 0.15
+
+
+def test_llmd_scores_the_longest_consecutive_prefix_min_max_normalised() -> None:
+    p = make_policy("llmd_precise", _cost())
+    # w0 holds 8 blocks in host (0.8 each), w1 holds 2; both hold block 0
+    match = _held({node_location("n0"): (8, Tier.HOST), node_location("n1"): (2, Tier.HOST)})
+    nodes = {WorkerId(f"w{i}"): NodeId(f"n{i}") for i in range(3)}
+    view = SourceMap(match, nodes)
+    assert p.prefix_score(view, _cand(0)) == pytest.approx(6.4)
+    # equal queues: prefix decides (w0: 2*1 + 1 = 3 > w1: 2*0 + 1)
+    assert p.choose(REQ, match, [_cand(0), _cand(1), _cand(2)]).worker == "w0"
+    # w0 has the longest waiting queue: 2*1 + 0 = 2 still beats idle w2's 0 + 1 = 1
+    busy = [_cand(0, running=6), _cand(1, running=1), _cand(2, running=1)]
+    assert p.choose(REQ, match, busy).worker == "w0"
+
+
+def test_ray_router_follows_its_own_tree_of_routed_prompts() -> None:
+    p = make_policy("ray_prefix", _cost())
+    cands = [_cand(0), _cand(1), _cand(2)]
+    empty = build_match([{} for _ in range(8)])
+    first = p.choose(REQ, empty, cands)  # empty tree: smallest tenants, shortest queue
+    assert first.reason == "smallest_tenant"
+    # the same prompt again: its tree says the first replica has it, whatever the index says
+    again = p.choose(REQ, empty, cands)
+    assert (again.worker, again.reason) == (first.worker, "prefix_match")
+    # a prompt sharing < 10% with anything routed goes to a smallest tenant (not the first)
+    other = RouteRequest(NS, [BlockHash(bytes([9]) * 32)] * 1, 16)
+    assert p.choose(other, build_match([{}]), cands).worker != first.worker
+    # matched replicas: the shortest queue among them wins
+    cands2 = [_cand(0, running=3), _cand(1, running=0), _cand(2, running=0)]
+    assert p.choose(REQ, empty, cands2).worker == first.worker  # only it holds the prefix
