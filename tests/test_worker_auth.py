@@ -50,7 +50,8 @@ def env() -> Iterator[dict[str, Any]]:
     gateway = serve_app(create_app(router, parse_api_keys(KEYS, SECRET),
                                    worker_auth=WorkerAuth((NEW,))))
     try:
-        yield {"gw": gateway.url, "worker": server.endpoint, "router": router, "w": worker}
+        yield {"gw": gateway.url, "worker": server.endpoint, "router": router, "w": worker,
+               "server": server}
     finally:
         gateway.stop()
         server.stop()
@@ -95,3 +96,15 @@ def test_an_unauthenticated_or_forged_caller_gets_nothing(env: dict[str, Any]) -
     # through the gateway, a tenant naming B's salt (or B's name) reuses nothing of B's
     for key, forged in (("ka", "B"), ("kc", b_salt)):  # each tenant's first request
         assert via_gateway(env, key, cache_salt=forged)["reused_tokens"] == 0
+
+
+def test_a_standalone_worker_runs_no_idle_loop(env: dict[str, Any]) -> None:
+    """Without an index there is nothing to report: the reporter thread ends at once (it used
+    to spin on ``wait(0)`` and burn a core while the worker was idle)."""
+    import time
+
+    server = env["server"]
+    deadline = time.monotonic() + 10
+    while server._reporter.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not server._reporter.is_alive()
