@@ -350,6 +350,10 @@ def serve_from_args(args: argparse.Namespace) -> int:
 
         index = IndexClient.connect()
         workers: Any = IndexWorkers(index)
+        if getattr(args, "index_replica", False):  # routing reads a local copy (no actor call)
+            from actors.index.replica import IndexReplica
+
+            index = IndexReplica.follow(index)
         admin = ClusterAdmin()
     else:
         workers = static_workers(args.workers, args.namespace)
