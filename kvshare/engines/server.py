@@ -26,6 +26,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from kvshare.auth import WorkerAuth
 from kvshare.engines.metrics import WorkerCollector, worker_registry
 from kvshare.engines.openai_api import (
     BadRequest,
@@ -53,9 +54,11 @@ def _kv_summary(c: Completion) -> dict[str, Any]:
 
 def create_app(
     worker: ReferenceWorker, *, namespace: str, model_name: str, worker_id: str = "worker",
-    load: LoadTracker | None = None,
+    load: LoadTracker | None = None, auth: WorkerAuth | None = None,
 ) -> Any:
-    """The FastAPI app serving ``worker`` (through a :class:`WorkerRuntime`)."""
+    """The FastAPI app serving ``worker``; with ``auth`` tokens (:mod:`kvshare.auth`) the
+    completion endpoints and the stats answer 401 without ``Authorization: Bearer <token>``."""
+    auth = auth or WorkerAuth()
     app = FastAPI(title=f"kvshare reference worker {worker_id}")
     executor = ThreadPoolExecutor(1, thread_name_prefix="kvshare-engine")
     runtime = WorkerRuntime(worker, load=load, peer="gateway")
@@ -63,7 +66,17 @@ def create_app(
     tok = worker.engine.tokenizer
     eos = runtime.eos
 
+    def refused(request: Request) -> JSONResponse | None:
+        if auth.allows(request.headers.get("authorization")):
+            return None
+        return JSONResponse({"error": {
+            "message": "this worker serves requests routed by the kvshare gateway only: send "
+                       "Authorization: Bearer <worker token> (KVSHARE_WORKER_TOKENS)",
+            "type": "authentication_error", "code": "invalid_worker_token"}}, status_code=401)
+
     async def handle(request: Request, chat: bool) -> Any:
+        if (no := refused(request)) is not None:
+            return no
         try:
             body = await request.json()
         except json.JSONDecodeError:
@@ -132,7 +145,9 @@ def create_app(
         return {"ok": True, "worker_id": worker_id}
 
     @app.get("/v1/kvshare/stats")
-    async def stats() -> Any:
+    async def stats(request: Request) -> Any:
+        if (no := refused(request)) is not None:
+            return no
         return {"worker_id": worker_id, "namespace": namespace,
                 "counters": worker.counters.snapshot(), "client": runtime.client_counters(),
                 "load": tracker.as_dict()}
@@ -164,7 +179,7 @@ class WorkerServer:
     def __init__(
         self, worker: ReferenceWorker, info: WorkerInfo, *, model_name: str,
         registrar: WorkerRegistrar | None = None, host: str = "127.0.0.1", port: int = 0,
-        report_interval_s: float = 0.1,
+        report_interval_s: float = 0.1, auth: WorkerAuth | None = None,
     ) -> None:
         import uvicorn
 
@@ -176,7 +191,7 @@ class WorkerServer:
         self.load = LoadTracker()
         self.reporter = LoadReporter(registrar, self.info, self.load, report_interval_s)
         self.app = create_app(worker, namespace=info.namespaces[0], model_name=model_name,
-                              worker_id=str(info.worker_id), load=self.load)
+                              worker_id=str(info.worker_id), load=self.load, auth=auth)
         config = uvicorn.Config(self.app, host=host, port=self.port, log_level="warning",
                                 access_log=False, lifespan="off")
         self._server = uvicorn.Server(config)
