@@ -23,7 +23,7 @@ log = logging.getLogger(__name__)
 
 
 class IndexSink(Protocol):
-    """What a vLLM worker needs from the index (``actors.index_client.IndexClient`` has it)."""
+    """What a vLLM worker needs from the index (``actors.index.client.IndexClient`` has it)."""
 
     def register_worker(self, info: WorkerInfo) -> int: ...
 
