@@ -26,10 +26,10 @@ def is_vllm(info: WorkerInfo | None) -> bool:
 def forward_body(body: Mapping[str, Any], routed: Routed, info: WorkerInfo | None,
                  chat: bool) -> dict[str, Any]:
     """What to POST to the chosen worker for the client's ``body``."""
-    if not is_vllm(info):
-        return {**body, "kvshare": routed.kvshare_field()}
+    out = {k: v for k, v in body.items() if k not in ("kvshare", "cache_salt")}  # the tenant's,
+    if not is_vllm(info):  # not the client's
+        return {**out, "kvshare": routed.kvshare_field()}
     assert info is not None
-    out = {k: v for k, v in body.items() if k != "kvshare"}
     out["model"] = info.meta.get("model", out.get("model"))
     if routed.tenant.salt:
         out["cache_salt"] = routed.tenant.salt
