@@ -377,7 +377,7 @@ def serve_from_args(args: argparse.Namespace) -> int:
     }
     tokenizer: Any = None
     if getattr(args, "vllm_model", None):
-        from kvshare.engines.tokenizer import HFTokenizer
+        from kvshare.tokenizer import HFTokenizer
         from kvshare.vllm.worker import VllmKeys
 
         vk = VllmKeys.from_model(args.vllm_model, args.block_tokens, args.dtype)

@@ -65,7 +65,7 @@ class Gateway:
 
 @pytest.fixture(scope="module")
 def gateway(cluster: dict[str, Any]) -> Iterator[tuple[Gateway, Any]]:
-    from kvshare.engines.tokenizer import HFTokenizer
+    from kvshare.tokenizer import HFTokenizer
     from router.embed import CacheAwareRouter, RouterConfig
     from router.gateway import create_app
     from router.workers_view import IndexWorkers

@@ -10,8 +10,8 @@ from typing import Any
 
 import httpx
 import pytest
+from engine_helpers import BLOCK, SMALL, small_engine
 from http_helpers import serve_app
-from test_engine_helpers import BLOCK, SMALL, small_engine
 
 from kvshare.auth import WorkerAuth, tenant_salt
 from kvshare.client_local import LocalKVClient
@@ -105,6 +105,6 @@ def test_a_standalone_worker_runs_no_idle_loop(env: dict[str, Any]) -> None:
 
     server = env["server"]
     deadline = time.monotonic() + 10
-    while server._reporter.is_alive() and time.monotonic() < deadline:
+    while server.reporter.running and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not server._reporter.is_alive()
+    assert not server.reporter.running

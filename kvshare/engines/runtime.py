@@ -161,6 +161,11 @@ class LoadReporter:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="kvshare-load", daemon=True)
 
+    @property
+    def running(self) -> bool:
+        """Whether the report thread runs (never without a registrar)."""
+        return self._thread.is_alive()
+
     def start(self) -> None:
         if self.registrar is not None:  # standalone: no thread spinning on nothing
             self._thread.start()

@@ -16,8 +16,8 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from kvshare.engines.identity import path_identity
 from kvshare.hasher import Hasher
+from kvshare.identity import path_identity
 from kvshare.layout import KVLayout, normalize_dtype
 from kvshare.types import NodeId, WorkerId
 from kvshare.vllm.events import EventsConfig, KVEventsConsumer
@@ -30,7 +30,7 @@ from kvshare.workers import WorkerInfo
 @dataclass(frozen=True)
 class VllmKeys:
     """What a vLLM worker's share blocks are keyed by: the model identity (config, weights,
-    tokenizer, dtype; :func:`kvshare.engines.identity.path_identity`) and the KV layout.
+    tokenizer, dtype; :func:`kvshare.identity.path_identity`) and the KV layout.
     A gateway routing to the worker must hash with the same keys (:meth:`from_model`)."""
 
     identity: str
