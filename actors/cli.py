@@ -26,21 +26,17 @@ def _ray_env() -> None:
 
 def _connect(address: str | None, ray_namespace: str, start: bool) -> None:
     _ray_env()
-    import ray
+    from actors.deploy import connect
 
-    if address:
-        ray.init(address=address, namespace=ray_namespace, log_to_driver=False)
-        return
-    try:
-        ray.init(address="auto", namespace=ray_namespace, log_to_driver=False)
-    except ConnectionError:
+    def start_local() -> None:
         if not start:
-            raise ValueError("no running Ray cluster found: pass --address or run `kvshare up`") from None
+            raise ValueError("no running Ray cluster found: pass --address or run `kvshare up`")
         ray_bin = shutil.which("ray") or os.path.join(os.path.dirname(sys.executable), "ray")
         print("no Ray cluster is running: starting a local one (`ray stop` ends it)", file=sys.stderr)
         subprocess.run([ray_bin, "start", "--head", "--disable-usage-stats"], check=True,
                        stdout=subprocess.DEVNULL)
-        ray.init(address="auto", namespace=ray_namespace, log_to_driver=False)
+
+    connect(address, ray_namespace, start_local)
 
 
 def _up(args: argparse.Namespace) -> int:

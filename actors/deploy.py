@@ -11,7 +11,7 @@ adds namespaces to a running deployment. Other components find the pieces with
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -41,9 +41,11 @@ DEFAULT_LAYOUT = KVLayout(num_layers=4, num_kv_heads=4, head_dim=64, dtype="fp32
 _clients: dict[str, IndexClient] = {}
 
 
-def connect(address: str | None = None, ray_namespace: str = RAY_NAMESPACE) -> None:
-    """Attach this process to Ray: ``address``, else a running local cluster, else a new
-    embedded one. A process already connected stays as it is."""
+def connect(address: str | None = None, ray_namespace: str = RAY_NAMESPACE,
+            start: Callable[[], None] | None = None) -> None:
+    """Attach this process to Ray: ``address``, else a running local cluster, else (no
+    cluster runs) ``start()`` and then that cluster, or without ``start`` a new embedded one.
+    A process already connected stays as it is."""
     if ray.is_initialized():
         return
     if address:
@@ -52,6 +54,10 @@ def connect(address: str | None = None, ray_namespace: str = RAY_NAMESPACE) -> N
     try:
         ray.init(address="auto", namespace=ray_namespace, log_to_driver=False)
     except ConnectionError:
+        if start is not None:
+            start()
+            ray.init(address="auto", namespace=ray_namespace, log_to_driver=False)
+            return
         log.info("no running Ray cluster found: starting an embedded local one")
         ray.init(namespace=ray_namespace, log_to_driver=False)
 

@@ -15,6 +15,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from kvshare.block_io import BlockIO
 from kvshare.types import BlockHash, Tier
 
 # Where a planned block comes from, cheapest first.
@@ -150,10 +151,10 @@ class PagedKV:
         return self.page_table[index * per : (index + 1) * per]
 
 
-KVTarget = torch.Tensor | PagedKV
+KVTarget = torch.Tensor | PagedKV | BlockIO
 """Contiguous ``[layers, 2, kv_heads, tokens, head_dim]`` tensor, or paged KV."""
 
-KVSource = torch.Tensor | PagedKV | Sequence[tuple[torch.Tensor, torch.Tensor]]
+KVSource = torch.Tensor | PagedKV | BlockIO | Sequence[tuple[torch.Tensor, torch.Tensor]]
 """What ``store`` accepts: a KVTarget, or per-layer ``(keys, values)`` ``[1, H, T, D]``."""
 
 

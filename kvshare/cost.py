@@ -102,6 +102,33 @@ class PrefillModel:
         return cls(max(a, 1e-12), b)
 
 
+class PrefillTimings:
+    """Measured prefill timings ``(new_tokens, cached_tokens, seconds)``, the last
+    ``max_samples`` of them, refitted into a :class:`PrefillModel` every ``refit_every``.
+    Not thread-safe (callers that share one hold their own lock)."""
+
+    def __init__(self, refit_every: int, max_samples: int = 512,
+                 samples: Sequence[tuple[float, float, float]] = ()) -> None:
+        if refit_every < 1 or max_samples < 2:
+            raise ValueError("refit_every must be >= 1 and max_samples >= 2")
+        self.refit_every = refit_every
+        self.max_samples = max_samples
+        self.samples: list[tuple[float, float, float]] = list(samples)[-max_samples:]
+        self.seen = 0
+
+    def add(self, new_tokens: int, cached_tokens: int, seconds: float) -> PrefillModel | None:
+        """Record one timing (ignored unless ``new_tokens`` and ``seconds`` are positive);
+        the refitted model when this sample completes a round of ``refit_every``, else None."""
+        if new_tokens <= 0 or seconds <= 0:
+            return None
+        self.samples.append((float(new_tokens), float(cached_tokens), float(seconds)))
+        del self.samples[:-self.max_samples]
+        self.seen += 1
+        if self.seen % self.refit_every or len(self.samples) < 2:
+            return None
+        return PrefillModel.fit(self.samples)
+
+
 @dataclass(frozen=True)
 class Bandwidths:
     """Bytes per second per source, plus a fixed per-request setup latency per kind.

@@ -43,7 +43,7 @@ from typing import Any
 
 import numpy as np
 
-from kvshare.cost import Bandwidths, CostModel, PrefillModel
+from kvshare.cost import Bandwidths, CostModel, PrefillModel, PrefillTimings
 from kvshare.hasher import Hasher
 from kvshare.match import EMPTY_MATCH, MatchResult
 from kvshare.types import BlockHash, Tier, WorkerId, worker_location
@@ -102,16 +102,14 @@ class RoutingCore:
             raise ValueError("index_timeout_s and pending_ttl_s must be positive seconds")
         self.index = index
         self.index_timeout_s = index_timeout_s
-        self.refit_every = refit_every
         self._inputs = cost
         self._prefill: PrefillModel | None = None  # refitted from measured timings
+        self._timings = PrefillTimings(refit_every)
         model = self._model(cost)
         self.policy: Policy = make_policy(policy, model, cost.sharing, **dict(policy_options or {}))
         self._load_only = make_policy("least_loaded", model, cost.sharing)
         self.pending = PendingBlocks(pending_ttl_s)
         self.inflight = InFlight()
-        self._samples: list[tuple[float, float, float]] = []
-        self._seen = 0
         self._cands: dict[WorkerId, Candidate] = {}
         self._last_key: tuple[tuple[WorkerInfo, ...], list[tuple[WorkerLoad, int]]] = ((), [])
         self._last_cands: list[Candidate] = []
@@ -139,17 +137,13 @@ class RoutingCore:
 
     @property
     def prefill_samples(self) -> int:
-        return self._seen
+        return self._timings.seen
 
     def observe_prefill(self, new_tokens: int, cached_tokens: int, seconds: float) -> None:
         """A measured prefill; every ``refit_every`` samples the prefill model is refitted."""
-        if new_tokens <= 0 or seconds <= 0:
-            return
-        self._samples.append((float(new_tokens), float(cached_tokens), float(seconds)))
-        self._samples = self._samples[-512:]
-        self._seen += 1
-        if self._seen % self.refit_every == 0 and len(self._samples) >= 2:
-            self._prefill = PrefillModel.fit(self._samples)
+        fitted = self._timings.add(new_tokens, cached_tokens, seconds)
+        if fitted is not None:
+            self._prefill = fitted
             self._set(self._model(self._inputs), self._inputs.sharing)
 
     # ------------------------------------------------------------------ inputs

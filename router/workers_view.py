@@ -87,13 +87,21 @@ class IndexWorkers:
 
 
 class InFlight:
-    """Requests this router routed: prefill tokens until first token, blocks until done."""
+    """Requests this router routed: prefill tokens until first token, blocks until done.
 
-    def __init__(self, clock: Callable[[], float] = time.time, max_age_s: float = 600.0) -> None:
+    The other way round too: prefill work that drained (first token, or done) within
+    ``drain_window_s`` after a worker's last report is taken off that report's queued tokens
+    (the report is stale: it still counts it).
+    """
+
+    def __init__(self, clock: Callable[[], float] = time.time, max_age_s: float = 600.0,
+                 drain_window_s: float = 2.0) -> None:
         self._clock = clock
         self.max_age_s = max_age_s
+        self.drain_window_s = drain_window_s
         self._reqs: dict[str, tuple[WorkerId, int, int, float]] = {}  # rid -> (w, tokens, blocks, t)
         self._oldest = math.inf  # <= every request's time: sweep has nothing to do before it ages
+        self._drained: dict[WorkerId, list[tuple[float, int]]] = {}  # w -> [(when, tokens)]
 
     def __len__(self) -> int:
         return len(self._reqs)
@@ -107,19 +115,43 @@ class InFlight:
     def prefilled(self, rid: str) -> None:
         r = self._reqs.get(rid)
         if r is not None:
+            self._drain(r[0], r[1])
             self._reqs[rid] = (r[0], 0, r[2], r[3])
 
     def done(self, rid: str) -> None:
-        self._reqs.pop(rid, None)
+        r = self._reqs.pop(rid, None)
+        if r is not None:
+            self._drain(r[0], r[1])
+
+    def _drain(self, worker: WorkerId, tokens: int) -> None:
+        if tokens <= 0:
+            return
+        now = self._clock()
+        rows = [row for row in self._drained.get(worker, ()) if now - row[0] < self.drain_window_s]
+        rows.append((now, tokens))
+        self._drained[worker] = rows
+
+    def _fresh(self, report: WorkerLoad) -> WorkerLoad:
+        """``report`` less the prefill work that drained after it was taken."""
+        rows = self._drained.get(report.worker_id)
+        if not rows:
+            return report
+        now = self._clock()
+        gone = sum(n for at, n in rows if at > report.ts and now - at < self.drain_window_s)
+        if not gone:
+            return report
+        return WorkerLoad(report.worker_id, max(0, report.queued_prefill_tokens - gone),
+                          report.running, report.prefill_tokens_per_s, report.ts)
 
     def keep_only(self, workers: Collection[WorkerId]) -> None:
         """Forget the requests of every worker not in ``workers`` (removed or dead)."""
         self._reqs = {rid: r for rid, r in self._reqs.items() if r[0] in workers}
+        self._drained = {w: rows for w, rows in self._drained.items() if w in workers}
         self._oldest = min((r[3] for r in self._reqs.values()), default=math.inf)
 
     def drop(self, worker: WorkerId) -> None:
         """Forget ``worker``'s requests (it died)."""
-        self.keep_only({r[0] for r in self._reqs.values()} - {worker})
+        self.keep_only(({r[0] for r in self._reqs.values()} | set(self._drained)) - {worker})
 
     def sweep(self) -> None:
         """Forget requests older than ``max_age_s`` (a caller that never said done)."""
@@ -137,6 +169,8 @@ class InFlight:
         self, infos: Sequence[WorkerInfo], reports: Mapping[WorkerId, WorkerLoad]
     ) -> list[tuple[WorkerLoad, int]]:
         """:meth:`load` of every worker in ``infos`` (one pass over the requests)."""
+        if self._drained:
+            reports = {w: self._fresh(r) if w in self._drained else r for w, r in reports.items()}
         get = reports.get
         if not self._reqs:
             return [
@@ -173,6 +207,8 @@ class InFlight:
 
     def load(self, worker: WorkerId, report: WorkerLoad | None) -> tuple[WorkerLoad, int]:
         """The report plus this router's in-flight work sent after it; and active blocks."""
+        if report is not None and self._drained:
+            report = self._fresh(report)
         if not self._reqs and report is not None:
             return report, 0
         since = report.ts if report is not None else -1e18

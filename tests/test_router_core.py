@@ -40,7 +40,7 @@ from router.serve_request import (
     META_TOKENIZER,
     replica_worker_id,
 )
-from router.workers_view import IndexWorkers
+from router.workers_view import IndexWorkers, InFlight
 
 NS = "llm"
 BT = 16
@@ -215,3 +215,23 @@ def test_a_slow_or_unavailable_index_falls_back_to_pending_then_to_load(index: A
     _, warm = asyncio.run(go(request(SYSTEMS[1] + [3] * BT)))
     assert warm.decision.reason == f"fallback_{cause}_pending"
     assert warm.decision.worker == cold.decision.worker and warm.decision.cached_blocks > 0
+
+
+def test_in_flight_work_adds_to_a_report_and_drained_work_comes_off_a_stale_one() -> None:
+    now = [100.0]
+    inflight = InFlight(clock=lambda: now[0])
+    w = WORKERS[0]
+    report = WorkerLoad(w.worker_id, 1000, 1, TPS, 99.5)  # counts the request routed at 99
+    now[0] = 99.0
+    inflight.add("old", w.worker_id, 1000, 4)
+    now[0] = 100.0
+    inflight.add("new", w.worker_id, 300, 2)  # after the report: on top of it
+    [(load, blocks)] = inflight.loads([w], {w.worker_id: report})
+    assert (load.queued_prefill_tokens, load.running, blocks) == (1300, 2, 6)
+    now[0] = 100.5
+    inflight.done("old")  # drained after the report: the report still counts it
+    [(load, blocks)] = inflight.loads([w], {w.worker_id: report})
+    assert (load.queued_prefill_tokens, blocks) == (300, 2)
+    now[0] = 103.0  # past drain_window_s: a fresher report is due, the old one stands again
+    [(load, _)] = inflight.loads([w], {w.worker_id: report})
+    assert load.queued_prefill_tokens == 1300

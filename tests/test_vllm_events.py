@@ -26,11 +26,11 @@ from kvshare.vllm.presence import Presence  # noqa: E402
 from kvshare.workers import WorkerInfo  # noqa: E402
 from tests.vllm_helpers import (  # noqa: E402
     BLOCK,
+    HASHER,
     NS,
     PAGE,
     free_port,
     prompt_tokens,
-    root_for,
     share_hashes,
     tiny_model,
     wait_for,
@@ -79,7 +79,7 @@ class Worker:
         self.presence = Presence(self.info, index, self.load.load).start()
         cfg = EventsConfig(self.spec.events_endpoint, NS, BLOCK, PAGE,
                            replay_endpoint=self.spec.replay_endpoint)
-        self.consumer = KVEventsConsumer(cfg, self.presence, root_for).start()
+        self.consumer = KVEventsConsumer(cfg, self.presence, HASHER).start()
 
     def complete(self, tokens: list[int], salt: str = "") -> None:
         body: dict[str, Any] = {"model": self.spec.model, "prompt": tokens, "max_tokens": 1}
@@ -193,7 +193,7 @@ class _Sink:
         info = WorkerInfo(WorkerId(wid), NodeId("node-b"), (NS,))
         self.presence = Presence(info, index).start()
         cfg = EventsConfig(endpoint, NS, BLOCK, PAGE, replay_endpoint=replay)
-        self.consumer = KVEventsConsumer(cfg, self.presence, root_for)
+        self.consumer = KVEventsConsumer(cfg, self.presence, HASHER)
 
     def held(self, tokens: list[int]) -> int:
         loc = self.presence.location

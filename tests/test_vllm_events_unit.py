@@ -14,6 +14,7 @@ from vllm.distributed.kv_events import (  # noqa: E402
     KVEventBatch,
 )
 
+from kvshare.hasher import Hasher  # noqa: E402
 from kvshare.hashing import block_hashes, namespace_root  # noqa: E402
 from kvshare.types import Tier  # noqa: E402
 from kvshare.vllm.event_wire import (  # noqa: E402
@@ -51,7 +52,7 @@ def stored(hashes: list[int], parent: int | None, tokens: list[int], salt: str =
 
 
 def tracker() -> ShareBlocks:
-    return ShareBlocks(BLOCK, PAGE, root)
+    return ShareBlocks(Hasher("model-x", "layout-y", BLOCK), PAGE)
 
 
 def apply(sb: ShareBlocks, payload: bytes) -> list[tuple[bytes, Tier | None, Tier | None]]:

@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from kvshare.hashing import block_hashes, namespace_root
+from kvshare.hasher import Hasher
 from kvshare.types import BlockHash
 
 NS = "vllm-tiny"
@@ -33,13 +33,12 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def root_for(salt: str) -> BlockHash:
-    return namespace_root(MODEL_ID, LAYOUT_FP, salt)
+HASHER = Hasher(MODEL_ID, LAYOUT_FP, BLOCK)
 
 
 def share_hashes(tokens: list[int], salt: str = "") -> list[BlockHash]:
     """What the router computes for ``tokens`` (the consumer must publish the same)."""
-    return block_hashes(root_for(salt), tokens, BLOCK)
+    return HASHER.hashes(tokens, salt)
 
 
 def wait_for(what: Callable[[], Any], timeout_s: float = 15.0, every_s: float = 0.02) -> tuple[Any, float]:

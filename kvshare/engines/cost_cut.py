@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections import deque
 from collections.abc import Mapping, Sequence
 from importlib import import_module
 from typing import Any
@@ -33,9 +32,8 @@ class CostCut:
         self.layout = layout
         self._cost: Any = import_module("kvshare.cost")
         self._bw = self._cost.Bandwidths.from_measured(dict(bandwidths or {}))
-        self._samples: deque[tuple[float, float, float]] = deque(samples, maxlen=max_samples)
+        self._timings = self._cost.PrefillTimings(refit_every, max_samples, samples)
         self._lock = threading.Lock()
-        self._since_fit = 0
         self.refit_every = refit_every
         self._model: Any = None
         self._refit()
@@ -52,7 +50,7 @@ class CostCut:
     def _refit(self) -> None:
         cost = self._cost
         try:
-            prefill = cost.PrefillModel.fit(list(self._samples))
+            prefill = cost.PrefillModel.fit(self._timings.samples)
         except ValueError:
             prefill = cost.PrefillModel.from_tokens_per_s(5_000.0)
         self._model = cost.CostModel(prefill, self._bw, self.layout.block_tokens,
@@ -74,13 +72,8 @@ class CostCut:
 
     def observe(self, new_tokens: int, cached_tokens: int, seconds: float) -> None:
         """Record one prefill timing; the model is refitted every ``refit_every`` samples."""
-        if new_tokens <= 0 or seconds <= 0:
-            return
         with self._lock:
-            self._samples.append((float(new_tokens), float(cached_tokens), float(seconds)))
-            self._since_fit += 1
-            if self._since_fit >= self.refit_every:
-                self._since_fit = 0
+            if self._timings.add(new_tokens, cached_tokens, seconds) is not None:
                 self._refit()
 
     def __call__(self, prompt_tokens: int, sources: Sequence[str]) -> int:

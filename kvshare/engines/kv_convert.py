@@ -146,9 +146,12 @@ def pages_into_block(
 
 def block_into_target(block: Any, target: Any, index: int, layout: KVLayout) -> None:
     """Copy block ``index`` into a load target (contiguous tensor or :class:`PagedKV`)."""
+    from kvshare.block_io import BlockIO
     from kvshare.client_types import PagedKV
 
-    if isinstance(target, PagedKV):
+    if isinstance(target, BlockIO):
+        target.write_block(index, block_view(block, layout))
+    elif isinstance(target, PagedKV):
         block_into_pages(block, target.pages, target.block_pages(index, layout.block_tokens), layout)
     elif isinstance(target, torch.Tensor):
         check_contiguous(target, layout, (index + 1) * layout.block_tokens)
@@ -162,8 +165,11 @@ def block_into_target(block: Any, target: Any, index: int, layout: KVLayout) -> 
 
 def source_tokens(source: Any) -> int:
     """How many tokens a store source holds."""
+    from kvshare.block_io import BlockIO
     from kvshare.client_types import PagedKV
 
+    if isinstance(source, BlockIO):
+        return source.num_tokens
     if isinstance(source, PagedKV):
         return len(source.page_table) * int(source.pages[0].shape[2])
     if isinstance(source, torch.Tensor):
@@ -173,9 +179,12 @@ def source_tokens(source: Any) -> int:
 
 def block_from_source(source: Any, index: int, out: Any, layout: KVLayout) -> None:
     """Copy block ``index`` of a store source (contiguous, paged, or per-layer) into ``out``."""
+    from kvshare.block_io import BlockIO
     from kvshare.client_types import PagedKV
 
-    if isinstance(source, PagedKV):
+    if isinstance(source, BlockIO):
+        source.read_block(index, block_view(out, layout))
+    elif isinstance(source, PagedKV):
         pages_into_block(source.pages, source.block_pages(index, layout.block_tokens), out, layout)
     elif isinstance(source, torch.Tensor):
         contiguous_into_block(source, index, out, layout)
@@ -187,10 +196,14 @@ def block_from_source(source: Any, index: int, out: Any, layout: KVLayout) -> No
 
 def check_source(source: Any, layout: KVLayout) -> None:
     """ValueError naming the fix if ``source`` cannot be stored under ``layout``."""
+    from kvshare.block_io import BlockIO
     from kvshare.client_types import PagedKV
 
     L, _, H, _, D = layout.block_shape
     dtype = torch_dtype(layout)
+    if isinstance(source, BlockIO):
+        source.check(layout, 0)
+        return
     if isinstance(source, torch.Tensor):
         check_contiguous(source, layout, 0)
         return
@@ -225,8 +238,12 @@ def check_source(source: Any, layout: KVLayout) -> None:
 
 def check_target(target: Any, layout: KVLayout, tokens: int) -> None:
     """ValueError naming the fix if ``target`` cannot receive ``tokens`` tokens of ``layout``."""
+    from kvshare.block_io import BlockIO
     from kvshare.client_types import PagedKV
 
+    if isinstance(target, BlockIO):
+        target.check(layout, tokens)
+        return
     if isinstance(target, torch.Tensor):
         check_contiguous(target, layout, tokens)
         return

@@ -26,9 +26,6 @@ import msgspec
 VllmHash = int | bytes
 """A vLLM block hash as published (``ExternalBlockHash``)."""
 
-_STORED_FIELDS = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id",
-                  "medium", "lora_name", "extra_keys", "group_idx")
-_REMOVED_FIELDS = ("block_hashes", "medium", "group_idx")
 
 
 class MalformedEvents(ValueError):
@@ -70,7 +67,53 @@ class AllPagesCleared:
 
 PageEvent = PagesStored | PagesRemoved | AllPagesCleared
 
-_decoder = msgspec.msgpack.Decoder()
+
+class _Batch(msgspec.Struct, array_like=True):
+    ts: float
+    events: list[msgspec.Raw]
+
+
+# vLLM's event structs as this consumer reads them: typed decoding checks every field in C.
+# Tagged maps (vLLM 0.3x) and tagged arrays (older: same field order, tag first).
+class _StoredM(msgspec.Struct, tag="BlockStored"):
+    block_hashes: list[int | bytes]
+    parent_block_hash: int | bytes | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None = None
+    medium: str | None = None
+    lora_name: str | None = None
+    extra_keys: list[list[Any] | None] | None = None
+    group_idx: int | None = None
+
+
+class _RemovedM(msgspec.Struct, tag="BlockRemoved"):
+    block_hashes: list[int | bytes]
+    medium: str | None = None
+    group_idx: int | None = None
+
+
+class _ClearedM(msgspec.Struct, tag="AllBlocksCleared"):
+    pass
+
+
+class _StoredA(_StoredM, array_like=True, tag="BlockStored"):
+    pass
+
+
+class _RemovedA(_RemovedM, array_like=True, tag="BlockRemoved"):
+    pass
+
+
+class _ClearedA(_ClearedM, array_like=True, tag="AllBlocksCleared"):
+    pass
+
+
+_batch = msgspec.msgpack.Decoder(_Batch)
+_as_map = msgspec.msgpack.Decoder(_StoredM | _RemovedM | _ClearedM)
+_as_array = msgspec.msgpack.Decoder(_StoredA | _RemovedA | _ClearedA)
+_untyped = msgspec.msgpack.Decoder()
+_KNOWN = ("BlockStored", "BlockRemoved", "AllBlocksCleared")
 
 
 def decode_seq(frame: bytes) -> int:
@@ -83,81 +126,57 @@ def decode_seq(frame: bytes) -> int:
 def decode_batch(payload: bytes) -> tuple[float, list[PageEvent | None]]:
     """``(ts, events)`` of one ``KVEventBatch``; unknown event types are None."""
     try:
-        raw = _decoder.decode(payload)
+        batch = _batch.decode(payload)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise MalformedEvents(f"payload is not a KVEventBatch [ts, events, ...]: {exc}") from exc
+    return batch.ts, [decode_event(raw) for raw in batch.events]
+
+
+def decode_event(raw: bytes | msgspec.Raw) -> PageEvent | None:
+    """One msgpack-encoded event in either encoding; None for a type this consumer does not
+    know; MalformedEvents for a known type with bad fields."""
+    view = memoryview(raw)
+    first = view[0] if len(view) else 0
+    is_map = 0x80 <= first <= 0x8F or first in (0xDE, 0xDF)
+    try:
+        ev = (_as_map if is_map else _as_array).decode(raw)
+    except msgspec.ValidationError as exc:
+        try:
+            loose = _untyped.decode(raw)
+        except msgspec.DecodeError:
+            loose = None
+        tag = loose.get("type") if isinstance(loose, dict) else (
+            loose[0] if isinstance(loose, list) and loose else None)
+        if isinstance(tag, str) and tag not in _KNOWN:
+            return None
+        raise MalformedEvents(f"bad event: {exc}") from exc
     except msgspec.DecodeError as exc:
-        raise MalformedEvents(f"payload is not msgpack: {exc}") from exc
-    if isinstance(raw, dict):  # a batch encoded as a map (not what vLLM sends, but harmless)
-        raw = [raw.get("ts"), raw.get("events")]
-    if not isinstance(raw, list) or len(raw) < 2 or not isinstance(raw[1], list):
-        raise MalformedEvents("payload is not a KVEventBatch [ts, events, ...]")
-    ts = raw[0]
-    if not isinstance(ts, int | float):
-        raise MalformedEvents(f"KVEventBatch.ts is {type(ts).__name__}, expected a number")
-    return float(ts), [decode_event(ev) for ev in raw[1]]
+        raise MalformedEvents(f"event is not msgpack: {exc}") from exc
+    if isinstance(ev, _StoredM):
+        return _stored(ev)
+    if isinstance(ev, _RemovedM):
+        return PagesRemoved(tuple(ev.block_hashes), ev.medium or "GPU", _group(ev.group_idx))
+    return AllPagesCleared()
 
 
-def decode_event(ev: Any) -> PageEvent | None:
-    """One event in either encoding; None for a type this consumer does not know."""
-    if isinstance(ev, dict):
-        tag = ev.get("type")
-        fields = ev
-    elif isinstance(ev, list) and ev and isinstance(ev[0], str):
-        tag = ev[0]
-        names = _STORED_FIELDS if tag == "BlockStored" else _REMOVED_FIELDS
-        fields = dict(zip(names, ev[1:], strict=False))
-    else:
-        raise MalformedEvents(f"event is a {type(ev).__name__}, expected a tagged map or array")
-    if tag == "BlockStored":
-        return _stored(fields)
-    if tag == "BlockRemoved":
-        return PagesRemoved(_hashes(fields.get("block_hashes")), _medium(fields.get("medium")),
-                            _group(fields.get("group_idx")))
-    if tag == "AllBlocksCleared":
-        return AllPagesCleared()
-    return None
-
-
-def _stored(f: dict[str, Any]) -> PagesStored:
-    hashes = _hashes(f.get("block_hashes"))
-    parent = f.get("parent_block_hash")
-    if parent is not None and not isinstance(parent, int | bytes):
-        raise MalformedEvents("BlockStored.parent_block_hash must be an int, bytes or null")
-    tokens = f.get("token_ids")
-    if not isinstance(tokens, list) or not all(type(t) is int for t in tokens):
-        raise MalformedEvents("BlockStored.token_ids must be a list of ints")
-    size = f.get("block_size")
-    if type(size) is not int or size <= 0:
-        raise MalformedEvents(f"BlockStored.block_size must be a positive int, got {size!r}")
-    lora = f.get("lora_name")
-    if lora is not None and not isinstance(lora, str):
-        raise MalformedEvents("BlockStored.lora_name must be a string or null")
-    extra = f.get("extra_keys")
+def _stored(ev: _StoredM) -> PagesStored:
+    n = len(ev.block_hashes)
+    if ev.block_size <= 0:
+        raise MalformedEvents(f"BlockStored.block_size must be positive, got {ev.block_size}")
+    extra = ev.extra_keys
+    keys: tuple[tuple[Any, ...] | None, ...] | None = None
     if extra is not None:
-        if not isinstance(extra, list) or len(extra) != len(hashes):
+        if len(extra) != n:
             raise MalformedEvents("BlockStored.extra_keys must hold one entry per block hash")
-        extra = tuple(None if k is None else tuple(k) if isinstance(k, list) else (k,)
-                      for k in extra)
-    return PagesStored(hashes, parent, tokens, size, _medium(f.get("medium")), lora, extra,
-                       _group(f.get("group_idx")))
+        keys = tuple(None if k is None else tuple(k) for k in extra)
+    return PagesStored(tuple(ev.block_hashes), ev.parent_block_hash, ev.token_ids,
+                       ev.block_size, ev.medium or "GPU", ev.lora_name, keys,
+                       _group(ev.group_idx))
 
 
-def _hashes(value: Any) -> tuple[VllmHash, ...]:
-    if not isinstance(value, list) or not all(isinstance(h, int | bytes) for h in value):
-        raise MalformedEvents("block_hashes must be a list of ints or bytes")
-    return tuple(value)
-
-
-def _medium(value: Any) -> str:
-    if value is None:
-        return "GPU"  # vLLM's own cache; older versions leave it out
-    if not isinstance(value, str):
-        raise MalformedEvents(f"medium must be a string, got {type(value).__name__}")
-    return value
-
-
-def _group(value: Any) -> int:
+def _group(value: int | None) -> int:
     if value is None:
         return 0
-    if type(value) is not int or value < 0:
-        raise MalformedEvents(f"group_idx must be a non-negative int, got {value!r}")
+    if value < 0:
+        raise MalformedEvents(f"group_idx must be non-negative, got {value}")
     return value

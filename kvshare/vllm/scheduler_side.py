@@ -1,0 +1,233 @@
+"""The scheduler half of the connector: find cached blocks, plan loads and saves.
+
+Runs in vLLM's EngineCore process and never waits on the network: a prompt's lookup runs on a
+background thread (``get_num_new_matched_tokens`` answers None, "ask again", while it runs,
+after waiting at most ``lookup_wait_s``); loads are asynchronous (the request waits in
+``WAITING_FOR_REMOTE_KVS`` while the workers copy, other requests keep running).
+
+Per request: its full blocks' hashes (namespace root from the model keys and the request's
+``cache_salt``); what the cluster holds beyond vLLM's own prefix hit, cut by the cost model
+(:class:`kvshare.client.KVShareClient.lookup`); then, step by step, which new full blocks to
+save (blocks the cluster did not hold at lookup, once the forward pass has computed them).
+A request that had a save issued keeps its pages after it finishes until the workers report
+the save done (``request_finished`` returns True; vLLM frees on ``finished_sending``).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from kvshare.client_types import KVClient, Plan
+from kvshare.hashing import block_hashes
+from kvshare.types import BlockHash
+from kvshare.vllm.config import ModelKeys
+from kvshare.vllm.metadata import KVShareMetadata, LoadSpec, SaveSpec
+
+log = logging.getLogger(__name__)
+
+MAX_LOADS = 2
+"""Load attempts per request (a preempted request may load again once)."""
+
+
+@dataclass
+class _Req:
+    request: Any
+    root: BlockHash
+    hashes: list[BlockHash]
+    lookup: Future[Plan] | None = None
+    hit_tokens: int = 0  # prompt tokens the plan brings (capped below the last token)
+    saved_upto: int = 0  # blocks [0, saved_upto) are in the cluster or being saved
+    sources: dict[str, int] = field(default_factory=dict)
+    loading: tuple[int, ...] = ()  # pages of the load in flight
+    loads: int = 0  # load attempts; a failed one is never retried (no load/fail loops)
+    failed: bool = False
+
+
+class SchedulerSide:
+    """Plain class behind KVShareConnector's scheduler-role methods (no vLLM imports)."""
+
+    def __init__(self, client: KVClient, keys: ModelKeys, page_tokens: int, *, save: bool = True,
+                 lookup_wait_s: float = 0.02) -> None:
+        self.client = client
+        self.keys = keys
+        self.block_tokens = keys.layout.block_tokens
+        self.page_tokens = page_tokens
+        self.save = save
+        self.lookup_wait_s = lookup_wait_s
+        self._reqs: dict[str, _Req] = {}
+        self._loads: list[LoadSpec] = []
+        self._sending: set[str] = set()
+        self._lookups = ThreadPoolExecutor(1, thread_name_prefix="kvshare-lookup")
+        self._lock = threading.Lock()
+        self.counters: dict[str, float] = {}
+
+    def _count(self, key: str, n: int = 1) -> None:
+        with self._lock:
+            self.counters[key] = self.counters.get(key, 0) + n
+
+    # ------------------------------------------------------------------ lookups
+    def _state(self, request: Any) -> _Req | None:
+        """The request's state; None when it is not shared (LoRA, multimodal, too short)."""
+        rid = request.request_id
+        st = self._reqs.get(rid)
+        if st is not None:
+            return st
+        if getattr(request, "lora_request", None) is not None:
+            self._count("skipped_lora")
+            return None
+        if getattr(request, "mm_features", None):
+            self._count("skipped_multimodal")
+            return None
+        root = BlockHash(self.keys.root(getattr(request, "cache_salt", None)))
+        tokens = list(request.prompt_token_ids or [])
+        st = _Req(request, root, block_hashes(root, tokens, self.block_tokens))
+        self._reqs[rid] = st
+        return st
+
+    def num_new_matched_tokens(self, request: Any, num_computed: int) -> tuple[int | None, bool]:
+        """``get_num_new_matched_tokens``: tokens beyond ``num_computed`` the cluster brings."""
+        st = self._state(request)
+        if st is None or not st.hashes or st.failed or st.loads >= MAX_LOADS:
+            return 0, False
+        if st.lookup is None:
+            self._count("lookups")
+            st.lookup = self._lookups.submit(self._lookup, request.prompt_token_ids, st.hashes)
+        try:
+            plan = st.lookup.result(timeout=self.lookup_wait_s)
+        except FutureTimeout:
+            self._count("lookup_pending")
+            return None, False  # vLLM asks again next step: the scheduler does not wait
+        except Exception as exc:  # index or pools unreachable: a miss
+            log.warning("kvshare lookup failed for %s: %s", request.request_id, exc)
+            self._count("lookup_errors")
+            plan = Plan(self.client.namespace, len(st.hashes) * self.block_tokens,
+                        self.block_tokens, tuple(st.hashes), 0, (), f"lookup failed: {exc}")
+        st.saved_upto = max(st.saved_upto, plan.available_blocks)
+        if "unavailable" in plan.reason:
+            self._count("index_unavailable")
+        hit = min(plan.load_tokens, int(request.num_tokens) - 1)
+        if hit <= num_computed:
+            self._count("no_external_hit")
+            st.hit_tokens = 0
+            return 0, False
+        st.hit_tokens = hit
+        return hit - num_computed, True
+
+    def _lookup(self, tokens: Sequence[int], hashes: Sequence[BlockHash]) -> Plan:
+        t0 = time.perf_counter()
+        try:
+            return self.client.lookup(tokens, hashes)
+        finally:
+            with self._lock:
+                self.counters["lookup_seconds"] = (self.counters.get("lookup_seconds", 0.0)
+                                                   + time.perf_counter() - t0)
+
+    def update_state_after_alloc(self, request: Any, page_ids: Sequence[int],
+                                 num_external: int) -> None:
+        """Plan the asynchronous load of the external tokens into the allocated pages."""
+        if num_external <= 0:
+            return
+        st = self._reqs.get(request.request_id)
+        if st is None or st.lookup is None or not st.lookup.done() or not st.hit_tokens:
+            return
+        plan: Plan = st.lookup.result()
+        keep = st.hit_tokens - num_external  # vLLM's own prefix hit
+        n_blocks = -(-st.hit_tokens // self.block_tokens)
+        first = keep // self.block_tokens
+        used = replace(plan, blocks=plan.blocks[:n_blocks])
+        self._loads.append(LoadSpec(request.request_id, used.to_dict(), first, keep,
+                                    tuple(int(p) for p in page_ids)))
+        st.sources = {}
+        for b in used.blocks[first:]:
+            key = "disk" if b.tier.value == "disk" else (
+                "host" if b.transport == "shm" else "p2p")
+            st.sources[key] = st.sources.get(key, 0) + self.block_tokens
+        st.lookup = None  # a preempted request looks up again
+        st.loads += 1
+        st.loading = tuple(int(p) for p in page_ids)
+        self._count("load_requests")
+        self._count("load_tokens", num_external)
+
+    def hit_sources(self, request: Any, num_external: int) -> dict[str, int]:
+        """Tokens per source (``host``, ``disk``, ``p2p``) summing to ``num_external``."""
+        st = self._reqs.get(request.request_id)
+        if st is None or not st.sources or num_external <= 0:
+            return {}
+        out, left = {}, num_external
+        for key in ("host", "disk", "p2p"):
+            n = min(left, st.sources.get(key, 0))
+            if n:
+                out[key] = n
+                left -= n
+        if left and out:
+            last = next(reversed(out))
+            out[last] += left
+        return out
+
+    def update_connector_output(self, finished_recving: set[str], invalid_pages: set[int]) -> None:
+        """A load that left invalid pages marks its request: vLLM recomputes, we never retry."""
+        for rid in finished_recving:
+            st = self._reqs.get(rid)
+            if st is None:
+                continue
+            if invalid_pages and not invalid_pages.isdisjoint(st.loading):
+                st.failed = True
+                self._count("failed_loads")
+            st.loading = ()
+
+    # ------------------------------------------------------------------ per step
+    def build_meta(self, scheduled: dict[str, int], preempted: Sequence[str],
+                   page_ids_of: Any) -> KVShareMetadata:
+        """This step's loads and saves. ``scheduled``: tokens scheduled per request id;
+        ``page_ids_of(req_id)``: the request's pages in token order."""
+        meta = KVShareMetadata(loads=self._loads, busy=bool(scheduled),
+                               preempted=tuple(preempted))
+        self._loads = []
+        for rid in preempted:
+            st = self._reqs.get(rid)
+            if st is not None:  # its pages are gone: it will look up (and save) again
+                st.saved_upto = 0
+        if not self.save:
+            return meta
+        for rid, n in scheduled.items():
+            st = self._reqs.get(rid)
+            if st is None:
+                continue
+            req = st.request
+            done = min(int(req.num_computed_tokens) + int(n), len(req.all_token_ids))
+            full = done // self.block_tokens
+            if full <= st.saved_upto:
+                continue
+            if full > len(st.hashes):  # decode filled more blocks: extend the chain
+                tokens = list(req.all_token_ids)
+                start = len(st.hashes) * self.block_tokens
+                parent = st.hashes[-1] if st.hashes else None
+                st.hashes += block_hashes(st.root, tokens[start:full * self.block_tokens],
+                                          self.block_tokens, parent=parent)
+            pages = list(page_ids_of(rid))[: full * self.block_tokens // self.page_tokens]
+            meta.saves.append(SaveSpec(rid, tuple(bytes(h) for h in st.hashes[:full]),
+                                       st.saved_upto, tuple(int(p) for p in pages)))
+            st.saved_upto = full
+            self._sending.add(rid)
+            self._count("save_blocks", full - meta.saves[-1].start_block)
+        return meta
+
+    def request_finished(self, request: Any) -> bool:
+        """True when a save was issued for the request: vLLM keeps its pages until the
+        workers report it in ``finished_sending``."""
+        rid = request.request_id
+        self._reqs.pop(rid, None)
+        if rid in self._sending:
+            self._sending.discard(rid)
+            return True
+        return False
+
+    def close(self) -> None:
+        self._lookups.shutdown(wait=False, cancel_futures=True)

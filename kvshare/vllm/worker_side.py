@@ -1,0 +1,187 @@
+"""The worker half of the connector: copy blocks between the cluster and vLLM's pages.
+
+Runs in every vLLM worker process (one per TP rank). Loads go through the SDK's load thread
+(:meth:`kvshare.client.KVShareClient.start_load`) into the request's pages
+(:class:`~kvshare.vllm.paged.PagedRequestKV`); vLLM learns they are done from
+``get_finished`` (``finished_recving``) and which pages failed from
+``get_block_ids_with_load_errors`` (it recomputes from the first failed page: a fault is a
+recompute, never a wrong token). Saves are handed to the SDK's store thread after the
+forward pass (``wait_for_save`` returns at once); a request's pages stay allocated until its
+saves are done (``finished_sending``), and a preempted request's saves finish before vLLM
+reuses its pages (``handle_preemptions``).
+
+Tensor parallelism (*written, checked only on GPUs*): rank ``r`` writes heads
+``[r*H/tp, (r+1)*H/tp)`` of each loaded block; stores need every rank's heads in one block,
+which the pools cannot assemble yet, so TP>1 engines load but do not store (counted
+``store_skipped_tp``).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Mapping
+from concurrent.futures import FIRST_COMPLETED, Future, wait
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from kvshare.client_types import KVClient, LoadResult, Plan, StoreResult
+from kvshare.types import BlockHash
+from kvshare.vllm.config import ModelKeys
+from kvshare.vllm.metadata import KVShareMetadata, LoadSpec
+from kvshare.vllm.paged import PagedRequestKV, PageViews
+
+log = logging.getLogger(__name__)
+
+IDLE_WAIT_S = 0.002
+"""How long a step with no forward pass waits for a pending load (instead of spinning)."""
+
+
+class WorkerSide:
+    """Plain class behind KVShareConnector's worker-role methods."""
+
+    def __init__(self, client: Any, keys: ModelKeys, page_tokens: int, *, tp_rank: int = 0,
+                 tp_size: int = 1) -> None:
+        self.client: KVClient = client
+        self._client: Any = client
+        self.keys = keys
+        self.layout = keys.layout
+        self.page_tokens = page_tokens
+        self.tp_rank = tp_rank
+        self.tp_size = tp_size
+        self.pages: PageViews | None = None
+        self._loading: dict[str, tuple[Future[LoadResult], LoadSpec]] = {}
+        self._saving: dict[str, list[Future[StoreResult]]] = {}
+        self._saved: set[str] = set()  # had a save: vLLM waits for finished_sending
+        self._finished: set[str] = set()
+        self._errors: set[int] = set()
+        self._lock = threading.Lock()
+        self.counters: dict[str, float] = {}
+
+    def _count(self, key: str, n: float = 1) -> None:
+        with self._lock:
+            self.counters[key] = self.counters.get(key, 0) + n
+
+    def register(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
+        """``register_kv_caches``: views over vLLM's per-layer tensors (layout checked)."""
+        local = self.layout.num_kv_heads // self.tp_size
+        self.pages = PageViews.from_vllm(kv_caches, local_heads=local, head_dim=self.layout.head_dim,
+                                         page_tokens=self.page_tokens, head_start=self.tp_rank * local)
+        if len(self.pages.views) != self.layout.num_layers:
+            raise ValueError(f"vLLM registered {len(self.pages.views)} KV caches, the model has "
+                             f"{self.layout.num_layers} attention layers")
+        log.info("kvshare: %d layers of %s pages registered", len(self.pages.views), self.pages.kind)
+
+    def _views(self) -> PageViews:
+        if self.pages is None:
+            raise RuntimeError("register_kv_caches was not called")
+        return self.pages
+
+    def start_loads(self, meta: KVShareMetadata) -> None:
+        """``start_load_kv``: submit this step's loads (returns at once)."""
+        for spec in meta.loads:
+            if spec.req_id in self._loading:
+                continue
+            plan = Plan.from_dict(spec.plan)
+            sub = replace(plan, blocks=plan.blocks[spec.first_block:])
+            target = PagedRequestKV(self._views(), self.layout, spec.page_ids, spec.first_block,
+                                    spec.keep_tokens)
+            try:
+                fut = self._client.start_load(sub, target)
+            except Exception as exc:  # bad plan for these pages: recompute it all
+                log.warning("kvshare load of %s not started: %s", spec.req_id, exc)
+                fut = Future()
+                fut.set_exception(exc)
+            self._loading[spec.req_id] = (fut, spec)
+
+    def submit_saves(self, meta: KVShareMetadata) -> None:
+        """``wait_for_save``: hand this step's saves to the store thread (returns at once)."""
+        for spec in meta.saves:
+            self._saved.add(spec.req_id)
+            if self.tp_size > 1:
+                self._count("store_skipped_tp", len(spec.hashes) - spec.start_block)
+                continue
+            src = PagedRequestKV(self._views(), self.layout, spec.page_ids)
+            hashes = [BlockHash(h) for h in spec.hashes]
+            fut = self._client.store(range(len(hashes) * self.layout.block_tokens), src,
+                                     spec.start_block, hashes)
+            self._saving.setdefault(spec.req_id, []).append(fut)
+
+    def wait_preempted(self, meta: KVShareMetadata) -> None:
+        """``handle_preemptions``: finish the saves of requests about to lose their pages."""
+        for rid in meta.preempted:
+            for fut in self._saving.pop(rid, []):
+                self._result(fut)
+
+    def _result(self, fut: Future[StoreResult]) -> None:
+        try:
+            res = fut.result()
+        except Exception as exc:
+            log.warning("kvshare store failed: %s", exc)
+            self._count("store_errors")
+            return
+        self._count("saved_blocks", res.stored)
+
+    def finished(self, finished_req_ids: set[str], meta: KVShareMetadata | None
+                 ) -> tuple[set[str], set[str]]:
+        """``get_finished``: (saves done for finished requests, loads done)."""
+        if self._loading and (meta is None or not meta.busy):
+            wait([f for f, _ in self._loading.values()], timeout=IDLE_WAIT_S,
+                 return_when=FIRST_COMPLETED)
+        recving = set()
+        for rid, (fut, spec) in list(self._loading.items()):
+            if fut.done():
+                del self._loading[rid]
+                self._load_done(fut, spec)
+                recving.add(rid)
+        self._finished |= finished_req_ids & self._saved
+        sending = set()
+        for rid in list(self._finished):
+            futs = self._saving.get(rid, [])
+            if all(f.done() for f in futs):
+                for f in futs:
+                    self._result(f)
+                self._saving.pop(rid, None)
+                self._finished.discard(rid)
+                self._saved.discard(rid)
+                sending.add(rid)
+        return sending, recving
+
+    def _load_done(self, fut: Future[LoadResult], spec: LoadSpec) -> None:
+        """Count the load; pages of blocks that did not arrive become load errors."""
+        n = len(spec.plan["blocks"]) - spec.first_block
+        try:
+            res = fut.result()
+            good = res.loaded_blocks
+            self._count("load_seconds", res.seconds)
+            for o in res.failed:
+                self._count(f"load_failed_{o.reason or 'unknown'}")
+        except Exception as exc:
+            log.warning("kvshare load of %s failed: %s", spec.req_id, exc)
+            self._count("load_errors")
+            good = 0
+        self._count("load_blocks_ok", good)
+        if good >= n:
+            return
+        per = self.layout.block_tokens // self.page_tokens
+        first_page = (spec.first_block + good) * per
+        keep_pages = -(-spec.keep_tokens // self.page_tokens)
+        bad = spec.page_ids[max(first_page, keep_pages):(spec.first_block + n) * per]
+        self._count("failed_blocks", n - good)
+        with self._lock:
+            self._errors.update(int(p) for p in bad)
+
+    def load_errors(self) -> set[int]:
+        """``get_block_ids_with_load_errors`` (each reported once)."""
+        with self._lock:
+            out, self._errors = self._errors, set()
+        return out
+
+    def close(self) -> None:
+        for fut, _ in list(self._loading.values()):
+            fut.cancel()
+        for futs in self._saving.values():
+            for f in futs:
+                self._result(f)

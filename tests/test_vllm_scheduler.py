@@ -1,0 +1,190 @@
+"""Fast tier: KVShareConnector's scheduler side driven by vLLM's real Scheduler (no model).
+
+As upstream's connector unit tests do: a real ``vllm.v1.core.sched.scheduler.Scheduler`` on
+CPU, fake model-runner outputs. The connector is the real KVShareConnector with one change:
+its SDK client is the in-process :class:`~kvshare.client_local.LocalKVClient` over a
+TieredBlockPool (no Ray), so lookup -> async load -> recompute-on-failure -> save ->
+delay-free runs in seconds.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from kvshare.client_local import LocalKVClient
+from kvshare.engines.kv_convert import new_contiguous
+from kvshare.pool import TieredBlockPool
+from kvshare.pool_types import PoolConfig, TierSpec
+from kvshare.tiers.host import HostSlab
+from kvshare.types import BlockHash, Tier
+from kvshare.vllm.connector import KVShareConnector
+from kvshare.vllm.tiny_model import TinyModelSpec, build_tiny_llama
+
+BLOCK = 64
+PAGE = 32
+SPEC = TinyModelSpec(num_layers=2, hidden_size=128, num_heads=4, num_kv_heads=2,
+                     intermediate_size=256, vocab_size=512, max_position_embeddings=2048,
+                     dtype="float32")
+CLIENT: dict[str, LocalKVClient] = {}
+
+
+class LocalPoolConnector(KVShareConnector):
+    """KVShareConnector whose SDK client is an in-process pool (the test's only stand-in)."""
+
+    def _make_client(self) -> Any:
+        if "c" not in CLIENT:
+            lay = self.keys.layout
+            cfg = PoolConfig("t", lay, (TierSpec(Tier.HOST, 64 * lay.bytes_per_block),))
+            pool = TieredBlockPool(cfg, {Tier.HOST: HostSlab(lay.bytes_per_block, 64)})
+            CLIENT["c"] = LocalKVClient(pool, BlockHash(self.keys.root(None)))
+        return CLIENT["c"]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    if "KVShareLocalTest" not in KVConnectorFactory._registry:
+        KVConnectorFactory.register_connector("KVShareLocalTest", __name__, "LocalPoolConnector")
+    yield build_tiny_llama(str(tmp_path_factory.mktemp("m") / "tiny"), SPEC)
+    CLIENT.clear()
+
+
+def make_scheduler(model: str, block_tokens: int = BLOCK, **overrides: Any) -> Any:
+    from vllm.config import (
+        CacheConfig,
+        DeviceConfig,
+        KVTransferConfig,
+        ModelConfig,
+        SchedulerConfig,
+        VllmConfig,
+    )
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    mc = ModelConfig(model=model, dtype="float32", seed=0, hf_overrides=overrides)
+    vc = VllmConfig(
+        model_config=mc,
+        scheduler_config=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=1024,
+                                         max_model_len=1024, enable_chunked_prefill=True,
+                                         is_encoder_decoder=False),
+        cache_config=CacheConfig(block_size=PAGE, enable_prefix_caching=True),
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="KVShareLocalTest", kv_role="kv_both",
+            kv_connector_extra_config={"namespace": "t", "block_tokens": block_tokens}),
+        device_config=DeviceConfig("cpu"))
+    vc.cache_config.num_gpu_blocks = 200
+    kcc = KVCacheConfig(num_blocks=200, kv_cache_tensors=[], kv_cache_groups=[
+        KVCacheGroupSpec([f"model.layers.{i}.self_attn.attn" for i in range(2)],
+                         FullAttentionSpec(block_size=PAGE, num_kv_heads=2, head_size=32,
+                                           dtype=torch.float32))])
+    return Scheduler(vllm_config=vc, kv_cache_config=kcc, log_stats=True,
+                     structured_output_manager=StructuredOutputManager(vc), block_size=PAGE)
+
+
+def request(rid: str, tokens: list[int], max_tokens: int = 2) -> Any:
+    from vllm import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.request import Request
+
+    init_none_hash(sha256)
+    sp = SamplingParams(max_tokens=max_tokens)
+    sp.update_from_generation_config({}, 1)
+    return Request(request_id=rid, prompt_token_ids=tokens, sampling_params=sp,
+                   pooling_params=None, mm_features=None,
+                   block_hasher=get_request_block_hasher(PAGE, sha256))
+
+
+def output(reqs: list[Any], **kv: Any) -> Any:
+    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+
+    ids = [r.request_id for r in reqs]
+    return ModelRunnerOutput(
+        req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
+        sampled_token_ids=[[5] for _ in ids], logprobs=None, prompt_logprobs_dict={},
+        pooler_output=None, kv_connector_output=KVConnectorOutput(**kv) if kv else None)
+
+
+def tokens(seed: int, n: int = 4 * BLOCK + 5) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(10, 400) for _ in range(n)]
+
+
+def seed_pool(sched: Any, toks: list[int]) -> None:
+    """Store the prompt's full blocks in the in-process pool (what another engine did)."""
+    conn = sched.connector
+    client = CLIENT["c"]
+    kv = new_contiguous(conn.keys.layout, (len(toks) // BLOCK) * BLOCK)
+    kv.normal_()
+    client.store(toks, kv).result()
+
+
+def test_hit_loads_async_then_only_the_suffix_is_computed(model: str) -> None:
+    sched = make_scheduler(model)
+    toks = tokens(1)
+    seed_pool(sched, toks)
+    req = request("r1", toks)
+    sched.add_request(req)
+    out = sched.schedule()
+    assert out.num_scheduled_tokens == {}  # waiting for its KV, nothing computed
+    (load,) = out.kv_connector_metadata.loads
+    assert load.req_id == "r1" and load.keep_tokens == 0 and len(load.plan["blocks"]) == 4
+    assert len(load.page_ids) >= 4 * BLOCK // PAGE
+    sched.update_from_output(out, output([], finished_recving={"r1"}))
+    out = sched.schedule()
+    assert out.num_scheduled_tokens == {"r1": len(toks) - 4 * BLOCK}
+    assert out.kv_connector_metadata.saves == []  # the cluster already holds these blocks
+    assert sched.connector.counters["load_tokens"] == 4 * BLOCK
+
+
+def test_failed_pages_are_recomputed_and_never_reloaded(model: str) -> None:
+    sched = make_scheduler(model)
+    toks = tokens(2)
+    seed_pool(sched, toks)
+    sched.add_request(request("r2", toks))
+    out = sched.schedule()
+    (load,) = out.kv_connector_metadata.loads
+    bad = set(load.page_ids[BLOCK // PAGE:4 * BLOCK // PAGE])  # block 1 onwards failed
+    sched.update_from_output(out, output([], finished_recving={"r2"}, invalid_block_ids=bad))
+    out = sched.schedule()
+    assert out.num_scheduled_tokens == {"r2": len(toks) - BLOCK}  # from the first bad page
+    assert out.kv_connector_metadata.loads == []
+    assert sched.connector.counters["failed_loads"] == 1
+
+
+def test_new_blocks_are_saved_and_pages_kept_until_the_save_is_done(model: str) -> None:
+    sched = make_scheduler(model)
+    toks = tokens(3, 3 * BLOCK + 10)
+    req = request("r3", toks, max_tokens=1)
+    sched.add_request(req)
+    out = sched.schedule()
+    assert out.num_scheduled_tokens == {"r3": len(toks)}
+    (save,) = out.kv_connector_metadata.saves
+    assert (save.start_block, len(save.hashes)) == (0, 3)
+    assert len(save.page_ids) == 3 * BLOCK // PAGE
+    sched.update_from_output(out, output([req]))  # max_tokens=1: finished
+    assert "r3" in sched.requests  # pages held: the save is in flight
+    free_before = sched.kv_cache_manager.block_pool.get_num_free_blocks()
+    out = sched.schedule()
+    sched.update_from_output(out, output([], finished_sending={"r3"}))
+    assert "r3" not in sched.requests
+    assert sched.kv_cache_manager.block_pool.get_num_free_blocks() > free_before
+
+
+def test_bad_config_fails_at_start_up_naming_the_fix(model: str, tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"not a multiple of vLLM's --block-size 32.*e\.g\. 32"):
+        make_scheduler(model, block_tokens=48)
+    with pytest.raises(ValueError, match="sliding-window attention.*remove the KVShareConnector"):
+        make_scheduler(model, sliding_window=128)
+    with pytest.raises(ValueError, match="unknown kv_connector_extra_config keys"):
+        from kvshare.vllm.config import ConnectorSettings
+
+        ConnectorSettings.from_extra({"namespace": "t", "blocktokens": 64})
