@@ -238,11 +238,17 @@ def create_app(
         async def relay() -> AsyncIterator[bytes]:
             first = True
             try:
+                prev, tail = b"", list[bytes]()  # the last event (worker's figures), maybe split
                 async for chunk in resp.aiter_raw():
                     if first:
                         router.prefilled(routed.request_id)
                         first = False
+                    if tail or b'"kvshare"' in chunk:
+                        tail = tail or [prev]
+                        tail.append(chunk)
+                    prev = chunk
                     yield chunk
+                router.recent.finish_stream(routed.request_id, b"".join(tail))
             finally:
                 await resp.aclose()
                 router.finished(routed.request_id)

@@ -1,14 +1,15 @@
 """The last routing decisions a router made, for people to look at (the live page).
 
 A bounded ring of :class:`DecisionRecord`: what was decided, why, and the cost model's
-estimate of the TTFT it saves; a front end that hears back from the worker adds what the
-worker measured (:meth:`RecentDecisions.finish`: reused/computed tokens, prefill time and,
+estimate of the TTFT it saves; a front end that reads the worker's reply (plain or
+streamed) adds what the worker measured (:meth:`RecentDecisions.finish`: reused/computed tokens, prefill time and,
 when the worker reports one, its TTFT breakdown). Appending is O(1) and never blocks routing;
 nothing here feeds back into decisions.
 """
 
 from __future__ import annotations
 
+import json
 import time
 from collections import deque
 from collections.abc import Mapping
@@ -72,6 +73,19 @@ class RecentDecisions:
         t["prompt_tokens"] += prompt_tokens
         t["cached_blocks"] += d.cached_blocks
         t["est_ttft_saved_s"] += d.est_ttft_saved_s
+
+    def finish_stream(self, request_id: str, chunk: bytes) -> None:
+        """:meth:`finish` from a streamed reply: ``chunk`` holds server-sent events, the
+        last of which carries the worker's ``kvshare`` object; anything else is ignored."""
+        for line in reversed(chunk.splitlines()):
+            if line.startswith(b"data: {") and b'"kvshare"' in line:
+                try:
+                    kv = json.loads(line[6:]).get("kvshare")
+                except ValueError:
+                    return
+                if isinstance(kv, Mapping):
+                    self.finish(request_id, kv)
+                return
 
     def finish(self, request_id: str, kvshare: Mapping[str, Any]) -> None:
         """Attach the worker's own figures (its reply's ``kvshare`` object); unknown ids and

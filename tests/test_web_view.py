@@ -70,6 +70,10 @@ def test_recent_decisions_ring_tenants_and_worker_figures() -> None:
     newest = recent.snapshot()[0]
     assert newest["worker_stats"] == {"reused_tokens": 48.0, "prefill_s": 0.02}
     assert newest["breakdown"] == {"index_s": 0.001, "fetch_s": 0.004}
+    recent.finish_stream("r2", b'data: {"choices": []}\n\ndata: {"kvshare": {"ttft_s": 0.5}}\n\n'
+                                b"data: [DONE]\n\n")
+    recent.finish_stream("r2", b"data: {not json")  # ignored
+    assert recent.snapshot()[1]["worker_stats"] == {"ttft_s": 0.5}
     acme = recent.tenants["acme"]  # totals cover every decision, not just the ring
     assert acme["requests"] == 2 and acme["prompt_tokens"] == 170
     assert abs(acme["est_ttft_saved_s"] - 0.4) < 1e-9

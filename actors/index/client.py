@@ -223,10 +223,7 @@ class IndexClient:
 
     async def match_async(self, namespace: str, hashes: Sequence[BlockHash]) -> MatchResult:
         """Same as :meth:`match`, awaiting object refs (never blocks the event loop)."""
-        runs = await self.match_runs_async(namespace, hashes)
-        if not runs.available:
-            return MatchResult(runs.num_blocks, 0, {}, runs.unavailable)
-        return from_runs(runs.num_blocks, runs.runs)
+        return from_runs(*await self.match_runs_async(namespace, hashes))
 
     async def match_runs_async(self, namespace: str, hashes: Sequence[BlockHash]) -> HolderRuns:
         """:meth:`match_async` in run form ``(num_blocks, runs)`` (see :mod:`actors.index.runs`): what

@@ -46,8 +46,10 @@ Row = tuple[Tier | None, ...]
 Segs = tuple[tuple[int, int, int], ...]
 
 
-def from_runs(num_blocks: int, runs: Sequence[tuple[Holders, int]]) -> MatchResult:
-    """Expand runs into per-location prefixes, tier counts and per-block tiers."""
+def from_runs(num_blocks: int, runs: Sequence[tuple[Holders, int]],
+              unavailable: str = "") -> MatchResult:
+    """Expand runs into per-location prefixes, tier counts and per-block tiers (``from_runs(*r)``
+    of a :class:`HolderRuns` ``r`` keeps its ``unavailable``)."""
     segs: dict[str, Segs] = {}  # location -> ((start, length, tier code), ...)
     pos = 0
     empty: Segs = ()
@@ -62,7 +64,7 @@ def from_runs(num_blocks: int, runs: Sequence[tuple[Holders, int]]) -> MatchResu
         if done is None:
             done = built[seg] = _row(seg, pos)
         out[loc] = LocationMatch(loc, *done)  # type: ignore[index, arg-type]
-    return MatchResult(num_blocks, pos, out)
+    return MatchResult(num_blocks, pos, out, unavailable)
 
 
 def _row(seg: Segs, total: int) -> tuple[int, dict[Tier, int], Row]:
