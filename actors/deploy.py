@@ -30,6 +30,7 @@ from actors.config import (
 )
 from actors.index.client import IndexClient
 from actors.index.keeper import start_shard
+from kvshare.auth import cluster_secret
 from kvshare.layout import KVLayout
 from kvshare.tiers.host import SHM_DIR, shm_free_bytes
 
@@ -130,6 +131,7 @@ def deploy(
     if host_gb <= 0 or disk_gb < 0 or index_shards < 1:
         raise ValueError("need host_gb > 0, disk_gb >= 0 and index_shards >= 1")
     connect(address, ray_namespace)
+    cluster_secret(create=True)  # tenant salts and worker tokens derive from it (kvshare.auth)
     specs = namespace_specs(namespaces, namespace, host_gb, disk_gb, layout)
     settings = PoolSettings(namespaces=specs, disk_dir=disk_dir or "/tmp/kvshare-disk",
                             ray_namespace=ray_namespace, **pool_options)

@@ -83,6 +83,9 @@ def register(subparsers: Any) -> None:
     gw.add_argument("--address", default=None,
                     help="Ray cluster address: discover workers registered in the kvshare index")
     gw.add_argument("--policy", default=DEFAULT_POLICY, choices=sorted(POLICIES))
+    gw.add_argument("--index-replica", action="store_true",
+                    help="with --address: keep a replica of the index in the gateway, fed by the "
+                    "index's change stream, so routing makes no index call per request")
     gw.add_argument("--namespace", default="default", help="model namespace of the workers")
     gw.add_argument("--api-keys", default=None,
                     help="JSON file {api_key: {tenant, salt}}; without it any key is tenant 'default'")

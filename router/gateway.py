@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import secrets
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from typing import Any
@@ -30,6 +31,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from kvshare.auth import WorkerAuth, cluster_secret, secret_from_env, tenant_salt
 from kvshare.types import NodeId, WorkerId
 from kvshare.workers import WorkerInfo
 from router.admin_routes import add_admin_routes, checked_body, json_object
@@ -51,18 +53,26 @@ def error(status: int, message: str, etype: str = "invalid_request_error", code:
     return JSONResponse(body, status_code=status)
 
 
-def load_api_keys(path: str | None) -> dict[str, Tenant]:
+def load_api_keys(path: str | None, secret: bytes | None = None) -> dict[str, Tenant]:
     """``{key: {"tenant": name, "salt": s, "admin": false}}`` from a JSON file; the salt
-    defaults to the tenant's name so tenants are isolated unless two share a salt on purpose;
-    only keys with ``"admin": true`` may pin, unpin or prefetch."""
+    defaults to one derived from the cluster secret and the tenant's name
+    (:func:`kvshare.auth.tenant_salt`), so tenants are isolated unless two share a salt on
+    purpose and no salt can be guessed from a name; only keys with ``"admin": true`` may pin,
+    unpin or prefetch."""
     if path is None:
         return {}
     with open(path, encoding="utf-8") as f:
         raw = json.load(f)
-    return parse_api_keys(raw)
+    return parse_api_keys(raw, secret)
 
 
-def parse_api_keys(raw: Any) -> dict[str, Tenant]:
+_PROCESS_SECRET = secrets.token_hex(32).encode()  # when no cluster secret is set
+
+
+def parse_api_keys(raw: Any, secret: bytes | None = None) -> dict[str, Tenant]:
+    """See :func:`load_api_keys`; without ``secret`` the cluster's (:func:`kvshare.auth.cluster_secret`)
+    or, failing that, this process's random one (salts then change when it restarts)."""
+    secret = secret or cluster_secret() or _PROCESS_SECRET
     if not isinstance(raw, Mapping):
         raise ValueError("API keys must be a JSON object {key: {tenant, salt}}")
     out = {}
@@ -74,7 +84,9 @@ def parse_api_keys(raw: Any) -> dict[str, Tenant]:
         admin = spec.get("admin", False)
         if not isinstance(admin, bool):
             raise ValueError(f"API key entry for {key[:4]}...: 'admin' must be true or false")
-        out[str(key)] = Tenant(spec["tenant"], str(spec.get("salt", spec["tenant"])), admin)
+        salt = spec.get("salt")
+        out[str(key)] = Tenant(spec["tenant"], str(salt) if salt is not None
+                               else tenant_salt(secret, spec["tenant"]), admin)
     return out
 
 
@@ -99,12 +111,16 @@ def create_app(
     upstream_timeout_s: float = 300.0,
     admin: Any | None = None,
     limits: Limits | None = None,
+    worker_auth: WorkerAuth | None = None,
 ) -> FastAPI:
     """The gateway app around ``router``; ``api_keys`` empty = open (tenant ``default``);
     ``admin`` (an :class:`actors.admin.ClusterAdmin`) serves ``/v1/kvshare/*`` (501 without);
     ``limits`` bound every request body (:mod:`router.limits`, :mod:`router.requests`)."""
     keys = dict(api_keys or {})
     limits = limits or Limits()
+    if worker_auth is None:  # the connected cluster's workers' token, if any (kvshare.auth)
+        worker_auth = WorkerAuth.from_secret(cluster_secret())
+    to_worker = worker_auth.header()
     state: dict[str, httpx.AsyncClient] = {}
 
     @asynccontextmanager
@@ -200,9 +216,11 @@ def create_app(
         tried: set[WorkerId] = set()
         while True:
             d = routed.decision
-            fwd = {**body, "kvshare": routed.kvshare_field()}
+            fwd = {k: v for k, v in body.items() if k != "cache_salt"}  # the tenant's, not the client's
+            fwd["kvshare"] = routed.kvshare_field()
             try:
-                resp = await http.send(http.build_request("POST", f"{d.endpoint}{path}", json=fwd),
+                resp = await http.send(http.build_request("POST", f"{d.endpoint}{path}", json=fwd,
+                                                          headers=to_worker),
                                        stream=True)
                 break
             except httpx.HTTPError as exc:
@@ -332,6 +350,10 @@ def serve_from_args(args: argparse.Namespace) -> int:
 
         index = IndexClient.connect()
         workers: Any = IndexWorkers(index)
+        if getattr(args, "index_replica", False):  # routing reads a local copy (no actor call)
+            from actors.index.replica import IndexReplica
+
+            index = IndexReplica.follow(index)
         admin = ClusterAdmin()
     else:
         workers = static_workers(args.workers, args.namespace)
@@ -360,6 +382,11 @@ def serve_from_args(args: argparse.Namespace) -> int:
         cfg = RouterConfig(block_tokens=args.block_tokens, model_id=args.model_id,
                            layout_fingerprint=args.layout_fingerprint, **common)
     router = CacheAwareRouter(index, workers, cfg, tokenizer)
-    app = create_app(router, load_api_keys(args.api_keys), admin=admin)
+    secret = cluster_secret() if args.address else secret_from_env()
+    if secret is None:
+        log.warning("no cluster secret (KVSHARE_CLUSTER_SECRET): tenant salts are this "
+                    "process's own and no worker token is sent")
+    app = create_app(router, load_api_keys(args.api_keys, secret), admin=admin,
+                     worker_auth=WorkerAuth.from_secret(secret))
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0

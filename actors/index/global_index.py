@@ -41,6 +41,7 @@ from actors.index.arrow_io import (
     stored_group,
     validate_events,
 )
+from actors.index.feed import FeedReply, IndexFeed
 from actors.index.holders import TIER_BY_NAME, TIERS, HolderStates
 from actors.index.registry import WorkerRegistry
 from actors.index.runs import HolderRuns, Runs, from_runs
@@ -82,6 +83,7 @@ class GlobalIndex:
         self.counters = dict.fromkeys(
             ("applied", "stale", "duplicate", "gaps", "replaced", "dropped_locations"), 0
         )
+        self.feed: IndexFeed | None = None  # on once a replica follows (feed_since)
 
     # ------------------------------------------------------------------ namespaces
     def declare_namespace(self, namespace: str, hash_size: int = 32, layout_fingerprint: str = "") -> None:
@@ -91,7 +93,8 @@ class GlobalIndex:
             raise ValueError(f"hash_size must be 16 or 32 bytes, got {hash_size}")
         ns = self._ns.get(namespace)
         if ns is None:
-            self._ns[namespace] = BlockTable(namespace, hash_size, layout_fingerprint, self._s)
+            ns = self._ns[namespace] = BlockTable(namespace, hash_size, layout_fingerprint, self._s)
+            ns.feed = None if self.feed is None else self.feed.pending
             return
         if ns.hash_size != hash_size:
             raise ValueError(
@@ -489,6 +492,36 @@ class GlobalIndex:
             "pending_resync": sorted(self._resync),
             **self.counters,
         }
+
+    # ------------------------------------------------------------------ replicas
+    def feed_since(self, cursor: int) -> FeedReply:
+        """The changes after ``cursor`` for a replica (see :mod:`actors.index.feed`); the
+        first call turns the feed on. ``deltas`` is None when the reader must start over
+        from :meth:`feed_snapshot`."""
+        self._expire_workers()
+        if self.feed is None:
+            self.feed = IndexFeed()
+            for ns in self._ns.values():
+                ns.feed = self.feed.pending
+            return FeedReply(self.epoch, self.feed.cursor, None, self._hash_sizes())
+        nxt, deltas = self.feed.since(cursor)
+        return FeedReply(self.epoch, nxt, deltas, self._hash_sizes())
+
+    def feed_snapshot(self) -> FeedReply:
+        """The whole map as store deltas, current at the returned cursor."""
+        reply = self.feed_since(-1)  # turns the feed on; the cursor is now
+        names = self._s.loc_names
+        deltas: list[Any] = []
+        for ns in self._ns.values():
+            groups: dict[tuple[int, int], list[bytes]] = {}
+            for h, lid, code in ns.entries():
+                groups.setdefault((lid, code), []).append(h)
+            deltas.extend(("S", ns.name, names[lid], code, b"".join(hs))
+                          for (lid, code), hs in groups.items())
+        return reply._replace(deltas=deltas)
+
+    def _hash_sizes(self) -> dict[str, int]:
+        return {n: ns.hash_size for n, ns in self._ns.items()}
 
     def snapshot(self) -> pa.Table:
         """Every entry as rows (namespace, location, tier, hash, generation, seq)."""

@@ -72,6 +72,12 @@ class BlockTable:
             self.feed.append(("D", self.name, self._s.loc_names[lid], -1, keys))
         return n
 
+    def drop_keys(self, lid: int, hashes: bytes) -> int:
+        """Forget ``lid`` as holder of the packed ``hashes`` (a replica applying a drop)."""
+        drop = self._s.drop
+        n: int = self.map.update(hashes, lambda s: drop(s, lid))
+        return n
+
     # ------------------------------------------------------------------ reads
     def check(self, hashes: Sequence[BlockHash]) -> None:
         """ValueError unless ``hashes`` is a list of ``hash_size``-byte bytes."""

@@ -99,9 +99,9 @@ def parse_request(
             tokens = list(prompt)
         else:
             raise BadRequest("'prompt' must be a non-empty string or list of token ids")
-    salt = body.get("cache_salt")
-    if isinstance(extra, Mapping) and extra.get("cache_salt") is not None:
-        salt = extra["cache_salt"]
+    # a routed request's salt is the gateway's (kvshare.cache_salt, absent for an unsalted
+    # tenant): a client's own top-level cache_salt must not change its hashes
+    salt = extra.get("cache_salt") if isinstance(extra, Mapping) else body.get("cache_salt")
     if salt is not None and not isinstance(salt, str):
         raise BadRequest("cache_salt must be a string")
     return ParsedRequest(

@@ -26,6 +26,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from kvshare.auth import WorkerAuth
 from kvshare.engines.metrics import WorkerCollector, worker_registry
 from kvshare.engines.openai_api import (
     BadRequest,
@@ -95,9 +96,11 @@ def _kv_summary(c: Completion) -> dict[str, Any]:
 
 def create_app(
     worker: ReferenceWorker, *, namespace: str, model_name: str, worker_id: str = "worker",
-    load: LoadTracker | None = None,
+    load: LoadTracker | None = None, auth: WorkerAuth | None = None,
 ) -> Any:
-    """The FastAPI app serving ``worker``."""
+    """The FastAPI app serving ``worker``; with ``auth`` tokens (:mod:`kvshare.auth`) the
+    completion endpoints and the stats answer 401 without ``Authorization: Bearer <token>``."""
+    auth = auth or WorkerAuth()
     app = FastAPI(title=f"kvshare reference worker {worker_id}")
     executor = ThreadPoolExecutor(1, thread_name_prefix="kvshare-engine")
     tracker = load or LoadTracker()
@@ -138,7 +141,17 @@ def create_app(
     def finish_reason(c: Completion, req: ParsedRequest) -> str:
         return "stop" if c.tokens and c.tokens[-1] == eos and req.stop_eos else "length"
 
+    def refused(request: Request) -> JSONResponse | None:
+        if auth.allows(request.headers.get("authorization")):
+            return None
+        return JSONResponse({"error": {
+            "message": "this worker serves requests routed by the kvshare gateway only: send "
+                       "Authorization: Bearer <worker token> (KVSHARE_WORKER_TOKENS)",
+            "type": "authentication_error", "code": "invalid_worker_token"}}, status_code=401)
+
     async def handle(request: Request, chat: bool) -> Any:
+        if (no := refused(request)) is not None:
+            return no
         try:
             body = await request.json()
         except json.JSONDecodeError:
@@ -208,7 +221,9 @@ def create_app(
         return {"ok": True, "worker_id": worker_id}
 
     @app.get("/v1/kvshare/stats")
-    async def stats() -> Any:
+    async def stats(request: Request) -> Any:
+        if (no := refused(request)) is not None:
+            return no
         ld = tracker.snapshot(worker_id)
         return {"worker_id": worker_id, "namespace": namespace,
                 "counters": worker.counters.snapshot(), "client": client_counters(),
@@ -242,7 +257,7 @@ class WorkerServer:
     def __init__(
         self, worker: ReferenceWorker, info: WorkerInfo, *, model_name: str,
         registrar: WorkerRegistrar | None = None, host: str = "127.0.0.1", port: int = 0,
-        report_interval_s: float = 0.1,
+        report_interval_s: float = 0.1, auth: WorkerAuth | None = None,
     ) -> None:
         import uvicorn
 
@@ -255,7 +270,7 @@ class WorkerServer:
         self.worker = worker
         self.load = LoadTracker()
         self.app = create_app(worker, namespace=info.namespaces[0], model_name=model_name,
-                              worker_id=str(info.worker_id), load=self.load)
+                              worker_id=str(info.worker_id), load=self.load, auth=auth)
         config = uvicorn.Config(self.app, host=host, port=self.port, log_level="warning",
                                 access_log=False, lifespan="off")
         self._server = uvicorn.Server(config)
@@ -280,9 +295,9 @@ class WorkerServer:
 
     def _report_loop(self) -> None:
         registered = False
+        if self.registrar is None:
+            return  # standalone: nothing to report (a loop here burnt a core while idle)
         while not self._stop.wait(self.report_interval_s if registered else 0):
-            if self.registrar is None:
-                continue
             try:
                 if not registered:
                     self.registrar.register_worker(self.info)

@@ -17,6 +17,7 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
+from kvshare.auth import WorkerAuth, cluster_secret
 from kvshare.client import CutPolicy, KVShareClient, load_everything
 from kvshare.client_types import SOURCE_AUTO
 from kvshare.engines.cost_cut import CostCut, calibrate
@@ -91,6 +92,7 @@ class WorkerService:
             self.server = WorkerServer(
                 self.worker, self.info, model_name=model_name or namespace,
                 registrar=registrar, host=host, port=port,  # type: ignore[arg-type]
+                auth=WorkerAuth.from_secret(cluster_secret()),  # on a cluster: its token only
             )
             self.server.start()
             self.info = self.server.info
