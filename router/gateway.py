@@ -36,6 +36,7 @@ from kvshare.types import NodeId, WorkerId
 from kvshare.workers import WorkerInfo
 from router.admin_routes import add_admin_routes, checked_body, json_object
 from router.embed import CacheAwareRouter, Routed, RouterConfig, Tenant
+from router.forward import forward_body
 from router.limits import BodyLimit, Limits
 from router.policy import NoEligibleWorker
 from router.requests import AdminRequest, ChatRequest, CompletionRequest, RouteRequest, document
@@ -207,6 +208,10 @@ def create_app(
         except (ValueError, TypeError, AttributeError):
             pass  # not a kvshare worker: nothing to learn
 
+    async def worker_info(worker: WorkerId) -> WorkerInfo | None:
+        infos, _ = await router.workers.snapshot()
+        return next((i for i in infos if i.worker_id == worker), None)
+
     async def proxy(request: Request, path: str, chat: bool) -> Response:
         parsed = await parse(request, chat)
         if isinstance(parsed, JSONResponse):
@@ -216,8 +221,7 @@ def create_app(
         tried: set[WorkerId] = set()
         while True:
             d = routed.decision
-            fwd = {k: v for k, v in body.items() if k != "cache_salt"}  # the tenant's, not the client's
-            fwd["kvshare"] = routed.kvshare_field()
+            fwd = forward_body(body, routed, await worker_info(d.worker), chat)
             try:
                 resp = await http.send(http.build_request("POST", f"{d.endpoint}{path}", json=fwd,
                                                           headers=to_worker),
@@ -371,8 +375,17 @@ def serve_from_args(args: argparse.Namespace) -> int:
         "prefill_tokens_per_s": args.prefill_tokens_per_s,
         "bandwidths": Bandwidths.from_measured({**measured, **{k: v * 1e9 for k, v in gbps.items()}}),
     }
-    tokenizer = None
-    if args.engine_config:
+    tokenizer: Any = None
+    if getattr(args, "vllm_model", None):
+        from kvshare.engines.tokenizer import HFTokenizer
+        from kvshare.vllm.worker import VllmKeys
+
+        vk = VllmKeys.from_model(args.vllm_model, args.block_tokens, args.dtype)
+        cfg = RouterConfig(model_id=vk.identity, layout_fingerprint=vk.layout.fingerprint(),
+                           block_tokens=args.block_tokens,
+                           bytes_per_token=vk.layout.bytes_per_token, **common)
+        tokenizer = HFTokenizer(args.vllm_model)
+    elif args.engine_config:
         from kvshare.engines.hf import EngineConfig, model_keys
 
         keys = model_keys(EngineConfig(**json.loads(args.engine_config)))

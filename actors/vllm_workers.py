@@ -1,0 +1,162 @@
+"""vLLM workers as Ray actors pinned to nodes, and ``kvshare vllm start | list | stop``.
+
+Each worker is a named, detached actor ``kvshare-vllm-<id>`` in the kvshare Ray namespace,
+hard-pinned to its node; it runs :class:`kvshare.vllm.worker.VllmWorker` (the vLLM server
+process, its registration under the lease, its KV-events consumer) with the cluster's
+:class:`~actors.index.client.IndexClient`. ``stop`` unregisters each worker (its gpu-tier
+entries go at once), stops vLLM and kills the actor.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from collections.abc import Sequence
+from typing import Any
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from actors.config import RAY_NAMESPACE
+from kvshare.vllm.launch import VllmSpec
+from kvshare.vllm.worker import VllmWorker, VllmWorkerConfig
+
+PREFIX = "kvshare-vllm-"
+
+
+class VllmWorkerService:
+    """The body of :data:`VllmWorkerActor`."""
+
+    def __init__(self, config: VllmWorkerConfig) -> None:
+        from actors.index.client import IndexClient
+
+        node = ray.get_runtime_context().get_node_id()
+        self.config = VllmWorkerConfig(**{**config.__dict__, "node": config.node or node})
+        self.worker = VllmWorker(self.config, IndexClient.connect(config.ray_namespace))
+
+    def start(self, timeout_s: float = 300.0) -> str:
+        return self.worker.start(timeout_s)
+
+    def info(self) -> dict[str, Any]:
+        i = self.worker.info
+        return {"worker_id": i.worker_id, "node": i.node, "endpoint": i.endpoint,
+                "namespace": i.namespaces[0], "layout": i.layout_fingerprint,
+                "identity": self.worker.keys.identity, "block_tokens": self.config.block_tokens}
+
+    def stats(self) -> dict[str, Any]:
+        return self.worker.stats()
+
+    def stop(self) -> None:
+        self.worker.stop()
+
+
+VllmWorkerActor: Any = ray.remote(num_cpus=0, max_restarts=0)(VllmWorkerService)
+
+
+def start_workers(model: str, nodes: Sequence[str], *, namespace: str, block_tokens: int = 256,
+                  page_tokens: int = 32, kv_cache_gb: float = 1.0, max_model_len: int = 4096,
+                  num_blocks: int | None = None, connector: bool = False, dtype: str = "",
+                  base_port: int = 0, ray_namespace: str = RAY_NAMESPACE,
+                  timeout_s: float = 300.0) -> list[dict[str, Any]]:
+    """One vLLM worker per node id in ``nodes`` (vLLM servers start in parallel); returns
+    each worker's :meth:`VllmWorkerService.info`. Needs ``ray.init`` and a deployed index."""
+    from kvshare.engines.server import free_port
+
+    events_dir = tempfile.mkdtemp(prefix="kvshare-vllm-ev-", dir="/tmp")
+    actors = []
+    for i, node in enumerate(nodes):
+        spec = VllmSpec(model=os.path.abspath(model), port=base_port + i if base_port else free_port(),
+                        events_dir=events_dir, block_size=page_tokens, max_model_len=max_model_len,
+                        kv_cache_gb=kv_cache_gb, num_blocks=num_blocks)
+        wid = f"vllm-{node[:8]}-{spec.port}"
+        cfg = VllmWorkerConfig(wid, node, namespace, spec, block_tokens, dtype, connector,
+                               ray_namespace)
+        actors.append(VllmWorkerActor.options(
+            name=PREFIX + wid, namespace=ray_namespace, lifetime="detached",
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
+        ).remote(cfg))
+    try:
+        ray.get([a.start.remote(timeout_s) for a in actors], timeout=timeout_s + 60)
+    except Exception:
+        stop_workers(ray_namespace)
+        raise
+    return list(ray.get([a.info.remote() for a in actors]))
+
+
+def _named(ray_namespace: str) -> list[Any]:
+    names = ray.util.list_named_actors(all_namespaces=True)
+    return [ray.get_actor(e["name"], namespace=ray_namespace) for e in names
+            if e.get("namespace") == ray_namespace and str(e.get("name", "")).startswith(PREFIX)]
+
+
+def list_workers(ray_namespace: str = RAY_NAMESPACE) -> list[dict[str, Any]]:
+    return [dict(ray.get(a.info.remote(), timeout=30), **ray.get(a.stats.remote(), timeout=30))
+            for a in _named(ray_namespace)]
+
+
+def stop_workers(ray_namespace: str = RAY_NAMESPACE) -> int:
+    """Stop every vLLM worker of the deployment; returns how many."""
+    actors = _named(ray_namespace)
+    for a in actors:
+        try:
+            ray.get(a.stop.remote(), timeout=60)
+        except Exception as exc:  # a dead actor: its vLLM went with its process
+            print(f"stopping {a}: {exc}", file=sys.stderr)
+        ray.kill(a)
+    return len(actors)
+
+
+# ---------------------------------------------------------------------- CLI
+def _nodes(spec: str) -> list[str]:
+    nodes = ray.nodes()  # type: ignore[no-untyped-call]
+    alive = [n["NodeID"] for n in nodes if n.get("Alive") and n["Resources"].get("CPU", 0) > 0]
+    if spec == "all":
+        return alive
+    chosen = [s.strip() for s in spec.split(",") if s.strip()]
+    unknown = [n for n in chosen if n not in alive]
+    if unknown:
+        raise ValueError(f"unknown or dead node ids {unknown}; alive nodes with CPUs: {alive}")
+    return chosen
+
+
+def _cmd(args: argparse.Namespace) -> int:
+    from actors.cli import _connect
+
+    _connect(args.address, args.ray_namespace, start=False)
+    if args.vllm_cmd == "start":
+        infos = start_workers(args.model, _nodes(args.nodes), namespace=args.namespace,
+                              block_tokens=args.block_tokens, page_tokens=args.block_size,
+                              kv_cache_gb=args.kv_cache_gb, max_model_len=args.max_model_len,
+                              connector=args.connector, dtype=args.dtype,
+                              ray_namespace=args.ray_namespace)
+        print(json.dumps(infos, indent=2))
+    elif args.vllm_cmd == "list":
+        print(json.dumps(list_workers(args.ray_namespace), indent=2, default=str))
+    else:
+        print(f"stopped {stop_workers(args.ray_namespace)} vLLM worker(s)")
+    return 0
+
+
+def register(sub: Any) -> None:
+    """``kvshare vllm start | list | stop`` (a ``kvshare.commands`` plugin)."""
+    p = sub.add_parser("vllm", help="vLLM workers on the Ray cluster")
+    p.add_argument("--address", default=None, help="Ray cluster address (default: auto)")
+    p.add_argument("--ray-namespace", default=RAY_NAMESPACE)
+    vs = p.add_subparsers(dest="vllm_cmd", required=True)
+    st = vs.add_parser("start", help="one vLLM OpenAI server per node, registered, events wired")
+    st.add_argument("--model", required=True, help="local model directory")
+    st.add_argument("--nodes", default="all", help="'all' or comma-separated Ray node ids")
+    st.add_argument("--namespace", required=True, help="the kvshare namespace (kvshare up)")
+    st.add_argument("--block-tokens", type=int, default=256, help="kvshare share block")
+    st.add_argument("--block-size", type=int, default=32, help="vLLM --block-size")
+    st.add_argument("--kv-cache-gb", type=float, default=1.0, help="VLLM_CPU_KVCACHE_SPACE")
+    st.add_argument("--max-model-len", type=int, default=4096)
+    st.add_argument("--dtype", default="", help="vLLM --dtype (default: the model's)")
+    st.add_argument("--connector", action="store_true",
+                    help="load/store KV through the kvshare connector (kvshare.vllm.connector)")
+    vs.add_parser("list", help="the running vLLM workers and their event counters")
+    vs.add_parser("stop", help="stop every vLLM worker")
+    p.set_defaults(func=_cmd)

