@@ -242,7 +242,8 @@ class RoutingCore:
         plan = ranking.plan_of(worker)
         cached = plan.cached_tokens if plan is not None else 0
         self.pending.add(req.namespace, worker_location(worker), req.hashes, PENDING_TIER)
-        self.inflight.add(request_id, worker, req.num_tokens - cached, len(req.hashes))
+        self.inflight.add(request_id, worker, req.num_tokens - cached, len(req.hashes),
+                          counted_tokens=req.num_tokens)
 
     def prefilled(self, request_id: str) -> None:
         """The worker produced the first token: its prefill no longer loads the queue."""

@@ -102,26 +102,35 @@ class InFlight:
         self._reqs: dict[str, tuple[WorkerId, int, int, float]] = {}  # rid -> (w, tokens, blocks, t)
         self._oldest = math.inf  # <= every request's time: sweep has nothing to do before it ages
         self._drained: dict[WorkerId, list[tuple[float, int]]] = {}  # w -> [(when, tokens)]
+        # rid -> the tokens the worker's own report counts for it until its first token (the
+        # whole prompt: a worker queues a request's tokens before it knows its cache hit)
+        self._counted: dict[str, int] = {}
 
     def __len__(self) -> int:
         return len(self._reqs)
 
-    def add(self, rid: str, worker: WorkerId, prefill_tokens: int, blocks: int) -> None:
+    def add(self, rid: str, worker: WorkerId, prefill_tokens: int, blocks: int,
+            counted_tokens: int | None = None) -> None:
+        """``prefill_tokens`` load the worker until the first token; ``counted_tokens``
+        (default ``prefill_tokens``) are what the worker's reports count for this request
+        until then, and what its drain takes off a stale report."""
         at = self._clock()
         self._reqs[rid] = (worker, prefill_tokens, blocks, at)
+        self._counted[rid] = prefill_tokens if counted_tokens is None else counted_tokens
         if at < self._oldest:
             self._oldest = at
 
     def prefilled(self, rid: str) -> None:
         r = self._reqs.get(rid)
         if r is not None:
-            self._drain(r[0], r[1])
+            self._drain(r[0], self._counted.pop(rid, r[1]))
             self._reqs[rid] = (r[0], 0, r[2], r[3])
 
     def done(self, rid: str) -> None:
         r = self._reqs.pop(rid, None)
+        counted = self._counted.pop(rid, None)
         if r is not None:
-            self._drain(r[0], r[1])
+            self._drain(r[0], r[1] if counted is None else counted)
 
     def _drain(self, worker: WorkerId, tokens: int) -> None:
         if tokens <= 0:
@@ -146,6 +155,7 @@ class InFlight:
     def keep_only(self, workers: Collection[WorkerId]) -> None:
         """Forget the requests of every worker not in ``workers`` (removed or dead)."""
         self._reqs = {rid: r for rid, r in self._reqs.items() if r[0] in workers}
+        self._counted = {rid: n for rid, n in self._counted.items() if rid in self._reqs}
         self._drained = {w: rows for w, rows in self._drained.items() if w in workers}
         self._oldest = min((r[3] for r in self._reqs.values()), default=math.inf)
 
@@ -163,6 +173,7 @@ class InFlight:
         stale = [rid for rid, r in self._reqs.items() if now - r[3] > self.max_age_s]
         for rid in stale:
             del self._reqs[rid]
+            self._counted.pop(rid, None)
         self._oldest = min((r[3] for r in self._reqs.values()), default=math.inf)
 
     def loads(

@@ -235,3 +235,25 @@ def test_in_flight_work_adds_to_a_report_and_drained_work_comes_off_a_stale_one(
     now[0] = 103.0  # past drain_window_s: a fresher report is due, the old one stands again
     [(load, _)] = inflight.loads([w], {w.worker_id: report})
     assert load.queued_prefill_tokens == 1300
+
+
+def test_a_cached_request_drains_the_whole_prompt_its_worker_reported() -> None:
+    """A worker queues a request's whole prompt until its first token, cache hit or not; the
+    router expects only the uncached suffix to load it. When the request ends, a report taken
+    before that must lose the whole prompt, not just the suffix (else the holder of a prefix
+    looks busy with a full recompute and the next turn goes elsewhere)."""
+    now = [100.0]
+    inflight = InFlight(clock=lambda: now[0])
+    w = WORKERS[0]
+    inflight.add("hit", w.worker_id, 64, 40, counted_tokens=10_240)  # 40 blocks, 64 to prefill
+    report = WorkerLoad(w.worker_id, 10_240, 1, TPS, 100.2)  # the worker counts all 10,240
+    now[0] = 100.4
+    inflight.done("hit")
+    [(load, blocks)] = inflight.loads([w], {w.worker_id: report})
+    assert (load.queued_prefill_tokens, blocks) == (0, 0)
+    inflight.add("later", w.worker_id, 500, 2)  # no counted_tokens: the suffix is what counts
+    now[0] = 100.6
+    inflight.prefilled("later")
+    inflight.done("later")  # already drained at its first token: not drained twice
+    [(load, _)] = inflight.loads([w], {w.worker_id: WorkerLoad(w.worker_id, 900, 1, TPS, 100.5)})
+    assert load.queued_prefill_tokens == 400
