@@ -106,7 +106,7 @@ def shared_client(settings: ConnectorSettings, keys: ModelKeys) -> Any:
             settings.namespace, keys.layout, root, index_timeout_s=settings.index_timeout_s,
             ray_namespace=settings.ray_namespace, remote=settings.remote,
             load_deadline_s=settings.load_deadline_s, store_deadline_s=settings.store_deadline_s,
-            worker_id=f"vllm-{os.getpid()}", **extra)
+            worker_id=f"vllm-{os.getpid()}", node=settings.node or None, **extra)
         check_namespace(client.index, settings, keys)
         _CLIENTS[key] = client
         return client
