@@ -22,9 +22,11 @@ the same offered load for every router. Each trace block id becomes a fixed chun
 ``--chunk-tokens`` tokens (the traces' 1,024-token blocks scaled down), so conversations share
 exactly the prefixes the traces share. Between routers every server's prefix cache is reset.
 
-Hit rates come from the servers' own counters (``vllm:prefix_cache_hits`` / ``queries``;
-``external_prefix_cache_*`` for KV loaded through a connector, i.e. from pools: 0 here, the
-servers run without the kvshare connector). Last line: one JSON object.
+Hit rates are fractions of all prompt tokens, from the servers' own counters
+(``vllm:prompt_tokens_cached_by_source`` over ``vllm:prompt_tokens``): ``device`` is vLLM's own
+prefix cache; with the kvshare connector (on unless ``--no-connector``), ``host``/``disk`` is
+this node's pool and ``p2p`` another node's. Pools are cleared between routers too.
+Last line: one JSON object.
 """
 
 from __future__ import annotations
@@ -120,14 +122,18 @@ def workload(tokenizer: Any, args: argparse.Namespace) -> list[list[Turn]]:
     return convs
 
 
-_METRIC = re.compile(r"^(vllm:[a-z_]+_total)(?:\{[^}]*\})?\s+([0-9.eE+-]+)$", re.MULTILINE)
+_METRIC = re.compile(r'^(vllm:[a-z_]+_total)(?:\{([^}]*)\})?\s+([0-9.eE+-]+)$', re.MULTILINE)
+_SOURCE = re.compile(r'source="([a-z_]+)"')
 
 
 def counters(endpoints: list[str]) -> dict[str, float]:
+    """The servers' counters summed; ``prompt_tokens_cached_by_source`` per ``source``."""
     out: dict[str, float] = {}
     for url in endpoints:
-        for name, value in _METRIC.findall(httpx.get(f"{url}/metrics", timeout=30).text):
-            out[name] = out.get(name, 0.0) + float(value)
+        for name, labels, value in _METRIC.findall(httpx.get(f"{url}/metrics", timeout=30).text):
+            src = _SOURCE.search(labels or "")
+            key = f"{name}:{src.group(1)}" if src else name
+            out[key] = out.get(key, 0.0) + float(value)
     return out
 
 
@@ -189,10 +195,14 @@ async def run_router(name: str, handle: Any, convs: list[list[Turn]], args: argp
     out = await drive(handle, convs, args.max_tokens, tracker)
     after = counters(endpoints)
     d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
-    q = d.get("vllm:prefix_cache_queries_total", 0.0)
-    eq = d.get("vllm:external_prefix_cache_queries_total", 0.0)
-    out["own_hit"] = d.get("vllm:prefix_cache_hits_total", 0.0) / q if q else 0.0
-    out["pool_hit"] = d.get("vllm:external_prefix_cache_hits_total", 0.0) / eq if eq else 0.0
+    prompt = d.get("vllm:prompt_tokens_total", 0.0) or 1.0
+    by = "vllm:prompt_tokens_cached_by_source_total:"
+    # of all prompt tokens: from vLLM's own cache, this node's pool (host, disk tiers through
+    # the kvshare connector), other nodes (the connector's "p2p": another node's pool)
+    out["hit_vllm"] = d.get(by + "device", d.get("vllm:prefix_cache_hits_total", 0.0)) / prompt
+    out["hit_node_pool"] = (d.get(by + "host", 0.0) + d.get(by + "disk", 0.0)) / prompt
+    out["hit_other_nodes"] = d.get(by + "p2p", 0.0) / prompt
+    out["hit_unspecified"] = d.get(by + "external_unspecified", 0.0) / prompt
     return out
 
 
@@ -211,7 +221,7 @@ async def warm(handle: Any, replicas: int, tracker: Any) -> None:
             await tracker.on_request_completed(gen.request_id)
 
 
-def start(nodes: int, model: str) -> tuple[Any, list[dict[str, Any]]]:
+def start(nodes: int, model: str, connector: bool) -> tuple[Any, list[dict[str, Any]]]:
     """The cluster, kvshare on it, one vLLM server per node; ``ray.init`` connected."""
     import ray
     from ray.cluster_utils import Cluster
@@ -233,13 +243,14 @@ def start(nodes: int, model: str) -> tuple[Any, list[dict[str, Any]]]:
            ray_namespace=RAY_NS)
     ids = sorted(n["NodeID"] for n in ray.nodes() if n["Alive"] and "vllm_slot" in n["Resources"])
     return cluster, start_workers(model, ids, namespace=NS, block_tokens=BLOCK,
-                                  max_model_len=4096, ray_namespace=RAY_NS)
+                                  max_model_len=4096, connector=connector, ray_namespace=RAY_NS)
 
 
 def summary(name: str, r: dict[str, Any]) -> dict[str, Any]:
     t = np.asarray(r["ttft"])
     return {"router": name, "requests": len(t), "failed": r["failed"],
-            "hit_own_vllm": round(r["own_hit"], 4), "hit_pool": round(r["pool_hit"], 4),
+            **{k: round(r[k], 4) for k in ("hit_vllm", "hit_node_pool", "hit_other_nodes",
+                                             "hit_unspecified")},
             "ttft_p50_s": round(float(np.percentile(t, 50)), 4),
             "ttft_p99_s": round(float(np.percentile(t, 99)), 4),
             "completed_per_s": round(len(t) / r["wall_s"], 3), "per_worker": r["per_worker"]}
@@ -257,6 +268,8 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--routers", default=",".join(ROUTERS))
+    ap.add_argument("--no-connector", dest="connector", action="store_false",
+                    help="servers without the kvshare connector (vLLM's own cache only)")
     args = ap.parse_args()
     names = [n for n in args.routers.split(",") if n]
     unknown = sorted(set(names) - set(ROUTERS))
@@ -276,9 +289,10 @@ def main() -> int:
     n_tok = [len(t.ids) for c in convs for t in c]
     print(f"{len(convs)} conversations x {args.turns} turns, prompts {min(n_tok)}-{max(n_tok)} "
           f"tokens (mean {np.mean(n_tok):.0f})", file=sys.stderr)
-    cluster, infos = start(args.replicas, model)
+    cluster, infos = start(args.replicas, model, args.connector)
     from ray import serve
 
+    from actors import admin
     from actors.deploy import shutdown
     from actors.vllm_workers import stop_workers
     from router.serve_vllm import vllm_app
@@ -290,8 +304,9 @@ def main() -> int:
         print(f"cluster, kvshare, {len(infos)} vLLM servers up in "
               f"{time.perf_counter() - t_start:.0f}s", file=sys.stderr)
         for name in names:
-            for url in endpoints:
+            for url in endpoints:  # every router starts cold: no vLLM cache, empty pools
                 httpx.post(f"{url}/reset_prefix_cache", timeout=60).raise_for_status()
+            admin.clear(NS, ray_namespace=RAY_NS)
             kwargs = {"ray_namespace": RAY_NS, "namespace": NS} if name == "kvshare" else {}
             app = vllm_app(ROUTERS[name], len(infos), NS, ray_namespace=RAY_NS,
                            router_kwargs=kwargs, replica_resources={"vllm_slot": 1})
@@ -310,15 +325,16 @@ def main() -> int:
 
         ray.shutdown()
         cluster.shutdown()
-    print(f"{'router':9} {'own hit':>8} {'pool hit':>8} {'p50':>7} {'p99':>7} {'req/s':>6} workers")
+    print(f"{'router':9} {'vLLM hit':>8} {'pool hit':>8} {'p50':>7} {'p99':>7} {'req/s':>6} workers")
     for r in results.values():
-        print(f"{r['router']:9} {r['hit_own_vllm']:8.3f} {r['hit_pool']:8.3f} "
+        pool = r["hit_node_pool"] + r["hit_other_nodes"] + r["hit_unspecified"]
+        print(f"{r['router']:9} {r['hit_vllm']:8.3f} {pool:8.3f} "
               f"{r['ttft_p50_s']:6.3f}s {r['ttft_p99_s']:6.3f}s {r['completed_per_s']:6.3f} "
               f"{r['per_worker']}")
     peers = [r for n, r in results.items() if n != "kvshare"]
     out: dict[str, Any] = {"routers": {n: {k: v for k, v in r.items() if k != "router"}
                                        for n, r in results.items()},
-                           "hit_other_nodes": 0.0, "connector": False,
+                           "connector": args.connector,
                            "total_s": round(time.perf_counter() - t_start, 1)}
     if "kvshare" in results and peers:
         best = min(peers, key=lambda r: r["ttft_p50_s"])
