@@ -101,23 +101,27 @@ def test_workers_register_with_node_endpoint_namespace_and_layout(cluster: dict[
 def test_gateway_routes_a_prompt_to_the_vllm_worker_whose_cache_holds_it(
         cluster: dict[str, Any], gateway: tuple[Gateway, Any]) -> None:
     gw, router = gateway
-    index = cluster["index"]
     for n, info in enumerate(cluster["infos"]):
         text = f"Worker {n} alone has read this document. " * 30
-        ids = router.tokenize(prompt=text)
-        # the prompt reaches this worker directly: only its KV events can tell the router
-        r = httpx.post(f"{info['endpoint']}/v1/completions", timeout=120,
-                       json={"model": cluster["model"], "prompt": ids, "max_tokens": 1})
-        assert r.status_code == 200, r.text
-        hashes = router.hasher.hashes(ids)
-        loc = f"worker:{info['worker_id']}"
-        wait_for(lambda loc=loc, hs=hashes: all(
-            h.get(loc) == Tier.GPU for h in index.lookup(NS, hs)))
+        prefill_directly(cluster, info, router, text)
         r = httpx.post(f"{gw.url}/v1/completions", timeout=120,
                        json={"model": "tiny", "prompt": text, "max_tokens": 4, "stream": True})
         assert r.status_code == 200, r.text
         assert r.headers["x-kvshare-worker"] == info["worker_id"], r.headers
         assert "data: [DONE]" in r.text  # streamed through from vLLM
+
+
+def prefill_directly(cluster: dict[str, Any], info: dict[str, Any], router: Any,
+                     text: str) -> list[Any]:
+    """Send ``text`` straight to one vLLM worker (no router sees it) and wait until its KV
+    events put the prompt's share blocks in the index as that worker's gpu tier."""
+    ids = router.tokenize(prompt=text)
+    r = httpx.post(f"{info['endpoint']}/v1/completions", timeout=120,
+                   json={"model": cluster["model"], "prompt": ids, "max_tokens": 1})
+    assert r.status_code == 200, r.text
+    hashes = router.hasher.hashes(ids)
+    wait_for(lambda: held(cluster["index"], hashes, f"worker:{info['worker_id']}", Tier.GPU))
+    return list(hashes)
 
 
 def metric(endpoint: str, name: str) -> float:
@@ -154,11 +158,7 @@ def test_a_prompt_only_in_a_pool_goes_where_loading_is_cheapest_and_is_loaded(
     index = cluster["index"]
     a = cluster["infos"][0]
     text = "Only the pool of the first node keeps this long report. " * 40
-    ids = router.tokenize(prompt=text)
-    hashes = router.hasher.hashes(ids)
-    r = httpx.post(f"{a['endpoint']}/v1/completions", timeout=120,
-                   json={"model": cluster["model"], "prompt": ids, "max_tokens": 1})
-    assert r.status_code == 200, r.text
+    hashes = prefill_directly(cluster, a, router, text)
     pool = f"node:{a['node']}"
     wait_for(lambda: held(index, hashes, pool, Tier.HOST))  # the connector stored it
     for info in cluster["infos"]:  # empty every vLLM's own cache; a step publishes the reset
@@ -187,7 +187,6 @@ def test_serve_kvshare_router_in_front_of_vllm_replicas(cluster: dict[str, Any],
     from router.serve_vllm import KVSHARE_ROUTER, ServeCompletion, vllm_app
 
     _, router = gateway
-    index = cluster["index"]
     serve.start(proxy_location="Disabled")
     try:
         handle = serve.run(vllm_app(KVSHARE_ROUTER, 2, NS, ray_namespace=RAY_NS,
@@ -198,12 +197,8 @@ def test_serve_kvshare_router_in_front_of_vllm_replicas(cluster: dict[str, Any],
         time.sleep(3)  # the replicas' routing stats (every 1 s) reach the router
         for n, info in enumerate(cluster["infos"]):
             text = f"Serve replica {n} fronts the only cache of this page. " * 30
+            prefill_directly(cluster, info, router, text)
             ids = router.tokenize(prompt=text)
-            r = httpx.post(f"{info['endpoint']}/v1/completions", timeout=120,
-                           json={"model": cluster["model"], "prompt": ids, "max_tokens": 1})
-            assert r.status_code == 200, r.text
-            loc = f"worker:{info['worker_id']}"
-            wait_for(lambda loc=loc, ids=ids: held(index, router.hasher.hashes(ids), loc, Tier.GPU))
             pieces = list(handle.options(stream=True).remote(ServeCompletion(text, ids, 3)))
             assert pieces and {p["worker"] for p in pieces} == {info["worker_id"]}
     finally:
