@@ -123,7 +123,7 @@ def workload(tokenizer: Any, args: argparse.Namespace) -> list[list[Turn]]:
 
 
 _METRIC = re.compile(r'^(vllm:[a-z_]+_total)(?:\{([^}]*)\})?\s+([0-9.eE+-]+)$', re.MULTILINE)
-_SOURCE = re.compile(r'source="([a-z_]+)"')
+_SOURCE = re.compile(r'source="([a-z0-9_]+)"')
 
 
 def counters(endpoints: list[str]) -> dict[str, float]:
@@ -268,6 +268,8 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--routers", default=",".join(ROUTERS))
+    ap.add_argument("--log-decisions", action="store_true",
+                    help="log every kvshare decision (estimates per replica) to stderr")
     ap.add_argument("--no-connector", dest="connector", action="store_false",
                     help="servers without the kvshare connector (vLLM's own cache only)")
     args = ap.parse_args()
@@ -307,7 +309,8 @@ def main() -> int:
             for url in endpoints:  # every router starts cold: no vLLM cache, empty pools
                 httpx.post(f"{url}/reset_prefix_cache", timeout=60).raise_for_status()
             admin.clear(NS, ray_namespace=RAY_NS)
-            kwargs = {"ray_namespace": RAY_NS, "namespace": NS} if name == "kvshare" else {}
+            kwargs = ({"ray_namespace": RAY_NS, "namespace": NS,
+                       "log_decisions": args.log_decisions} if name == "kvshare" else {})
             app = vllm_app(ROUTERS[name], len(infos), NS, ray_namespace=RAY_NS,
                            router_kwargs=kwargs, replica_resources={"vllm_slot": 1})
             handle = serve.run(app, name=name, route_prefix=None)
