@@ -49,6 +49,10 @@ from typing import Any
 import httpx
 import numpy as np
 
+# run as a script, this file's folder comes first on sys.path, and benchmarks/router.py would
+# shadow the router package
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 NS = "bench-vllm"
 BLOCK = 128  # kvshare share block (4 vLLM pages of 32)
 ROUTERS = {
