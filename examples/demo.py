@@ -32,15 +32,7 @@ import time
 from typing import Any
 
 import demo_common
-from demo_common import (
-    drive,
-    page_screenshot,
-    plot,
-    pool_tiers,
-    serve_gateway,
-    start_cluster,
-    timed,
-)
+from demo_common import drive, serve_gateway, start_cluster, timed
 
 NAMESPACE = "demo-vllm"
 BLOCK = 256  # kvshare share block: 8 vLLM pages of 32 tokens
@@ -143,9 +135,8 @@ def report(turns: list[demo_common.Turn], counters: dict[str, float],
     if not loaded:
         print("  loaded                 0.0 MiB")
     print(f"  stored to the pools    {counters.get('vllm:kvshare_stored_bytes_total', 0.0) / 2**20:10.1f} MiB")
-    pool_tiers(pool_status)
-    plot(turns, path, "kvshare demo (vLLM workers): time to first token per request")
-    return sum(t.reused_tokens for t in turns) > 0
+    return demo_common.finish_report(turns, pool_status, path,
+                                     "kvshare demo (vLLM workers): time to first token per request")
 
 
 def main() -> int:
@@ -177,13 +168,7 @@ def main() -> int:
         time.sleep(1.0)  # vLLM's stat loggers publish the last step's counters
         counters = vllm_counters([i["endpoint"] for i in infos], "out")
         ok = report(turns, counters, status(), os.path.join("out", "demo.png"))
-        page_screenshot(base_url.removesuffix("/v1") + "/dashboard",
-                        os.path.join("out", "dashboard.png"))
-        server.should_exit = True
-        print(f"done in {time.monotonic() - t0:.0f} s")
-        if not ok:
-            print("error: no prefix was reused", file=sys.stderr)
-        return 0 if ok else 1
+        return demo_common.wrap_up(ok, base_url, server, os.path.join("out", "dashboard.png"), t0)
     finally:
         stop_workers()
         shutdown()

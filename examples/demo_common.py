@@ -200,6 +200,25 @@ def pool_tiers(pool_status: dict[str, Any]) -> None:
         print(f"  {tier:8s}              {c['hits']:6d} {c['misses']:8d}  {rate:7.1%} {c['blocks']:8d}")
 
 
+def finish_report(turns: list[Turn], pool_status: dict[str, Any], path: str, title: str) -> bool:
+    """The pools' tiers and the TTFT chart; True if any prefix was reused."""
+    pool_tiers(pool_status)
+    plot(turns, path, title)
+    return sum(t.reused_tokens for t in turns) > 0
+
+
+def wrap_up(ok: bool, base_url: str, server: Any, screenshot: str, t0: float) -> int:
+    """Screenshot the live page, stop the gateway; the exit code (1: nothing was reused)."""
+    import sys
+
+    page_screenshot(base_url.removesuffix("/v1") + "/dashboard", screenshot)
+    server.should_exit = True
+    print(f"done in {time.monotonic() - t0:.0f} s")
+    if not ok:
+        print("error: no prefix was reused", file=sys.stderr)
+    return 0 if ok else 1
+
+
 def plot(turns: list[Turn], path: str, title: str) -> None:
     import matplotlib
 

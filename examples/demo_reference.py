@@ -27,12 +27,11 @@ from typing import Any
 from demo_common import (
     Turn,
     drive,
-    page_screenshot,
-    plot,
-    pool_tiers,
+    finish_report,
     serve_gateway,
     start_cluster,
     ttft_table,
+    wrap_up,
 )
 
 NAMESPACE = "demo"
@@ -85,9 +84,8 @@ def report(turns: list[Turn], pool_status: dict[str, Any], path: str) -> bool:
     print("bytes moved per transport")
     for name, n in sorted(transports.items()):
         print(f"  {name:12s} {n / 2**20:10.1f} MiB")
-    pool_tiers(pool_status)
-    plot(turns, path, "kvshare demo (reference workers): time to first token per request")
-    return sum(t.reused_tokens for t in turns) > 0
+    return finish_report(turns, pool_status, path,
+                         "kvshare demo (reference workers): time to first token per request")
 
 
 def main() -> int:
@@ -111,15 +109,10 @@ def main() -> int:
         print(f"gateway at {base_url}; driving 4 users x 4 turns ...", flush=True)
         turns = drive(base_url, "tiny-llama")
         ok = report(turns, status(), os.path.join("out", "demo-reference.png"))
-        page_screenshot(base_url.removesuffix("/v1") + "/dashboard",
-                        os.path.join("out", "dashboard-reference.png"))
-        server.should_exit = True
+        code = wrap_up(ok, base_url, server, os.path.join("out", "dashboard-reference.png"), t0)
         for w in workers.values():
             ray.get(w.stop.remote(), timeout=30)
-        print(f"done in {time.monotonic() - t0:.0f} s")
-        if not ok:
-            print("error: no prefix was reused", file=sys.stderr)
-        return 0 if ok else 1
+        return code
     finally:
         shutdown()
         ray.shutdown()

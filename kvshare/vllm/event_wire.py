@@ -122,7 +122,8 @@ class _BatchM(msgspec.Struct, array_like=True):
 _batch = msgspec.msgpack.Decoder(_Batch)
 # a whole batch of known events in one encoding, decoded in one C call (the common case);
 # the encoding that decoded last is tried first
-_whole = [msgspec.msgpack.Decoder(_BatchM), msgspec.msgpack.Decoder(_BatchA)]
+_whole: list[msgspec.msgpack.Decoder[Any]] = [msgspec.msgpack.Decoder(_BatchM),
+                                            msgspec.msgpack.Decoder(_BatchA)]
 _as_map = msgspec.msgpack.Decoder(_StoredM | _RemovedM | _ClearedM)
 _as_array = msgspec.msgpack.Decoder(_StoredA | _RemovedA | _ClearedA)
 _untyped = msgspec.msgpack.Decoder()
