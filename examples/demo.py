@@ -32,7 +32,7 @@ import time
 from typing import Any
 
 import demo_common
-from demo_common import drive, serve_gateway, start_cluster, timed
+from demo_common import drive, serve_gateway, timed
 
 NAMESPACE = "demo-vllm"
 BLOCK = 256  # kvshare share block: 8 vLLM pages of 32 tokens
@@ -141,9 +141,7 @@ def report(turns: list[demo_common.Turn], counters: dict[str, float],
 
 def main() -> int:
     logging.basicConfig(level=logging.WARNING)
-    import ray
-
-    from actors.deploy import deploy, shutdown, status
+    from actors.deploy import deploy, status
     from actors.vllm_workers import stop_workers
     from kvshare.vllm.tiny_model import build_tiny_llama
     from kvshare.vllm.worker import VllmKeys
@@ -152,28 +150,26 @@ def main() -> int:
     model = timed("tiny Llama (24M parameters, bf16) ready",
                   lambda: os.path.abspath(build_tiny_llama(MODEL_DIR)))
     print("starting a local Ray cluster with 2 emulated nodes ...", flush=True)
-    cluster = start_cluster()
-    try:
-        layout = VllmKeys.from_model(model, BLOCK).layout  # 2 MiB per 256-token block
-        deploy(cluster.address, namespace=NAMESPACE, layout=layout, host_gb=0.25,
-               disk_gb=0.5, disk_dir=tempfile.mkdtemp(prefix="kvshare-demo-disk-"))
-        print("kvshare deployed; starting a vLLM-CPU worker per node (connector on) ...",
-              flush=True)
-        infos = timed("vLLM workers up", lambda: start_workers(model))
-        base_url, server = start_gateway(model)
-        print(f"gateway at {base_url}; driving {demo_common.USERS} users x "
-              f"{demo_common.TURNS} turns ...", flush=True)
-        warm_up(infos, model)
-        turns = drive(base_url, "tiny-llama", usage=True)
-        time.sleep(1.0)  # vLLM's stat loggers publish the last step's counters
-        counters = vllm_counters([i["endpoint"] for i in infos], "out")
-        ok = report(turns, counters, status(), os.path.join("out", "demo.png"))
-        return demo_common.wrap_up(ok, base_url, server, os.path.join("out", "dashboard.png"), t0)
-    finally:
-        stop_workers()
-        shutdown()
-        ray.shutdown()
-        cluster.shutdown()
+    with demo_common.cluster() as cluster:
+        try:
+            layout = VllmKeys.from_model(model, BLOCK).layout  # 2 MiB per 256-token block
+            deploy(cluster.address, namespace=NAMESPACE, layout=layout, host_gb=0.25,
+                   disk_gb=0.5, disk_dir=tempfile.mkdtemp(prefix="kvshare-demo-disk-"))
+            print("kvshare deployed; starting a vLLM-CPU worker per node (connector on) ...",
+                  flush=True)
+            infos = timed("vLLM workers up", lambda: start_workers(model))
+            base_url, server = start_gateway(model)
+            print(f"gateway at {base_url}; driving {demo_common.USERS} users x "
+                  f"{demo_common.TURNS} turns ...", flush=True)
+            warm_up(infos, model)
+            turns = drive(base_url, "tiny-llama", usage=True)
+            time.sleep(1.0)  # vLLM's stat loggers publish the last step's counters
+            counters = vllm_counters([i["endpoint"] for i in infos], "out")
+            ok = report(turns, counters, status(), os.path.join("out", "demo.png"))
+            return demo_common.wrap_up(ok, base_url, server, os.path.join("out", "dashboard.png"),
+                                       t0)
+        finally:
+            stop_workers()  # before the deployment goes (the cluster's exit stops it)
 
 
 if __name__ == "__main__":

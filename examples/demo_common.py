@@ -8,22 +8,15 @@ transformers workers, ``make demo-reference``) import it from this folder.
 from __future__ import annotations
 
 import os
-
-for _k, _v in (("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0"), ("RAY_USAGE_STATS_ENABLED", "0"),
-               ("RAY_AUTH_MODE", "disabled"), ("NIXL_LOG_LEVEL", "WARN"),
-               ("TOKENIZERS_PARALLELISM", "false")):
-    os.environ.setdefault(_k, _v)
-
-import random  # noqa: E402
-import socket  # noqa: E402
-import statistics  # noqa: E402
-import tempfile  # noqa: E402
-import threading  # noqa: E402
-import time  # noqa: E402
-from collections.abc import Callable  # noqa: E402
-from concurrent.futures import ThreadPoolExecutor  # noqa: E402
-from dataclasses import dataclass, field  # noqa: E402
-from typing import Any  # noqa: E402
+import random
+import socket
+import statistics
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
 
 USERS = 4
 TURNS = 4
@@ -60,22 +53,13 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def start_cluster(node_cpus: int = 2) -> Any:
-    """A local Ray cluster: a head and two nodes (resources ``node_0``, ``node_1``)."""
-    import ray
-    from ray.cluster_utils import Cluster
+def cluster() -> Any:
+    """The emulated cluster both demos run on: a head and two nodes (resources ``node_0``,
+    ``node_1``), a context manager (:func:`actors.local_cluster.local_cluster`)."""
+    from actors.local_cluster import local_cluster
 
-    os.makedirs("/tmp/ray", exist_ok=True)
-    cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 1, "object_store_memory": 256 * 2**20, "include_dashboard": False,
-        "temp_dir": tempfile.mkdtemp(prefix="kvshare-demo-ray-"),
-    })
-    for i in range(2):
-        cluster.add_node(num_cpus=node_cpus, object_store_memory=256 * 2**20,
-                         resources={f"node_{i}": 1})
-    cluster.wait_for_nodes()
-    ray.init(address=cluster.address, namespace="kvshare-demo", log_to_driver=False)
-    return cluster
+    return local_cluster(2, node_cpus=2, ray_namespace="kvshare-demo",
+                         temp_prefix="kvshare-demo-ray-")
 
 
 def serve_gateway(app: Any) -> tuple[str, Any]:

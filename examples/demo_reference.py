@@ -24,12 +24,12 @@ import time
 from collections import Counter
 from typing import Any
 
+import demo_common
 from demo_common import (
     Turn,
     drive,
     finish_report,
     serve_gateway,
-    start_cluster,
     ttft_table,
     wrap_up,
 )
@@ -92,14 +92,13 @@ def main() -> int:
     logging.basicConfig(level=logging.WARNING)
     import ray
 
-    from actors.deploy import deploy, shutdown, status
+    from actors.deploy import deploy, status
     from kvshare.engines.hf import EngineConfig, model_keys
 
     t0 = time.monotonic()
     engine_cfg = EngineConfig(threads=1)
     print("starting a local Ray cluster with 2 emulated nodes ...", flush=True)
-    cluster = start_cluster()
-    try:
+    with demo_common.cluster() as cluster:
         layout = model_keys(engine_cfg).layout
         deploy(cluster.address, namespace=NAMESPACE, layout=layout, host_gb=0.06,
                disk_gb=0.5, disk_dir=tempfile.mkdtemp(prefix="kvshare-demo-disk-"))
@@ -113,10 +112,6 @@ def main() -> int:
         for w in workers.values():
             ray.get(w.stop.remote(), timeout=30)
         return code
-    finally:
-        shutdown()
-        ray.shutdown()
-        cluster.shutdown()
 
 
 if __name__ == "__main__":
