@@ -9,7 +9,10 @@ The HTTP server (:mod:`kvshare.engines.server`) and the Ray Serve deployment
   and the worker disagree on the model, layout or tenant salt: a 400, never a wrong answer);
 - runs it (:meth:`WorkerRuntime.run`) one at a time, tracking the load it reports: prompt
   tokens admitted but not yet prefilled, requests in flight, prefill speed;
-- names its end (:meth:`WorkerRuntime.finish_reason`) and its text (:meth:`WorkerRuntime.text`).
+- names its end (:meth:`WorkerRuntime.finish_reason`) and its text (:meth:`WorkerRuntime.text`);
+- answers only after the request's blocks are stored (write-through completion ordering,
+  bounded by ``store_wait_s``): with the pool publishing on commit, a client's next turn sent
+  the moment this answer arrives finds this turn's blocks, on this node and on any other.
 
 :class:`LoadReporter` registers the worker with the index and reports that load every
 ``interval_s`` (re-registering when the index forgot it); :func:`choose_cut` picks the cut
@@ -22,6 +25,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import TimeoutError as FutureTimeout
 
 from kvshare.client import CutPolicy, load_everything
 from kvshare.cost import Source
@@ -85,11 +89,16 @@ class WorkerRuntime:
     """Admission, execution and load tracking of one :class:`ReferenceWorker`.
 
     ``peer`` names who forwards hashes (``gateway``, ``ingress``) in the mismatch message.
+    ``store_wait_s``: how long :meth:`run` waits for the request's stores before returning
+    anyway (a slow pool delays the answer at most that long; the store goes on).
     Not re-entrant: hosts run :meth:`run` on one thread (the engine runs one request at a time).
     """
 
     def __init__(self, worker: ReferenceWorker, *, load: LoadTracker | None = None,
-                 peer: str = "gateway") -> None:
+                 peer: str = "gateway", store_wait_s: float = 2.0) -> None:
+        if store_wait_s < 0:
+            raise ValueError(f"store_wait_s must be >= 0 seconds, got {store_wait_s}")
+        self.store_wait_s = store_wait_s
         self.worker = worker
         self.engine = worker.engine
         self.load = load or LoadTracker()
@@ -108,8 +117,11 @@ class WorkerRuntime:
         self.engine.check_tokens(req.tokens)
         self.load.admit(len(req.tokens))
 
-    def run(self, req: ParsedRequest, on_token: Callable[[int], None] | None = None) -> Completion:
-        """Generate for an admitted request; the load is settled however it ends."""
+    def run(self, req: ParsedRequest, on_token: Callable[[int], None] | None = None,
+            admitted_at: float | None = None) -> Completion:
+        """Generate for an admitted request; the load is settled however it ends.
+        ``admitted_at``: ``time.perf_counter()`` at admission (the stats' ``queue_s``)."""
+        started = time.perf_counter()
         prefilled = [False]
 
         def on_prefill(s: RequestStats) -> None:
@@ -118,13 +130,31 @@ class WorkerRuntime:
 
         try:
             stops = (self.eos,) if req.stop_eos and self.eos >= 0 else ()
-            return self.worker.generate(req.tokens, req.max_tokens, hashes=req.hashes,
-                                        salt=req.salt, stop_ids=stops, on_token=on_token,
-                                        on_prefill=on_prefill)
+            c = self.worker.generate(req.tokens, req.max_tokens, hashes=req.hashes,
+                                     salt=req.salt, stop_ids=stops, on_token=on_token,
+                                     on_prefill=on_prefill)
+            if admitted_at is not None:
+                c.stats.queue_s = max(0.0, started - admitted_at)
+            self._settle(c)
+            return c
         finally:
             if not prefilled[0]:
                 self.load.prefilled(len(req.tokens), 0, 0.0)
             self.load.done()
+
+    def _settle(self, c: Completion) -> None:
+        """Wait (up to ``store_wait_s`` in all) for ``c``'s stores to be in the node's pool."""
+        t0 = time.perf_counter()
+        deadline = t0 + self.store_wait_s
+        for fut in c.stores:
+            try:
+                fut.result(timeout=max(0.0, deadline - time.perf_counter()))
+            except FutureTimeout:
+                self.worker.counters.add("store_wait_timeouts")
+                break
+            except Exception:  # noqa: BLE001 - a failed store is counted by the worker
+                continue
+        c.stats.store_wait_s = time.perf_counter() - t0
 
     def finish_reason(self, c: Completion, req: ParsedRequest) -> str:
         """``stop`` when generation ended on EOS (and the request stops there), else ``length``."""
