@@ -20,6 +20,7 @@ import argparse
 import json
 import logging
 import secrets
+import time
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from typing import Any
@@ -34,6 +35,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from kvshare.auth import WorkerAuth, cluster_secret, secret_from_env, tenant_salt
 from kvshare.types import NodeId, WorkerId
 from kvshare.workers import WorkerInfo
+from router import timing
 from router.admin_routes import add_admin_routes, checked_body, json_object
 from router.embed import CacheAwareRouter, Routed, RouterConfig, Tenant
 from router.forward import forward_body
@@ -169,6 +171,7 @@ def create_app(
         return tenant
 
     async def parse(request: Request, chat: bool) -> tuple[dict[str, Any], Routed] | JSONResponse:
+        t_in = time.perf_counter()
         tenant = tenant_of(request)
         if isinstance(tenant, JSONResponse):
             return tenant
@@ -182,6 +185,7 @@ def create_app(
         checked = checked_body(ChatRequest if chat else CompletionRequest, body, limits, fail)
         if isinstance(checked, JSONResponse):
             return checked
+        parse_s = time.perf_counter() - t_in
         try:
             if chat:
                 routed = await router.route(messages=body["messages"], tenant=tenant)
@@ -194,19 +198,29 @@ def create_app(
             return fail(503, str(exc), "service_unavailable", "no_worker")
         except (ValueError, TypeError) as exc:
             return fail(400, str(exc))
+        routed.timings["parse"] = parse_s
         return body, routed
 
-    def learn_prefill(raw: bytes, request_id: str) -> None:
-        """Feed the worker's measured prefill (its ``kvshare`` stats) back to the cost model."""
+    def learn_prefill(raw: bytes, routed: Routed, upstream_s: float) -> bytes:
+        """Feed the worker's measured prefill (its ``kvshare`` stats) back to the cost model;
+        returns the reply with the request's TTFT breakdown in it (:mod:`router.timing`)."""
         try:
-            kv = json.loads(raw).get("kvshare")
+            data = json.loads(raw)
+        except ValueError:
+            return raw  # not JSON: passed on as it came
+        if not isinstance(data, dict):
+            return raw
+        kv = data.get("kvshare")
+        try:
             if isinstance(kv, dict):
-                router.recent.finish(request_id, kv)
+                router.recent.finish(routed.request_id, kv)
                 router.observe_prefill(int(kv.get("computed_tokens", 0)),
                                        int(kv.get("reused_tokens", 0)),
                                        float(kv.get("prefill_s", 0.0)))
         except (ValueError, TypeError, AttributeError):
             pass  # not a kvshare worker: nothing to learn
+        timing.observe(metrics.ttft_stages, timing.json_reply(data, routed.timings, upstream_s))
+        return json.dumps(data).encode()
 
     async def worker_info(worker: WorkerId) -> WorkerInfo | None:
         infos, _ = await router.workers.snapshot()
@@ -222,6 +236,7 @@ def create_app(
         while True:
             d = routed.decision
             fwd = forward_body(body, routed, await worker_info(d.worker), chat)
+            t_send = time.perf_counter()
             try:
                 resp = await http.send(http.build_request("POST", f"{d.endpoint}{path}", json=fwd,
                                                           headers=to_worker),
@@ -236,8 +251,10 @@ def create_app(
                                 "upstream_error", "worker_unreachable")
                 router.mark_down(d.worker)  # nothing was sent: another worker may serve it
                 try:
+                    parse_s = routed.timings.get("parse", 0.0)
                     routed = await router.route(token_ids=routed.token_ids, tenant=routed.tenant,
                                                 exclude=tried)
+                    routed.timings["parse"] = parse_s
                 except NoEligibleWorker:
                     return fail(502, f"no reachable worker (tried {sorted(tried)})",
                                 "upstream_error", "worker_unreachable")
@@ -253,24 +270,43 @@ def create_app(
                 return fail(502, f"worker {d.worker} failed with HTTP {resp.status_code}",
                             "upstream_error", "worker_error")
             if resp.status_code == 200:
-                learn_prefill(raw, routed.request_id)
+                raw = learn_prefill(raw, routed, time.perf_counter() - t_send)
             ctype = resp.headers.get("content-type", "application/json")
             return Response(raw, resp.status_code, headers=headers, media_type=ctype)
 
         async def relay() -> AsyncIterator[bytes]:
             first = True
+            upstream_s = 0.0
             try:
-                prev, tail = b"", list[bytes]()  # the last event (worker's figures), maybe split
+                # From the event carrying the worker's figures on, the stream is held back and
+                # sent at its end with the TTFT breakdown in that event (router/timing.py).
+                # Complete events go on at once; only an event's unfinished end waits.
+                buf, tail = b"", list[bytes]()
                 async for chunk in resp.aiter_raw():
                     if first:
                         router.prefilled(routed.request_id)
                         first = False
-                    if tail or b'"kvshare"' in chunk:
-                        tail = tail or [prev]
+                    if tail:
                         tail.append(chunk)
-                    prev = chunk
-                    yield chunk
-                router.recent.finish_stream(routed.request_id, b"".join(tail))
+                        continue
+                    buf += chunk
+                    at = buf.find(b'"kvshare"')
+                    cut = buf.rfind(b"\n\n", 0, at if at >= 0 else len(buf))
+                    if cut >= 0:
+                        yield buf[:cut + 2]
+                        buf = buf[cut + 2:]
+                    if at >= 0:
+                        upstream_s = time.perf_counter() - t_send
+                        tail, buf = [buf], b""
+                if not tail:
+                    if buf:
+                        yield buf
+                    return
+                end, breakdown = timing.stream_tail(b"".join(tail), routed.timings, upstream_s)
+                router.recent.finish_stream(routed.request_id, end)
+                if breakdown is not None:
+                    timing.observe(metrics.ttft_stages, breakdown)
+                yield end
             finally:
                 await resp.aclose()
                 router.finished(routed.request_id)

@@ -27,6 +27,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvshare.auth import WorkerAuth
+from kvshare.breakdown import WORKER_STAGES, breakdown_of
 from kvshare.engines.metrics import WorkerCollector, worker_registry
 from kvshare.engines.openai_api import (
     BadRequest,
@@ -43,13 +44,17 @@ from kvshare.workers import WorkerInfo, WorkerRegistrar
 log = logging.getLogger(__name__)
 
 
-def _kv_summary(c: Completion) -> dict[str, Any]:
+def _kv_summary(c: Completion, received: float) -> dict[str, Any]:
+    """The response's ``kvshare`` figures; ``worker_s``: from ``received`` (the request's
+    arrival, ``time.perf_counter()``) to now, the answer's end (the gateway's ``network``
+    stage is its own upstream time minus this)."""
     s = c.stats
     return {"reused_tokens": s.reused_tokens, "computed_tokens": s.computed_tokens,
             "loaded_blocks": s.loaded_blocks, "planned_blocks": s.planned_blocks,
             "ttft_s": s.ttft_s, "load_s": s.load_s, "prefill_s": s.prefill_s,
             "bytes_by_transport": s.bytes_by_transport, "bytes_by_tier": s.bytes_by_tier,
-            "misses": s.misses, "plan": s.plan}
+            "misses": s.misses, "plan": s.plan, "store_wait_s": s.store_wait_s,
+            "breakdown": breakdown_of(s), "worker_s": time.perf_counter() - received}
 
 
 def create_app(
@@ -75,6 +80,7 @@ def create_app(
             "type": "authentication_error", "code": "invalid_worker_token"}}, status_code=401)
 
     async def handle(request: Request, chat: bool) -> Any:
+        received = time.perf_counter()
         if (no := refused(request)) is not None:
             return no
         try:
@@ -89,16 +95,26 @@ def create_app(
                                 status_code=400)
         rid = new_id(chat)
         loop = asyncio.get_running_loop()
+        admitted = time.perf_counter()
+
+        def run(on_token: Any) -> Completion:
+            c = runtime.run(req, on_token, admitted_at=admitted)
+            c.stats.receive_s = admitted - received
+            parts = breakdown_of(c.stats)
+            for stage in WORKER_STAGES:  # summed per stage for /metrics (WorkerCollector)
+                worker.counters.add(f"ttft_stage_s_{stage}", parts[stage])
+            return c
+
         if not req.stream:
-            c = await loop.run_in_executor(executor, runtime.run, req, None)
+            c = await loop.run_in_executor(executor, run, None)
             return response_body(req, rid, model_name, runtime.text(c), c.tokens, runtime.finish_reason(c, req),
-                                 _kv_summary(c))
+                                 _kv_summary(c, received))
         queue: asyncio.Queue[int | None] = asyncio.Queue()
 
         def on_token(t: int) -> None:
             loop.call_soon_threadsafe(queue.put_nowait, t)
 
-        fut = loop.run_in_executor(executor, runtime.run, req, on_token)
+        fut = loop.run_in_executor(executor, run, on_token)
         fut.add_done_callback(lambda _f: loop.call_soon_threadsafe(queue.put_nowait, None))
 
         async def events() -> AsyncIterator[str]:
@@ -118,7 +134,7 @@ def create_app(
                 yield f"data: {json.dumps({'error': {'message': str(exc)}})}\n\n"
                 return
             tail = stream.flush()
-            extra = {"kvshare": _kv_summary(c),
+            extra = {"kvshare": _kv_summary(c, received),
                      "usage": {"prompt_tokens": len(req.tokens),
                                "completion_tokens": len(c.tokens),
                                "total_tokens": len(req.tokens) + len(c.tokens)}}
