@@ -97,7 +97,7 @@ def shared_client(settings: ConnectorSettings, keys: ModelKeys) -> Any:
             return client
         connect_ray(settings)
         from kvshare.client import KVShareClient
-        from kvshare.engines.cost_cut import CostCut
+        from kvshare.cost_cut import CostCut
 
         root = BlockHash(keys.root(None))
         cut = CostCut(keys.layout) if settings.cut == "cost" else None
