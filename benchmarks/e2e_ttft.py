@@ -21,25 +21,28 @@ medians) and ends with one JSON line.
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
+import random
+import statistics
+import sys
+import threading
+import time
+from typing import Any
 
-os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+import httpx
+import ray
 
-import argparse  # noqa: E402
-import json  # noqa: E402
-import random  # noqa: E402
-import statistics  # noqa: E402
-import sys  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-from typing import Any  # noqa: E402
-
-import httpx  # noqa: E402
-import ray  # noqa: E402
-from ray.cluster_utils import Cluster  # noqa: E402
+from actors.deploy import deploy, get_index_client, measured_bandwidths
+from actors.local_cluster import local_cluster
+from kvshare.breakdown import medians, summary
+from kvshare.cost import Bandwidths
+from kvshare.engines.hf import EngineConfig, model_keys
+from kvshare.engines.service import WorkerService
+from router.embed import CacheAwareRouter, RouterConfig
+from router.gateway import create_app
+from router.workers_view import IndexWorkers
 
 NS = "e2e-bench"
 SUFFIX = 64
@@ -63,15 +66,7 @@ def streamed(client: Any, prompt: list[int]) -> tuple[float, dict[str, Any]]:
 
 
 def start_gateway(keys: Any) -> tuple[str, Any]:
-    import threading
-
     import uvicorn
-
-    from actors.deploy import get_index_client, measured_bandwidths
-    from kvshare.cost import Bandwidths
-    from router.embed import CacheAwareRouter, RouterConfig
-    from router.gateway import create_app
-    from router.workers_view import IndexWorkers
 
     index = get_index_client()
     cfg = RouterConfig.from_model_keys(
@@ -95,23 +90,10 @@ def main() -> int:
     args = ap.parse_args()
     from openai import OpenAI
 
-    from actors.deploy import deploy
-    from kvshare.breakdown import medians, summary
-    from kvshare.engines.hf import EngineConfig, model_keys
-    from kvshare.engines.service import WorkerService
-
     print(f"load before: {os.getloadavg()}", flush=True)
-    cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 0, "object_store_memory": 256 * 2**20,
-        "temp_dir": tempfile.mkdtemp(prefix="kvs-e2e-"), "include_dashboard": False})
-    for i in range(2):
-        cluster.add_node(num_cpus=2, object_store_memory=256 * 2**20, resources={f"node_{i}": 1})
-    cluster.wait_for_nodes()
-    ray.init(address=cluster.address, log_to_driver=False)
     cfg = EngineConfig(threads=2)
     keys = model_keys(cfg)
-    server = None
-    try:
+    with local_cluster(2, head_cpus=0, temp_prefix="kvs-e2e-") as cluster:
         deploy(cluster.address, namespace=NS, layout=keys.layout, host_gb=0.25)
         Worker = ray.remote(num_cpus=1)(WorkerService)
         workers = {f"w{i}": Worker.options(resources={f"node_{i}": 1}).remote(  # type: ignore[attr-defined]
@@ -147,11 +129,7 @@ def main() -> int:
             assert r["reused_tokens"] >= full * 0.95, r
             inproc.append(r["ttft_s"])
         print(summary({"cold": cold_bd, "warm": warm_bd}), flush=True)
-    finally:
-        if server is not None:
-            server.should_exit = True
-        ray.shutdown()
-        cluster.shutdown()
+        server.should_exit = True
     out = {
         "prefix_tokens": args.prefix, "inprocess_warm_s": round(statistics.median(inproc), 4),
         "gateway_warm_s": round(statistics.median(gw), 4),

@@ -28,6 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvshare import breakdown
 from kvshare.ray_env import use_local_ray_defaults
 
 NAMESPACE = "demo"
@@ -50,6 +51,7 @@ class Turn:
     reused_tokens: int = 0
     bytes_by_transport: dict[str, int] = field(default_factory=dict)
     bytes_by_tier: dict[str, int] = field(default_factory=dict)
+    breakdown: dict[str, Any] = field(default_factory=dict)  # where its TTFT went
 
 
 def _text(seed: int, n: int) -> str:
@@ -153,6 +155,7 @@ def run_turn(client: Any, t: Turn, messages: list[dict[str, str]]) -> str:
     t.prompt_tokens = t.reused_tokens + int(extra.get("computed_tokens", 0))
     t.bytes_by_transport = dict(extra.get("bytes_by_transport", {}))
     t.bytes_by_tier = dict(extra.get("bytes_by_tier", {}))
+    t.breakdown = dict(extra.get("breakdown", {}))
     t.worker = str(extra.get("worker", ""))
     return "".join(text)
 
@@ -217,6 +220,8 @@ def report(turns: list[Turn], pool_status: dict[str, Any], path: str) -> bool:
     print(f"TTFT warm   p50 / p90    {_pct(warm, .5) * 1e3:8.1f} / {_pct(warm, .9) * 1e3:8.1f} ms")
     if cold and warm:
         print(f"TTFT speed-up (p50)      {statistics.median(cold) / statistics.median(warm):.1f}x")
+    print(breakdown.summary({"cold": [t.breakdown for t in turns if t.reused_tokens == 0],
+                             "warm": [t.breakdown for t in turns if t.reused_tokens > 0]}))
     print("bytes moved per transport")
     for name, n in sorted(transports.items()):
         print(f"  {name:12s} {n / 2**20:10.1f} MiB")
@@ -242,7 +247,11 @@ def _plot(turns: list[Turn], path: str) -> None:
     import matplotlib.pyplot as plt
 
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    fig, ax = plt.subplots(figsize=(9, 4))
+    fig, (ax, parts) = plt.subplots(1, 2, figsize=(12, 4), width_ratios=(3, 1))
+    groups = {"cold": [t.breakdown for t in turns if t.reused_tokens == 0],
+              "warm": [t.breakdown for t in turns if t.reused_tokens > 0]}
+    breakdown.stack(parts, list(groups), [breakdown.medians(g) for g in groups.values()])
+    parts.set_title("TTFT breakdown (median)")
     xs = range(len(turns))
     colors = ["tab:red" if t.reused_tokens == 0 else "tab:green" for t in turns]
     ax.bar(xs, [t.ttft_s * 1e3 for t in turns], color=colors)
