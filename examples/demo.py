@@ -14,26 +14,21 @@ Exits non-zero if no prefix was reused. Runs in a few minutes on 2 CPU cores.
 
 from __future__ import annotations
 
+import logging
 import os
+import random
+import socket
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
 
-os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
-os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-
-import logging  # noqa: E402
-import random  # noqa: E402
-import socket  # noqa: E402
-import statistics  # noqa: E402
-import sys  # noqa: E402
-import tempfile  # noqa: E402
-import threading  # noqa: E402
-import time  # noqa: E402
-from collections import Counter  # noqa: E402
-from concurrent.futures import ThreadPoolExecutor  # noqa: E402
-from dataclasses import dataclass, field  # noqa: E402
-from typing import Any  # noqa: E402
+from kvshare.ray_env import use_local_ray_defaults
 
 NAMESPACE = "demo"
 USERS = 4
@@ -309,4 +304,5 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    use_local_ray_defaults()
     sys.exit(main())

@@ -73,6 +73,17 @@ class ShmTransport(Transport):
                 self._epochs[info.name] = SharedEpochs(info.epochs, info.num_slots, create=False)
         return slab
 
+    def _local_slab(self, info: SlabInfo | None) -> HostSlab | None:
+        """The pool's slab mapped into this process; None when the pool is on another node or
+        the slab cannot be mapped (its blocks then miss with ``NOT_SAME_NODE``)."""
+        if info is None or info.node != self.node:
+            return None
+        try:
+            return self._slab(info)
+        except (OSError, ValueError) as exc:
+            log.warning("cannot map slab %s: %s", info.name, exc)
+            return None
+
     def submit_read(
         self, source: BlockControl, hashes: Sequence[BlockHash], dest: Sequence[ByteArray],
         *, deadline_s: float,
@@ -83,21 +94,11 @@ class ShmTransport(Transport):
         if prep is None:
             return t
         copied: list[int] = []
-        slab = None
-        if prep.slab is not None and prep.slab.node == self.node:
-            try:
-                slab = self._slab(prep.slab)
-            except (OSError, ValueError) as exc:
-                log.warning("cannot map slab %s: %s", prep.slab.name, exc)
+        slab = self._local_slab(prep.slab)
         for i, b in enumerate(prep.blocks):
-            if not isinstance(b, SourceBlock):
-                reasons[i] = b
-            elif slab is None:
-                reasons[i] = NOT_SAME_NODE
-            elif t.remaining <= 0:
-                reasons[i] = DEADLINE
-            else:
-                copy_block(dest[i], slab.array[b.slot])
+            reasons[i] = _blocked(t, slab) if isinstance(b, SourceBlock) else b
+            if slab is not None and not reasons[i]:
+                copy_block(dest[i], slab.array[b.slot])  # type: ignore[union-attr]
                 copied.append(i)
         lease_ids = [prep.blocks[i].lease_id for i in copied]  # type: ignore[union-attr]
         epochs = self._epochs.get(prep.slab.name) if prep.slab is not None else None
@@ -129,19 +130,15 @@ class ShmTransport(Transport):
         prep = _prepared(t, sink, sink.prepare_write(hashes, t.holder, lease_ttl(deadline_s)), data)
         if prep is None:
             return t
-        slab = None
-        if prep.slab is not None and prep.slab.node == self.node:
-            slab = self._slab(prep.slab)
+        slab = self._local_slab(prep.slab)
         written: list[int] = []
         sums: list[int] = []
         for i, s in enumerate(prep.slots):
             if isinstance(s, str):
                 reasons[i] = "" if s == PRESENT else s
-            elif slab is None:
-                reasons[i] = NOT_SAME_NODE
-            elif t.remaining <= 0:
-                reasons[i] = DEADLINE
-            else:
+                continue
+            reasons[i] = _blocked(t, slab)
+            if slab is not None and not reasons[i]:
                 copy_block(slab.array[s.slot], data[i])
                 sums.append(block_checksum(data[i]))
                 written.append(i)
@@ -166,6 +163,13 @@ class ShmTransport(Transport):
         for ep in self._epochs.values():
             ep.close()
         self._epochs.clear()
+
+
+def _blocked(t: Transfer, slab: HostSlab | None) -> str:
+    """Why a block the pool offered cannot be copied now; "" when it can."""
+    if slab is None:
+        return NOT_SAME_NODE
+    return DEADLINE if t.remaining <= 0 else ""
 
 
 def _done(t: Transfer, reasons: Sequence[str], bufs: Sequence[ByteArray]) -> Transfer:
