@@ -116,7 +116,7 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     workers = [WorkerProcess(f"w{i}", script, max_pending=3) for i in range(2)]
     gw = gateway_for(workers, AdmissionConfig(max_inflight_per_tenant=16))
     try:
-        yield {"url": gw.url, "workers": workers, "script": script}
+        yield {"url": gw.url, "workers": workers, "script": script, "app": gw.app}
     finally:
         gw.stop()
         for w in workers:
@@ -185,6 +185,8 @@ def test_a_client_that_hangs_up_frees_the_worker(env: dict[str, Any]) -> None:
         time.sleep(0.02)
     waiting.close()
     after = idle(env)  # both requests ended long before their max_tokens
+    app = env["app"]  # and the gateway let go of them: no admission slot, no in-flight load
+    assert app.state.admission.total == 0 and len(app.state.router.inflight) == 0
     assert counter(after, "ended_cancelled") - counter(before, "ended_cancelled") == 2
     generated = counter(after, "tokens_generated") - counter(before, "tokens_generated")
     assert generated < LONG["max_tokens"], generated
