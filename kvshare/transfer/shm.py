@@ -13,7 +13,7 @@ is sent without waiting: one round trip per batch instead of two.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 from kvshare.tiers.base import ByteArray, block_checksum, copy_block
@@ -84,15 +84,22 @@ class ShmTransport(Transport):
             log.warning("cannot map slab %s: %s", info.name, exc)
             return None
 
+    def _begin(
+        self, kind: str, control: BlockControl, prepare: Callable[[Sequence[BlockHash], str, float], Reply[P]],
+        hashes: Sequence[BlockHash], bufs: Sequence[ByteArray], deadline_s: float,
+    ) -> tuple[Transfer, P | None]:
+        """A new transfer and the pool's size-checked prepare reply (None: ``t`` has ended)."""
+        t = self.new_transfer(kind, hashes, bufs, deadline_s, self.holder)
+        return t, _prepared(t, control, prepare(hashes, t.holder, lease_ttl(deadline_s)), bufs)
+
     def submit_read(
         self, source: BlockControl, hashes: Sequence[BlockHash], dest: Sequence[ByteArray],
         *, deadline_s: float,
     ) -> Transfer:
-        t = self.new_transfer("read", hashes, dest, deadline_s, self.holder)
-        reasons = [""] * len(hashes)
-        prep = _prepared(t, source, source.prepare_read(hashes, t.holder, lease_ttl(deadline_s)), dest)
+        t, prep = self._begin("read", source, source.prepare_read, hashes, dest, deadline_s)
         if prep is None:
             return t
+        reasons = [""] * len(hashes)
         copied: list[int] = []
         slab = self._local_slab(prep.slab)
         for i, b in enumerate(prep.blocks):
@@ -125,11 +132,10 @@ class ShmTransport(Transport):
         self, sink: BlockControl, hashes: Sequence[BlockHash], data: Sequence[ByteArray],
         *, deadline_s: float,
     ) -> Transfer:
-        t = self.new_transfer("write", hashes, data, deadline_s, self.holder)
-        reasons = [""] * len(hashes)
-        prep = _prepared(t, sink, sink.prepare_write(hashes, t.holder, lease_ttl(deadline_s)), data)
+        t, prep = self._begin("write", sink, sink.prepare_write, hashes, data, deadline_s)
         if prep is None:
             return t
+        reasons = [""] * len(hashes)
         slab = self._local_slab(prep.slab)
         written: list[int] = []
         sums: list[int] = []
