@@ -119,7 +119,7 @@ def test_a_sequence_gap_triggers_a_resync(node: NodePool, index: GlobalIndex) ->
 
 
 def test_bad_input_is_refused(node: NodePool) -> None:
-    with pytest.raises(KeyError, match="serves \\['m'\\]"):
+    with pytest.raises(KeyError, match="known: \\['m'\\]"):
         node.transfer_prepare_write("other", hashes(1), "pid:1", 10.0)
     with pytest.raises(ValueError, match="KV layout"):
         write(node, "m", hashes(2), np.zeros((2, BB - 1), np.uint8))
