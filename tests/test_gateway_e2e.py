@@ -200,3 +200,28 @@ def _samples(url: str, name: str) -> dict[tuple[tuple[str, str], ...], float]:
             if smp.name == name:
                 out[tuple(sorted((k, v) for k, v in smp.labels.items() if k != "worker"))] = smp.value
     return out
+
+
+def test_a_gateway_on_the_index_replica_routes_as_one_on_the_index(env: Env) -> None:
+    """Prompts cached on either worker: both gateways send each to the same worker for the
+    same reason with the same cached blocks, once the replica has caught up. Prompts cached
+    nowhere are load ties (each router rotates its own ties): same reason, nothing cached."""
+    seeded = []
+    for i, seed in enumerate((10, 11, 12, 13)):  # straight to a worker: no gateway's pending
+        first, _ = _turns(seed)
+        ids = env.tokenizer.apply_chat_template(first)
+        ray.get(env.workers[f"w{i % 2}"].generate.remote(ids, 1), timeout=120)
+        seeded.append(first + [{"role": "user", "content": "one more"}])
+    time.sleep(1.0)  # the replica's poll round (10 ms), both gateways' load refresh (0.5 s)
+    fresh = [_turns(seed)[0] for seed in (20, 21)]  # cached nowhere
+    for messages in seeded + fresh:
+        decided = []
+        for gw in ("index", "replica"):
+            r = httpx.post(env.url(gw) + "/v1/route", json={"messages": messages}, timeout=30)
+            assert r.status_code == 200, r.text
+            d = r.json()
+            decided.append((d["worker"], d["reason"], d["cached_blocks"], d["fallback"]))
+        if messages in seeded:
+            assert decided[0] == decided[1] and decided[0][2] > 0, decided
+        else:
+            assert decided[0][1:] == decided[1][1:] == ("load", 0, ""), decided
