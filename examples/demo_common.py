@@ -170,7 +170,9 @@ def ttft_table(turns: list[Turn]) -> None:
     print(f"TTFT warm   p50 / p90    {pct(warm, .5) * 1e3:8.1f} / {pct(warm, .9) * 1e3:8.1f} ms")
     if cold and warm:
         print(f"TTFT speed-up (p50)      {statistics.median(cold) / statistics.median(warm):.1f}x")
-    print(breakdown.summary(split_breakdowns(turns)))
+    groups = split_breakdowns(turns)
+    if any(groups.values()):  # kvshare's workers say where their TTFT went (vLLM's streams don't)
+        print(breakdown.summary(groups))
 
 
 def split_breakdowns(turns: list[Turn]) -> dict[str, list[dict[str, Any]]]:
@@ -221,10 +223,13 @@ def plot(turns: list[Turn], path: str, title: str) -> None:
     import matplotlib.pyplot as plt
 
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    fig, (ax, parts) = plt.subplots(1, 2, figsize=(12, 4), width_ratios=(3, 1))
     groups = split_breakdowns(turns)
-    breakdown.stack(parts, list(groups), [breakdown.medians(g) for g in groups.values()])
-    parts.set_title("TTFT breakdown (median)")
+    if any(groups.values()):
+        fig, (ax, parts) = plt.subplots(1, 2, figsize=(12, 4), width_ratios=(3, 1))
+        breakdown.stack(parts, list(groups), [breakdown.medians(g) for g in groups.values()])
+        parts.set_title("TTFT breakdown (median)")
+    else:
+        fig, ax = plt.subplots(figsize=(9, 4))
     colors = ["tab:red" if t.reused_tokens == 0 else "tab:green" for t in turns]
     ax.bar(range(len(turns)), [t.ttft_s * 1e3 for t in turns], color=colors)
     ax.set_xlabel("request (red = cold, green = prefix reused)")
