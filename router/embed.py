@@ -45,11 +45,14 @@ from router.workers_view import WorkerSource
 @dataclass(frozen=True)
 class Tenant:
     """A tenant and its cache salt ("" = the shared default root). ``admin`` lets the
-    tenant's key call the gateway's pin/unpin/prefetch operations (not part of equality)."""
+    tenant's key call the gateway's pin/unpin/prefetch operations; ``max_inflight`` bounds
+    its requests in flight (None: the gateway's default; :mod:`router.admission`). Neither is
+    part of equality."""
 
     name: str = "default"
     salt: str = ""
     admin: bool = field(default=False, compare=False)
+    max_inflight: int | None = field(default=None, compare=False)
 
 
 _DEFAULT_TENANT = Tenant()

@@ -50,6 +50,8 @@ class Completion:
     stats: RequestStats
     first_logits: Any = None  # [vocab] fp32 tensor: the next-token logits after the prompt
     stores: list[Future[StoreResult]] = field(default_factory=list)
+    ended: str = ""  # why generation stopped early: a should_stop reason ("" = EOS or length)
+    text: str | None = None  # the host's text of the tokens, when it made one (stop strings)
 
 
 class WorkerCounters:
@@ -169,6 +171,7 @@ class ReferenceWorker:
         stop_ids: Sequence[int] | None = None,
         on_token: Callable[[int], None] | None = None,
         on_prefill: Callable[[RequestStats], None] | None = None,
+        should_stop: Callable[[], str] | None = None,
     ) -> Completion:
         """Greedy completion of ``tokens``.
 
@@ -186,6 +189,9 @@ class ReferenceWorker:
         with self._lock:
             start = time.perf_counter()
             stats = RequestStats(prompt_tokens=len(tokens))
+            if should_stop is not None and (why := should_stop()):
+                self.counters.add(f"ended_{why}")
+                return Completion([], stats, ended=why)  # gone or late before it started
             kv, reuse = self._plan_and_load(tokens, hashes, stats)
             pre = self.engine.prefill(tokens, kv, reuse)
             del kv
@@ -199,6 +205,7 @@ class ReferenceWorker:
             stores: list[Future[StoreResult]] = []
             out: list[int] = []
             first_logits = pre.logits
+            ended = ""
             for i, tok in enumerate(self.engine.greedy(pre, len(tokens), max_new_tokens, stops)):
                 if i == 0:
                     stats.ttft_s = time.perf_counter() - start
@@ -206,11 +213,15 @@ class ReferenceWorker:
                 out.append(tok)
                 if on_token is not None:
                     on_token(tok)
+                if should_stop is not None and (ended := should_stop()):
+                    self.counters.add(f"ended_{ended}")
+                    break
+            self.counters.add("tokens_generated", len(out))
             full = list(tokens) + out
             self._store(full, pre.cache, len(tokens) // self.engine.layout.block_tokens, stores,
                         salt)
             self._count(stats)
-            return Completion(out, stats, first_logits, stores)
+            return Completion(out, stats, first_logits, stores, ended)
 
     def _count(self, s: RequestStats) -> None:
         c = self.counters
