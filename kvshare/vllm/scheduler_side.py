@@ -187,6 +187,7 @@ class SchedulerSide:
                    page_ids_of: Any) -> KVShareMetadata:
         """This step's loads and saves. ``scheduled``: tokens scheduled per request id;
         ``page_ids_of(req_id)``: the request's pages in token order."""
+        self._count("steps")
         meta = KVShareMetadata(loads=self._loads, busy=bool(scheduled),
                                preempted=tuple(preempted))
         self._loads = []
