@@ -10,7 +10,10 @@ depends on the attention backend, so it is detected from the shape, never assume
 - ``FLASH_ATTN``-style (CUDA, NHD): ``[2, num_pages, page_tokens, kv_heads, head_dim]``,
   viewed as the same five axes by a permutation. *Written for GPUs, not checked here.*
 
-Anything else is refused with the shape it got. A canonical block
+Anything else is refused with the shape it got. Copies move a batch of blocks per call: for
+``CPU_ATTN`` pages one ``kvshare._copy.copy_chunks`` per layer (one page, head and k|v per
+chunk, straight between the canonical buffer and vLLM's tensor, GIL released), else (GPU
+layouts, or ``_copy`` not built) a gather into page order and one ``index_copy_`` per layer. A canonical block
 ``[layers, 2, kv_heads, block_tokens, head_dim]`` covers ``block_tokens // page_tokens``
 pages. Under tensor parallelism a rank's pages hold heads ``[h0, h0 + local_heads)`` of the
 canonical block (DESIGN "canonical block format").
@@ -22,9 +25,17 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from kvshare.layout import KVLayout
+
+try:  # optional C accelerator (setup.py); an older build lacks copy_chunks
+    from kvshare import _copy
+
+    _COPY_CHUNKS = hasattr(_copy, "copy_chunks")
+except ImportError:  # pragma: no cover - depends on the build
+    _COPY_CHUNKS = False
 
 CPU_ATTN = "cpu"
 FLASH_NHD = "flash_nhd"
@@ -145,10 +156,48 @@ class PagedRequestKV:
         x = x.reshape(n, 2, nh, self.per_block, t, x.shape[-1]).permute(0, 3, 2, 1, 4, 5)
         return x.reshape(n * self.per_block, nh, 2, t, x.shape[-1])  # the one gather copy
 
+    def _chunks(self, pos: list[int], ids: list[int], elem: int
+                ) -> tuple[np.ndarray, np.ndarray, int, int]:
+        """Byte offsets for :func:`kvshare._copy.copy_chunks` between ``[n, *block]`` canonical
+        blocks and CPU_ATTN pages ``[pages, local_heads, 2, t, D]``: (canonical offsets for
+        layer 0, page offsets (the same for every layer), chunk bytes, canonical layer stride)."""
+        L, _, H, B, D = self.layout.block_shape
+        t, h0, nh = self.pages.page_tokens, self.pages.head_start, self.pages.local_heads
+        chunk = t * D * elem
+        k = np.asarray(pos, dtype=np.int64)[:, None, None]
+        page = np.asarray(ids, dtype=np.int64)[:, None, None]
+        h = np.arange(nh, dtype=np.int64)[None, :, None]
+        kv = np.arange(2, dtype=np.int64)[None, None, :]
+        block, j = k // self.per_block, k % self.per_block
+        canon = block * self.layout.bytes_per_block + ((kv * H + h0 + h) * B + j * t) * D * elem
+        paged = page * (nh * 2 * chunk) + (h * 2 + kv) * chunk
+        return canon.reshape(-1), paged.reshape(-1), chunk, 2 * H * B * D * elem
+
+    def _fast(self, blocks: torch.Tensor) -> bool:
+        return (_COPY_CHUNKS and self.pages.kind == CPU_ATTN and self._device.type == "cpu"
+                and blocks.device.type == "cpu" and blocks.is_contiguous()
+                and all(v.is_contiguous() for v in self.pages.views))
+
+    def _copy_chunks(self, blocks: torch.Tensor, pos: list[int], ids: list[int],
+                     into_pages: bool) -> None:
+        canon, paged, chunk, stride = self._chunks(pos, ids, blocks.element_size())
+        buf = blocks.reshape(-1).view(torch.uint8).numpy()
+        for layer, view in enumerate(self.pages.views):
+            pages = view.reshape(-1).view(torch.uint8).numpy()
+            src_off = canon + layer * stride
+            if into_pages:
+                _copy.copy_chunks(pages.data, paged.data, buf.data, src_off.data, chunk)
+            else:
+                _copy.copy_chunks(buf.data, src_off.data, pages.data, paged.data, chunk)
+
     def write_blocks(self, first: int, blocks: torch.Tensor) -> None:
-        """Per layer: one gather into page order, one ``index_copy_`` into vLLM's pages."""
+        """Per layer one C gather/scatter (CPU_ATTN), else a gather into page order and one
+        ``index_copy_`` into vLLM's pages."""
         pos, ids = self._pages(first, int(blocks.shape[0]), writing=True)
         if not ids:
+            return
+        if self._fast(blocks):
+            self._copy_chunks(blocks, pos, ids, into_pages=True)
             return
         idx = torch.tensor(ids, dtype=torch.long, device=self._device)
         whole = len(pos) == blocks.shape[0] * self.per_block
@@ -162,12 +211,16 @@ class PagedRequestKV:
         self.write_blocks(index, block.unsqueeze(0))
 
     def read_blocks(self, first: int, out: torch.Tensor) -> None:
-        """Per layer: one ``index_select`` of the pages, one scatter into canonical order."""
+        """Per layer one C gather/scatter (CPU_ATTN), else one ``index_select`` of the pages
+        and one scatter into canonical order."""
         n = int(out.shape[0])
-        _, ids = self._pages(first, n, writing=False)
+        pos, ids = self._pages(first, n, writing=False)
         if len(ids) != n * self.per_block:
             raise ValueError(f"blocks {self.first_block + first}..{self.first_block + first + n - 1}"
                              " are not fully in the request's pages")
+        if self._fast(out):
+            self._copy_chunks(out, pos, ids, into_pages=False)
+            return
         idx = torch.tensor(ids, dtype=torch.long, device=self._device)
         h0, nh, t = self.pages.head_start, self.pages.local_heads, self.pages.page_tokens
         for layer, view in enumerate(self.pages.views):
