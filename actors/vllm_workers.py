@@ -33,8 +33,9 @@ class VllmWorkerService:
     def __init__(self, config: VllmWorkerConfig) -> None:
         from actors.index.client import IndexClient
 
-        node = ray.get_runtime_context().get_node_id()
-        self.config = VllmWorkerConfig(**{**config.__dict__, "node": config.node or node})
+        ctx = ray.get_runtime_context()
+        self.config = VllmWorkerConfig(**{**config.__dict__, "node": config.node or ctx.get_node_id(),
+                                          "ray_address": config.ray_address or ctx.gcs_address})
         self.worker = VllmWorker(self.config, IndexClient.connect(config.ray_namespace))
 
     def start(self, timeout_s: float = 300.0) -> str:

@@ -30,27 +30,24 @@ installed).
 
 from __future__ import annotations
 
+import gc
+import json
 import os
+import sys
+import time
 
-os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+import numpy as np
 
-import gc  # noqa: E402
-import json  # noqa: E402
-import sys  # noqa: E402
-import time  # noqa: E402
-
-import numpy as np  # noqa: E402
+from kvshare.ray_env import use_local_ray_defaults
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from actors.index.global_index import GlobalIndex  # noqa: E402
-from actors.index.runs import HolderRuns  # noqa: E402
-from kvshare.events import BlockStored, events_to_arrow  # noqa: E402
-from kvshare.hashing import block_hashes, namespace_root  # noqa: E402
-from kvshare.match import MatchResult  # noqa: E402
-from kvshare.types import BlockHash, Location, Tier  # noqa: E402
+from actors.index.global_index import GlobalIndex
+from actors.index.runs import HolderRuns
+from kvshare.events import BlockStored, events_to_arrow
+from kvshare.hashing import block_hashes, namespace_root
+from kvshare.match import MatchResult
+from kvshare.types import BlockHash, Location, Tier
 
 CLOCK = time.process_time  # in-process figures: CPU time, robust on a shared machine
 WALL = time.perf_counter
@@ -339,4 +336,5 @@ def actor_bench(batches: list, queries: list[list[BlockHash]],  # type: ignore[t
 
 
 if __name__ == "__main__":
+    use_local_ray_defaults()
     main()

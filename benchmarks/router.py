@@ -16,29 +16,26 @@ Last line: one JSON object with ``decisions_per_s``, ``actor_decisions_per_s``,
 
 from __future__ import annotations
 
+import asyncio
+import json
 import os
+import random
+import sys
+import time
+from pathlib import Path
 
-os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-
-import asyncio  # noqa: E402
-import json  # noqa: E402
-import random  # noqa: E402
-import sys  # noqa: E402
-import time  # noqa: E402
-from pathlib import Path  # noqa: E402
+from kvshare.ray_env import use_local_ray_defaults
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import numpy as np  # noqa: E402
+import numpy as np
 
-from actors.index.global_index import GlobalIndex  # noqa: E402
-from kvshare.events import BlockStored  # noqa: E402
-from kvshare.types import NodeId, Tier, WorkerId, node_location  # noqa: E402
-from kvshare.workers import WorkerInfo, WorkerLoad  # noqa: E402
-from router.embed import CacheAwareRouter, InProcessIndex, RouterConfig, Tenant  # noqa: E402
-from router.workers_view import StaticWorkers  # noqa: E402
+from actors.index.global_index import GlobalIndex
+from kvshare.events import BlockStored
+from kvshare.types import NodeId, Tier, WorkerId, node_location
+from kvshare.workers import WorkerInfo, WorkerLoad
+from router.embed import CacheAwareRouter, InProcessIndex, RouterConfig, Tenant
+from router.workers_view import StaticWorkers
 
 NS = "bench"
 WORKERS = 16
@@ -199,4 +196,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    use_local_ray_defaults()
     main()

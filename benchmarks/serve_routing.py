@@ -20,28 +20,17 @@ Last line: one JSON object with ``default_hit_rate``, ``kvshare_hit_rate``,
 
 from __future__ import annotations
 
-import os
+import argparse
+import json
+import statistics
+import sys
+import time
+from typing import Any
 
-for _k, _v in (("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0"), ("RAY_USAGE_STATS_ENABLED", "0"),
-               ("RAY_AUTH_MODE", "disabled"), ("NIXL_LOG_LEVEL", "WARN"),
-               ("TOKENIZERS_PARALLELISM", "false")):
-    os.environ.setdefault(_k, _v)
+import httpx
 
-import argparse  # noqa: E402
-import json  # noqa: E402
-import statistics  # noqa: E402
-import sys  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-from typing import Any  # noqa: E402
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-
-import httpx  # noqa: E402
-
-from kvshare.engines.hf import default_model_config  # noqa: E402
-from kvshare.layout import KVLayout  # noqa: E402
+from kvshare.engines.hf import default_model_config
+from kvshare.layout import KVLayout
 
 BLOCK = 128
 OVERRIDES = {"num_hidden_layers": 2}  # the default tiny Llama, 2 of its 4 layers: ~1 min run
@@ -59,20 +48,6 @@ def text(seed: int, n: int) -> str:
         x = (x * 1103515245 + 12345) % 2**31
         out.append(words[x % len(words)] + str(x % 97))
     return " ".join(out)[:n]
-
-
-def start(nodes: int) -> Any:
-    import ray
-    from ray.cluster_utils import Cluster
-
-    cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 1, "object_store_memory": 200 * 2**20, "include_dashboard": False,
-        "temp_dir": tempfile.mkdtemp(prefix="kvs-serve-bench-", dir="/tmp")})
-    for _ in range(nodes):
-        cluster.add_node(num_cpus=2, object_store_memory=200 * 2**20)
-    cluster.wait_for_nodes()
-    ray.init(address=cluster.address, namespace="kvshare-bench", log_to_driver=False)
-    return cluster
 
 
 def run_workload(url: str, users: int, turns: int, doc_chars: int, turn_chars: int,
@@ -115,47 +90,44 @@ def main() -> int:
     if args.users < 4 or args.turns < 6:
         print("note: the issue's workload is at least 4 users x 6 turns", file=sys.stderr)
     t_start = time.perf_counter()
-    cluster = start(args.nodes)
     from ray import serve
     from ray.serve.api import RunTarget
 
-    from actors.deploy import deploy, shutdown
+    from actors.deploy import deploy
+    from actors.local_cluster import local_cluster
     from kvshare.engines.server import free_port
     from router.serve_app import build_app
 
-    try:
-        deploy(namespaces={"bench-default": LAYOUT, "bench-kvshare": LAYOUT}, host_gb=0.25)
-        port = free_port()
-        serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
-        common = {"engine": ENGINE, "sharing": "local", "num_replicas": args.nodes,
-                  "replica_cpus": 1.0}
-        serve.run_many([
-            RunTarget(build_app(router="default", namespace="bench-default", **common),
-                      "default", "/default"),
-            RunTarget(build_app(router="kvshare", namespace="bench-kvshare", **common),
-                      "kvshare", "/kvshare"),
-        ])
-        print(f"cluster + kvshare + 2 Serve apps up in {time.perf_counter() - t_start:.1f}s",
-              file=sys.stderr)
-        base = f"http://127.0.0.1:{port}"
-        w = (args.users, args.turns, args.doc_chars, args.turn_chars, args.system_chars,
-             args.answer_chars)
-        default = run_workload(f"{base}/default", *w)
-        kv = run_workload(f"{base}/kvshare", *w)
-        for app in ("default", "kvshare"):
-            seen = {}
-            handle = serve.get_deployment_handle("KVShareWorker", app)
-            for _ in range(3 * args.nodes):
-                st = handle.stats.remote().result()
-                seen[st["worker_id"]] = st["client"]
-            print(app, "SDK counters per replica:", json.dumps(seen), file=sys.stderr)
-    finally:
-        serve.shutdown()  # type: ignore[no-untyped-call]
-        shutdown()
-        import ray
-
-        ray.shutdown()
-        cluster.shutdown()
+    with local_cluster(args.nodes, head_store_mib=200, node_store_mib=200,
+                       ray_namespace="kvshare-bench", temp_prefix="kvs-serve-bench-"):
+        try:
+            deploy(namespaces={"bench-default": LAYOUT, "bench-kvshare": LAYOUT}, host_gb=0.25)
+            port = free_port()
+            serve.start(proxy_location="HeadOnly", http_options={"host": "127.0.0.1", "port": port})
+            common = {"engine": ENGINE, "sharing": "local", "num_replicas": args.nodes,
+                      "replica_cpus": 1.0}
+            serve.run_many([
+                RunTarget(build_app(router="default", namespace="bench-default", **common),
+                          "default", "/default"),
+                RunTarget(build_app(router="kvshare", namespace="bench-kvshare", **common),
+                          "kvshare", "/kvshare"),
+            ])
+            print(f"cluster + kvshare + 2 Serve apps up in {time.perf_counter() - t_start:.1f}s",
+                  file=sys.stderr)
+            base = f"http://127.0.0.1:{port}"
+            w = (args.users, args.turns, args.doc_chars, args.turn_chars, args.system_chars,
+                 args.answer_chars)
+            default = run_workload(f"{base}/default", *w)
+            kv = run_workload(f"{base}/kvshare", *w)
+            for app in ("default", "kvshare"):
+                seen = {}
+                handle = serve.get_deployment_handle("KVShareWorker", app)
+                for _ in range(3 * args.nodes):
+                    st = handle.stats.remote().result()
+                    seen[st["worker_id"]] = st["client"]
+                print(app, "SDK counters per replica:", json.dumps(seen), file=sys.stderr)
+        finally:
+            serve.shutdown()  # type: ignore[no-untyped-call]
     print(f"{'router':10} {'hit rate':>9} {'TTFT p50':>9} {'TTFT mean':>10}")
     for name, r in (("default", default), ("kvshare", kv)):
         print(f"{name:10} {r['hit_rate']:9.3f} {r['ttft_p50_s']:8.3f}s {r['ttft_mean_s']:9.3f}s")

@@ -19,33 +19,29 @@ over shm, nixl and objstore. Last line: one JSON object (16 MiB-block figures an
 
 from __future__ import annotations
 
+import json
 import os
+import statistics
+import sys
+import tempfile
+import time
+from typing import Any
 
-os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+import numpy as np
 
-import json  # noqa: E402
-import statistics  # noqa: E402
-import sys  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-from typing import Any  # noqa: E402
-
-import numpy as np  # noqa: E402
+from kvshare.ray_env import use_local_ray_defaults
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import ray  # noqa: E402
-from ray.cluster_utils import Cluster  # noqa: E402
+import ray
+from ray.cluster_utils import Cluster
 
-from benchmarks.raw_nixl import RawNixl  # noqa: E402
-from kvshare.layout import KVLayout  # noqa: E402
-from kvshare.transfer.local import make_local_pool  # noqa: E402
-from kvshare.transfer.probe import PROBE_NAMESPACE  # noqa: E402
-from kvshare.transfer.serve import TransferEndpoints, TransferService  # noqa: E402
-from kvshare.types import BlockHash  # noqa: E402
+from benchmarks.raw_nixl import RawNixl
+from kvshare.layout import KVLayout
+from kvshare.transfer.local import make_local_pool
+from kvshare.transfer.probe import PROBE_NAMESPACE
+from kvshare.transfer.serve import TransferEndpoints, TransferService
+from kvshare.types import BlockHash
 
 MiB = 2**20
 TOTAL = 256 * MiB
@@ -260,4 +256,5 @@ def _shmem_thp() -> str:
 
 
 if __name__ == "__main__":
+    use_local_ray_defaults()
     main()

@@ -16,27 +16,19 @@ Last line: one JSON object with ``cold_s``, ``warm_local_s``, ``warm_remote_s``,
 
 from __future__ import annotations
 
-import os
+import json
+import random
+import statistics
+import sys
+import time
+from typing import Any
 
-os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+import ray
 
-import json  # noqa: E402
-import random  # noqa: E402
-import statistics  # noqa: E402
-import sys  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-from typing import Any  # noqa: E402
-
-import ray  # noqa: E402
-from ray.cluster_utils import Cluster  # noqa: E402
-
-from actors.deploy import deploy  # noqa: E402
-from kvshare.engines.hf import EngineConfig, model_keys  # noqa: E402
-from kvshare.engines.service import WorkerService  # noqa: E402
+from actors.deploy import deploy
+from actors.local_cluster import local_cluster
+from kvshare.engines.hf import EngineConfig, model_keys
+from kvshare.engines.service import WorkerService
 
 NS = "ttft-bench"
 SUFFIX = 64
@@ -63,17 +55,9 @@ def wait_indexed(hashes_hex: list[str], timeout_s: float = 10.0) -> None:
 
 
 def main() -> int:
-    tmp = tempfile.mkdtemp(prefix="kvs-ttft-")
-    cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 0, "object_store_memory": 256 * 2**20, "temp_dir": tmp,
-        "include_dashboard": False})
-    for i in range(2):
-        cluster.add_node(num_cpus=2, object_store_memory=256 * 2**20, resources={f"node_{i}": 1})
-    cluster.wait_for_nodes()
-    ray.init(address=cluster.address, log_to_driver=False)
     cfg = EngineConfig(threads=2)
     keys = model_keys(cfg)
-    try:
+    with local_cluster(2, head_cpus=0, temp_prefix="kvs-ttft-") as cluster:
         deploy(cluster.address, namespace=NS, layout=keys.layout, host_gb=0.25)
         Worker = ray.remote(num_cpus=2)(WorkerService)
         w = [Worker.options(resources={f"node_{i}": 1}).remote(  # type: ignore[attr-defined]
@@ -117,9 +101,6 @@ def main() -> int:
                   flush=True)
         stats = ray.get(w[0].stats.remote())
         print(f"worker 0 counters: {json.dumps(stats['worker'])}", flush=True)
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
     big, small = results[8192], results[4096]
     out = {k: round(v, 4) if isinstance(v, float) else v for k, v in big.items()}
     out.update({f"{k}_4096": round(v, 4) for k, v in small.items() if isinstance(v, float)})

@@ -23,30 +23,27 @@ thread; publishing every 64 batches to an index that accepts everything).
 
 from __future__ import annotations
 
+import json
 import os
+import sys
+import tempfile
+import threading
+import time
+from typing import Any
 
-os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+import msgspec
+import numpy as np
+import zmq
 
-import json  # noqa: E402
-import sys  # noqa: E402
-import tempfile  # noqa: E402
-import threading  # noqa: E402
-import time  # noqa: E402
-from typing import Any  # noqa: E402
-
-import msgspec  # noqa: E402
-import numpy as np  # noqa: E402
-import zmq  # noqa: E402
+from kvshare.ray_env import use_local_ray_defaults
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from kvshare.hasher import Hasher  # noqa: E402
-from kvshare.types import NodeId, WorkerId  # noqa: E402
-from kvshare.vllm.events import EventsConfig, KVEventsConsumer  # noqa: E402
-from kvshare.vllm.presence import Presence  # noqa: E402
-from kvshare.workers import WorkerInfo  # noqa: E402
+from kvshare.hasher import Hasher
+from kvshare.types import NodeId, WorkerId
+from kvshare.vllm.events import EventsConfig, KVEventsConsumer
+from kvshare.vllm.presence import Presence
+from kvshare.workers import WorkerInfo
 
 PAGE = 32
 BLOCK = 256
@@ -212,4 +209,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    use_local_ray_defaults()
     main()

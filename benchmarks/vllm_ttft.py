@@ -28,29 +28,24 @@ JSON object.
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
+import random
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+from typing import Any
 
-os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+import ray
+from ray.cluster_utils import Cluster
 
-import argparse  # noqa: E402
-import json  # noqa: E402
-import random  # noqa: E402
-import shutil  # noqa: E402
-import statistics  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
-import tempfile  # noqa: E402
-from typing import Any  # noqa: E402
-
-import ray  # noqa: E402
-from ray.cluster_utils import Cluster  # noqa: E402
-
-from kvshare.layout import KVLayout  # noqa: E402
-from kvshare.vllm.offline import ENGINE_ENV, OfflineEngine, kv_transfer_config  # noqa: E402
-from kvshare.vllm.tiny_model import TinyModelSpec, build_tiny_llama  # noqa: E402
+from kvshare.layout import KVLayout
+from kvshare.ray_env import use_local_ray_defaults
+from kvshare.vllm.offline import ENGINE_ENV, OfflineEngine, kv_transfer_config
+from kvshare.vllm.tiny_model import TinyModelSpec, build_tiny_llama
 
 NS = "vllm-ttft"
 BLOCK = 256
@@ -220,4 +215,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    use_local_ray_defaults()
     main()

@@ -17,27 +17,18 @@ its own forward pass and page allocator. ``python examples/sdk_worker.py``
 
 from __future__ import annotations
 
-import os
+import json
+import random
+import time
 
-os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+import torch
 
-import json  # noqa: E402
-import random  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-
-import ray  # noqa: E402
-import torch  # noqa: E402
-from ray.cluster_utils import Cluster  # noqa: E402
-
-from actors.deploy import deploy, shutdown  # noqa: E402
-from kvshare.client import KVShareClient  # noqa: E402
-from kvshare.client_types import PagedKV, Plan  # noqa: E402
-from kvshare.engines.hf import EngineConfig, HFEngine, cache_layers  # noqa: E402
-from kvshare.kv_convert import new_contiguous  # noqa: E402
+from actors.deploy import deploy
+from actors.local_cluster import local_cluster
+from kvshare.client import KVShareClient
+from kvshare.client_types import PagedKV, Plan
+from kvshare.engines.hf import EngineConfig, HFEngine, cache_layers
+from kvshare.kv_convert import new_contiguous
 
 NAMESPACE = "sdk-example"
 PAGE_TOKENS = 16  # the engine's page size; kvshare blocks (256 tokens) span 16 pages
@@ -80,11 +71,7 @@ def serve_one(client: KVShareClient, engine: HFEngine, tokens: list[int]) -> lis
 
 
 def main() -> None:
-    cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 2, "object_store_memory": 200 * 2**20,
-        "temp_dir": tempfile.mkdtemp(prefix="kvs-example-")})
-    ray.init(address=cluster.address, log_to_driver=False)
-    try:
+    with local_cluster(nodes=0, head_cpus=2, head_store_mib=200, temp_prefix="kvs-example-") as cluster:
         engine = HFEngine(EngineConfig())
         deploy(cluster.address, namespace=NAMESPACE, layout=engine.layout, host_gb=0.1)
         client = KVShareClient.connect(NAMESPACE, engine.layout, engine.hasher, worker_id="example")
@@ -97,10 +84,6 @@ def main() -> None:
         second = serve_one(client, engine, document + [rng.randrange(256) for _ in range(40)])
         print(f"outputs: {first} / {second}; client counters: {client.counters}")
         client.close()
-    finally:
-        shutdown()
-        ray.shutdown()
-        cluster.shutdown()
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
+from kvshare import kv_convert
 from kvshare.client_types import (
     SOURCE_LOCAL,
     BlockOutcome,
@@ -25,13 +26,6 @@ from kvshare.client_types import (
     StoreResult,
 )
 from kvshare.hasher import Hasher
-from kvshare.kv_convert import (
-    block_from_source,
-    block_into_target,
-    check_source,
-    check_target,
-    source_tokens,
-)
 from kvshare.pool import TieredBlockPool
 from kvshare.pool_types import AlreadyPresent, Reserved
 from kvshare.types import BlockHash
@@ -73,7 +67,7 @@ class LocalKVClient:
 
     def load(self, plan: Plan, into: KVTarget) -> LoadResult:
         """Copy the planned blocks (verified by the pool) into ``into``; misses are reported."""
-        check_target(into, self.layout, plan.load_tokens)
+        kv_convert.check_target(into, self.layout, plan.load_tokens)
         start = time.perf_counter()
         leases = self.pool.pin([b.block_hash for b in plan.blocks], self.holder)
         buf = np.empty(self.layout.bytes_per_block, dtype=np.uint8)
@@ -87,7 +81,7 @@ class LocalKVClient:
                 if not res.ok:
                     out.append(BlockOutcome(i, False, SOURCE_LOCAL, res.reason))
                     continue
-                block_into_target(buf, into, i, self.layout)
+                kv_convert.block_into_target(buf, into, i, self.layout)
                 out.append(BlockOutcome(i, True, SOURCE_LOCAL, nbytes=buf.nbytes))
         finally:
             self.pool.unpin([lease.lease_id for lease in leases if lease is not None])
@@ -103,8 +97,8 @@ class LocalKVClient:
 
         The caller must not mutate ``kv``'s memory until the future completes.
         """
-        check_source(kv, self.layout)
-        n_blocks = min(len(tokens), source_tokens(kv)) // self.block_tokens
+        kv_convert.check_source(kv, self.layout)
+        n_blocks = min(len(tokens), kv_convert.source_tokens(kv)) // self.block_tokens
         hs = list(hashes if hashes is not None else self.hashes(tokens[: n_blocks * self.block_tokens]))
         return self._executor.submit(self._store, hs[:n_blocks], kv, start_block)
 
@@ -118,7 +112,7 @@ class LocalKVClient:
         try:
             for i, res in enumerate(results):
                 if isinstance(res, Reserved):
-                    block_from_source(kv, start + i, buf, self.layout)
+                    kv_convert.block_from_source(kv, start + i, buf, self.layout)
                     self.pool.write(res.lease_id, buf)
                     leases.append(res.lease_id)
                 elif isinstance(res, AlreadyPresent):

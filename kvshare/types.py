@@ -6,6 +6,7 @@ expected; tiers are a small string enum so they travel through Arrow and JSON un
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from enum import StrEnum
 from typing import NewType
 
@@ -59,3 +60,15 @@ def parse_location(location: str) -> tuple[str, str]:
             f"location {location!r} is malformed: expected 'node:<id>' or 'worker:<id>'"
         )
     return kind, ident
+
+
+class UnknownNamespace(KeyError):
+    """A namespace the component asked does not serve. The message names the namespaces it
+    does serve and how to add the missing one; nothing was changed."""
+
+    def __init__(self, namespace: str, known: Iterable[str], fix: str) -> None:
+        self.namespace, self.known, self.fix = namespace, sorted(known), fix
+        super().__init__(f"unknown namespace {namespace!r}; known: {self.known} ({fix})")
+
+    def __reduce__(self) -> tuple[type[UnknownNamespace], tuple[str, list[str], str]]:
+        return UnknownNamespace, (self.namespace, self.known, self.fix)  # crosses Ray intact

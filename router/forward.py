@@ -6,8 +6,11 @@
   :mod:`kvshare.vllm.worker`): vLLM's own fields. Completions carry the gateway's token ids as
   ``prompt`` (vLLM takes a list of ids); the tenant's salt travels as vLLM's ``cache_salt``, so
   vLLM's prefix cache and its KV events are keyed per tenant exactly as the gateway hashed;
-  ``model`` is the served model name. Chat requests keep their ``messages``: vLLM applies the
-  model's chat template, the one the gateway tokenized with.
+  ``model`` is the served model name. Chat requests keep their ``messages`` (vLLM's schema
+  needs them) and carry the gateway's token ids, rendered with the model's chat template, as
+  ``kv_transfer_params.prompt_token_ids``: vLLM (>= 0.32) then prefills exactly those ids
+  without rendering the messages again (``renderers/online_renderer.py``), so the blocks the
+  router hashed are the blocks vLLM caches.
 """
 
 from __future__ import annotations
@@ -26,8 +29,9 @@ def is_vllm(info: WorkerInfo | None) -> bool:
 def forward_body(body: Mapping[str, Any], routed: Routed, info: WorkerInfo | None,
                  chat: bool) -> dict[str, Any]:
     """What to POST to the chosen worker for the client's ``body``."""
-    out = {k: v for k, v in body.items() if k not in ("kvshare", "cache_salt")}  # the tenant's,
-    if not is_vllm(info):  # not the client's
+    # the salt is the tenant's and the KV connector's parameters the gateway's, not the client's
+    out = {k: v for k, v in body.items() if k not in ("kvshare", "cache_salt", "kv_transfer_params")}
+    if not is_vllm(info):
         return {**out, "kvshare": routed.kvshare_field()}
     assert info is not None
     out["model"] = info.meta.get("model", out.get("model"))
@@ -35,4 +39,6 @@ def forward_body(body: Mapping[str, Any], routed: Routed, info: WorkerInfo | Non
         out["cache_salt"] = routed.tenant.salt
     if not chat:
         out["prompt"] = routed.token_ids
+    else:
+        out["kv_transfer_params"] = {"prompt_token_ids": routed.token_ids}
     return out

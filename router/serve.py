@@ -59,6 +59,7 @@ from kvshare.workers import WorkerInfo, WorkerLoad
 from router.core import CostInputs, IndexAnswer, RoutingCore
 from router.policy import Ranking, RouteRequest
 from router.serve_request import (
+    FRONTS_WORKER,
     PromptInput,
     ServeRouterSettings,
     WorkerHashing,
@@ -104,6 +105,7 @@ class KVShareRequestRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         self._bw_task: asyncio.Task[None] | None = None
         self._refresh_bandwidth = True  # False when the index was handed in (use_index)
         self._last: dict[str, _Routing] = {}
+        self._fronted: dict[ReplicaID, WorkerId] = {}
         self.counters: dict[str, int] = {}
         # Serve pickles this module by value into each handle's process, so counters go out
         # as Ray metrics (Prometheus), not through a module-level registry.
@@ -125,6 +127,20 @@ class KVShareRequestRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         """Decisions by reason, fallbacks by cause, known workers and replicas."""
         return {"counters": dict(self.counters), "workers": len(self._workers),
                 "replicas": len(self._replicas), "index_connected": self._client is not None}
+
+    # ------------------------------------------------------------------ replicas -> workers
+    def _wid(self, replica: RunningReplica) -> WorkerId:
+        """The kvshare worker a replica serves: the one it names in its routing stats
+        (:data:`~router.serve_request.FRONTS_WORKER`, e.g. a replica in front of a vLLM server
+        registered by ``kvshare vllm start``), else its own :func:`replica_worker_id`."""
+        named = (getattr(replica, "routing_stats", None) or {}).get(FRONTS_WORKER)
+        wid = WorkerId(named) if isinstance(named, str) and named else replica_worker_id(
+            replica.replica_id)
+        self._fronted[replica.replica_id] = wid
+        return wid
+
+    def _wid_of(self, replica_id: ReplicaID) -> WorkerId:
+        return self._fronted.get(replica_id) or replica_worker_id(replica_id)
 
     # ------------------------------------------------------------------ index access
     def use_index(self, client: Any) -> None:
@@ -177,7 +193,7 @@ class KVShareRequestRouter(LocalityMixin, MultiplexMixin, RequestRouter):
 
     async def _refresh_workers(self, client: Any) -> None:
         now = time.monotonic()
-        known = all(replica_worker_id(r) in self._workers for r in self._replica_id_set)
+        known = all(self._wid_of(r) in self._workers for r in self._replica_id_set)
         age = now - self._workers_at
         if age < (self.settings.workers_refresh_s if known else 0.25):
             return
@@ -210,7 +226,7 @@ class KVShareRequestRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         if self.settings.namespace:
             return self.settings.namespace
         mine = {ns for r in self._replica_id_set
-                if (w := self._workers.get(replica_worker_id(r))) is not None for ns in w.namespaces}
+                if (w := self._workers.get(self._wid_of(r))) is not None for ns in w.namespaces}
         return next(iter(mine)) if len(mine) == 1 else None
 
     def _use_cost(self, hashing: WorkerHashing, loads: Mapping[WorkerId, WorkerLoad]) -> None:
@@ -303,7 +319,7 @@ class KVShareRequestRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         prev = self._last.get(rid)
         if prev is None or not prev.shortlist or prev.passes + 1 >= self.settings.spill_after_passes:
             return None
-        live = {replica_worker_id(r.replica_id): r for r in replicas}
+        live = {self._wid(r): r for r in replicas}
         shortlist = [[live[w]] for w in prev.shortlist if w in live]
         if shortlist:
             self._count("repass")
@@ -334,7 +350,7 @@ class KVShareRequestRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         self, replicas: list[RunningReplica], request: RouteRequest, answer: IndexAnswer,
         reported: Mapping[WorkerId, WorkerLoad], hashing: WorkerHashing, pr: PendingRequest,
     ) -> list[list[RunningReplica]]:
-        by_worker = {replica_worker_id(r.replica_id): r for r in replicas}
+        by_worker = {self._wid(r): r for r in replicas}
         rid = request.request_id
         prev = self._last.pop(rid, None)
         passes = prev.passes + 1 if prev is not None else 1
@@ -388,7 +404,7 @@ class KVShareRequestRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         rid = pending_request.metadata.internal_request_id
         last = self._last.pop(rid, None)
         if last is not None:
-            self.core.routed(rid, last.ranking, replica_worker_id(replica_id))
+            self.core.routed(rid, last.ranking, self._wid_of(replica_id))
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         """The request left the replica: its queued tokens no longer count there."""
@@ -398,14 +414,14 @@ class KVShareRequestRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         """Serve's replica set changed: forget removed replicas' queued work."""
         super().update_replicas(replicas)
         self._start_connect()  # connect before the first request needs the index
-        live = {replica_worker_id(r.replica_id) for r in replicas}
+        live = {self._wid(r) for r in replicas}
         self.core.inflight.keep_only(live)
         self._workers_at = -1e9  # re-read registrations on the next request
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         """A replica died: never route to it again, drop its queued work."""
         super().on_replica_actor_died(replica_id)
-        wid = replica_worker_id(replica_id)
+        wid = self._wid_of(replica_id)
         self._workers.pop(wid, None)
         self.core.inflight.drop(wid)
         self._count("replica_died")

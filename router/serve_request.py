@@ -33,6 +33,9 @@ META_BLOCK_TOKENS = "block_tokens"
 META_BYTES_PER_TOKEN = "bytes_per_token"
 META_TOKENIZER = "tokenizer"
 META_SHARING = "sharing"  # "local": the worker loads only its own node's blocks
+# Key of a Serve replica's routing stats (``record_routing_stats``) naming the registered
+# kvshare worker it forwards to (a replica in front of an engine that registered itself).
+FRONTS_WORKER = "kvshare_worker_id"
 
 
 def replica_worker_id(replica_id: ReplicaID) -> WorkerId:

@@ -136,7 +136,7 @@ def test_plan_is_serialisable() -> None:
 
 def test_cost_cut_loads_when_fetching_beats_recompute() -> None:
     from kvshare.cost import Source
-    from kvshare.engines.cost_cut import CostCut
+    from kvshare.cost_cut import CostCut
 
     layout = KVLayout(4, 4, 64, "fp32", block_tokens=256)
     slow_compute = CostCut(layout, [(1000, 0, 0.5), (4000, 0, 2.5), (2000, 2000, 1.5)])
@@ -151,7 +151,7 @@ def test_cost_cut_loads_when_fetching_beats_recompute() -> None:
 
 def test_cost_cut_follows_measured_bandwidths() -> None:
     from kvshare.cost import Source
-    from kvshare.engines.cost_cut import CostCut
+    from kvshare.cost_cut import CostCut
 
     layout = KVLayout(4, 4, 64, "fp32", block_tokens=256)
     cut = CostCut(layout, [(1000, 0, 0.01), (4000, 0, 0.05)])  # fast compute: 10 us/token

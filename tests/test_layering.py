@@ -3,7 +3,8 @@
 ``kvshare/`` (the library and SDK) imports nothing from ``actors`` (the Ray cluster layer) or
 ``router`` (routing), neither with an import statement nor by naming them to
 ``import_module``/``__import__``; the worker SDK (``kvshare/client.py``,
-``kvshare/client_local.py``) imports nothing from ``kvshare/engines/``; nothing imports
+``kvshare/client_local.py``) and the vLLM connector (``kvshare/vllm/``) import nothing
+from ``kvshare/engines/`` (the reference engine is one engine on the SDK, vLLM another); nothing imports
 ``examples/`` (a user copies from it). Each rule is checked against a planted violation too,
 so a checker that sees nothing cannot pass.
 """
@@ -17,7 +18,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 UPPER = ("actors", "router")
-SDK = ("kvshare/client.py", "kvshare/client_local.py")
+SDK = ("kvshare/client.py", "kvshare/client_local.py",
+       *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "kvshare/vllm").rglob("*.py")))
 
 
 def imported(source: str) -> set[str]:
@@ -75,7 +77,7 @@ def test_the_library_never_imports_actors_or_router(path: Path) -> None:
 
 
 @pytest.mark.parametrize("rel", SDK)
-def test_the_sdk_never_imports_the_reference_engine(rel: str) -> None:
+def test_the_sdk_and_vllm_never_import_the_reference_engine(rel: str) -> None:
     bad = reaches(imported((ROOT / rel).read_text()), ("kvshare.engines",))
     assert not bad, f"{rel} imports {bad}: kvshare/engines/ sits on top of the SDK"
 

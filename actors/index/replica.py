@@ -32,7 +32,7 @@ from actors.index.holders import HolderStates
 from actors.index.runs import HolderRuns, from_runs
 from actors.index.table import BlockTable, Delta
 from kvshare.match import MatchResult
-from kvshare.types import BlockHash
+from kvshare.types import BlockHash, UnknownNamespace
 
 log = logging.getLogger(__name__)
 
@@ -146,7 +146,7 @@ class IndexReplica:
             raise ValueError("hashes must be a list of block hashes (bytes), not one value")
         table = self._tables[1].get(namespace)
         if table is None:
-            raise KeyError(f"unknown namespace {namespace!r} (nothing published to it yet)")
+            raise UnknownNamespace(namespace, self._tables[1], "nothing published to it yet")
         return HolderRuns(*table.match_runs(hashes))
 
     def match(self, namespace: str, hashes: Sequence[BlockHash]) -> MatchResult:

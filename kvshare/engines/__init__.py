@@ -11,7 +11,8 @@
 - :mod:`kvshare.engines.runtime`: ``WorkerRuntime`` (admission and hash check, load
   tracking, finish reasons), ``LoadReporter`` (register + load reports) and ``choose_cut``,
   shared by the HTTP server and the Ray Serve deployment (:mod:`router.serve_app`).
-- :mod:`~kvshare.engines.openai_api`, :mod:`~kvshare.engines.cost_cut`: the pieces.
+- :mod:`~kvshare.engines.openai_api`: the OpenAI request parsing. The cut policy is the
+  library's :mod:`kvshare.cost_cut`.
 
 This package sits on top of the SDK like any other engine: KV conversion
 (:mod:`kvshare.kv_convert`), tokenizers (:mod:`kvshare.tokenizer`) and model identity

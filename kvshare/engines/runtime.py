@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 
 from kvshare.client import CutPolicy, load_everything
 from kvshare.cost import Source
-from kvshare.engines.cost_cut import CostCut, calibrate
+from kvshare.cost_cut import CostCut
 from kvshare.engines.hf import HFEngine
 from kvshare.engines.openai_api import BadRequest, ParsedRequest
 from kvshare.engines.worker import Completion, ReferenceWorker, RequestStats
@@ -220,3 +220,13 @@ def choose_cut(engine: HFEngine, policy: CutPolicy | str) -> CutPolicy:
     if policy == "all":
         return load_everything
     raise ValueError(f"cut_policy must be one of {CUT_POLICIES} or a callable, got {policy!r}")
+
+
+def calibrate(engine: HFEngine, sizes: Sequence[int] = (128, 512, 1024)) -> list[tuple[float, float, float]]:
+    """Prefill timings ``(new, cached, seconds)`` of a few cold prompts on ``engine``."""
+    out = []
+    for n in sizes:
+        tokens = [(7 * i) % 256 for i in range(n)]
+        pre = engine.prefill(tokens)
+        out.append((float(pre.computed_tokens), 0.0, pre.seconds))
+    return out

@@ -38,7 +38,7 @@ from kvshare.transfer.wire import (
     PushRequest,
     SlabInfo,
 )
-from kvshare.types import BlockHash
+from kvshare.types import BlockHash, UnknownNamespace
 
 
 class TransferService:
@@ -95,10 +95,8 @@ class TransferService:
         if src is None and namespace == PROBE_NAMESPACE:
             src = self._open_probe()
         if src is None:
-            raise KeyError(
-                f"unknown namespace {namespace!r}; node {self.node} serves "
-                f"{sorted(self._sources)} (deploy with this namespace or call add_namespace first)"
-            )
+            raise UnknownNamespace(namespace, self._sources, f"node {self.node}: deploy with this "
+                                   "namespace or call add_namespace first")
         return src
 
     def _open_probe(self) -> BlockSource:

@@ -13,7 +13,7 @@ is sent without waiting: one round trip per batch instead of two.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 from kvshare.tiers.base import ByteArray, block_checksum, copy_block
@@ -73,31 +73,39 @@ class ShmTransport(Transport):
                 self._epochs[info.name] = SharedEpochs(info.epochs, info.num_slots, create=False)
         return slab
 
+    def _local_slab(self, info: SlabInfo | None) -> HostSlab | None:
+        """The pool's slab mapped into this process; None when the pool is on another node or
+        the slab cannot be mapped (its blocks then miss with ``NOT_SAME_NODE``)."""
+        if info is None or info.node != self.node:
+            return None
+        try:
+            return self._slab(info)
+        except (OSError, ValueError) as exc:
+            log.warning("cannot map slab %s: %s", info.name, exc)
+            return None
+
+    def _begin(
+        self, kind: str, control: BlockControl, prepare: Callable[[Sequence[BlockHash], str, float], Reply[P]],
+        hashes: Sequence[BlockHash], bufs: Sequence[ByteArray], deadline_s: float,
+    ) -> tuple[Transfer, P | None]:
+        """A new transfer and the pool's size-checked prepare reply (None: ``t`` has ended)."""
+        t = self.new_transfer(kind, hashes, bufs, deadline_s, self.holder)
+        return t, _prepared(t, control, prepare(hashes, t.holder, lease_ttl(deadline_s)), bufs)
+
     def submit_read(
         self, source: BlockControl, hashes: Sequence[BlockHash], dest: Sequence[ByteArray],
         *, deadline_s: float,
     ) -> Transfer:
-        t = self.new_transfer("read", hashes, dest, deadline_s, self.holder)
-        reasons = [""] * len(hashes)
-        prep = _prepared(t, source, source.prepare_read(hashes, t.holder, lease_ttl(deadline_s)), dest)
+        t, prep = self._begin("read", source, source.prepare_read, hashes, dest, deadline_s)
         if prep is None:
             return t
+        reasons = [""] * len(hashes)
         copied: list[int] = []
-        slab = None
-        if prep.slab is not None and prep.slab.node == self.node:
-            try:
-                slab = self._slab(prep.slab)
-            except (OSError, ValueError) as exc:
-                log.warning("cannot map slab %s: %s", prep.slab.name, exc)
+        slab = self._local_slab(prep.slab)
         for i, b in enumerate(prep.blocks):
-            if not isinstance(b, SourceBlock):
-                reasons[i] = b
-            elif slab is None:
-                reasons[i] = NOT_SAME_NODE
-            elif t.remaining <= 0:
-                reasons[i] = DEADLINE
-            else:
-                copy_block(dest[i], slab.array[b.slot])
+            reasons[i] = _blocked(t, slab) if isinstance(b, SourceBlock) else b
+            if slab is not None and not reasons[i]:
+                copy_block(dest[i], slab.array[b.slot])  # type: ignore[union-attr]
                 copied.append(i)
         lease_ids = [prep.blocks[i].lease_id for i in copied]  # type: ignore[union-attr]
         epochs = self._epochs.get(prep.slab.name) if prep.slab is not None else None
@@ -124,24 +132,19 @@ class ShmTransport(Transport):
         self, sink: BlockControl, hashes: Sequence[BlockHash], data: Sequence[ByteArray],
         *, deadline_s: float,
     ) -> Transfer:
-        t = self.new_transfer("write", hashes, data, deadline_s, self.holder)
-        reasons = [""] * len(hashes)
-        prep = _prepared(t, sink, sink.prepare_write(hashes, t.holder, lease_ttl(deadline_s)), data)
+        t, prep = self._begin("write", sink, sink.prepare_write, hashes, data, deadline_s)
         if prep is None:
             return t
-        slab = None
-        if prep.slab is not None and prep.slab.node == self.node:
-            slab = self._slab(prep.slab)
+        reasons = [""] * len(hashes)
+        slab = self._local_slab(prep.slab)
         written: list[int] = []
         sums: list[int] = []
         for i, s in enumerate(prep.slots):
             if isinstance(s, str):
                 reasons[i] = "" if s == PRESENT else s
-            elif slab is None:
-                reasons[i] = NOT_SAME_NODE
-            elif t.remaining <= 0:
-                reasons[i] = DEADLINE
-            else:
+                continue
+            reasons[i] = _blocked(t, slab)
+            if slab is not None and not reasons[i]:
                 copy_block(slab.array[s.slot], data[i])
                 sums.append(block_checksum(data[i]))
                 written.append(i)
@@ -166,6 +169,13 @@ class ShmTransport(Transport):
         for ep in self._epochs.values():
             ep.close()
         self._epochs.clear()
+
+
+def _blocked(t: Transfer, slab: HostSlab | None) -> str:
+    """Why a block the pool offered cannot be copied now; "" when it can."""
+    if slab is None:
+        return NOT_SAME_NODE
+    return DEADLINE if t.remaining <= 0 else ""
 
 
 def _done(t: Transfer, reasons: Sequence[str], bufs: Sequence[ByteArray]) -> Transfer:

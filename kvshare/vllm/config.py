@@ -6,6 +6,9 @@
   ``kvshare up --namespace NAME --layout MODEL/config.json --dtype DTYPE --block-tokens N``;
 - ``ray_address``: the Ray cluster to join (``auto``, ``HOST:PORT``); not needed when the
   engine already runs inside Ray (a Ray actor or task);
+- ``node``: the Ray node id whose pool this engine uses as its own (default: the node its Ray
+  connection lands on; set it where several Ray nodes share a host, as a process that joins
+  Ray lands on the head there);
 - ``ray_namespace`` (default ``kvshare``), ``block_tokens`` (default 256: a multiple of
   vLLM's ``--block-size``), ``remote`` (``auto``|``nixl``|``objstore``), ``cut`` (``cost``:
   the cost model picks how much to load; ``all``), ``save`` (store new blocks, default true),
@@ -38,6 +41,7 @@ class ConnectorSettings:
 
     namespace: str
     ray_address: str = ""
+    node: str = ""
     ray_namespace: str = "kvshare"
     block_tokens: int = 256
     remote: str = "auto"
@@ -64,6 +68,7 @@ class ConnectorSettings:
             s = cls(
                 namespace=data["namespace"],
                 ray_address=str(data.get("ray_address", "")),
+                node=str(data.get("node", "")),
                 ray_namespace=str(data.get("ray_namespace", "kvshare")),
                 block_tokens=int(data.get("block_tokens", 256)),
                 remote=str(data.get("remote", "auto")),

@@ -34,6 +34,7 @@ from kvshare.types import BlockHash
 from kvshare.vllm.config import ConnectorSettings, ModelKeys, model_keys
 from kvshare.vllm.metadata import KVShareMetadata
 from kvshare.vllm.scheduler_side import SchedulerSide
+from kvshare.vllm.stats import CounterDelta, KVSharePromMetrics, KVShareStats, byte_counters
 from kvshare.vllm.worker_side import WorkerSide
 
 if TYPE_CHECKING:
@@ -97,7 +98,7 @@ def shared_client(settings: ConnectorSettings, keys: ModelKeys) -> Any:
             return client
         connect_ray(settings)
         from kvshare.client import KVShareClient
-        from kvshare.engines.cost_cut import CostCut
+        from kvshare.cost_cut import CostCut
 
         root = BlockHash(keys.root(None))
         cut = CostCut(keys.layout) if settings.cut == "cost" else None
@@ -106,7 +107,7 @@ def shared_client(settings: ConnectorSettings, keys: ModelKeys) -> Any:
             settings.namespace, keys.layout, root, index_timeout_s=settings.index_timeout_s,
             ray_namespace=settings.ray_namespace, remote=settings.remote,
             load_deadline_s=settings.load_deadline_s, store_deadline_s=settings.store_deadline_s,
-            worker_id=f"vllm-{os.getpid()}", **extra)
+            worker_id=f"vllm-{os.getpid()}", node=settings.node or None, **extra)
         check_namespace(client.index, settings, keys)
         _CLIENTS[key] = client
         return client
@@ -140,6 +141,8 @@ class KVShareConnector(KVConnectorBase_V1):
         self.keys = model_keys(vllm_config, self.settings)
         page = int(vllm_config.cache_config.block_size)
         client = self._make_client()
+        self._client = client
+        self._moved = CounterDelta()  # bytes per transport since the last stats report
         self._sched: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
@@ -168,6 +171,24 @@ class KVShareConnector(KVConnectorBase_V1):
     def counters(self) -> dict[str, float]:
         side = self._sched or self._worker
         return dict(side.counters) if side is not None else {}
+
+    # ------------------------------------------------------------------ stats (kvshare.vllm.stats)
+    def get_kv_connector_stats(self) -> KVShareStats | None:
+        """Worker role: bytes loaded per transport and stored since the last call."""
+        if self._worker is None:
+            return None  # the scheduler role moves no KV
+        moved = self._moved.take(byte_counters(self._client.counters))
+        return KVShareStats(data=moved) if moved else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVShareStats:
+        return KVShareStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: Any, metric_types: dict[type, type],
+                           labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]
+                           ) -> KVSharePromMetrics:
+        return KVSharePromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     # ------------------------------------------------------------------ scheduler role
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int

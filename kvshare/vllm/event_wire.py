@@ -109,7 +109,21 @@ class _ClearedA(_ClearedM, array_like=True, tag="AllBlocksCleared"):
     pass
 
 
+class _BatchA(msgspec.Struct, array_like=True):
+    ts: float
+    events: list[_StoredA | _RemovedA | _ClearedA]
+
+
+class _BatchM(msgspec.Struct, array_like=True):
+    ts: float
+    events: list[_StoredM | _RemovedM | _ClearedM]
+
+
 _batch = msgspec.msgpack.Decoder(_Batch)
+# a whole batch of known events in one encoding, decoded in one C call (the common case);
+# the encoding that decoded last is tried first
+_whole: list[msgspec.msgpack.Decoder[Any]] = [msgspec.msgpack.Decoder(_BatchM),
+                                            msgspec.msgpack.Decoder(_BatchA)]
 _as_map = msgspec.msgpack.Decoder(_StoredM | _RemovedM | _ClearedM)
 _as_array = msgspec.msgpack.Decoder(_StoredA | _RemovedA | _ClearedA)
 _untyped = msgspec.msgpack.Decoder()
@@ -125,6 +139,14 @@ def decode_seq(frame: bytes) -> int:
 
 def decode_batch(payload: bytes) -> tuple[float, list[PageEvent | None]]:
     """``(ts, events)`` of one ``KVEventBatch``; unknown event types are None."""
+    for i, whole in enumerate(_whole):
+        try:
+            fast = whole.decode(payload)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            continue  # unknown or bad events, or not a batch: event by event below
+        if i:
+            _whole.reverse()
+        return fast.ts, [_known(ev) for ev in fast.events]
     try:
         batch = _batch.decode(payload)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
@@ -152,6 +174,10 @@ def decode_event(raw: bytes | msgspec.Raw) -> PageEvent | None:
         raise MalformedEvents(f"bad event: {exc}") from exc
     except msgspec.DecodeError as exc:
         raise MalformedEvents(f"event is not msgpack: {exc}") from exc
+    return _known(ev)
+
+
+def _known(ev: _StoredM | _RemovedM | _ClearedM) -> PageEvent:
     if isinstance(ev, _StoredM):
         return _stored(ev)
     if isinstance(ev, _RemovedM):

@@ -58,6 +58,7 @@ from kvshare.vllm.share_blocks import Change, ShareBlocks
 log = logging.getLogger(__name__)
 
 END_SEQ = -1
+_REMOVED, _STORED = int(EventKind.REMOVED), int(EventKind.STORED)
 
 
 @dataclass(frozen=True)
@@ -312,13 +313,14 @@ class KVEventsConsumer:
 
     # ------------------------------------------------------------------ publishing
     def _emit(self, changes: list[Change]) -> None:
-        """Queue index events for ``changes`` (a tier change is Removed(old) + Stored(new))."""
-        pend = self._pending
+        """Queue index events for ``changes`` (a tier change is Removed(old) + Stored(new)).
+        A :class:`~kvshare.types.Tier` is its own name (a StrEnum): no ``.value`` per row."""
+        pend, removed, stored = self._pending, _REMOVED, _STORED
         for h, old, new in changes:
             if old is not None:
-                pend.append((EventKind.REMOVED, old.value, h))
+                pend.append((removed, old, h))
             if new is not None:
-                pend.append((EventKind.STORED, new.value, h))
+                pend.append((stored, new, h))
 
     @property
     def location(self) -> Location:

@@ -68,6 +68,7 @@ class VllmSpec:
                 "--model", self.model, "--host", self.host, "--port", str(self.port),
                 "--block-size", str(self.block_size), "--max-model-len", str(self.max_model_len),
                 "--enforce-eager", "--enable-prefix-caching", "--disable-uvicorn-access-log",
+                "--enable-prompt-tokens-details",  # usage.prompt_tokens_details.cached_tokens
                 "--kv-events-config", json.dumps(events)]
         if self.served_name:
             args += ["--served-model-name", self.served_name]

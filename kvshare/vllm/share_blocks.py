@@ -23,6 +23,7 @@ as ``(share_hash, old_tier | None, new_tier | None)`` transitions for the publis
 from __future__ import annotations
 
 from collections.abc import Iterable
+from itertools import repeat
 from typing import Any, NamedTuple
 
 import msgspec
@@ -120,13 +121,13 @@ class ShareBlocks:
     def stored(self, ev: PagesStored) -> list[Change]:
         n = len(ev.block_hashes)
         tier = self._tier(ev.medium, ev.group_idx, n)
-        if tier is None:
+        if tier is None or n == 0:
             return []
         if ev.block_size != self.page_tokens or len(ev.token_ids) != n * self.page_tokens:
             self.counters["partial_pages"] += n  # partial pages never make share blocks
             return []
         pages = self._pages.setdefault(tier, {})
-        k, step = self.k, 4 * self.page_tokens
+        k = self.k
         parent = ev.parent
         base: BlockHash | None
         head: list[tuple[VllmHash, _Page]] | None = []
@@ -147,26 +148,46 @@ class ShareBlocks:
             else:
                 base = self._share_ending(tier, parent)
         toks = tokens_to_u32le(ev.token_ids)
-        keys: list[tuple[Any, ...]] = [()] * n if ev.extra_keys is None else [
+        keys: list[tuple[Any, ...]] | None = None if ev.extra_keys is None else [
             split_page_keys(ev.lora_name, e)[1] for e in ev.extra_keys]
-        run = [(p.tokens, p.keys) for _, p in head or ()] + [
-            (toks[i * step:(i + 1) * step], keys[i]) for i in range(n)]
-        hashes = self._hash(base, run, ev.lora_name)
-        r0 = len(run) - n
-        for i, vh in enumerate(ev.block_hashes):
-            j = (r0 + i) // k
-            pbase = None if base is None else base if j == 0 else hashes[j - 1]
-            old = pages.get(vh)
-            if old is None:
-                pages[vh] = _Page(parent, run[r0 + i][0], pos, pbase, keys[i])
-                self.counters["pages_stored"] += 1
-            elif old.base is None and pbase is not None:  # re-reported with its chain known
-                pages[vh] = old._replace(base=pbase)
-            parent, pos = vh, pos + 1
+        head = head or []
+        r0 = len(head)
+        hashes = self._hash(base, head, toks, keys, ev.lora_name)
+        # page i's share block chains from bases[(r0 + i) // k] (None: the chain is unknown)
+        bases = None if base is None else [base, *hashes]
+        hs, step = ev.block_hashes, 4 * self.page_tokens
+        if pages.keys().isdisjoint(hs):  # all new (the common case): one bulk insert
+            new_page, no_keys = tuple.__new__, [()] * n if keys is None else keys
+            pages.update(zip(hs, [new_page(_Page, (
+                p, toks[i * step:(i + 1) * step], pos + i,
+                None if bases is None else bases[(r0 + i) // k], no_keys[i]))
+                for i, p in enumerate((parent, *hs[:-1]))], strict=True))
+            added = n
+        else:
+            added = self._store_pages(pages, ev, toks, keys, pos, bases, r0)
+        self.counters["pages_stored"] += added
         if not hashes:
             return []
-        names = [vh for vh, _ in head or ()] + list(ev.block_hashes)
+        names = [vh for vh, _ in head] + list(ev.block_hashes)
         return self._register(tier, hashes, names)
+
+    def _store_pages(self, pages: dict[VllmHash, _Page], ev: PagesStored, toks: bytes,
+                     keys: list[tuple[Any, ...]] | None, pos: int,
+                     bases: list[BlockHash] | None, r0: int) -> int:
+        """Track the event's pages one by one (some are tracked already); returns how many
+        are new."""
+        step, k, added, parent = 4 * self.page_tokens, self.k, 0, ev.parent
+        for i, vh in enumerate(ev.block_hashes):
+            pbase = None if bases is None else bases[(r0 + i) // k]
+            old = pages.get(vh)
+            if old is None:
+                pages[vh] = _Page(parent, toks[i * step:(i + 1) * step], pos + i, pbase,
+                                  () if keys is None else keys[i])
+                added += 1
+            elif old.base is None and pbase is not None:  # re-reported with its chain known
+                pages[vh] = old._replace(base=pbase)
+            parent = vh
+        return added
 
     def removed(self, ev: PagesRemoved) -> list[Change]:
         tier = self._tier(ev.medium, ev.group_idx, len(ev.block_hashes))
@@ -175,12 +196,12 @@ class ShareBlocks:
             return []
         members, inside = self._members[tier], self._in[tier]
         out: list[Change] = []
-        for vh in ev.block_hashes:
-            if pages.pop(vh, None) is None:
-                continue  # a partial or orphan page we never tracked
-            self.counters["pages_removed"] += 1
-            shares = inside.pop(vh, None)
-            for share in () if shares is None else (shares,) if isinstance(shares, bytes) else shares:
+        gone = [vh for vh in ev.block_hashes if pages.pop(vh, None) is not None]  # tracked ones
+        self.counters["pages_removed"] += len(gone)
+        for shares in map(inside.pop, gone, repeat(None)):
+            if shares is None:
+                continue
+            for share in (shares,) if isinstance(shares, bytes) else shares:
                 if members.pop(share, None) is not None:
                     self._drop_tier(share, tier, out)
         return out
@@ -230,17 +251,21 @@ class ShareBlocks:
                 return share
         return None
 
-    def _hash(self, base: BlockHash | None, run: list[tuple[bytes, tuple[Any, ...]]],
-              lora_name: str | None) -> list[BlockHash]:
-        """kvshare hashes of the full share blocks of ``run`` (pages in order, the first at a
-        share block boundary, chaining from ``base``), in one chain call."""
-        k = self.k
-        full = len(run) // k
+    def _hash(self, base: BlockHash | None, head: list[tuple[VllmHash, _Page]], toks: bytes,
+              keys: list[tuple[Any, ...]] | None, lora_name: str | None) -> list[BlockHash]:
+        """kvshare hashes of the full share blocks of the pages ``head`` (tracked pages of the
+        share block the event continues, from its boundary) followed by the event's pages
+        (``toks``, their extra ``keys``), chaining from ``base``, in one chain call."""
+        k, page = self.k, self.page_tokens
+        full = (len(head) + len(toks) // (4 * page)) // k
         if not full or base is None:
             return []
-        tokens = np.frombuffer(b"".join(t for t, _ in run[:full * k]), dtype="<u4")
-        extras = [share_extra(lora_name, (keys for _, keys in run[j * k:(j + 1) * k]))
-                  for j in range(full)]
+        data = b"".join([*(p.tokens for _, p in head), toks]) if head else toks
+        tokens = np.frombuffer(data, dtype="<u4", count=full * k * page)
+        page_keys = [p.keys for _, p in head] + (keys or [()] * (len(toks) // (4 * page)))
+        if lora_name is None and not any(page_keys):  # plain text (the common case)
+            return self.hasher.hashes(tokens, parent=base)
+        extras = [share_extra(lora_name, page_keys[j * k:(j + 1) * k]) for j in range(full)]
         return self.hasher.hashes(tokens, parent=base, extra_keys=None if all(
             e is None for e in extras) else extras)
 
@@ -256,10 +281,13 @@ class ShareBlocks:
                 continue
             group = tuple(names[j * k:(j + 1) * k])
             members[share] = group
-            for vh in group:
-                cur = inside.get(vh)
-                inside[vh] = share if cur is None else (
-                    (cur, share) if isinstance(cur, bytes) else (*cur, share))
+            if inside.keys().isdisjoint(group):  # pages in no other share block (common)
+                inside.update(zip(group, repeat(share)))
+            else:
+                for vh in group:
+                    cur = inside.get(vh)
+                    inside[vh] = share if cur is None else (
+                        (cur, share) if isinstance(cur, bytes) else (*cur, share))
             self._add_tier(share, tier, out)
         return out
 

