@@ -68,8 +68,13 @@ def start_workers(model: str, nodes: Sequence[str], *, namespace: str, block_tok
 
     events_dir = tempfile.mkdtemp(prefix="kvshare-vllm-ev-", dir="/tmp")
     actors = []
-    for i, node in enumerate(nodes):
-        spec = VllmSpec(model=os.path.abspath(model), port=base_port + i if base_port else free_port(),
+    ports: list[int] = []
+    while len(ports) < len(nodes):  # distinct: two free_port() calls may return the same one
+        port = base_port + len(ports) if base_port else free_port()
+        if port not in ports:
+            ports.append(port)
+    for node, port in zip(nodes, ports, strict=True):
+        spec = VllmSpec(model=os.path.abspath(model), port=port,
                         events_dir=events_dir, block_size=page_tokens, max_model_len=max_model_len,
                         kv_cache_gb=kv_cache_gb, num_blocks=num_blocks)
         wid = f"vllm-{node[:8]}-{spec.port}"

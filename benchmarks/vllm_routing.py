@@ -31,34 +31,28 @@ Last line: one JSON object.
 
 from __future__ import annotations
 
+import argparse
+import asyncio
+import glob
+import json
 import os
+import random
+import re
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
-for _k, _v in (("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0"), ("RAY_USAGE_STATS_ENABLED", "0"),
-               ("RAY_AUTH_MODE", "disabled"), ("NIXL_LOG_LEVEL", "WARN"),
-               ("TOKENIZERS_PARALLELISM", "false"), ("PYTHONHASHSEED", "0")):
-    os.environ.setdefault(_k, _v)
+import httpx
+import numpy as np
 
-import argparse  # noqa: E402
-import asyncio  # noqa: E402
-import glob  # noqa: E402
-import json  # noqa: E402
-import random  # noqa: E402
-import re  # noqa: E402
-import sys  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-from dataclasses import dataclass  # noqa: E402
-from pathlib import Path  # noqa: E402
-from types import SimpleNamespace  # noqa: E402
-from typing import Any  # noqa: E402
+# run as a script, this file's folder comes first on sys.path, and benchmarks/router.py would
+# shadow the router package
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-
-import httpx  # noqa: E402
-import numpy as np  # noqa: E402
-
-RAY_NS = "kvshare-bench-vllm"
 NS = "bench-vllm"
 BLOCK = 128  # kvshare share block (4 vLLM pages of 32)
 ROUTERS = {
@@ -67,7 +61,8 @@ ROUTERS = {
     "kv_aware": "ray.serve.llm.request_router:KVAwareRouter",
     "kvshare": "router.serve:KVShareRequestRouter",
 }
-TRACES = os.path.join(ROOT, "..", "shared", "traces", "agentic")
+TRACES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "..", "shared",
+                      "traces", "agentic")
 
 
 @dataclass(frozen=True)
@@ -123,7 +118,7 @@ def workload(tokenizer: Any, args: argparse.Namespace) -> list[list[Turn]]:
 
 
 _METRIC = re.compile(r'^(vllm:[a-z_]+_total)(?:\{([^}]*)\})?\s+([0-9.eE+-]+)$', re.MULTILINE)
-_SOURCE = re.compile(r'source="([a-z_]+)"')
+_SOURCE = re.compile(r'source="([a-z0-9_]+)"')
 
 
 def counters(endpoints: list[str]) -> dict[str, float]:
@@ -221,29 +216,20 @@ async def warm(handle: Any, replicas: int, tracker: Any) -> None:
             await tracker.on_request_completed(gen.request_id)
 
 
-def start(nodes: int, model: str, connector: bool) -> tuple[Any, list[dict[str, Any]]]:
-    """The cluster, kvshare on it, one vLLM server per node; ``ray.init`` connected."""
+def start_servers(model: str, connector: bool) -> list[dict[str, Any]]:
+    """kvshare on the cluster and one vLLM server per ``vllm_slot`` node."""
     import ray
-    from ray.cluster_utils import Cluster
 
     from actors.config import NamespaceSpec
     from actors.deploy import deploy
     from actors.vllm_workers import start_workers
     from kvshare.vllm.worker import VllmKeys
 
-    cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 1, "object_store_memory": 200 * 2**20, "include_dashboard": False,
-        "temp_dir": tempfile.mkdtemp(prefix="kvs-vllm-bench-", dir="/tmp")})
-    for _ in range(nodes):
-        cluster.add_node(num_cpus=1, object_store_memory=200 * 2**20, resources={"vllm_slot": 1})
-    cluster.wait_for_nodes()
-    ray.init(address=cluster.address, namespace=RAY_NS, log_to_driver=False)
     keys = VllmKeys.from_model(model, BLOCK)
-    deploy(namespaces=[NamespaceSpec(NS, keys.layout, host_bytes=64 * keys.layout.bytes_per_block)],
-           ray_namespace=RAY_NS)
+    deploy(namespaces=[NamespaceSpec(NS, keys.layout, host_bytes=64 * keys.layout.bytes_per_block)])
     ids = sorted(n["NodeID"] for n in ray.nodes() if n["Alive"] and "vllm_slot" in n["Resources"])
-    return cluster, start_workers(model, ids, namespace=NS, block_tokens=BLOCK,
-                                  max_model_len=4096, connector=connector, ray_namespace=RAY_NS)
+    return start_workers(model, ids, namespace=NS, block_tokens=BLOCK, max_model_len=4096,
+                         connector=connector)
 
 
 def summary(name: str, r: dict[str, Any]) -> dict[str, Any]:
@@ -268,6 +254,8 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--routers", default=",".join(ROUTERS))
+    ap.add_argument("--log-decisions", action="store_true",
+                    help="log every kvshare decision (estimates per replica) to stderr")
     ap.add_argument("--no-connector", dest="connector", action="store_false",
                     help="servers without the kvshare connector (vLLM's own cache only)")
     args = ap.parse_args()
@@ -280,8 +268,11 @@ def main() -> int:
             import dynamo.llm  # noqa: F401
         except ImportError:
             raise SystemExit("kv_aware needs ai-dynamo: make bench-install") from None
+    from kvshare.ray_env import use_local_ray_defaults
     from kvshare.tokenizer import HFTokenizer
     from kvshare.vllm.tiny_model import build_tiny_llama
+
+    use_local_ray_defaults({"PYTHONHASHSEED": "0"})  # Serve LLM pins it for KV-aware routing
 
     t_start = time.perf_counter()
     model = build_tiny_llama(os.path.join(tempfile.gettempdir(), "kvshare-bench-tiny-llama"))
@@ -289,42 +280,40 @@ def main() -> int:
     n_tok = [len(t.ids) for c in convs for t in c]
     print(f"{len(convs)} conversations x {args.turns} turns, prompts {min(n_tok)}-{max(n_tok)} "
           f"tokens (mean {np.mean(n_tok):.0f})", file=sys.stderr)
-    cluster, infos = start(args.replicas, model, args.connector)
     from ray import serve
 
     from actors import admin
-    from actors.deploy import shutdown
+    from actors.local_cluster import local_cluster
     from actors.vllm_workers import stop_workers
     from router.serve_vllm import vllm_app
 
-    endpoints = [i["endpoint"] for i in infos]
     results: dict[str, Any] = {}
-    try:
-        serve.start(proxy_location="Disabled")
-        print(f"cluster, kvshare, {len(infos)} vLLM servers up in "
-              f"{time.perf_counter() - t_start:.0f}s", file=sys.stderr)
-        for name in names:
-            for url in endpoints:  # every router starts cold: no vLLM cache, empty pools
-                httpx.post(f"{url}/reset_prefix_cache", timeout=60).raise_for_status()
-            admin.clear(NS, ray_namespace=RAY_NS)
-            kwargs = {"ray_namespace": RAY_NS, "namespace": NS} if name == "kvshare" else {}
-            app = vllm_app(ROUTERS[name], len(infos), NS, ray_namespace=RAY_NS,
-                           router_kwargs=kwargs, replica_resources={"vllm_slot": 1})
-            handle = serve.run(app, name=name, route_prefix=None)
-            t0 = time.perf_counter()
-            results[name] = summary(name, asyncio.run(run_router(name, handle, convs, args,
-                                                                 endpoints)))
-            print(f"{name}: {json.dumps(results[name])} ({time.perf_counter() - t0:.0f}s)",
-                  file=sys.stderr)
-            serve.delete(name)
-    finally:
-        serve.shutdown()  # type: ignore[no-untyped-call]
-        stop_workers(RAY_NS)
-        shutdown(RAY_NS)
-        import ray
-
-        ray.shutdown()
-        cluster.shutdown()
+    with local_cluster(args.replicas, node_cpus=1, head_store_mib=200, node_store_mib=200,
+                       resources=[{"vllm_slot": 1}] * args.replicas, ray_namespace="kvshare-bench",
+                       temp_prefix="kvs-vllm-bench-"):
+        try:
+            infos = start_servers(model, args.connector)
+            endpoints = [i["endpoint"] for i in infos]
+            serve.start(proxy_location="Disabled")
+            print(f"cluster, kvshare, {len(infos)} vLLM servers up in "
+                  f"{time.perf_counter() - t_start:.0f}s", file=sys.stderr)
+            for name in names:
+                for url in endpoints:  # every router starts cold: no vLLM cache, empty pools
+                    httpx.post(f"{url}/reset_prefix_cache", timeout=60).raise_for_status()
+                admin.clear(NS)
+                kwargs = {"namespace": NS, "log_decisions": args.log_decisions} if name == "kvshare" else {}
+                app = vllm_app(ROUTERS[name], len(infos), NS, router_kwargs=kwargs,
+                               replica_resources={"vllm_slot": 1})
+                handle = serve.run(app, name=name, route_prefix=None)
+                t0 = time.perf_counter()
+                results[name] = summary(name, asyncio.run(run_router(name, handle, convs, args,
+                                                                     endpoints)))
+                print(f"{name}: {json.dumps(results[name])} ({time.perf_counter() - t0:.0f}s)",
+                      file=sys.stderr)
+                serve.delete(name)
+        finally:
+            serve.shutdown()  # type: ignore[no-untyped-call]
+            stop_workers()
     print(f"{'router':9} {'vLLM hit':>8} {'pool hit':>8} {'p50':>7} {'p99':>7} {'req/s':>6} workers")
     for r in results.values():
         pool = r["hit_node_pool"] + r["hit_other_nodes"] + r["hit_unspecified"]

@@ -38,8 +38,8 @@ NAMESPACE = "demo-vllm"
 BLOCK = 256  # kvshare share block: 8 vLLM pages of 32 tokens
 MODEL_DIR = os.path.join("out", "tiny-llama")
 
-_SAMPLE = re.compile(r'^(vllm:[a-z_]+)(?:\{([^}]*)\})?\s+([0-9.eE+-]+)$', re.MULTILINE)
-_LABEL = re.compile(r'(source|transport)="([a-z_]+)"')
+_SAMPLE = re.compile(r'^(vllm:[a-z0-9_]+)(?:\{([^}]*)\})?\s+([0-9.eE+-]+)$', re.MULTILINE)
+_LABEL = re.compile(r'(source|transport)="([a-z0-9_]+)"')  # p2p has a digit
 
 
 def start_workers(model: str) -> list[dict[str, Any]]:

@@ -54,6 +54,8 @@ from kvshare.types import BlockHash, Tier
 
 log = logging.getLogger(__name__)
 
+_HEAP_SLACK = 1024  # dead lease deadlines kept before the deadline heap is rebuilt
+
 _COUNTERS = (
     "hits", "misses", "bytes_in", "bytes_out", "evictions", "demotions", "promotions",
     "corrupt", "stores",
@@ -536,7 +538,13 @@ class TieredBlockPool:
         lid = next(self._lease_ids)
         deadline = self._clock() + (ttl_s if ttl_s is not None else self.config.lease_ttl_s)
         self._leases[lid] = _Lease(lid, holder, h, deadline, write)
-        heapq.heappush(self._deadlines, (deadline, lid))
+        if len(self._deadlines) > 2 * len(self._leases) + _HEAP_SLACK:
+            # Ended leases leave their deadline behind until it passes: with long TTLs the
+            # heap would grow with every lease ever taken. Rebuild it from the live ones.
+            self._deadlines = [(x.deadline, x.lease_id) for x in self._leases.values()]
+            heapq.heapify(self._deadlines)
+        else:
+            heapq.heappush(self._deadlines, (deadline, lid))
         return lid
 
     def _lease(self, lease_id: int, write: bool) -> _Lease:

@@ -29,6 +29,12 @@ class WorkerInfo:
     meta: dict[str, str] = field(default_factory=dict, compare=False)
 
 
+META_GPU_PRIVATE = "gpu_private"
+"""``WorkerInfo.meta`` key: ``"1"`` when no other worker can read this worker's gpu tier (an
+engine's own prefix cache with no kvshare serving path, such as vLLM's): routers credit those
+blocks to the worker itself only, never as a remote source for another."""
+
+
 @dataclass(frozen=True)
 class WorkerLoad:
     """A worker's load report (also its liveness heartbeat).

@@ -27,12 +27,18 @@ def is_vllm(info: WorkerInfo | None) -> bool:
 
 
 def forward_body(body: Mapping[str, Any], routed: Routed, info: WorkerInfo | None,
-                 chat: bool) -> dict[str, Any]:
-    """What to POST to the chosen worker for the client's ``body``."""
-    # the salt is the tenant's and the KV connector's parameters the gateway's, not the client's
-    out = {k: v for k, v in body.items() if k not in ("kvshare", "cache_salt", "kv_transfer_params")}
+                 chat: bool, deadline_s: float | None = None) -> dict[str, Any]:
+    """What to POST to the chosen worker for the client's ``body``; ``deadline_s``: the
+    seconds left of the request's deadline (a reference worker ends generation there; vLLM
+    has no such field: the gateway closes the stream at the deadline instead)."""
+    # the salt is the tenant's, the KV connector's parameters and the deadline the gateway's
+    out = {k: v for k, v in body.items()
+           if k not in ("kvshare", "cache_salt", "kv_transfer_params", "deadline_s")}
     if not is_vllm(info):
-        return {**out, "kvshare": routed.kvshare_field()}
+        kv = routed.kvshare_field()
+        if deadline_s is not None:
+            kv["deadline_s"] = round(max(deadline_s, 0.001), 3)
+        return {**out, "kvshare": kv}
     assert info is not None
     out["model"] = info.meta.get("model", out.get("model"))
     if routed.tenant.salt:

@@ -20,6 +20,7 @@ import argparse
 import json
 import logging
 import secrets
+import time
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from typing import Any
@@ -28,18 +29,22 @@ from urllib.parse import urlparse
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from kvshare.asgi import unless_disconnected
 from kvshare.auth import WorkerAuth, cluster_secret, secret_from_env, tenant_salt
 from kvshare.types import NodeId, WorkerId
 from kvshare.workers import WorkerInfo
+from router import timing, upstream
 from router.admin_routes import add_admin_routes, checked_body, json_object
+from router.admission import Admission, AdmissionConfig
 from router.embed import CacheAwareRouter, Routed, RouterConfig, Tenant
 from router.forward import forward_body
 from router.limits import BodyLimit, Limits
 from router.policy import NoEligibleWorker
 from router.requests import AdminRequest, ChatRequest, CompletionRequest, RouteRequest, document
+from router.upstream import Failure, Outgoing, Relay, Slot
 from router.web import add_web_routes
 from router.workers_view import IndexWorkers, StaticWorkers
 
@@ -86,8 +91,11 @@ def parse_api_keys(raw: Any, secret: bytes | None = None) -> dict[str, Tenant]:
         if not isinstance(admin, bool):
             raise ValueError(f"API key entry for {key[:4]}...: 'admin' must be true or false")
         salt = spec.get("salt")
+        cap = spec.get("max_inflight")
+        if cap is not None and (not isinstance(cap, int) or isinstance(cap, bool) or cap < 1):
+            raise ValueError(f"API key entry for {key[:4]}...: 'max_inflight' must be an int >= 1")
         out[str(key)] = Tenant(spec["tenant"], str(salt) if salt is not None
-                               else tenant_salt(secret, spec["tenant"]), admin)
+                               else tenant_salt(secret, spec["tenant"]), admin, cap)
     return out
 
 
@@ -113,12 +121,15 @@ def create_app(
     admin: Any | None = None,
     limits: Limits | None = None,
     worker_auth: WorkerAuth | None = None,
+    admission: AdmissionConfig | None = None,
 ) -> FastAPI:
     """The gateway app around ``router``; ``api_keys`` empty = open (tenant ``default``);
     ``admin`` (an :class:`actors.admin.ClusterAdmin`) serves ``/v1/kvshare/*`` (501 without);
-    ``limits`` bound every request body (:mod:`router.limits`, :mod:`router.requests`)."""
+    ``limits`` bound every request body (:mod:`router.limits`, :mod:`router.requests`);
+    ``admission`` bounds requests in flight, in all and per tenant (:mod:`router.admission`)."""
     keys = dict(api_keys or {})
     limits = limits or Limits()
+    gate = Admission(admission)
     if worker_auth is None:  # the connected cluster's workers' token, if any (kvshare.auth)
         worker_auth = WorkerAuth.from_secret(cluster_secret())
     to_worker = worker_auth.header()
@@ -134,6 +145,7 @@ def create_app(
 
     app = FastAPI(title="kvshare gateway", lifespan=lifespan)
     app.state.router = router
+    app.state.admission = gate
     metrics = router.metrics
 
     def fail(status: int, message: str, etype: str = "invalid_request_error",
@@ -168,7 +180,18 @@ def create_app(
                         "authentication_error", "invalid_api_key")
         return tenant
 
-    async def parse(request: Request, chat: bool) -> tuple[dict[str, Any], Routed] | JSONResponse:
+    async def models_served() -> list[str]:
+        """The model names this gateway serves: its namespace and its workers' models."""
+        infos, _ = await router.workers.snapshot()
+        names = [router.config.namespace]
+        for info in infos:
+            for name in (info.meta.get("model"), *info.namespaces):
+                if isinstance(name, str) and name and name not in names:
+                    names.append(name)
+        return names
+
+    async def read(request: Request, chat: bool) -> tuple[Tenant, dict[str, Any]] | JSONResponse:
+        """The caller's tenant and its validated body (auth, limits, schema, model)."""
         tenant = tenant_of(request)
         if isinstance(tenant, JSONResponse):
             return tenant
@@ -182,100 +205,168 @@ def create_app(
         checked = checked_body(ChatRequest if chat else CompletionRequest, body, limits, fail)
         if isinstance(checked, JSONResponse):
             return checked
+        model = body.get("model")
+        if model is not None and model not in (served := await models_served()):
+            return fail(404, f"the model {model!r} does not exist here: this gateway serves "
+                             f"{served} (GET /v1/models)", "not_found_error", "model_not_found")
+        return tenant, body
+
+    async def route_body(body: dict[str, Any], tenant: Tenant, chat: bool) -> Routed | JSONResponse:
         try:
             if chat:
-                routed = await router.route(messages=body["messages"], tenant=tenant)
-            else:
-                prompt = body["prompt"]
-                if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
-                    prompt = prompt[0]
-                routed = await router.route(prompt=prompt, tenant=tenant)
+                return await router.route(messages=body["messages"], tenant=tenant)
+            prompt = body["prompt"]
+            if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+                prompt = prompt[0]
+            return await router.route(prompt=prompt, tenant=tenant)
         except NoEligibleWorker as exc:
             return fail(503, str(exc), "service_unavailable", "no_worker")
         except (ValueError, TypeError) as exc:
             return fail(400, str(exc))
-        return body, routed
 
-    def learn_prefill(raw: bytes, request_id: str) -> None:
-        """Feed the worker's measured prefill (its ``kvshare`` stats) back to the cost model."""
+    async def parse(request: Request, chat: bool) -> tuple[dict[str, Any], Routed] | JSONResponse:
+        got = await read(request, chat)
+        if isinstance(got, JSONResponse):
+            return got
+        tenant, body = got
+        routed = await route_body(body, tenant, chat)
+        return routed if isinstance(routed, JSONResponse) else (body, routed)
+
+    def learn_prefill(raw: bytes, routed: Routed, upstream_s: float) -> bytes:
+        """Feed the worker's measured prefill (its ``kvshare`` stats) back to the cost model;
+        returns the reply with the request's TTFT breakdown in it (:mod:`router.timing`)."""
         try:
-            kv = json.loads(raw).get("kvshare")
+            data = json.loads(raw)
+        except ValueError:
+            return raw  # not JSON: passed on as it came
+        if not isinstance(data, dict):
+            return raw
+        kv = data.get("kvshare")
+        try:
             if isinstance(kv, dict):
-                router.recent.finish(request_id, kv)
+                router.recent.finish(routed.request_id, kv)
                 router.observe_prefill(int(kv.get("computed_tokens", 0)),
                                        int(kv.get("reused_tokens", 0)),
                                        float(kv.get("prefill_s", 0.0)))
         except (ValueError, TypeError, AttributeError):
             pass  # not a kvshare worker: nothing to learn
+        timing.observe(metrics.ttft_stages, timing.json_reply(data, routed.timings, upstream_s))
+        return json.dumps(data).encode()
 
     async def worker_info(worker: WorkerId) -> WorkerInfo | None:
         infos, _ = await router.workers.snapshot()
         return next((i for i in infos if i.worker_id == worker), None)
 
     async def proxy(request: Request, path: str, chat: bool) -> Response:
-        parsed = await parse(request, chat)
-        if isinstance(parsed, JSONResponse):
-            return parsed
-        body, routed = parsed
-        http = state["http"]
-        tried: set[WorkerId] = set()
-        while True:
-            d = routed.decision
-            fwd = forward_body(body, routed, await worker_info(d.worker), chat)
-            try:
-                resp = await http.send(http.build_request("POST", f"{d.endpoint}{path}", json=fwd,
-                                                          headers=to_worker),
-                                       stream=True)
-                break
-            except httpx.HTTPError as exc:
-                router.finished(routed.request_id)
-                metrics.upstream.labels(d.worker, "unreachable").inc()
-                tried.add(d.worker)
-                if not isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout):
-                    return fail(502, f"worker {d.worker} failed: {type(exc).__name__}",
-                                "upstream_error", "worker_unreachable")
-                router.mark_down(d.worker)  # nothing was sent: another worker may serve it
-                try:
-                    routed = await router.route(token_ids=routed.token_ids, tenant=routed.tenant,
-                                                exclude=tried)
-                except NoEligibleWorker:
-                    return fail(502, f"no reachable worker (tried {sorted(tried)})",
-                                "upstream_error", "worker_unreachable")
-        headers = {"x-kvshare-worker": d.worker, "x-kvshare-reason": d.reason}
-        metrics.upstream.labels(d.worker, str(resp.status_code)).inc()
-        if resp.status_code != 200 or not body.get("stream"):
-            try:
-                raw = await resp.aread()
-            finally:
-                await resp.aclose()
-                router.finished(routed.request_id)
-            if resp.status_code >= 500:
-                return fail(502, f"worker {d.worker} failed with HTTP {resp.status_code}",
-                            "upstream_error", "worker_error")
+        t_in = time.perf_counter()
+        got = await read(request, chat)
+        if isinstance(got, JSONResponse):
+            return got
+        tenant, body = got
+        body_s = time.perf_counter() - t_in  # the breakdown's "parse" stage
+        refusal = gate.enter(tenant.name, tenant.max_inflight)
+        if refusal is not None:
+            return busy(refusal.message, "too_many_requests", refusal.retry_after_s)
+        slot = Slot(lambda: gate.leave(tenant.name))
+        try:
+            answer = await forward(request, path, chat, tenant, body, slot, body_s)
+        finally:
+            if not slot.handed_over:
+                slot.release()
+        return answer
+
+    def busy(message: str, code: str, retry_after_s: int) -> JSONResponse:
+        answer = fail(429, message, "rate_limit_error", code)
+        answer.headers["Retry-After"] = str(retry_after_s)
+        return answer
+
+    async def forward(request: Request, path: str, chat: bool, tenant: Tenant,
+                      body: dict[str, Any], slot: Slot, parse_s: float) -> Response:
+        routed = await route_body(body, tenant, chat)
+        if isinstance(routed, JSONResponse):
+            return routed
+        routed.timings["parse"] = parse_s
+        seconds = body.get("deadline_s") or gate.config.default_deadline_s
+        stream = bool(body.get("stream"))
+
+        def body_for(r: Routed, deadline_s: float) -> dict[str, Any]:
+            return forward_body(body, r, infos.get(r.decision.worker), chat, deadline_s)
+
+        infos = {i.worker_id: i for i in (await router.workers.snapshot())[0]}
+        out = Outgoing(path, to_worker, stream, time.monotonic() + float(seconds), body_for)
+        t_send = time.perf_counter()
+        answered, outcome = await unless_disconnected(
+            request, upstream.send(state["http"], router, routed, out))
+        if not answered or outcome is None:
+            metrics.errors.labels("499").inc()
+            return Response(status_code=499)  # the client went away: the worker was told
+        if isinstance(outcome, Failure):
+            if outcome.status == 429:
+                return busy(outcome.message, outcome.code, outcome.retry_after_s or 1)
+            return fail(outcome.status, outcome.message, "upstream_error", outcome.code)
+        routed = outcome.routed  # another worker's decision after a retry: same parse stage
+        routed.timings.setdefault("parse", parse_s)
+        d = routed.decision
+        headers = {"x-kvshare-worker": d.worker, "x-kvshare-reason": d.reason,
+                   "x-kvshare-tries": str(outcome.tries)}
+        resp = outcome.response
+        if outcome.rest is None:
+            router.finished(routed.request_id)
+            raw = outcome.body
             if resp.status_code == 200:
-                learn_prefill(raw, routed.request_id)
+                raw = learn_prefill(raw, routed, time.perf_counter() - t_send)
             ctype = resp.headers.get("content-type", "application/json")
             return Response(raw, resp.status_code, headers=headers, media_type=ctype)
+        rest = outcome.rest
 
         async def relay() -> AsyncIterator[bytes]:
-            first = True
+            router.prefilled(routed.request_id)
+            # Complete events go on at once (an unfinished one waits for its end); from the
+            # event carrying the worker's figures on, the stream is held back and sent at its
+            # end with the TTFT breakdown in that event (router/timing.py).
+            buf, tail, upstream_s = b"", list[bytes](), 0.0
+            chunk = outcome.first
             try:
-                prev, tail = b"", list[bytes]()  # the last event (worker's figures), maybe split
-                async for chunk in resp.aiter_raw():
-                    if first:
-                        router.prefilled(routed.request_id)
-                        first = False
-                    if tail or b'"kvshare"' in chunk:
-                        tail = tail or [prev]
+                while True:
+                    if tail:
                         tail.append(chunk)
-                    prev = chunk
-                    yield chunk
-                router.recent.finish_stream(routed.request_id, b"".join(tail))
-            finally:
-                await resp.aclose()
-                router.finished(routed.request_id)
+                    else:
+                        buf += chunk
+                        at = buf.find(b'"kvshare"')
+                        cut = buf.rfind(b"\n\n", 0, at if at >= 0 else len(buf))
+                        if cut >= 0:
+                            yield buf[:cut + 2]
+                            buf = buf[cut + 2:]
+                        if at >= 0:
+                            upstream_s = time.perf_counter() - t_send
+                            tail, buf = [buf], b""
+                    if time.monotonic() > out.deadline + upstream.DEADLINE_GRACE_S:
+                        yield b"".join([buf, *tail]) + b"data: [DONE]\n\n"  # past the deadline
+                        return
+                    chunk = await rest.__anext__()
+            except StopAsyncIteration:
+                if not tail:
+                    yield buf
+                    return
+                end, breakdown = timing.stream_tail(b"".join(tail), routed.timings, upstream_s)
+                router.recent.finish_stream(routed.request_id, end)
+                if breakdown is not None:
+                    timing.observe(metrics.ttft_stages, breakdown)
+                yield end
+            except httpx.HTTPError as exc:  # the worker died mid-stream: say so in-band
+                metrics.upstream.labels(d.worker, "dropped_mid_stream").inc()
+                event = {"error": {"message": f"worker {d.worker} failed mid-stream "
+                                              f"({type(exc).__name__})", "type": "upstream_error",
+                                   "code": "worker_failed"}}
+                yield f"data: {json.dumps(event)}\n\ndata: [DONE]\n\n".encode()
 
-        return StreamingResponse(relay(), media_type="text/event-stream", headers=headers)
+        async def done() -> None:
+            await resp.aclose()  # closing mid-stream tells the worker to stop generating
+            router.finished(routed.request_id)
+            slot.release()
+
+        slot.handed_over = True
+        return Relay(relay(), done, media_type="text/event-stream", headers=headers)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -318,9 +409,9 @@ def create_app(
 
     @app.get("/v1/models")
     async def models() -> Response:
-        ns = router.config.namespace
         return JSONResponse({"object": "list", "data": [
-            {"id": ns, "object": "model", "created": 0, "owned_by": "kvshare"}]})
+            {"id": name, "object": "model", "created": 0, "owned_by": "kvshare"}
+            for name in await models_served()]})
 
     @app.get("/health")
     async def health() -> Response:

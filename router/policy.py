@@ -36,8 +36,8 @@ from operator import is_
 from typing import Any, ClassVar
 
 from kvshare.cost import CostModel, CutPlan
-from kvshare.types import BlockHash, NodeId, WorkerId
-from kvshare.workers import WorkerInfo, WorkerLoad
+from kvshare.types import BlockHash, NodeId, WorkerId, worker_location
+from kvshare.workers import META_GPU_PRIVATE, WorkerInfo, WorkerLoad
 from router.sources import Match, Sharing, SourceMap, SourceRuns
 
 
@@ -206,6 +206,7 @@ class Policy(ABC):
         self.sharing = Sharing(sharing)
         self._last: tuple[Sequence[Candidate], str, str] | None = None
         self._last_out: tuple[list[Candidate], dict[WorkerId, NodeId]] = ([], {})
+        self._private: frozenset[str] = frozenset()  # their gpu tier: theirs only (SourceMap)
         self._queues_for: tuple[list[Candidate], CostModel] | None = None
         self._queues: tuple[list[float], list[int]] = ([], [])
 
@@ -243,7 +244,7 @@ class Policy(ABC):
                 + (f" for tenant {request.tenant!r}" if request.tenant else "")
                 + ": register one with that namespace"
             )
-        view = SourceMap(match, nodes, pending)
+        view = SourceMap(match, nodes, pending, self._private)
         idx, reason = self._select(request, view, cands)
         chosen = cands[idx]
         plan = self.plan_for(request, view, chosen)
@@ -272,6 +273,8 @@ class Policy(ABC):
         cands = eligible(candidates, namespace, tenant)
         self._last = (tuple(candidates), namespace, tenant)
         self._last_out = (cands, {c.info.worker_id: c.info.node for c in cands})
+        self._private = frozenset(worker_location(c.info.worker_id) for c in cands
+                                  if c.info.meta.get(META_GPU_PRIVATE) == "1")
         return self._last_out
 
     def queues(self, cands: list[Candidate]) -> tuple[list[float], list[int]]:

@@ -47,6 +47,7 @@ class Sampling(_Body):
     stop: Annotated[StrictStr, Field(max_length=1024)] | Annotated[
         list[Annotated[StrictStr, Field(max_length=1024)]], Field(max_length=16)] | None = None
     user: Annotated[StrictStr, Field(max_length=256)] | None = None
+    deadline_s: Annotated[Finite, Field(gt=0)] | None = None
 
 
 Prompt = (Text | Annotated[list[TokenId], Field(min_length=1, max_length=2**20)]

@@ -37,7 +37,6 @@ from kvshare.engines.hf import EngineConfig, HFEngine
 from kvshare.engines.openai_api import (
     BadRequest,
     ParsedRequest,
-    TextStream,
     chunk_body,
     new_id,
     parse_request,
@@ -140,8 +139,7 @@ class KVShareWorker:
     def _parse(self, body: dict[str, Any], chat: bool) -> ParsedRequest:
         req = parse_request(body, chat=chat, namespace=self.namespace,
                             tokenizer=self.engine.tokenizer)
-        self.runtime.admit(req)
-        return req
+        return self.runtime.admit(req)
 
     def _summary(self, c: Completion) -> dict[str, Any]:
         s = c.stats
@@ -174,26 +172,22 @@ class KVShareWorker:
             yield f"data: {json.dumps({'error': {'message': str(exc)}})}\n\n"
             return
         loop = asyncio.get_running_loop()
-        queue: asyncio.Queue[int | None] = asyncio.Queue()
+        queue: asyncio.Queue[str | None] = asyncio.Queue()
 
-        def on_token(t: int) -> None:
-            loop.call_soon_threadsafe(queue.put_nowait, t)
+        def on_delta(text: str) -> None:
+            loop.call_soon_threadsafe(queue.put_nowait, text)
 
-        fut = loop.run_in_executor(self._executor, self.runtime.run, req, on_token)
+        fut = loop.run_in_executor(self._executor, self.runtime.run, req, on_delta)
         fut.add_done_callback(lambda _f: loop.call_soon_threadsafe(queue.put_nowait, None))
-        rid, model, eos = new_id(chat), req.model or self.engine.identity, self.runtime.eos
-        stream = TextStream(self.engine.tokenizer)
+        rid, model = new_id(chat), req.model or self.engine.identity
         yield f"data: {json.dumps(chunk_body(req, rid, model, '', None, True))}\n\n"
-        while (t := await queue.get()) is not None:
-            delta = stream.push(t) if t != eos else ""
-            if delta:
-                yield f"data: {json.dumps(chunk_body(req, rid, model, delta, None))}\n\n"
+        while (delta := await queue.get()) is not None:
+            yield f"data: {json.dumps(chunk_body(req, rid, model, delta, None))}\n\n"
         c = await fut
         extra = {"kvshare": self._summary(c),
                  "usage": {"prompt_tokens": len(req.tokens), "completion_tokens": len(c.tokens),
                            "total_tokens": len(req.tokens) + len(c.tokens)}}
-        last = chunk_body(req, rid, model, stream.flush(), self.runtime.finish_reason(c, req),
-                          False, extra)
+        last = chunk_body(req, rid, model, "", self.runtime.finish_reason(c, req), False, extra)
         yield f"data: {json.dumps(last)}\n\n"
         yield "data: [DONE]\n\n"
 

@@ -121,9 +121,12 @@ class SourceMap:
         match: Match,
         worker_nodes: Mapping[WorkerId, NodeId],
         pending: Match | None = None,
+        private: frozenset[str] = frozenset(),
     ) -> None:
         """``pending``: blocks the router's recent decisions are about to create; they count
-        only for the workers at their locations (they cannot be pulled before they exist)."""
+        only for the workers at their locations (they cannot be pulled before they exist).
+        ``private``: locations (``worker:<id>``) whose blocks only their own worker can use
+        (:data:`~kvshare.workers.META_GPU_PRIVATE`); never a remote source for another."""
         self.num_blocks = match.num_blocks
         index = holder_runs(match)
         mine = holder_runs(pending) if pending is not None else ()
@@ -158,7 +161,7 @@ class SourceMap:
                 continue
             prev = holders
             for loc, r in holders:
-                if r == _NONE:
+                if r == _NONE or loc in private:
                     continue
                 node = nodes.get(loc)
                 if node is None:

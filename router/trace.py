@@ -33,8 +33,9 @@ from kvshare.types import BlockHash
 
 FORMATS = ("mooncake", "agentic")
 MAX_ID = 2**32 - 1  # ids are hashed as u32 "tokens"
-_MEMO_LIMIT = 1 << 21  # memoised ids before the memo starts over (bounds memory, not results)
+_MEMO_LIMIT = 1 << 19  # memoised ids before the memo starts over (~70 MB; bounds memory, not results)
 I64 = npt.NDArray[np.int64]
+U32 = npt.NDArray[np.uint32]
 F64 = npt.NDArray[np.float64]
 
 
@@ -55,8 +56,9 @@ class TraceRequest:
 class Trace(Sequence[TraceRequest]):
     """Requests in arrival order (ties in source order) as flat columns.
 
-    ``starts[i]:ends[i]`` slices request ``i``'s ids out of ``ids``. ``warnings``: things the
-    reader accepted but a user should know (e.g. timestamps that look like seconds).
+    ``starts[i]:ends[i]`` slices request ``i``'s ids out of ``ids`` (uint32: ids are < 2^32,
+    4 bytes each). ``warnings``: things the reader accepted but a user should know (e.g.
+    timestamps that look like seconds).
     """
 
     name: str
@@ -65,7 +67,7 @@ class Trace(Sequence[TraceRequest]):
     arrival_s: F64
     input_tokens: I64
     output_tokens: I64
-    ids: I64
+    ids: U32
     starts: I64
     ends: I64
     users: I64
@@ -107,7 +109,7 @@ class Trace(Sequence[TraceRequest]):
 
 def build_trace(
     name: str, block_tokens: int, rows: I64, arrival_s: F64, input_tokens: I64,
-    output_tokens: I64, ids: I64, offsets: I64, users: I64 | None = None,
+    output_tokens: I64, ids: U32, offsets: I64, users: I64 | None = None,
     warnings: Sequence[str] = (), meta: dict[str, float | int | str] | None = None,
 ) -> Trace:
     """A :class:`Trace` from per-request columns in source order (``offsets``: n+1 bounds of
@@ -181,25 +183,48 @@ def detect_format(path: Path) -> str:
     return "agentic" if isinstance(obj, dict) and isinstance(obj.get("requests"), list) else "mooncake"
 
 
+def _fail(
+    source: str, what: str, rows: I64, mask: npt.NDArray[np.bool_], problem: Callable[[int], str],
+    fix: str,
+) -> None:
+    """ValueError naming the first row where ``mask`` is set (and how many more), if any."""
+    bad = np.flatnonzero(mask)
+    if bad.size:
+        i = int(bad[0])
+        more = f" (and {bad.size - 1} more)" if bad.size > 1 else ""
+        raise ValueError(f"trace {source} {what} {int(rows[i]) + 1}{more}: {problem(i)}; {fix}")
+
+
+def hash_ids(source: str, rows: I64, ids: F64, offsets: I64, what: str = "line") -> U32:
+    """``ids`` (float64, as parsed) as uint32 once each is a whole number in [0, 2^32), else a
+    ValueError naming the first row (of ``rows``, whose ids ``offsets`` bound) that breaks it.
+    Readers call it per chunk, so the float copy of a big trace's ids never exists whole."""
+    bad_id = ~((ids >= 0) & (ids <= MAX_ID) & (ids == np.floor(ids)))
+    if bad_id.any():
+        owner = np.searchsorted(offsets, np.flatnonzero(bad_id), side="right") - 1
+        mask = np.zeros(len(rows), bool)
+        mask[owner] = True
+        _fail(source, what, rows, mask, lambda i: "a hash id is not a whole number in [0, 2^32)",
+              "hash ids are non-negative integers")
+    return ids.astype(np.uint32)
+
+
 def validate(
-    source: str, rows: I64, arrival_s: F64, input_tokens: F64, output_tokens: F64, ids: F64,
+    source: str, rows: I64, arrival_s: F64, input_tokens: F64, output_tokens: F64,
     offsets: I64, block_tokens: int, full_blocks_only: bool, what: str = "line",
 ) -> None:
     """Refuse the first bad row with a ValueError naming it and the fix.
 
     Checks: timestamps present, finite, >= 0; ``input_length`` a whole number > 0;
-    ``output_length`` a whole number >= 0; ids whole numbers in [0, 2^32); one id per block:
-    ``len(hash_ids) == ceil(input_length / block_tokens)`` (``floor`` with
+    ``output_length`` a whole number >= 0; one id per block (``offsets`` bound each row's
+    ids): ``len(hash_ids) == ceil(input_length / block_tokens)`` (``floor`` with
     ``full_blocks_only``: formats that give ids for full blocks only). Values arrive as float64
-    with NaN for missing ones so that fractions and nulls are seen, not truncated.
+    with NaN for missing ones so that fractions and nulls are seen, not truncated. The ids
+    themselves are checked by :func:`hash_ids`.
     """
 
     def fail(mask: npt.NDArray[np.bool_], problem: Callable[[int], str], fix: str) -> None:
-        bad = np.flatnonzero(mask)
-        if bad.size:
-            i = int(bad[0])
-            more = f" (and {bad.size - 1} more)" if bad.size > 1 else ""
-            raise ValueError(f"trace {source} {what} {int(rows[i]) + 1}{more}: {problem(i)}; {fix}")
+        _fail(source, what, rows, mask, problem, fix)
 
     fail(~np.isfinite(arrival_s), lambda i: f"timestamp is {_show(arrival_s[i])}",
          "every request needs a finite timestamp (ms from trace start)")
@@ -212,13 +237,6 @@ def validate(
          lambda i: f"output_length is {_show(output_tokens[i])}",
          "it must be a whole number of tokens >= 0 (or absent)")
     n_ids = np.diff(offsets)
-    if ids.size:
-        bad_id = ~((ids >= 0) & (ids <= MAX_ID) & (ids == np.floor(ids)))
-        owner = np.searchsorted(offsets, np.flatnonzero(bad_id), side="right") - 1
-        mask = np.zeros(len(rows), bool)
-        mask[owner] = True
-        fail(mask, lambda i: "a hash id is not a whole number in [0, 2^32)",
-             "hash ids are non-negative integers")
     need = input_tokens // block_tokens if full_blocks_only else -(-input_tokens // block_tokens)
     rule = "floor" if full_blocks_only else "ceil"
     fits = _block_sizes(input_tokens, n_ids, full_blocks_only)
@@ -231,19 +249,32 @@ def validate(
          f"replay with the trace's block size ({hint})")
 
 
-def check_prefix_semantics(source: str, rows: I64, ids: I64, offsets: I64, what: str = "line") -> None:
+def check_prefix_semantics(source: str, rows: I64, ids: U32, offsets: I64, what: str = "line") -> None:
     """Refuse ids that break prefix semantics: one id must always follow the same id (or
-    always start a prompt), since an id stands for its whole prefix."""
+    always start a prompt), since an id stands for its whole prefix.
+
+    Memory: the sort order (8 bytes an id) plus a few 4- and 1-byte columns, one at a time."""
     if not ids.size:
         return
-    parent = np.empty_like(ids)
-    parent[0] = -1
-    parent[1:] = ids[:-1]
-    parent[offsets[:-1][np.diff(offsets) > 0]] = -1
+    starts = np.zeros(ids.size, bool)  # the id starts a prompt (it has no parent)
+    starts[offsets[:-1][np.diff(offsets) > 0]] = True
     order = np.argsort(ids, kind="stable")
-    sid, spar = ids[order], parent[order]
-    clash = np.flatnonzero((sid[1:] == sid[:-1]) & (spar[1:] != spar[:-1]))
-    del parent, sid, spar
+    sid = ids[order]
+    same = sid[1:] == sid[:-1]
+    del sid
+    parent = np.empty_like(ids)
+    parent[0] = 0
+    parent[1:] = ids[:-1]
+    parent[starts] = 0
+    spar = parent[order]
+    del parent
+    differ = spar[1:] != spar[:-1]
+    del spar
+    sstart = starts[order]
+    differ |= sstart[1:] != sstart[:-1]
+    del sstart, starts
+    clash = np.flatnonzero(same & differ)
+    del same, differ
     if clash.size:
         k = int(clash[0])
         first, second = int(order[k]), int(order[k + 1])
@@ -271,7 +302,7 @@ def _show(x: float) -> str:
 class TraceHasher:
     """Memoised chained hashes of trace hash ids under one namespace root.
 
-    The memo holds at most ~2M ids and starts over when full: a hash is a pure function of
+    The memo holds at most ~0.5M ids and starts over when full: a hash is a pure function of
     the id's prefix, so forgetting costs a recomputation, never a different answer.
     """
 

@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from router.trace import Trace, build_trace, check_prefix_semantics, validate
+from router.trace import Trace, build_trace, check_prefix_semantics, hash_ids, validate
 
 
 @dataclass
@@ -122,9 +122,10 @@ def read_agentic(
     name = files[0].parent.name + "/" if len(files) > 1 else files[0].name
     r64 = np.asarray(rows, np.int64)
     arr = [np.asarray(v, np.float64) for v in (ts, ins, outs)]
-    validate(name, r64, arr[0], arr[1], arr[2], flat, offsets, bt, full_blocks_only=True,
+    ids = hash_ids(name, r64, flat, offsets, what="request")
+    del flat
+    validate(name, r64, arr[0], arr[1], arr[2], offsets, bt, full_blocks_only=True,
              what="request")
-    ids = flat.astype(np.int64)
     check_prefix_semantics(name, r64, ids, offsets, what="request")
     return build_trace(
         name, bt, r64, arr[0], arr[1].astype(np.int64), arr[2].astype(np.int64), ids, offsets,

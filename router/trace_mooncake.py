@@ -20,7 +20,16 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.json as pj
 
-from router.trace import F64, I64, Trace, build_trace, check_prefix_semantics, validate
+from router.trace import (
+    F64,
+    I64,
+    U32,
+    Trace,
+    build_trace,
+    check_prefix_semantics,
+    hash_ids,
+    validate,
+)
 
 _REQUIRED = ("timestamp", "input_length", "hash_ids")
 _CHUNK = 16 << 20
@@ -32,7 +41,8 @@ def read_mooncake(
     progress: Callable[[int], None] | None = None,
 ) -> Trace:
     """The validated requests of a Mooncake JSONL file (first ``limit`` lines if given)."""
-    cols: dict[str, list[F64]] = {k: [] for k in ("ts", "in", "out", "ids")}
+    cols: dict[str, list[F64]] = {k: [] for k in ("ts", "in", "out")}
+    id_chunks: list[U32] = []
     counts: list[I64] = []
     n_rows = 0
     for table in _tables(path, progress):
@@ -57,22 +67,25 @@ def read_mooncake(
         if pa.types.is_null(ids.type):
             counts.append(np.zeros(n, np.int64))
         else:
-            counts.append(pc.fill_null(pc.list_value_length(ids), 0).to_numpy().astype(np.int64))
-            cols["ids"].append(_floats(path, ids.flatten(), "hash_ids"))
+            count = pc.fill_null(pc.list_value_length(ids), 0).to_numpy().astype(np.int64)
+            counts.append(count)
+            bounds = np.zeros(n + 1, np.int64)
+            np.cumsum(count, out=bounds[1:])
+            id_chunks.append(hash_ids(path.name, np.arange(n_rows, n_rows + n, dtype=np.int64),
+                                      _floats(path, ids.flatten(), "hash_ids"), bounds))
         n_rows += n
         if limit is not None and n_rows >= limit:
             break
     ts, lens, outs = (np.concatenate(cols[k]) if cols[k] else np.zeros(0) for k in ("ts", "in", "out"))
-    flat = np.concatenate(cols["ids"]) if cols["ids"] else np.zeros(0)
+    ids = np.concatenate(id_chunks) if id_chunks else np.zeros(0, np.uint32)
+    del id_chunks
     offsets = np.zeros(n_rows + 1, np.int64)
     if counts:
         np.cumsum(np.concatenate(counts), out=offsets[1:])
     if n_rows == 0:
         raise ValueError(f"trace {path.name} has no requests")
     rows = np.arange(n_rows, dtype=np.int64)
-    validate(path.name, rows, ts, lens, outs, flat, offsets, block_tokens, full_blocks_only=False)
-    ids = flat.astype(np.int64)
-    del flat
+    validate(path.name, rows, ts, lens, outs, offsets, block_tokens, full_blocks_only=False)
     check_prefix_semantics(path.name, rows, ids, offsets)
     return build_trace(
         path.name, block_tokens, rows, ts / 1000.0, lens.astype(np.int64), outs.astype(np.int64),

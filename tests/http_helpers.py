@@ -24,6 +24,7 @@ class Served:
     """``app`` on ``http://127.0.0.1:<free port>`` until :meth:`stop`."""
 
     def __init__(self, app: Any) -> None:
+        self.app = app
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",

@@ -222,3 +222,17 @@ def test_worker_gpu_tier_is_free_and_prefers_that_worker() -> None:
     match = held({worker_location("w1"): (8, Tier.GPU), node_location("n0"): (8, Tier.HOST)})
     d = make_policy("cost", m).choose(RouteRequest(NS, HASHES, 128), match, [cand(0), cand(1)])
     assert d.worker == "w1" and d.plan is not None and d.plan.fetch_s == 0.0
+
+
+def test_an_engines_private_gpu_cache_is_no_source_for_other_workers() -> None:
+    m = cost_model(a=1e-3)  # 128 ms cold; w0 is 60 ms behind, w1 idle
+    match = held({worker_location("w0"): (8, Tier.GPU)})
+    req = RouteRequest(NS, HASHES, 128)
+    pol = make_policy("cost", m)
+    # a reference worker serves its gpu blocks: the idle w1 pulls them remotely
+    d = pol.choose(req, match, [cand(0, queued=60), cand(1)])
+    assert (d.worker, d.reason, d.remote_blocks) == ("w1", "cache_remote", 8)
+    # vLLM's own prefix cache cannot be read by another worker: w1 would recompute all of it,
+    # so waiting 60 ms for the holder wins
+    d = pol.choose(req, match, [cand(0, queued=60, gpu_private="1"), cand(1)])
+    assert (d.worker, d.reason, d.cached_blocks) == ("w0", "cache_local", 8)

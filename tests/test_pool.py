@@ -167,6 +167,34 @@ def test_leases_expire_on_the_clock() -> None:
     assert pool.stats()["leases_expired"] == 2
 
 
+def test_ended_leases_cost_no_memory_and_live_ones_still_expire() -> None:
+    """A long-running user (the simulator, a pool with long TTLs) pins and unpins millions of
+    times: the books must not grow with leases ever taken, and expiry must keep working."""
+    import tracemalloc
+
+    clock = FakeClock()
+    pool = make_pool(host=2, clock=clock, lease_ttl_s=1e9)
+    put_all(pool, 0)
+    (short,) = pool.pin([h(0)], "short", ttl_s=5.0)
+    assert short is not None
+
+    def cycle(n: int) -> None:
+        for _ in range(n):
+            (lease,) = pool.pin([h(0)], "loop")
+            assert lease is not None
+            pool.unpin([lease.lease_id])
+
+    cycle(5_000)  # warm up (heap at its working size)
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    cycle(20_000)
+    grown = tracemalloc.get_traced_memory()[0] - before
+    tracemalloc.stop()
+    assert grown < 200_000, grown  # ~2.4 MB when every ended lease stayed in the heap
+    clock.advance(5.1)
+    assert pool.expire_leases() == 1 and pool.stats()["active_leases"] == 0
+
+
 def test_release_holder_ends_only_that_holders_leases() -> None:
     pool = make_pool(host=4)
     put_all(pool, 0, 1)

@@ -28,12 +28,13 @@ from kvshare.hasher import Hasher
 from kvshare.match import EMPTY_MATCH as EMPTY
 from kvshare.match import MatchResult
 from kvshare.types import NodeId, Tier, WorkerId, node_location, worker_location
-from kvshare.workers import WorkerInfo, WorkerLoad
+from kvshare.workers import META_GPU_PRIVATE, WorkerInfo, WorkerLoad
 from router.core import CostInputs, IndexAnswer, RoutingCore
 from router.embed import CacheAwareRouter, InProcessIndex, RouterConfig
 from router.policy import RouteRequest
 from router.serve import KVShareRequestRouter
 from router.serve_request import (
+    FRONTS_WORKER,
     META_BLOCK_TOKENS,
     META_BYTES_PER_TOKEN,
     META_ROOT,
@@ -144,6 +145,44 @@ def test_embed_and_serve_adapters_make_identical_decisions() -> None:
     assert any(len(order) > 1 for _, order in got_s)
 
 
+def test_serve_ranks_a_replica_by_the_worker_its_routing_stats_name() -> None:
+    """Replicas in front of engines that registered themselves (``router/serve_vllm.py``):
+    the router reads the worker id from each replica's routing stats, so the replica in front
+    of the worker whose own cache holds the prompt is chosen, and its work counts there."""
+    reps = replicas(2)
+    for r, wid in zip(reps, ("vllm-b", "vllm-a"), strict=True):
+        r.routing_stats = {FRONTS_WORKER: wid}
+    index = GlobalIndex()
+    index.declare_namespace(NS, 32)
+    meta = {META_ROOT: HASHER.root.hex(), META_BLOCK_TOKENS: str(BT),
+            META_BYTES_PER_TOKEN: str(BPT), META_TOKENIZER: json.dumps({"kind": "bytes"}),
+            META_GPU_PRIVATE: "1"}
+    gen = {wid: index.register_worker(WorkerInfo(WorkerId(wid), NodeId(node), (NS,), meta=meta))
+           for wid, node in (("vllm-a", "n0"), ("vllm-b", "n1"))}
+    for wid in gen:
+        index.report_load(WorkerLoad(WorkerId(wid), 0, 0, TPS, time.time()))
+    ids = SYSTEMS[0]
+    index.apply([BlockStored(NS, worker_location("vllm-a"), Tier.GPU, h, gen["vllm-a"], j + 1)
+                 for j, h in enumerate(HASHER.hashes(ids))])
+
+    async def route() -> tuple[Any, Any]:
+        serve = KVShareRequestRouter(deployment_id=DEPLOYMENT,
+                                     handle_source=DeploymentHandleSource.UNKNOWN)
+        serve.initialize_state(namespace=NS, prefill_tokens_per_s=TPS, workers_refresh_s=0.0)
+        serve.use_index(InProcessIndex(index))
+        serve.update_replicas(reps)
+        pr = pending_request(0, ids)
+        shortlist = await serve.choose_replicas(reps, pr)
+        serve.on_request_routed(pr, shortlist[0][0].replica_id, None)
+        return shortlist, serve
+
+    shortlist, serve = asyncio.run(route())
+    assert shortlist[0][0] is reps[1]  # it fronts vllm-a, the holder
+    assert serve.counters.get("decision_cache_local") == 1
+    assert serve.core.inflight.loads(
+        [WorkerInfo(WorkerId("vllm-a"), NodeId("n0"), (NS,))], {})[0][0].running == 1
+
+
 # ------------------------------------------------------------------ the core's own rules
 class SlowIndex:
     """Answers after the deadline (a real coroutine), or says it is unavailable."""
@@ -235,6 +274,28 @@ def test_in_flight_work_adds_to_a_report_and_drained_work_comes_off_a_stale_one(
     now[0] = 103.0  # past drain_window_s: a fresher report is due, the old one stands again
     [(load, _)] = inflight.loads([w], {w.worker_id: report})
     assert load.queued_prefill_tokens == 1300
+
+
+def test_drained_work_off_a_report_matches_summing_every_drain() -> None:
+    """Thousands of drains (a busy router): what comes off each report is the plain sum of
+    the drains after it and inside the window, however old the report is."""
+    rng = random.Random(7)
+    now = [0.0]
+    inflight = InFlight(clock=lambda: now[0], drain_window_s=2.0)
+    w = WORKERS[0]
+    drains: list[tuple[float, int]] = []
+    for i in range(3000):
+        now[0] += rng.random() * 0.004
+        tokens = rng.randrange(1, 500)
+        inflight.add(f"r{i}", w.worker_id, tokens, 1)
+        inflight.done(f"r{i}")
+        drains.append((now[0], tokens))
+        if i % 97 == 0:
+            ts = now[0] - rng.random() * 3.0
+            report = WorkerLoad(w.worker_id, 10**7, 0, TPS, ts)
+            [(load, _)] = inflight.loads([w], {w.worker_id: report})
+            want = sum(n for at, n in drains if at > ts and now[0] - at < 2.0)
+            assert load.queued_prefill_tokens == 10**7 - want
 
 
 def test_a_cached_request_drains_the_whole_prompt_its_worker_reported() -> None:

@@ -75,6 +75,37 @@ def test_index_matches_the_pools_after_a_replay() -> None:
     assert s["ttft_p99_s"] >= s["ttft_p50_s"] > 0
 
 
+def test_a_long_replay_keeps_only_its_result_rows() -> None:
+    """Issue 12: the replay grew ~7 KB a request (a 686k-request trace ran out of memory).
+    Replaying the same requests again and again, the books (pools, index, pending blocks,
+    hash memo, leases) stay the same size: only the per-request result rows grow."""
+    import gc
+    import tracemalloc
+    from dataclasses import replace
+
+    cfg = ClusterConfig(workers=4, host_tokens=200_000)  # small: the pools evict all along
+    reqs = list(read_trace(DYNAMO, limit=300))
+    span = reqs[-1].arrival_s + 100.0
+
+    def rounds(first: int, last: int):  # type: ignore[no-untyped-def]
+        for k in range(first, last):
+            for r in reqs:
+                yield replace(r, index=r.index + k * len(reqs), arrival_s=r.arrival_s + k * span)
+
+    sim = Simulator(cfg, _policy("cost", cfg), "global")
+    tracemalloc.start()  # before the warm-up, so that what replaces its books is netted out
+    sim.run(rounds(0, 2))  # warm: pools full, memo and pending at their working size
+    gc.collect()
+    before = tracemalloc.get_traced_memory()[0]
+    sim.run(rounds(2, 6))
+    gc.collect()
+    grown = tracemalloc.get_traced_memory()[0] - before
+    tracemalloc.stop()
+    per_request = grown / (4 * len(reqs))
+    assert len(sim.rows["ttft_s"]) == 6 * len(reqs)
+    assert per_request < 600, per_request  # 16 result columns are ~150 bytes a request
+
+
 def test_local_sharing_cost_policy_beats_mooncakes_local_cache_figure() -> None:
     reqs = read_trace(SYNTH)
     r = simulate(reqs, ClusterConfig(), ["cost"], "local", reference=False)

@@ -134,3 +134,16 @@ def test_both_encodings_decode_and_bad_payloads_raise_malformed() -> None:
             {"type": "BlockStored", "block_hashes": ["nope"]}]])):
         with pytest.raises(MalformedEvents):
             decode_batch(bad)
+
+
+def test_batches_of_known_events_decode_alike_in_either_encoding_in_any_order() -> None:
+    tokens = TOKENS[:PAGE]
+    as_map = encode(stored([BIG], None, tokens), BlockRemoved(block_hashes=[BIG], medium="GPU"),
+                    AllBlocksCleared())
+    as_array = msgspec.msgpack.encode([2.0, [
+        ["BlockStored", [BIG], None, tokens, PAGE, None, "GPU"], ["BlockRemoved", [BIG], "GPU"],
+        ["AllBlocksCleared"]]])
+    want = decode_batch(as_map)[1]
+    assert [type(e) for e in want] == [PagesStored, PagesRemoved, AllPagesCleared]
+    for payload in (as_array, as_map, as_array, as_array, as_map):  # one C call each, whichever first
+        assert decode_batch(payload)[1] == want

@@ -23,6 +23,7 @@ from kvshare.tokenizer import ByteTokenizer, HFTokenizer
 from kvshare.types import BlockHash
 
 MAX_TOKENS_DEFAULT = 16
+MAX_STOPS = 16
 
 
 class BadRequest(ValueError):
@@ -42,6 +43,10 @@ class ParsedRequest:
     routed: bool
     stop_eos: bool
     salt: str | None = None
+    stop: tuple[str, ...] = ()
+    deadline: float | None = None  # time.monotonic() by which generation ends (deadline_s)
+    max_tokens_given: bool = True  # False: the default, lowered to fit the context
+    tenant: str = "default"  # who sent it (the gateway's kvshare.tenant): fair queueing
 
 
 def _routed_tokens(extra: Any, namespace: str) -> tuple[list[int], list[BlockHash] | None]:
@@ -69,8 +74,9 @@ def parse_request(
     """Validate an OpenAI completions / chat completions body (raises :class:`BadRequest`)."""
     if not isinstance(body, Mapping):
         raise BadRequest("the request body must be a JSON object")
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens", MAX_TOKENS_DEFAULT))
-    if not isinstance(max_tokens, int) or max_tokens < 1:
+    given = body.get("max_completion_tokens", body.get("max_tokens"))
+    max_tokens = MAX_TOKENS_DEFAULT if given is None else given
+    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
         raise BadRequest(f"max_tokens must be a positive int, got {max_tokens!r}")
     temperature = body.get("temperature", 0)
     if temperature not in (0, 0.0, None):
@@ -104,11 +110,39 @@ def parse_request(
     salt = extra.get("cache_salt") if isinstance(extra, Mapping) else body.get("cache_salt")
     if salt is not None and not isinstance(salt, str):
         raise BadRequest("cache_salt must be a string")
+    tenant = extra.get("tenant") if isinstance(extra, Mapping) else None
     return ParsedRequest(
         chat=chat, model=str(body.get("model", "")), tokens=tokens, max_tokens=max_tokens,
         stream=bool(body.get("stream", False)), hashes=hashes, routed=extra is not None,
         stop_eos=not bool(body.get("ignore_eos", False)), salt=salt or None,
+        stop=_stops(body.get("stop")), deadline=_deadline(body, extra),
+        max_tokens_given=given is not None,
+        tenant=tenant if isinstance(tenant, str) and tenant else "default",
     )
+
+
+def _stops(stop: Any) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    stops = [stop] if isinstance(stop, str) else stop
+    if (not isinstance(stops, list) or len(stops) > MAX_STOPS
+            or not all(isinstance(s, str) and len(s) <= 1024 for s in stops)):
+        raise BadRequest(f"'stop' must be a string or a list of at most {MAX_STOPS} strings "
+                         "(each at most 1024 characters)")
+    return tuple(s for s in stops if s)
+
+
+def _deadline(body: Mapping[str, Any], extra: Any) -> float | None:
+    """``deadline_s`` (the gateway's, in ``kvshare``, else the client's) as a monotonic time."""
+    seconds = extra.get("deadline_s") if isinstance(extra, Mapping) else None
+    if seconds is None:
+        seconds = body.get("deadline_s")
+    if seconds is None:
+        return None
+    if (not isinstance(seconds, int | float) or isinstance(seconds, bool)
+            or not 0 < seconds < float("inf")):
+        raise BadRequest(f"deadline_s must be a positive number of seconds, got {seconds!r}")
+    return time.monotonic() + float(seconds)
 
 
 def new_id(chat: bool) -> str:
@@ -153,25 +187,3 @@ def chunk_body(
     if extra:
         body.update(extra)
     return body
-
-
-class TextStream:
-    """Turns tokens into text deltas without splitting a multi-byte character."""
-
-    def __init__(self, tokenizer: ByteTokenizer | HFTokenizer) -> None:
-        self.tokenizer = tokenizer
-        self.tokens: list[int] = []
-        self.sent = ""
-
-    def push(self, token: int) -> str:
-        self.tokens.append(token)
-        text = self.tokenizer.decode(self.tokens)
-        if text.endswith("\ufffd"):
-            return ""
-        delta, self.sent = text[len(self.sent):], text
-        return delta
-
-    def flush(self) -> str:
-        text = self.tokenizer.decode(self.tokens)
-        delta, self.sent = text[len(self.sent):], text
-        return delta

@@ -38,6 +38,16 @@ class RequestStats:
     load_s: float = 0.0
     prefill_s: float = 0.0
     ttft_s: float = 0.0
+    store_wait_s: float = 0.0
+    """How long the answer waited for the request's stores (WorkerRuntime's ordering)."""
+    transfer_s: dict[str, float] = field(default_factory=dict)
+    """Seconds each transport took to bring its blocks (batches run at once)."""
+    copy_s: float = 0.0
+    """Seconds copying the fetched blocks into the engine's KV buffer."""
+    receive_s: float = 0.0
+    """The host reading and admitting the request (set by the host, e.g. the HTTP server)."""
+    queue_s: float = 0.0
+    """Admitted until the engine started on it (set by :class:`WorkerRuntime`)."""
     bytes_by_transport: dict[str, int] = field(default_factory=dict)
     bytes_by_tier: dict[str, int] = field(default_factory=dict)
     misses: dict[str, int] = field(default_factory=dict)
@@ -50,6 +60,8 @@ class Completion:
     stats: RequestStats
     first_logits: Any = None  # [vocab] fp32 tensor: the next-token logits after the prompt
     stores: list[Future[StoreResult]] = field(default_factory=list)
+    ended: str = ""  # why generation stopped early: a should_stop reason ("" = EOS or length)
+    text: str | None = None  # the host's text of the tokens, when it made one (stop strings)
 
 
 class WorkerCounters:
@@ -116,6 +128,7 @@ class ReferenceWorker:
             stats.misses["load_error"] = stats.misses.get("load_error", 0) + plan.load_blocks
             return None, 0
         stats.load_s = time.perf_counter() - t1
+        stats.transfer_s, stats.copy_s = dict(result.transfer_s), result.copy_s
         for o in result.failed:
             key = o.reason.split(":")[0] or "failed"
             stats.misses[key] = stats.misses.get(key, 0) + 1
@@ -169,6 +182,7 @@ class ReferenceWorker:
         stop_ids: Sequence[int] | None = None,
         on_token: Callable[[int], None] | None = None,
         on_prefill: Callable[[RequestStats], None] | None = None,
+        should_stop: Callable[[], str] | None = None,
     ) -> Completion:
         """Greedy completion of ``tokens``.
 
@@ -186,6 +200,9 @@ class ReferenceWorker:
         with self._lock:
             start = time.perf_counter()
             stats = RequestStats(prompt_tokens=len(tokens))
+            if should_stop is not None and (why := should_stop()):
+                self.counters.add(f"ended_{why}")
+                return Completion([], stats, ended=why)  # gone or late before it started
             kv, reuse = self._plan_and_load(tokens, hashes, stats)
             pre = self.engine.prefill(tokens, kv, reuse)
             del kv
@@ -199,6 +216,7 @@ class ReferenceWorker:
             stores: list[Future[StoreResult]] = []
             out: list[int] = []
             first_logits = pre.logits
+            ended = ""
             for i, tok in enumerate(self.engine.greedy(pre, len(tokens), max_new_tokens, stops)):
                 if i == 0:
                     stats.ttft_s = time.perf_counter() - start
@@ -206,11 +224,15 @@ class ReferenceWorker:
                 out.append(tok)
                 if on_token is not None:
                     on_token(tok)
+                if should_stop is not None and (ended := should_stop()):
+                    self.counters.add(f"ended_{ended}")
+                    break
+            self.counters.add("tokens_generated", len(out))
             full = list(tokens) + out
             self._store(full, pre.cache, len(tokens) // self.engine.layout.block_tokens, stores,
                         salt)
             self._count(stats)
-            return Completion(out, stats, first_logits, stores)
+            return Completion(out, stats, first_logits, stores, ended)
 
     def _count(self, s: RequestStats) -> None:
         c = self.counters

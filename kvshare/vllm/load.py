@@ -6,7 +6,11 @@ and ``vllm:request_prefill_time_seconds_sum``. :class:`MetricsLoad` turns them i
 :class:`~kvshare.workers.WorkerLoad`: running and waiting requests, KV usage, and the prefill
 speed over the last reports (computed prompt tokens per second of prefill). vLLM does not
 export the prompt tokens still queued, so ``queued_prefill_tokens`` is the waiting requests
-times the mean prompt length seen so far (an estimate; the router adds its own in-flight).
+times the mean tokens a request has had to compute so far: its prompt less what vLLM's own
+cache and the KV connector supplied (``vllm:external_prefix_cache_hits_total``). A waiting
+turn of a long conversation costs its new suffix, not its whole prompt; counting whole
+prompts made a worker holding a conversation look busiest exactly when its next turn was
+cheapest there. An estimate; the router adds its own in-flight work.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from kvshare.workers import WorkerLoad
 _LINE = re.compile(r"^(vllm:[a-z_]+)(?:\{[^}]*\})?\s+([0-9.eE+-]+|NaN)$", re.MULTILINE)
 _WANTED = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
            "vllm:prompt_tokens_total", "vllm:prefix_cache_hits_total",
+           "vllm:external_prefix_cache_hits_total",
            "vllm:request_prefill_time_seconds_sum", "vllm:request_prefill_time_seconds_count")
 
 
@@ -55,8 +60,8 @@ class MetricsLoad:
         self._update_speed(m)
         waiting = int(m.get("vllm:num_requests_waiting", 0))
         count = m.get("vllm:request_prefill_time_seconds_count", 0.0)
-        mean_prompt = m.get("vllm:prompt_tokens_total", 0.0) / count if count else 0.0
-        return WorkerLoad(self.worker_id, int(waiting * mean_prompt),
+        mean_new = _computed(m) / count if count else 0.0
+        return WorkerLoad(self.worker_id, int(waiting * mean_new),
                           int(m.get("vllm:num_requests_running", 0)) + waiting,
                           self.prefill_tokens_per_s, time.time(), waiting=waiting,
                           kv_usage=float(m.get("vllm:kv_cache_usage_perc", 0.0)))
@@ -65,9 +70,7 @@ class MetricsLoad:
         prev, self._prev = self._prev, m
         if not prev:
             return
-        computed = (m.get("vllm:prompt_tokens_total", 0.0) - prev.get("vllm:prompt_tokens_total", 0.0)
-                    - m.get("vllm:prefix_cache_hits_total", 0.0)
-                    + prev.get("vllm:prefix_cache_hits_total", 0.0))
+        computed = _computed(m) - _computed(prev)
         spent = (m.get("vllm:request_prefill_time_seconds_sum", 0.0)
                  - prev.get("vllm:request_prefill_time_seconds_sum", 0.0))
         if computed > 0 and spent > 0:
@@ -77,3 +80,9 @@ class MetricsLoad:
 
     def close(self) -> None:
         self._http.close()
+
+
+def _computed(m: dict[str, float]) -> float:
+    """Prompt tokens vLLM computed: all prompt tokens less its own and the connector's hits."""
+    return max(0.0, m.get("vllm:prompt_tokens_total", 0.0) - m.get("vllm:prefix_cache_hits_total", 0.0)
+               - m.get("vllm:external_prefix_cache_hits_total", 0.0))

@@ -24,7 +24,7 @@ from kvshare.vllm.events import EventsConfig, KVEventsConsumer
 from kvshare.vllm.launch import VllmProcess, VllmSpec
 from kvshare.vllm.load import MetricsLoad
 from kvshare.vllm.presence import IndexSink, Presence
-from kvshare.workers import WorkerInfo
+from kvshare.workers import META_GPU_PRIVATE, WorkerInfo
 
 
 @dataclass(frozen=True)
@@ -109,10 +109,12 @@ class VllmWorker:
         """What routers read from the registration: the engine (a gateway forwards vLLM's own
         fields), how prompts hash (the keys of ``router.serve_request``'s ``WorkerHashing``:
         ``root_hex``, ``block_tokens``, ``bytes_per_token``, ``tokenizer``, so a Serve router
-        hashes exactly what this worker's events publish) and the KV-events sockets (what Ray
-        Serve LLM's KV-aware router subscribes to)."""
+        hashes exactly what this worker's events publish), that its gpu tier is its own
+        (:data:`~kvshare.workers.META_GPU_PRIVATE`) and the KV-events sockets (what Ray Serve
+        LLM's KV-aware router subscribes to)."""
         layout = self.keys.layout
         return {"engine": "vllm", "model": spec.served_name or spec.model,
+                META_GPU_PRIVATE: "1",  # vLLM's own cache: no other worker can read it
                 "block_size": str(spec.block_size),
                 "root_hex": self.keys.hasher().root.hex(),
                 "block_tokens": str(self.config.block_tokens),
