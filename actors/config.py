@@ -58,8 +58,11 @@ class PoolSettings:
     ``disk_dir``: root of the disk tier; each node uses ``{disk_dir}/{node_id}/{namespace}``
     so pools on one machine (fake multi-node clusters) never share files.
     ``publish_interval_s`` / ``publish_max_events``: events reach the index at most that late,
-    or as soon as that many are pending. ``holder_check_s``: how often leases of dead
-    holders are looked for.
+    or as soon as that many are pending. ``publish_on_commit``: a committed write is
+    published before the writer's commit returns (read-after-write: a worker that waits for
+    its stores before answering leaves blocks any worker's next lookup finds; see
+    :meth:`actors.node_pool.NodePool.transfer_commit_write`). ``holder_check_s``: how often
+    leases of dead holders are looked for.
     """
 
     namespaces: tuple[NamespaceSpec, ...]
@@ -68,6 +71,7 @@ class PoolSettings:
     demote_min_hits: int = 0
     publish_interval_s: float = 0.05
     publish_max_events: int = 4096
+    publish_on_commit: bool = True
     maintain_interval_s: float = 0.05
     holder_check_s: float = 1.0
     ray_namespace: str = RAY_NAMESPACE

@@ -162,7 +162,7 @@ def main() -> int:
             print(f"gateway at {base_url}; driving {demo_common.USERS} users x "
                   f"{demo_common.TURNS} turns ...", flush=True)
             warm_up(infos, model)
-            turns = drive(base_url, "tiny-llama", usage=True)
+            turns = drive(base_url, NAMESPACE, usage=True)  # the gateway serves its namespace
             time.sleep(1.0)  # vLLM's stat loggers publish the last step's counters
             counters = vllm_counters([i["endpoint"] for i in infos], "out")
             ok = report(turns, counters, status(), os.path.join("out", "demo.png"))

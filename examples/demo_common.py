@@ -18,6 +18,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvshare import breakdown
+
 USERS = 4
 TURNS = 4
 MAX_TOKENS = 8
@@ -35,6 +37,7 @@ class Turn:
     reused_tokens: int = 0
     bytes_by_transport: dict[str, int] = field(default_factory=dict)
     bytes_by_tier: dict[str, int] = field(default_factory=dict)
+    breakdown: dict[str, Any] = field(default_factory=dict)  # where its TTFT went (gateway)
 
 
 def text(seed: int, n: int) -> str:
@@ -107,6 +110,7 @@ def run_turn(client: Any, t: Turn, messages: list[dict[str, str]], model: str,
         t.bytes_by_transport = dict(extra.get("bytes_by_transport", {}))
         t.bytes_by_tier = dict(extra.get("bytes_by_tier", {}))
         t.worker = str(extra.get("worker", t.worker))
+        t.breakdown = dict(extra.get("breakdown", {}))
     return "".join(out)
 
 
@@ -166,6 +170,15 @@ def ttft_table(turns: list[Turn]) -> None:
     print(f"TTFT warm   p50 / p90    {pct(warm, .5) * 1e3:8.1f} / {pct(warm, .9) * 1e3:8.1f} ms")
     if cold and warm:
         print(f"TTFT speed-up (p50)      {statistics.median(cold) / statistics.median(warm):.1f}x")
+    groups = split_breakdowns(turns)
+    if any(groups.values()):  # kvshare's workers say where their TTFT went (vLLM's streams don't)
+        print(breakdown.summary(groups))
+
+
+def split_breakdowns(turns: list[Turn]) -> dict[str, list[dict[str, Any]]]:
+    """The turns' TTFT breakdowns, cold (nothing reused) and warm."""
+    return {"cold": [t.breakdown for t in turns if t.reused_tokens == 0 and t.breakdown],
+            "warm": [t.breakdown for t in turns if t.reused_tokens > 0 and t.breakdown]}
 
 
 def pool_tiers(pool_status: dict[str, Any]) -> None:
@@ -210,7 +223,13 @@ def plot(turns: list[Turn], path: str, title: str) -> None:
     import matplotlib.pyplot as plt
 
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    fig, ax = plt.subplots(figsize=(9, 4))
+    groups = split_breakdowns(turns)
+    if any(groups.values()):
+        fig, (ax, parts) = plt.subplots(1, 2, figsize=(12, 4), width_ratios=(3, 1))
+        breakdown.stack(parts, list(groups), [breakdown.medians(g) for g in groups.values()])
+        parts.set_title("TTFT breakdown (median)")
+    else:
+        fig, ax = plt.subplots(figsize=(9, 4))
     colors = ["tab:red" if t.reused_tokens == 0 else "tab:green" for t in turns]
     ax.bar(range(len(turns)), [t.ttft_s * 1e3 for t in turns], color=colors)
     ax.set_xlabel("request (red = cold, green = prefix reused)")

@@ -50,8 +50,8 @@ from kvshare.cluster import RAY_NAMESPACE, find_index, find_pool, this_node
 from kvshare.cost import Source, bytes_per_s
 from kvshare.hasher import Hasher
 from kvshare.kv_convert import (
-    block_from_source,
-    block_into_target,
+    blocks_from_source,
+    blocks_into_target,
     check_source,
     check_target,
     source_tokens,
@@ -369,20 +369,24 @@ class KVShareClient:
             )
         check_target(into, self.layout, plan.load_tokens)
         start = time.perf_counter()
+        transfer_s: dict[str, float] = {}
         with self._load_lock:
             n = plan.load_blocks
             staging = self._staging_rows(n)
-            reasons = self._fetch(plan, staging)
+            reasons = self._fetch(plan, staging, transfer_s)
+            t_copy = time.perf_counter()
             outcomes: list[BlockOutcome] = []
-            good = True
+            good = 0  # only the contiguous prefix is usable: copy just that
             for i, b in enumerate(plan.blocks):
                 ok = reasons[i] == ""
-                good = good and ok
-                if good:  # only the contiguous prefix is usable: copy just that
-                    block_into_target(staging[i], into, i, self.layout)
+                if ok and good == i:
+                    good += 1
                 outcomes.append(BlockOutcome(i, ok, b.transport, reasons[i],
                                              self.layout.bytes_per_block if ok else 0))
-        result = LoadResult(outcomes, time.perf_counter() - start)
+            if good:
+                blocks_into_target(staging[:good], into, 0, self.layout)
+        done = time.perf_counter()
+        result = LoadResult(outcomes, done - start, transfer_s, done - t_copy)
         self._loads += 1
         if self._loads % REFINE_EVERY == 0:
             self.refine_bandwidths()
@@ -395,12 +399,15 @@ class KVShareClient:
                 self._count(f"miss_{o.reason}")
         return result
 
-    def _fetch(self, plan: Plan, staging: np.ndarray) -> list[str]:
+    def _fetch(self, plan: Plan, staging: np.ndarray, spent: dict[str, float]) -> list[str]:
+        """Read the plan's blocks into ``staging``; per block ``""`` or a miss reason.
+        ``spent`` gets each transport's seconds from the first submit to its last batch's end."""
+        t_start = time.perf_counter()
         groups: dict[tuple[str, str], list[int]] = {}
         for i, b in enumerate(plan.blocks):
             groups.setdefault((b.location, b.transport), []).append(i)
         reasons = [""] * plan.load_blocks
-        running: list[tuple[Transport, Transfer, list[int], str, float]] = []
+        running: list[tuple[Transport, Transfer, list[int], str, float, str]] = []
         retry: list[tuple[str, list[int]]] = []
         for (loc, transport), idx in groups.items():
             node = loc.removeprefix("node:")
@@ -413,9 +420,10 @@ class KVShareClient:
             hs = [plan.blocks[i].block_hash for i in idx]
             t0 = time.perf_counter()
             t = tr.submit_read(control, hs, [staging[i] for i in idx], deadline_s=self.load_deadline_s)
-            running.append((tr, t, idx, tr.name, t0))
-        for tr, t, idx, used, t0 in running:
+            running.append((tr, t, idx, tr.name, t0, loc))
+        for tr, t, idx, used, t0, loc in running:  # each batch's own peer for the estimator
             res = tr.wait(t)
+            spent[used] = time.perf_counter() - t_start
             self._count_transfer(used, t0)
             self.estimator.observe(used, loc, res.nbytes, res.seconds)
             for i, o in zip(idx, res.outcomes, strict=True):
@@ -432,6 +440,7 @@ class KVShareClient:
             t0 = time.perf_counter()
             res = self._objstore.read(control, hs, [staging[i] for i in idx],
                                       deadline_s=self.load_deadline_s)
+            spent[self._objstore.name] = time.perf_counter() - t_start
             self._count_transfer(self._objstore.name, t0)
             self.estimator.observe(self._objstore.name, loc, res.nbytes, res.seconds)
             for i, o in zip(idx, res.outcomes, strict=True):
@@ -497,8 +506,7 @@ class KVShareClient:
             self._count("store_no_pool", len(todo))
             return StoreResult(skipped=len(todo), reason="no pool on this node")
         data = np.empty((len(todo), self.layout.bytes_per_block), dtype=np.uint8)
-        for j in range(len(todo)):
-            block_from_source(kv, start + j, data[j], self.layout)
+        blocks_from_source(kv, start, data, self.layout)
         res = self._store_shm.write(control, todo, list(data), deadline_s=self.store_deadline_s)
         stored = res.num_ok
         reasons = res.reasons()

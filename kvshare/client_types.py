@@ -113,6 +113,10 @@ class LoadResult:
 
     outcomes: list[BlockOutcome] = field(default_factory=list)
     seconds: float = 0.0
+    transfer_s: dict[str, float] = field(default_factory=dict)
+    """Per transport, seconds from submitting its first batch to its last one's end."""
+    copy_s: float = 0.0
+    """Seconds spent copying fetched blocks into the caller's KV memory."""
 
     @property
     def loaded_blocks(self) -> int:

@@ -120,6 +120,9 @@ class Routed:
     fallback: str = ""
     ranking: Ranking | None = field(default=None, compare=False, repr=False)
     """The full ranking behind the decision (every candidate's estimate, best first)."""
+    timings: dict[str, float] = field(default_factory=dict, compare=False, repr=False)
+    """Seconds of this decision's stages: ``tokenize``, ``hash``, ``index``, ``score``
+    (:mod:`kvshare.breakdown`)."""
 
     def kvshare_field(self) -> dict[str, Any]:
         """The ``kvshare`` JSON field forwarded to the worker."""
@@ -255,10 +258,13 @@ class CacheAwareRouter:
             ids = self.tokenize(prompt, messages)
         else:
             ids = token_ids if type(token_ids) is list else list(token_ids)
+        t1 = time.perf_counter()
         hashes = self.hashes(ids, tenant)
+        t2 = time.perf_counter()
         ns = self.config.namespace
         core = self.core
         answer = await core.query(ns, hashes)
+        t3 = time.perf_counter()
         if answer.timed:
             self.metrics.index_latency.observe(answer.index_s)
         infos, loads = await self.workers.snapshot()
@@ -269,9 +275,12 @@ class CacheAwareRouter:
         rid = request_id or f"r{next(self._ids)}"
         cached = d.plan.cached_tokens if d.plan is not None else 0
         core.routed(rid, ranking)
-        self._count(d, tenant, len(ids), cached, answer.fallback, time.perf_counter() - t0)
+        t4 = time.perf_counter()
+        self._count(d, tenant, len(ids), cached, answer.fallback, t4 - t0)
         self.recent.add(rid, d, tenant.name, len(ids), answer.fallback)
-        return Routed(rid, d, tenant, ns, ids, hashes, answer.index_s, answer.fallback, ranking)
+        timings = {"tokenize": t1 - t0, "hash": t2 - t1, "index": t3 - t2, "score": t4 - t3}
+        return Routed(rid, d, tenant, ns, ids, hashes, answer.index_s, answer.fallback, ranking,
+                      timings)
 
     def mark_down(self, worker: WorkerId, for_s: float = 5.0) -> None:
         """Avoid ``worker`` for ``for_s`` seconds (it refused a connection)."""

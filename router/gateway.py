@@ -36,7 +36,7 @@ from kvshare.asgi import unless_disconnected
 from kvshare.auth import WorkerAuth, cluster_secret, secret_from_env, tenant_salt
 from kvshare.types import NodeId, WorkerId
 from kvshare.workers import WorkerInfo
-from router import upstream
+from router import timing, upstream
 from router.admin_routes import add_admin_routes, checked_body, json_object
 from router.admission import Admission, AdmissionConfig
 from router.embed import CacheAwareRouter, Routed, RouterConfig, Tenant
@@ -232,33 +232,44 @@ def create_app(
         routed = await route_body(body, tenant, chat)
         return routed if isinstance(routed, JSONResponse) else (body, routed)
 
-    def learn_prefill(raw: bytes, request_id: str) -> None:
-        """Feed the worker's measured prefill (its ``kvshare`` stats) back to the cost model."""
+    def learn_prefill(raw: bytes, routed: Routed, upstream_s: float) -> bytes:
+        """Feed the worker's measured prefill (its ``kvshare`` stats) back to the cost model;
+        returns the reply with the request's TTFT breakdown in it (:mod:`router.timing`)."""
         try:
-            kv = json.loads(raw).get("kvshare")
+            data = json.loads(raw)
+        except ValueError:
+            return raw  # not JSON: passed on as it came
+        if not isinstance(data, dict):
+            return raw
+        kv = data.get("kvshare")
+        try:
             if isinstance(kv, dict):
-                router.recent.finish(request_id, kv)
+                router.recent.finish(routed.request_id, kv)
                 router.observe_prefill(int(kv.get("computed_tokens", 0)),
                                        int(kv.get("reused_tokens", 0)),
                                        float(kv.get("prefill_s", 0.0)))
         except (ValueError, TypeError, AttributeError):
             pass  # not a kvshare worker: nothing to learn
+        timing.observe(metrics.ttft_stages, timing.json_reply(data, routed.timings, upstream_s))
+        return json.dumps(data).encode()
 
     async def worker_info(worker: WorkerId) -> WorkerInfo | None:
         infos, _ = await router.workers.snapshot()
         return next((i for i in infos if i.worker_id == worker), None)
 
     async def proxy(request: Request, path: str, chat: bool) -> Response:
+        t_in = time.perf_counter()
         got = await read(request, chat)
         if isinstance(got, JSONResponse):
             return got
         tenant, body = got
+        body_s = time.perf_counter() - t_in  # the breakdown's "parse" stage
         refusal = gate.enter(tenant.name, tenant.max_inflight)
         if refusal is not None:
             return busy(refusal.message, "too_many_requests", refusal.retry_after_s)
         slot = Slot(lambda: gate.leave(tenant.name))
         try:
-            answer = await forward(request, path, chat, tenant, body, slot)
+            answer = await forward(request, path, chat, tenant, body, slot, body_s)
         finally:
             if not slot.handed_over:
                 slot.release()
@@ -270,10 +281,11 @@ def create_app(
         return answer
 
     async def forward(request: Request, path: str, chat: bool, tenant: Tenant,
-                      body: dict[str, Any], slot: Slot) -> Response:
+                      body: dict[str, Any], slot: Slot, parse_s: float) -> Response:
         routed = await route_body(body, tenant, chat)
         if isinstance(routed, JSONResponse):
             return routed
+        routed.timings["parse"] = parse_s
         seconds = body.get("deadline_s") or gate.config.default_deadline_s
         stream = bool(body.get("stream"))
 
@@ -282,6 +294,7 @@ def create_app(
 
         infos = {i.worker_id: i for i in (await router.workers.snapshot())[0]}
         out = Outgoing(path, to_worker, stream, time.monotonic() + float(seconds), body_for)
+        t_send = time.perf_counter()
         answered, outcome = await unless_disconnected(
             request, upstream.send(state["http"], router, routed, out))
         if not answered or outcome is None:
@@ -291,36 +304,55 @@ def create_app(
             if outcome.status == 429:
                 return busy(outcome.message, outcome.code, outcome.retry_after_s or 1)
             return fail(outcome.status, outcome.message, "upstream_error", outcome.code)
-        routed = outcome.routed
+        routed = outcome.routed  # another worker's decision after a retry: same parse stage
+        routed.timings.setdefault("parse", parse_s)
         d = routed.decision
         headers = {"x-kvshare-worker": d.worker, "x-kvshare-reason": d.reason,
                    "x-kvshare-tries": str(outcome.tries)}
         resp = outcome.response
         if outcome.rest is None:
             router.finished(routed.request_id)
+            raw = outcome.body
             if resp.status_code == 200:
-                learn_prefill(outcome.body, routed.request_id)
+                raw = learn_prefill(raw, routed, time.perf_counter() - t_send)
             ctype = resp.headers.get("content-type", "application/json")
-            return Response(outcome.body, resp.status_code, headers=headers, media_type=ctype)
+            return Response(raw, resp.status_code, headers=headers, media_type=ctype)
         rest = outcome.rest
 
         async def relay() -> AsyncIterator[bytes]:
             router.prefilled(routed.request_id)
-            prev, tail = b"", list[bytes]()  # the last event (worker's figures), maybe split
+            # Complete events go on at once (an unfinished one waits for its end); from the
+            # event carrying the worker's figures on, the stream is held back and sent at its
+            # end with the TTFT breakdown in that event (router/timing.py).
+            buf, tail, upstream_s = b"", list[bytes](), 0.0
             chunk = outcome.first
             try:
                 while True:
-                    if tail or b'"kvshare"' in chunk:
-                        tail = tail or [prev]
+                    if tail:
                         tail.append(chunk)
-                    prev = chunk
-                    yield chunk
+                    else:
+                        buf += chunk
+                        at = buf.find(b'"kvshare"')
+                        cut = buf.rfind(b"\n\n", 0, at if at >= 0 else len(buf))
+                        if cut >= 0:
+                            yield buf[:cut + 2]
+                            buf = buf[cut + 2:]
+                        if at >= 0:
+                            upstream_s = time.perf_counter() - t_send
+                            tail, buf = [buf], b""
                     if time.monotonic() > out.deadline + upstream.DEADLINE_GRACE_S:
-                        yield b"data: [DONE]\n\n"  # past the deadline (a worker that has none)
+                        yield b"".join([buf, *tail]) + b"data: [DONE]\n\n"  # past the deadline
                         return
                     chunk = await rest.__anext__()
             except StopAsyncIteration:
-                router.recent.finish_stream(routed.request_id, b"".join(tail))
+                if not tail:
+                    yield buf
+                    return
+                end, breakdown = timing.stream_tail(b"".join(tail), routed.timings, upstream_s)
+                router.recent.finish_stream(routed.request_id, end)
+                if breakdown is not None:
+                    timing.observe(metrics.ttft_stages, breakdown)
+                yield end
             except httpx.HTTPError as exc:  # the worker died mid-stream: say so in-band
                 metrics.upstream.labels(d.worker, "dropped_mid_stream").inc()
                 event = {"error": {"message": f"worker {d.worker} failed mid-stream "

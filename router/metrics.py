@@ -43,6 +43,11 @@ class RouterMetrics:
             "kvshare_router_fallbacks", "Load-only decisions because the index was unavailable",
             ["cause"], registry=r,
         )
+        self.ttft_stages = Histogram(
+            "kvshare_gateway_ttft_stage_seconds",
+            "Where requests' time to first token went, by stage (kvshare.breakdown)", ["stage"],
+            buckets=_LATENCY_BUCKETS + (2.5, 5.0, 10.0), registry=r,
+        )
         self.errors = Counter(
             "kvshare_gateway_errors", "Requests answered with an error", ["code"], registry=r
         )

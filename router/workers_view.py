@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import bisect
 import logging
 import math
 import time
@@ -101,7 +102,7 @@ class InFlight:
         self.drain_window_s = drain_window_s
         self._reqs: dict[str, tuple[WorkerId, int, int, float]] = {}  # rid -> (w, tokens, blocks, t)
         self._oldest = math.inf  # <= every request's time: sweep has nothing to do before it ages
-        self._drained: dict[WorkerId, list[tuple[float, int]]] = {}  # w -> [(when, tokens)]
+        self._drained: dict[WorkerId, _Drains] = {}
         # rid -> the tokens the worker's own report counts for it until its first token (the
         # whole prompt: a worker queues a request's tokens before it knows its cache hit)
         self._counted: dict[str, int] = {}
@@ -136,17 +137,17 @@ class InFlight:
         if tokens <= 0:
             return
         now = self._clock()
-        rows = [row for row in self._drained.get(worker, ()) if now - row[0] < self.drain_window_s]
-        rows.append((now, tokens))
-        self._drained[worker] = rows
+        rows = self._drained.get(worker)
+        if rows is None:
+            rows = self._drained[worker] = _Drains()
+        rows.add(now, tokens, now - self.drain_window_s)
 
     def _fresh(self, report: WorkerLoad) -> WorkerLoad:
         """``report`` less the prefill work that drained after it was taken."""
         rows = self._drained.get(report.worker_id)
-        if not rows:
+        if rows is None:
             return report
-        now = self._clock()
-        gone = sum(n for at, n in rows if at > report.ts and now - at < self.drain_window_s)
+        gone = rows.since(max(report.ts, self._clock() - self.drain_window_s))
         if not gone:
             return report
         return WorkerLoad(report.worker_id, max(0, report.queued_prefill_tokens - gone),
@@ -237,3 +238,31 @@ class InFlight:
             worker, report.queued_prefill_tokens + tokens, report.running + running,
             report.prefill_tokens_per_s, report.ts,
         ), blocks
+
+
+class _Drains:
+    """One worker's drained prefill tokens in time order, summed since any time in O(log n)
+    (a router deciding thousands of times a second must not add up every drain each time)."""
+
+    __slots__ = ("base", "sums", "times")
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self.sums: list[int] = []  # running total up to and including each row
+        self.base = 0  # the running total before the first row kept
+
+    def add(self, at: float, tokens: int, forget_before: float) -> None:
+        self.times.append(at)
+        self.sums.append((self.sums[-1] if self.sums else self.base) + tokens)
+        if self.times[0] < forget_before:  # drop the rows out of the window, in bulk
+            cut = bisect.bisect_left(self.times, forget_before)
+            if cut >= 64 or cut * 2 >= len(self.times):
+                self.base = self.sums[cut - 1]
+                del self.times[:cut], self.sums[:cut]
+
+    def since(self, t: float) -> int:
+        """Tokens drained strictly after ``t``."""
+        if not self.times or self.times[-1] <= t:
+            return 0
+        i = bisect.bisect_right(self.times, t)
+        return self.sums[-1] - (self.sums[i - 1] if i else self.base)

@@ -36,7 +36,8 @@ def write(node: NodePool, ns: str, hs: list[bytes], data: np.ndarray) -> list[st
 @pytest.fixture
 def settings(tmp_path: Any) -> PoolSettings:
     spec = NamespaceSpec("m", LAYOUT, host_bytes=8 * BB, disk_bytes=32 * BB)
-    return PoolSettings(namespaces=(spec,), disk_dir=str(tmp_path))
+    # batched publishing (these tests drive flush() themselves); publish_on_commit has its own
+    return PoolSettings(namespaces=(spec,), disk_dir=str(tmp_path), publish_on_commit=False)
 
 
 @pytest.fixture
@@ -66,6 +67,26 @@ def test_writes_are_published_and_read_back(node: NodePool, index: GlobalIndex) 
     assert got.reasons == ("",) * 12 + (MISSING,) and np.array_equal(got.data[:12], data)
     info = node.slab_info("m", LAYOUT.fingerprint())
     assert info is not None and info.name.endswith(f"-{node.generation}") and info.num_slots == 8
+
+
+def test_a_committed_write_is_in_the_index_when_the_commit_returns(
+    settings: PoolSettings, index: GlobalIndex
+) -> None:
+    """Read-after-write: with ``publish_on_commit`` (the default) no publish round is needed
+    between a writer's commit and the next lookup; without it the blocks wait for the next
+    round."""
+    hs = hashes(3, "raw")
+    data = np.ones((3, BB), np.uint8)
+    for on_commit in (True, False):
+        s = PoolSettings(namespaces=settings.namespaces, disk_dir=settings.disk_dir,
+                         publish_on_commit=on_commit)
+        node = NodePool(f"raw{on_commit}", s, index, background=False)
+        try:
+            assert write(node, "m", hs, data) == [""] * 3
+            held = index.match("m", hs).prefix_for(Location(node.location))
+            assert held == (3 if on_commit else 0)
+        finally:
+            node.close()
 
 
 def test_restart_republishes_disk_blocks_under_a_new_generation(
@@ -98,7 +119,7 @@ def test_a_sequence_gap_triggers_a_resync(node: NodePool, index: GlobalIndex) ->
 
 
 def test_bad_input_is_refused(node: NodePool) -> None:
-    with pytest.raises(KeyError, match="serves \\['m'\\]"):
+    with pytest.raises(KeyError, match="known: \\['m'\\]"):
         node.transfer_prepare_write("other", hashes(1), "pid:1", 10.0)
     with pytest.raises(ValueError, match="KV layout"):
         write(node, "m", hashes(2), np.zeros((2, BB - 1), np.uint8))

@@ -276,6 +276,28 @@ def test_in_flight_work_adds_to_a_report_and_drained_work_comes_off_a_stale_one(
     assert load.queued_prefill_tokens == 1300
 
 
+def test_drained_work_off_a_report_matches_summing_every_drain() -> None:
+    """Thousands of drains (a busy router): what comes off each report is the plain sum of
+    the drains after it and inside the window, however old the report is."""
+    rng = random.Random(7)
+    now = [0.0]
+    inflight = InFlight(clock=lambda: now[0], drain_window_s=2.0)
+    w = WORKERS[0]
+    drains: list[tuple[float, int]] = []
+    for i in range(3000):
+        now[0] += rng.random() * 0.004
+        tokens = rng.randrange(1, 500)
+        inflight.add(f"r{i}", w.worker_id, tokens, 1)
+        inflight.done(f"r{i}")
+        drains.append((now[0], tokens))
+        if i % 97 == 0:
+            ts = now[0] - rng.random() * 3.0
+            report = WorkerLoad(w.worker_id, 10**7, 0, TPS, ts)
+            [(load, _)] = inflight.loads([w], {w.worker_id: report})
+            want = sum(n for at, n in drains if at > ts and now[0] - at < 2.0)
+            assert load.queued_prefill_tokens == 10**7 - want
+
+
 def test_a_cached_request_drains_the_whole_prompt_its_worker_reported() -> None:
     """A worker queues a request's whole prompt until its first token, cache hit or not; the
     router expects only the uncached suffix to load it. When the request ends, a report taken

@@ -36,6 +36,8 @@ CLIENT_FAMILIES = (
     ("store_miss_", "kvshare_client_store_misses", "reason", "Blocks not stored, by reason"),
     ("miss_", "kvshare_client_load_misses", "reason", "Planned blocks not loaded, by reason"),
 )
+STAGE_PREFIX = "ttft_stage_s_"
+"""Counters summing one TTFT stage's seconds (exported as one summary per stage)."""
 #: Counters that are not a family but a plain total, although they share a family's prefix.
 PLAIN = {"bytes_stored"}
 _NAME = re.compile(r"[^a-zA-Z0-9_]")
@@ -77,6 +79,14 @@ class WorkerCollector(Collector):
                                    "Time to first token of served requests", labels=["worker"])
         ttft.add_metric([self.worker_id], count_value=int(w.get("requests", 0)), sum_value=ttft_sum)
         yield ttft
+        stages = SummaryMetricFamily(
+            "kvshare_worker_ttft_stage_seconds",
+            "Where served requests' time to first token went, by stage (kvshare.breakdown)",
+            labels=["worker", "stage"])
+        for key in [k for k in w if k.startswith(STAGE_PREFIX)]:
+            stages.add_metric([self.worker_id, key[len(STAGE_PREFIX):]],
+                              count_value=int(w.get("requests", 0)), sum_value=w.pop(key))
+        yield stages
         yield from _families("worker", w, self.worker_id, WORKER_FAMILIES)
         yield from _families("client", self._client(), self.worker_id, CLIENT_FAMILIES)
 

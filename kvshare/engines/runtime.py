@@ -12,7 +12,10 @@ The HTTP server (:mod:`kvshare.engines.server`) and the Ray Serve deployment
   tokens admitted but not yet prefilled, requests in flight, prefill speed; it turns tokens
   into text (:class:`~kvshare.engines.text_out.TextOut`), ends at a ``stop`` string, at the
   request's deadline or when the host says the client went away;
-- names its end (:meth:`WorkerRuntime.finish_reason`) and its text (:meth:`WorkerRuntime.text`).
+- names its end (:meth:`WorkerRuntime.finish_reason`) and its text (:meth:`WorkerRuntime.text`);
+- answers only after the request's blocks are stored (write-through completion ordering,
+  bounded by ``store_wait_s``): with the pool publishing on commit, a client's next turn sent
+  the moment this answer arrives finds this turn's blocks, on this node and on any other.
 
 :class:`LoadReporter` registers the worker with the index and reports that load every
 ``interval_s`` (re-registering when the index forgot it); :func:`choose_cut` picks the cut
@@ -26,6 +29,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import TimeoutError as FutureTimeout
 
 from kvshare.client import CutPolicy, load_everything
 from kvshare.cost import Source
@@ -90,11 +94,16 @@ class WorkerRuntime:
     """Admission, execution and load tracking of one :class:`ReferenceWorker`.
 
     ``peer`` names who forwards hashes (``gateway``, ``ingress``) in the mismatch message.
+    ``store_wait_s``: how long :meth:`run` waits for the request's stores before returning
+    anyway (a slow pool delays the answer at most that long; the store goes on).
     Not re-entrant: hosts run :meth:`run` on one thread (the engine runs one request at a time).
     """
 
     def __init__(self, worker: ReferenceWorker, *, load: LoadTracker | None = None,
-                 peer: str = "gateway") -> None:
+                 peer: str = "gateway", store_wait_s: float = 2.0) -> None:
+        if store_wait_s < 0:
+            raise ValueError(f"store_wait_s must be >= 0 seconds, got {store_wait_s}")
+        self.store_wait_s = store_wait_s
         self.worker = worker
         self.engine = worker.engine
         self.load = load or LoadTracker()
@@ -131,7 +140,8 @@ class WorkerRuntime:
         ``on_delta`` sees the text as it becomes safe to send (the last piece after generation
         ends); ``cancelled`` says the client went away. Generation ends at EOS, ``max_tokens``,
         a ``stop`` string (:attr:`Completion.ended` ``stop``), the request's deadline
-        (``deadline``) or a cancel (``cancelled``)."""
+        (``deadline``) or a cancel (``cancelled``). It returns once the request's stores are in
+        the node's pool (at most ``store_wait_s`` later)."""
         prefilled = [False]
         out = TextOut(self.engine.tokenizer, req.stop, skip=(self.eos,))
 
@@ -164,7 +174,22 @@ class WorkerRuntime:
         if rest and on_delta is not None:
             on_delta(rest)
         c.text = out.text
+        self._settle(c)
         return c
+
+    def _settle(self, c: Completion) -> None:
+        """Wait (up to ``store_wait_s`` in all) for ``c``'s stores to be in the node's pool."""
+        t0 = time.perf_counter()
+        deadline = t0 + self.store_wait_s
+        for fut in c.stores:
+            try:
+                fut.result(timeout=max(0.0, deadline - time.perf_counter()))
+            except FutureTimeout:
+                self.worker.counters.add("store_wait_timeouts")
+                break
+            except Exception:  # noqa: BLE001 - a failed store is counted by the worker
+                continue
+        c.stats.store_wait_s = time.perf_counter() - t0
 
     def finish_reason(self, c: Completion, req: ParsedRequest) -> str:
         """``stop`` when generation ended on a stop string or on EOS (and the request stops

@@ -29,6 +29,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from kvshare.asgi import unless_disconnected
 from kvshare.auth import WorkerAuth
+from kvshare.breakdown import WORKER_STAGES, breakdown_of
 from kvshare.engines.metrics import WorkerCollector, worker_registry
 from kvshare.engines.openai_api import (
     BadRequest,
@@ -45,14 +46,25 @@ from kvshare.workers import WorkerInfo, WorkerRegistrar
 log = logging.getLogger(__name__)
 
 
-def _kv_summary(c: Completion, job: Job) -> dict[str, Any]:
+def _kv_summary(c: Completion, job: Job, received: float) -> dict[str, Any]:
+    """The answer's ``kvshare`` figures, with its TTFT breakdown (:mod:`kvshare.breakdown`);
+    ``received``: ``time.perf_counter()`` when the request arrived. ``worker_s``: from then to
+    now, the answer's end (the gateway's ``network`` stage is its upstream time less this)."""
     s = c.stats
+    s.queue_s = job.queue_s
     return {"reused_tokens": s.reused_tokens, "computed_tokens": s.computed_tokens,
             "loaded_blocks": s.loaded_blocks, "planned_blocks": s.planned_blocks,
             "ttft_s": s.ttft_s, "load_s": s.load_s, "prefill_s": s.prefill_s,
             "bytes_by_transport": s.bytes_by_transport, "bytes_by_tier": s.bytes_by_tier,
             "misses": s.misses, "plan": s.plan, "ended": c.ended, "queue_s": job.queue_s,
-            "ahead": job.ahead}
+            "ahead": job.ahead, "store_wait_s": s.store_wait_s, "breakdown": breakdown_of(s),
+            "worker_s": time.perf_counter() - received}
+
+
+def _account(counters: Any, summary: dict[str, Any]) -> None:
+    """Sum the answer's worker stages per stage, for /metrics (:class:`WorkerCollector`)."""
+    for stage in WORKER_STAGES:
+        counters.add(f"ttft_stage_s_{stage}", summary["breakdown"][stage])
 
 
 def create_app(
@@ -79,6 +91,7 @@ def create_app(
             "type": "authentication_error", "code": "invalid_worker_token"}}, status_code=401)
 
     async def handle(request: Request, chat: bool) -> Any:
+        received = time.perf_counter()
         if (no := refused(request)) is not None:
             return no
         try:
@@ -102,15 +115,23 @@ def create_app(
             return JSONResponse({"error": {"message": str(exc), "type": "invalid_request"}},
                                 status_code=400)
         req = job.req
+        submitted = time.perf_counter()
         rid = new_id(chat)
         result = asyncio.wrap_future(job.future)
+
+        def summary(c: Completion) -> dict[str, Any]:
+            c.stats.receive_s = submitted - received  # read, parsed, admitted
+            out = _kv_summary(c, job, received)
+            _account(worker.counters, out)
+            return out
+
         if not req.stream:
             answered, c = await unless_disconnected(request, asyncio.shield(result))
             if not answered or c is None:
                 job.cancel()  # the client is gone: free the engine at the next token
                 return Response(status_code=499)
             return response_body(req, rid, model_name, runtime.text(c), c.tokens,
-                                 runtime.finish_reason(c, req), _kv_summary(c, job))
+                                 runtime.finish_reason(c, req), summary(c))
         result.add_done_callback(lambda _f: deltas.put_nowait(None))
 
         async def events() -> AsyncIterator[str]:
@@ -124,7 +145,7 @@ def create_app(
                 except Exception as exc:  # the engine failed: report it in-band
                     yield f"data: {json.dumps({'error': {'message': str(exc)}})}\n\n"
                     return
-                extra = {"kvshare": _kv_summary(c, job),
+                extra = {"kvshare": summary(c),
                          "usage": {"prompt_tokens": len(req.tokens),
                                    "completion_tokens": len(c.tokens),
                                    "total_tokens": len(req.tokens) + len(c.tokens)}}

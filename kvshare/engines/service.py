@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvshare.auth import WorkerAuth, cluster_secret
+from kvshare.breakdown import breakdown_of
 from kvshare.client import CutPolicy, KVShareClient
 from kvshare.client_types import SOURCE_AUTO
 from kvshare.engines.hf import EngineConfig, HFEngine
@@ -39,6 +40,7 @@ def completion_dict(c: Completion, with_logits: bool = False) -> dict[str, Any]:
         "bytes_by_transport": dict(s.bytes_by_transport), "bytes_by_tier": dict(s.bytes_by_tier),
         "misses": dict(s.misses),
         "plan": dict(s.plan),
+        "breakdown": breakdown_of(s),
     }
     if with_logits and c.first_logits is not None:
         out["first_logits"] = c.first_logits.numpy().copy()

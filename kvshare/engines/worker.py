@@ -38,6 +38,16 @@ class RequestStats:
     load_s: float = 0.0
     prefill_s: float = 0.0
     ttft_s: float = 0.0
+    store_wait_s: float = 0.0
+    """How long the answer waited for the request's stores (WorkerRuntime's ordering)."""
+    transfer_s: dict[str, float] = field(default_factory=dict)
+    """Seconds each transport took to bring its blocks (batches run at once)."""
+    copy_s: float = 0.0
+    """Seconds copying the fetched blocks into the engine's KV buffer."""
+    receive_s: float = 0.0
+    """The host reading and admitting the request (set by the host, e.g. the HTTP server)."""
+    queue_s: float = 0.0
+    """Admitted until the engine started on it (set by :class:`WorkerRuntime`)."""
     bytes_by_transport: dict[str, int] = field(default_factory=dict)
     bytes_by_tier: dict[str, int] = field(default_factory=dict)
     misses: dict[str, int] = field(default_factory=dict)
@@ -118,6 +128,7 @@ class ReferenceWorker:
             stats.misses["load_error"] = stats.misses.get("load_error", 0) + plan.load_blocks
             return None, 0
         stats.load_s = time.perf_counter() - t1
+        stats.transfer_s, stats.copy_s = dict(result.transfer_s), result.copy_s
         for o in result.failed:
             key = o.reason.split(":")[0] or "failed"
             stats.misses[key] = stats.misses.get(key, 0) + 1

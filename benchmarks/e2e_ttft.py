@@ -1,0 +1,150 @@
+"""Warm TTFT end to end: through the gateway over HTTP vs inside the worker, same prompt, same run.
+
+Starts a local ``ray.cluster_utils.Cluster`` (head + 2 nodes), deploys kvshare, one reference
+worker (tiny Llama, fp32, random weights) per node serving HTTP, and the gateway (``cost``
+policy, uvicorn on loopback). A ``--prefix``-token prefix (default 4,096) plus a 64-token
+suffix:
+
+- ``gateway_cold_s``: a new prefix through the gateway, nothing cached (the official
+  ``openai`` client, streamed, TTFT = first token at the client);
+- ``back_to_back_reuse``: the moment that answer ends, the same prefix with another suffix:
+  the fraction of the prefix's full blocks the worker reused (read-after-write);
+- ``gateway_warm_s``: the cached prefix with a new suffix, through the gateway;
+- ``inprocess_warm_s``: the same prompts on the same worker without HTTP, TTFT measured inside
+  the worker (lookup + load + prefill + first token, as ``benchmarks/ttft.py``), interleaved
+  with the gateway's;
+- ``overhead_ratio`` = ``gateway_warm_s / inprocess_warm_s`` (target <= 1.5).
+
+It prints the gateway requests' TTFT breakdown (:mod:`kvshare.breakdown`, cold vs warm
+medians) and ends with one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # before benchmarks/router.py
+
+import httpx
+import ray
+
+from actors.deploy import deploy, get_index_client, measured_bandwidths
+from actors.local_cluster import local_cluster
+from kvshare.breakdown import medians, summary
+from kvshare.cost import Bandwidths
+from kvshare.engines.hf import EngineConfig, model_keys
+from kvshare.engines.service import WorkerService
+from router.embed import CacheAwareRouter, RouterConfig
+from router.gateway import create_app
+from router.workers_view import IndexWorkers
+
+NS = "e2e-bench"
+SUFFIX = 64
+
+
+def tokens(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(256) for _ in range(n)]
+
+
+def streamed(client: Any, prompt: list[int]) -> tuple[float, dict[str, Any]]:
+    """(TTFT at the client, the answer's ``kvshare`` object) of one streamed completion."""
+    t0 = time.perf_counter()
+    first: float | None = None
+    kv: dict[str, Any] = {}
+    for chunk in client.completions.create(model=NS, prompt=prompt, max_tokens=2, stream=True):
+        if first is None and chunk.choices and chunk.choices[0].text:
+            first = time.perf_counter() - t0
+        kv = (chunk.model_extra or {}).get("kvshare") or kv
+    return (first if first is not None else time.perf_counter() - t0), kv
+
+
+def start_gateway(keys: Any) -> tuple[str, Any]:
+    import uvicorn
+
+    index = get_index_client()
+    cfg = RouterConfig.from_model_keys(
+        keys, namespace=NS, policy="cost",
+        bandwidths=Bandwidths.from_measured(measured_bandwidths(wait_s=20.0)))
+    router = CacheAwareRouter(index, IndexWorkers(index), cfg, keys.tokenizer)
+    server = uvicorn.Server(uvicorn.Config(create_app(router), host="127.0.0.1", port=0,
+                                           log_level="warning"))
+    threading.Thread(target=server.run, daemon=True).start()
+    deadline = time.monotonic() + 30
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.05)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    return f"http://127.0.0.1:{port}", server
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--prefix", type=int, default=4096, help="prefix tokens")
+    ap.add_argument("--repeats", type=int, default=5, help="warm requests per path")
+    args = ap.parse_args()
+    from openai import OpenAI
+
+    print(f"load before: {os.getloadavg()}", flush=True)
+    cfg = EngineConfig(threads=2)
+    keys = model_keys(cfg)
+    with local_cluster(2, head_cpus=0, temp_prefix="kvs-e2e-") as cluster:
+        deploy(cluster.address, namespace=NS, layout=keys.layout, host_gb=0.25)
+        Worker = ray.remote(num_cpus=1)(WorkerService)
+        workers = {f"w{i}": Worker.options(resources={f"node_{i}": 1}).remote(  # type: ignore[attr-defined]
+            NS, cfg, worker_id=f"w{i}", model_name=NS) for i in range(2)}
+        ray.get([w.ready.remote() for w in workers.values()], timeout=180)
+        url, server = start_gateway(keys)
+        deadline = time.monotonic() + 30
+        while httpx.get(url + "/health").json().get("workers", 0) < 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        client = OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=300)
+        streamed(client, tokens(300, 99))  # warm-up (allocator, threads, HTTP connections)
+        block = keys.layout.block_tokens
+        full = args.prefix // block * block
+        cold, reuse, cold_bd = [], [], []
+        for k in range(2):  # a new prefix, then the next turn the moment its answer ends
+            prefix = tokens(args.prefix, 1000 + k)
+            ttft, kv = streamed(client, prefix + tokens(SUFFIX, 1))
+            cold.append(ttft)
+            cold_bd.append(kv.get("breakdown", {}))
+            _, kv = streamed(client, prefix + tokens(SUFFIX, 2))
+            reuse.append(int(kv.get("reused_tokens", 0)) / full)
+            print(f"cold {ttft:.3f}s; back-to-back turn reused {kv.get('reused_tokens')} of "
+                  f"{full} prefix tokens ({kv.get('plan', {}).get('reason')})", flush=True)
+        holder = httpx.post(url + "/v1/route", json={"prompt": prefix + tokens(SUFFIX, 3)},
+                            timeout=30).json()["worker"]
+        gw, inproc, warm_bd = [], [], []
+        for k in range(args.repeats):  # interleaved: gateway, then in-process, new suffixes
+            ttft, kv = streamed(client, prefix + tokens(SUFFIX, 10 + k))
+            assert kv.get("reused_tokens", 0) >= full * 0.95, kv
+            gw.append(ttft)
+            warm_bd.append(kv.get("breakdown", {}))
+            r = ray.get(workers[holder].generate.remote(prefix + tokens(SUFFIX, 20 + k), 1))
+            assert r["reused_tokens"] >= full * 0.95, r
+            inproc.append(r["ttft_s"])
+        print(summary({"cold": cold_bd, "warm": warm_bd}), flush=True)
+        server.should_exit = True
+    out = {
+        "prefix_tokens": args.prefix, "inprocess_warm_s": round(statistics.median(inproc), 4),
+        "gateway_warm_s": round(statistics.median(gw), 4),
+        "gateway_cold_s": round(statistics.median(cold), 4),
+        "overhead_ratio": round(statistics.median(gw) / statistics.median(inproc), 3),
+        "back_to_back_reuse": round(min(reuse), 4),
+        "warm_breakdown_ms": {k: round(v * 1e3, 2) for k, v in medians(warm_bd).items()},
+        "load_after": [round(x, 2) for x in os.getloadavg()],
+    }
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
