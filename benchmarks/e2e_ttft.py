@@ -29,7 +29,10 @@ import statistics
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # before benchmarks/router.py
 
 import httpx
 import ray
