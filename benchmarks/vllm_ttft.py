@@ -13,13 +13,16 @@ vLLM's own prefix cache does not hold the prefix, except ``vllm_prefix_s``:
 - ``kvshare_local_s``: after ``reset_prefix_cache``, the prefix comes from this node's host tier;
 - ``kvshare_remote_s``: a fresh engine on the other node, the prefix only in node 1's pool;
 - ``lmcache_s``: LMCache 0.5.6's multi-process server (``lmcache server``) with
-  ``LMCacheMPConnector``, after ``reset_prefix_cache`` (needs ``make bench-install``).
+  ``LMCacheMPConnector``, after ``reset_prefix_cache``: ``benchmarks/lmcache_leg.py``, run in
+  ``.venv-bench`` (``make bench-install``) as a subprocess of this run, same model and prompts.
 
 Ratios: ``speedup_local = cold_s / kvshare_local_s``, ``vs_lmcache = lmcache_s /
 kvshare_local_s``, ``local_vs_vllm_prefix = kvshare_local_s / vllm_prefix_s``,
 ``remote_vs_local = kvshare_remote_s / kvshare_local_s``, ``cold_overhead = cold_connector_s
-/ cold_s``; ``breakdown_local`` splits kvshare_local_s into lookup, transfer, copy into pages
-and the rest (scheduling + the suffix's compute). Medians over ``--repeats``. Last line: one
+/ cold_s``; ``breakdown_local`` splits kvshare_local_s: lookup, shm transfer, copy into
+vLLM's pages, ``load_reported_s`` (load submitted -> vLLM told it is done: the load plus the
+idle steps until it is noticed), the rest (scheduling + the suffix's compute), and how many
+engine steps the request took (``load_polls`` of them while its load ran). Medians over ``--repeats``. Last line: one
 JSON object.
 """
 
@@ -30,12 +33,10 @@ import json
 import os
 import random
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from typing import Any
 
 import ray
@@ -76,30 +77,25 @@ def reset(actor: Any) -> None:
         raise RuntimeError("reset_prefix_cache failed")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def lmcache_server(port: int) -> subprocess.Popen[bytes] | None:
-    exe = shutil.which("lmcache", path=os.path.dirname(sys.executable))
-    if exe is None:
-        print("lmcache not installed (make bench-install): lmcache_s is missing", flush=True)
-        return None
-    proc = subprocess.Popen(
-        [exe, "server", "--host", "127.0.0.1", "--port", str(port), "--chunk-size", str(BLOCK),
-         "--l1-size-gb", "1", "--eviction-policy", "LRU", "--supported-transfer-mode", "auto"],
-        env={**os.environ, "PYTHONHASHSEED": "0"}, stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        with socket.socket() as s:
-            if s.connect_ex(("127.0.0.1", port)) == 0:
-                return proc
-        time.sleep(0.5)
-    proc.kill()
-    raise RuntimeError("lmcache server did not come up")
+def lmcache_leg(python: str, model: str, max_len: int, warm: list[int],
+                prompts: list[tuple[list[int], list[int], list[int]]]) -> dict[str, Any]:
+    """Run ``benchmarks/lmcache_leg.py`` with ``python`` (the bench venv); its JSON result."""
+    if not os.path.exists(python):
+        raise RuntimeError(f"{python} not found: run make bench-install")
+    job = {"model": model, "max_len": max_len, "chunk": BLOCK, "warm": warm,
+           "prompts": [list(p) for p in prompts]}
+    leg = os.path.join(os.path.dirname(os.path.abspath(__file__)), "lmcache_leg.py")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_", "RAY_ADDRESS"))}
+    proc = subprocess.run([python, leg], input=json.dumps(job), capture_output=True, text=True,
+                          env=env, timeout=1200)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("lmcache_s ")]
+    for ln in lines:
+        print(ln, flush=True)
+    if proc.returncode != 0 or not proc.stdout.strip().endswith("}"):
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-12:]
+        print("\n".join(tail), file=sys.stderr, flush=True)
+        raise RuntimeError(f"lmcache leg exited {proc.returncode}: {tail[-1] if tail else ''}")
+    return dict(json.loads(proc.stdout.strip().splitlines()[-1]))
 
 
 def delta(after: dict[str, float], before: dict[str, float], key: str) -> float:
@@ -111,6 +107,9 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=8192, help="shared prefix tokens")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--no-lmcache", action="store_true")
+    ap.add_argument("--lmcache-python", default=os.path.join(
+        os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".venv-bench", "bin",
+        "python"), help="python of the venv with LMCache (make bench-install)")
     args = ap.parse_args()
     n, reps = args.tokens, args.repeats
     max_len = n + SUFFIX + 64
@@ -125,8 +124,8 @@ def main() -> None:
     ray.init(address=cluster.address, namespace="kvshare", log_to_driver=False)
     res: dict[str, list[float]] = {}
     split: dict[str, list[float]] = {}
-    procs: list[subprocess.Popen[bytes]] = []
     lmcache_error = ""
+    lmcache_cached: list[int] = []
 
     def add(key: str, value: float) -> None:
         res.setdefault(key, []).append(value)
@@ -165,9 +164,13 @@ def main() -> None:
             lookup = delta(after, before, "lookup_seconds")
             transfer = delta(after, before, "transfer_seconds_shm")
             load = delta(after, before, "load_seconds")
+            reported = delta(after, before, "load_reported_seconds")
             for k, v in (("lookup_s", lookup), ("transfer_s", transfer),
                          ("copy_into_pages_s", max(0.0, load - transfer)),
-                         ("scheduling_and_compute_s", max(0.0, t - lookup - load)),
+                         ("load_reported_s", reported),
+                         ("scheduling_and_compute_s", max(0.0, t - lookup - reported)),
+                         ("engine_steps", delta(after, before, "steps")),
+                         ("load_polls", delta(after, before, "load_polls")),
                          ("loaded_tokens", cached)):
                 split.setdefault(k, []).append(v)
             t, cached = ttft(b, prefix + s1)
@@ -176,31 +179,15 @@ def main() -> None:
         ray.kill(a)
         ray.kill(b)
 
-        if not args.no_lmcache:
-            port = free_port()
-            proc = lmcache_server(port)
-            if proc is not None:
-                try:
-                    procs.append(proc)
-                    lkvt = {"kv_connector": "LMCacheMPConnector", "kv_role": "kv_both",
-                            "kv_connector_extra_config": {"lmcache.mp.host": "tcp://127.0.0.1",
-                                                          "lmcache.mp.port": port}}
-                    lm = engine(model, "node_0", lkvt, max_len, {"PYTHONHASHSEED": "0"})
-                    ttft(lm, warm)
-                    reset(lm)
-                    ttft(lm, warm)
-                    for prefix, s1, s2 in prompts:
-                        ttft(lm, prefix + s1)
-                        reset(lm)
-                        add("lmcache_s", ttft(lm, prefix + s2)[0])
-                    ray.kill(lm)
-                except Exception as exc:  # the peer failed to run: say so, keep our figures
-                    lmcache_error = f"{type(exc).__name__}: {str(exc).splitlines()[-1][:300]}"
-                    print("LMCache run failed:", lmcache_error, flush=True)
+        if not args.no_lmcache:  # in .venv-bench (LMCache pins an older numpy), same run
+            try:
+                leg = lmcache_leg(args.lmcache_python, model, max_len, warm, prompts)
+                res["lmcache_s"] = list(leg["lmcache_s"])
+                lmcache_cached = list(leg["cached_tokens"])
+            except Exception as exc:  # the peer failed to run: say so, keep our figures
+                lmcache_error = f"{type(exc).__name__}: {str(exc)[:300]}"
+                print("LMCache run failed:", lmcache_error, flush=True)
     finally:
-        for proc in procs:
-            proc.terminate()
-            proc.wait(timeout=30)
         ray.shutdown()
         cluster.shutdown()
         shutil.rmtree(tmp, ignore_errors=True)
@@ -219,6 +206,8 @@ def main() -> None:
     out["cold_overhead"] = ratio("cold_connector_s", "cold_s")
     out["breakdown_local"] = {k: round(statistics.median(v), 4) for k, v in split.items()}
     out["remote_transport_bytes"] = {k: v for k, v in remote.items() if k.startswith("bytes_")}
+    if lmcache_cached:
+        out["lmcache_cached_tokens"] = min(lmcache_cached)
     if lmcache_error:
         out["lmcache_error"] = lmcache_error
     out["load_avg_1m"] = round(os.getloadavg()[0], 1)

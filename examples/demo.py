@@ -9,7 +9,9 @@
    loading from / saving to the pools;
 3. starts the OpenAI-compatible gateway (cache-aware ``cost`` policy) on loopback;
 4. drives 4 users x 4 turns of chat sharing two system prompts and documents through the
-   gateway with the official ``openai`` client (``demo_common.drive``);
+   gateway with the official ``openai`` client (``demo_common.drive``); before the last turn
+   both servers drop their own prefix caches (as vLLM does under memory pressure), so that
+   turn's prefixes come from the pools: this node's over ``shm``, the other's over ``nixl``;
 5. prints prefill tokens saved and TTFT cold vs warm (from each response's
    ``usage.prompt_tokens_details.cached_tokens``), prompt tokens served per cache tier (vLLM's
    own cache, this node's pool, another node's: vLLM's ``prompt_tokens_cached_by_source``),
@@ -29,6 +31,7 @@ import re
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from typing import Any
 
 import demo_common
@@ -90,6 +93,28 @@ def warm_up(infos: list[dict[str, Any]], model: str) -> None:
         r = httpx.post(f"{info['endpoint']}/v1/completions", timeout=300, json={
             "model": model, "prompt": f"warm up {info['worker_id']}", "max_tokens": 2})
         r.raise_for_status()
+
+
+def evict_before(turn: int, infos: list[dict[str, Any]]) -> Callable[[int], None]:
+    """Before ``turn``, every server drops its own prefix cache (``/reset_prefix_cache``), as
+    vLLM does under memory pressure: from then on prefixes come from the pools (this node's
+    over ``shm``, another node's over ``nixl``) through the connector."""
+    import httpx
+
+    def hook(t: int) -> None:
+        if t != turn:
+            return
+        for info in infos:
+            for _ in range(50):  # refused while pages are held (a save in flight): retry
+                r = httpx.post(f"{info['endpoint']}/reset_prefix_cache", timeout=60)
+                if r.status_code == 200 and r.json().get("success"):
+                    break
+                time.sleep(0.1)
+            else:
+                print(f"  (could not reset {info['worker_id']}'s prefix cache: {r.text})")
+        print(f"  -- before turn {turn}: both vLLM servers drop their own prefix caches", flush=True)
+
+    return hook
 
 
 def vllm_counters(endpoints: list[str], dump_dir: str) -> dict[str, float]:
@@ -162,7 +187,8 @@ def main() -> int:
             print(f"gateway at {base_url}; driving {demo_common.USERS} users x "
                   f"{demo_common.TURNS} turns ...", flush=True)
             warm_up(infos, model)
-            turns = drive(base_url, "tiny-llama", usage=True)
+            turns = drive(base_url, NAMESPACE, usage=True,  # the gateway serves its namespace
+                          before_turn=evict_before(demo_common.TURNS - 1, infos))
             time.sleep(1.0)  # vLLM's stat loggers publish the last step's counters
             counters = vllm_counters([i["endpoint"] for i in infos], "out")
             ok = report(turns, counters, status(), os.path.join("out", "demo.png"))

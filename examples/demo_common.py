@@ -114,10 +114,12 @@ def run_turn(client: Any, t: Turn, messages: list[dict[str, str]], model: str,
     return "".join(out)
 
 
-def drive(base_url: str, model: str, usage: bool = False) -> list[Turn]:
+def drive(base_url: str, model: str, usage: bool = False,
+          before_turn: Callable[[int], None] | None = None) -> list[Turn]:
     """USERS users x TURNS turns sharing two system prompts + documents. Turn 0 seeds the two
     prompts two users at a time; later turns run every user at once, so load spreads requests
-    over both nodes and some prefixes are pulled from the other node."""
+    over both nodes and some prefixes are pulled from the other node. ``before_turn(t)`` runs
+    before the first request of turn ``t``."""
     from openai import OpenAI
 
     client = OpenAI(base_url=base_url, api_key="demo", max_retries=0, timeout=300)
@@ -142,6 +144,8 @@ def drive(base_url: str, model: str, usage: bool = False) -> list[Turn]:
     waves += [(turn, list(range(USERS))) for turn in range(1, TURNS)]
     with ThreadPoolExecutor(USERS) as pool:
         for turn, users in waves:
+            if before_turn is not None and users[0] == 0:
+                before_turn(turn)
             for f in [pool.submit(one, u, turn) for u in users]:
                 t = f.result()
                 done.append(t)

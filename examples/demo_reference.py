@@ -106,7 +106,7 @@ def main() -> int:
         workers = start_workers(engine_cfg)
         base_url, server = start_gateway(engine_cfg)
         print(f"gateway at {base_url}; driving 4 users x 4 turns ...", flush=True)
-        turns = drive(base_url, "tiny-llama")
+        turns = drive(base_url, NAMESPACE)  # the gateway serves its namespace as a model
         ok = report(turns, status(), os.path.join("out", "demo-reference.png"))
         code = wrap_up(ok, base_url, server, os.path.join("out", "dashboard-reference.png"), t0)
         for w in workers.values():

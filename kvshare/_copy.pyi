@@ -8,3 +8,9 @@ NON_TEMPORAL: int
 def stream_copy(dst: Buffer, src: Buffer) -> None:
     """Copy ``src`` into ``dst`` (C-contiguous, same length, ``dst`` writable) with streaming
     stores and a closing ``sfence``; overlapping buffers are memmoved; GIL released >= 64 KiB."""
+
+def copy_chunks(dst: Buffer, dst_offsets: Buffer, src: Buffer, src_offsets: Buffer,
+                chunk: int) -> None:
+    """For each i copy ``chunk`` bytes from ``src[src_offsets[i]:]`` to ``dst[dst_offsets[i]:]``
+    (int64 offsets, same count; every range bounds-checked first: ValueError, nothing copied);
+    GIL released."""

@@ -5,7 +5,9 @@ see :mod:`kvshare.kv_convert`). An engine whose memory looks different (vLLM's C
 attention pages, a TP rank's head slice, pages the engine already holds and must not be
 overwritten) passes a :class:`BlockIO` instead: ``load`` and ``store`` then hand it each
 block as a canonical ``[layers, 2, kv_heads, block_tokens, head_dim]`` view and it does the
-one copy into (or out of) its own memory.
+one copy into (or out of) its own memory. ``write_blocks``/``read_blocks`` take several
+consecutive blocks at once (``[n, layers, 2, kv_heads, block_tokens, head_dim]``), so memory
+that can move them in a few vectorised copies does (the SDK's loads and stores use these).
 """
 
 from __future__ import annotations
@@ -36,4 +38,12 @@ class BlockIO(Protocol):
 
     def read_block(self, index: int, out: torch.Tensor) -> None:
         """Copy this memory's block ``index`` into the canonical view ``out``."""
+        ...
+
+    def write_blocks(self, first: int, blocks: torch.Tensor) -> None:
+        """Copy ``blocks`` (``[n, *block]``, read-only) into blocks ``first..first+n``."""
+        ...
+
+    def read_blocks(self, first: int, out: torch.Tensor) -> None:
+        """Copy blocks ``first..first+n`` into ``out`` (``[n, *block]``)."""
         ...

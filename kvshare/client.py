@@ -50,8 +50,8 @@ from kvshare.cluster import RAY_NAMESPACE, find_index, find_pool, this_node
 from kvshare.cost import Source, bytes_per_s
 from kvshare.hasher import Hasher
 from kvshare.kv_convert import (
-    block_from_source,
-    block_into_target,
+    blocks_from_source,
+    blocks_into_target,
     check_source,
     check_target,
     source_tokens,
@@ -376,14 +376,15 @@ class KVShareClient:
             reasons = self._fetch(plan, staging, transfer_s)
             t_copy = time.perf_counter()
             outcomes: list[BlockOutcome] = []
-            good = True
+            good = 0  # only the contiguous prefix is usable: copy just that
             for i, b in enumerate(plan.blocks):
                 ok = reasons[i] == ""
-                good = good and ok
-                if good:  # only the contiguous prefix is usable: copy just that
-                    block_into_target(staging[i], into, i, self.layout)
+                if ok and good == i:
+                    good += 1
                 outcomes.append(BlockOutcome(i, ok, b.transport, reasons[i],
                                              self.layout.bytes_per_block if ok else 0))
+            if good:
+                blocks_into_target(staging[:good], into, 0, self.layout)
         done = time.perf_counter()
         result = LoadResult(outcomes, done - start, transfer_s, done - t_copy)
         self._loads += 1
@@ -505,8 +506,7 @@ class KVShareClient:
             self._count("store_no_pool", len(todo))
             return StoreResult(skipped=len(todo), reason="no pool on this node")
         data = np.empty((len(todo), self.layout.bytes_per_block), dtype=np.uint8)
-        for j in range(len(todo)):
-            block_from_source(kv, start + j, data[j], self.layout)
+        blocks_from_source(kv, start, data, self.layout)
         res = self._store_shm.write(control, todo, list(data), deadline_s=self.store_deadline_s)
         stored = res.num_ok
         reasons = res.reasons()

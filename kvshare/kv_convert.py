@@ -63,6 +63,16 @@ def block_view(data: Any, layout: KVLayout) -> torch.Tensor:
     return u8.view(torch_dtype(layout)).view(layout.block_shape)
 
 
+def blocks_view(rows: Any, layout: KVLayout) -> torch.Tensor:
+    """``n`` block payloads in one buffer (``[n, bytes_per_block]``, contiguous) viewed as
+    ``[n, layers, 2, kv_heads, block_tokens, head_dim]``."""
+    u8 = as_u8_tensor(rows)
+    if u8.numel() % layout.bytes_per_block:
+        raise ValueError(f"{u8.numel()} bytes is not a whole number of {layout.bytes_per_block}"
+                         "-byte blocks: check dtype, block_tokens and kv heads")
+    return u8.view(torch_dtype(layout)).view(-1, *layout.block_shape)
+
+
 def new_contiguous(layout: KVLayout, tokens: int, device: str | torch.device = "cpu") -> torch.Tensor:
     """An empty contiguous KV buffer for ``tokens`` tokens."""
     L, _, H, _, D = layout.block_shape
@@ -160,6 +170,25 @@ def block_into_target(block: Any, target: Any, index: int, layout: KVLayout) -> 
             f"load target must be a [layers, 2, kv_heads, tokens, head_dim] tensor or PagedKV, "
             f"got {type(target).__name__}"
         )
+
+
+def blocks_into_target(rows: Any, target: Any, first: int, layout: KVLayout) -> None:
+    """Copy ``len(rows)`` consecutive blocks (one buffer) into a load target from block
+    ``first``: one call for a :class:`BlockIO` (it vectorises), else block by block."""
+    if isinstance(target, BlockIO):
+        target.write_blocks(first, blocks_view(rows, layout))
+        return
+    for i in range(len(rows)):
+        block_into_target(rows[i], target, first + i, layout)
+
+
+def blocks_from_source(source: Any, first: int, rows: Any, layout: KVLayout) -> None:
+    """Copy blocks ``first..first+len(rows)`` of a store source into ``rows`` (one buffer)."""
+    if isinstance(source, BlockIO):
+        source.read_blocks(first, blocks_view(rows, layout))
+        return
+    for j in range(len(rows)):
+        block_from_source(source, first + j, rows[j], layout)
 
 
 def source_tokens(source: Any) -> int:

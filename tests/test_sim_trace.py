@@ -54,6 +54,8 @@ def test_block_size_mismatch_names_the_row_and_the_block_size(tmp_path: Path) ->
     (_row(out=-3), r"line 2: output_length is -3"),
     (_row(out=2.5), r"line 2: output_length is 2.5"),
     (_row(ids=(1, -2)), r"line 2: a hash id is not a whole number"),
+    (_row(ids=(1, 2**32)), r"line 2: a hash id is not a whole number in \[0, 2\^32\)"),
+    (_row(ids=(1, 2.5)), r"line 2: a hash id is not a whole number"),
     (_row(ts="soon"), r"line 2: not valid Mooncake JSONL .*timestamp.* to string"),
 ])
 def test_bad_values_name_the_line(tmp_path: Path, row: dict[str, object], message: str) -> None:
@@ -66,6 +68,14 @@ def test_ids_that_break_prefix_semantics_are_refused(tmp_path: Path) -> None:
     rows = [_row(0, 1000, (1, 2)), _row(1, 1000, (1, 3)), _row(2, 1000, (7, 2))]
     with pytest.raises(ValueError, match=r"line 3: hash id 2 follows a different prefix than at line 1"):
         read_trace(_write(tmp_path, rows))
+    # id 2 follows id 1 in line 1 but starts line 3 (no parent there)
+    rows = [_row(0, 1000, (1, 2)), _row(1, 1000, (1, 3)), _row(2, 1000, (2, 5))]
+    with pytest.raises(ValueError, match=r"line 3: hash id 2 follows a different prefix than at line 1"):
+        read_trace(_write(tmp_path, rows))
+    # ids beyond 2^31 (uint32) keep their value
+    big = 2**32 - 1
+    t = read_trace(_write(tmp_path, [_row(0, 1000, (big - 1, big))]))
+    assert list(t[0].hash_ids) == [big - 1, big]
 
 
 def test_seconds_in_a_millisecond_format_warn(tmp_path: Path) -> None:

@@ -136,7 +136,7 @@ def test_vllm_cache_too_small_gets_the_prefix_from_this_nodes_host_tier(env: Env
     same_as_vllm_prefix_hit(got, env.refs[2])
 
 
-def test_corrupt_block_is_recomputed_and_counted(env: Env) -> None:
+def test_corrupt_block_is_recomputed_counted_and_stored_again(env: Env) -> None:
     import os
 
     from actors.deploy import get_pool
@@ -160,6 +160,16 @@ def test_corrupt_block_is_recomputed_and_counted(env: Env) -> None:
     assert after.get("miss_corrupt", 0) > before.get("miss_corrupt", 0)
     assert got["tokens"] == env.refs[4]["cold"]["tokens"]
     assert max(abs(a - b) for a, b in zip(chosen(got), chosen(env.refs[4]["cold"]), strict=True)) < 1e-3
+    # the recomputed blocks were stored again (into node_1's pool): the next request after
+    # vLLM's own cache is reset loads them over shm, all 4 blocks, with the cold tokens
+    assert after.get("saved_blocks", 0) - before.get("saved_blocks", 0) == 4
+    time.sleep(0.3)
+    env.reset("B")
+    again = env.run("B", prompt(4))
+    final = env.counters("B")
+    assert again["cached_tokens"] == 4 * BLOCK
+    assert final.get("bytes_shm", 0) - after.get("bytes_shm", 0) == 4 * BLOCK * env_layout_bytes(env)
+    assert again["tokens"] == env.refs[4]["cold"]["tokens"]
 
 
 def test_pool_killed_is_a_recompute_and_counted(env: Env) -> None:

@@ -64,6 +64,45 @@ def test_pages_vllm_already_holds_are_not_written() -> None:
         assert torch.equal(t[[0, 1, 3, 4]], before[n][[0, 1, 3, 4]])
 
 
+def test_batched_copies_are_the_per_block_copies(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The SDK hands a load's blocks over in one buffer (``write_blocks``: the C chunk copy,
+    one call per layer); the pages get what block-by-block torch copies give, kept pages
+    untouched, and the store side (``read_blocks``) reads the same bytes back."""
+    import numpy as np
+
+    import kvshare.vllm.paged as paged
+    from kvshare.kv_convert import blocks_from_source, blocks_into_target
+
+    assert paged._COPY_CHUNKS, "kvshare._copy is not built (pip install -e .)"
+
+    rows = np.stack([canonical(10 + i).view(torch.uint8).reshape(-1).numpy() for i in range(3)])
+    page_ids = [7, 1, 4, 0, 6, 2, 3, 5]
+    caches, ref = cpu_caches(8), cpu_caches(8)
+    for name in caches:
+        caches[name].fill_(-1.0)
+        ref[name].fill_(-1.0)
+    batched = PagedRequestKV(PageViews.from_vllm(caches, local_heads=4, head_dim=32,
+                                                 page_tokens=PAGE), LAYOUT, page_ids,
+                             first_block=1, keep_tokens=96)
+    single = PagedRequestKV(PageViews.from_vllm(ref, local_heads=4, head_dim=32,
+                                                page_tokens=PAGE), LAYOUT, page_ids,
+                            first_block=1, keep_tokens=96)
+    blocks_into_target(rows, batched, 0, LAYOUT)
+    with monkeypatch.context() as m:
+        m.setattr(paged, "_COPY_CHUNKS", False)  # the torch path, block by block
+        for i in range(3):
+            single.write_block(i, torch.from_numpy(rows[i]).view(torch.float32)
+                               .view(LAYOUT.block_shape))
+        ref_out = np.zeros((2, LAYOUT.bytes_per_block), dtype=np.uint8)
+        blocks_from_source(single, 1, ref_out, LAYOUT)
+    for name in caches:
+        assert torch.equal(caches[name], ref[name])
+        assert torch.equal(caches[name][[7, 1, 4]], torch.full_like(caches[name][[7, 1, 4]], -1))
+    out = np.zeros((2, LAYOUT.bytes_per_block), dtype=np.uint8)
+    blocks_from_source(batched, 1, out, LAYOUT)  # blocks 2 and 3 of the request: all written
+    assert np.array_equal(out, rows[1:]) and np.array_equal(ref_out, rows[1:])
+
+
 def test_flash_layout_round_trip_and_tp_head_slice() -> None:
     caches = {f"layers.{i}.attn": torch.zeros(2, 6, PAGE, 2, 32) for i in range(2)}
     views = PageViews.from_vllm(caches, local_heads=2, head_dim=32, page_tokens=PAGE, head_start=2)

@@ -145,7 +145,7 @@ def test_hit_loads_async_then_only_the_suffix_is_computed(model: str) -> None:
     assert sched.connector.counters["load_tokens"] == 4 * BLOCK
 
 
-def test_failed_pages_are_recomputed_and_never_reloaded(model: str) -> None:
+def test_failed_pages_are_recomputed_stored_again_and_never_reloaded(model: str) -> None:
     sched = make_scheduler(model)
     toks = tokens(2)
     seed_pool(sched, toks)
@@ -158,6 +158,8 @@ def test_failed_pages_are_recomputed_and_never_reloaded(model: str) -> None:
     assert out.num_scheduled_tokens == {"r2": len(toks) - BLOCK}  # from the first bad page
     assert out.kv_connector_metadata.loads == []
     assert sched.connector.counters["failed_loads"] == 1
+    (save,) = out.kv_connector_metadata.saves  # the recomputed blocks are stored again
+    assert (save.start_block, len(save.hashes)) == (1, 4)
 
 
 def test_new_blocks_are_saved_and_pages_kept_until_the_save_is_done(model: str) -> None:

@@ -73,9 +73,9 @@ class IndexService(GlobalIndex):
     def client(self, timeout_s: float = 5.0) -> IndexClient:
         """The deployment's index client (every shard, by name), each call bounded by
         ``timeout_s``: how engine processes find the index (:func:`kvshare.cluster.find_index`)."""
-        ns = self.config.ray_namespace
+        ns = self.config.ray_namespace  # with it, the client finds a recreated shard again
         return IndexClient([ray.get_actor(index_name(i), namespace=ns)
-                            for i in range(self.config.num_shards)], timeout_s)
+                            for i in range(self.config.num_shards)], timeout_s, ns)
 
     def get_epoch(self, _payload: Any = None) -> str:
         """The shard's epoch (``_payload`` is ignored: benchmarks time bare calls with it)."""

@@ -220,10 +220,11 @@ class ReferenceWorker:
             for i, tok in enumerate(self.engine.greedy(pre, len(tokens), max_new_tokens, stops)):
                 if i == 0:
                     stats.ttft_s = time.perf_counter() - start
-                    self._store(tokens, pre.cache, stats.loaded_blocks, stores, salt)
                 out.append(tok)
                 if on_token is not None:
-                    on_token(tok)
+                    on_token(tok)  # the first token goes out before its prompt's store starts
+                if i == 0:
+                    self._store(tokens, pre.cache, stats.loaded_blocks, stores, salt)
                 if should_stop is not None and (ended := should_stop()):
                     self.counters.add(f"ended_{ended}")
                     break

@@ -1,4 +1,4 @@
-"""vLLM's paged KV memory as a :class:`kvshare.block_io.BlockIO` (one copy per block and layer).
+"""vLLM's paged KV memory as a :class:`kvshare.block_io.BlockIO` (one copy per layer per batch).
 
 vLLM hands the connector one tensor per attention layer (``register_kv_caches``). Its layout
 depends on the attention backend, so it is detected from the shape, never assumed:
@@ -10,7 +10,10 @@ depends on the attention backend, so it is detected from the shape, never assume
 - ``FLASH_ATTN``-style (CUDA, NHD): ``[2, num_pages, page_tokens, kv_heads, head_dim]``,
   viewed as the same five axes by a permutation. *Written for GPUs, not checked here.*
 
-Anything else is refused with the shape it got. A canonical block
+Anything else is refused with the shape it got. Copies move a batch of blocks per call: for
+``CPU_ATTN`` pages one ``kvshare._copy.copy_chunks`` per layer (one page, head and k|v per
+chunk, straight between the canonical buffer and vLLM's tensor, GIL released), else (GPU
+layouts, or ``_copy`` not built) a gather into page order and one ``index_copy_`` per layer. A canonical block
 ``[layers, 2, kv_heads, block_tokens, head_dim]`` covers ``block_tokens // page_tokens``
 pages. Under tensor parallelism a rank's pages hold heads ``[h0, h0 + local_heads)`` of the
 canonical block (DESIGN "canonical block format").
@@ -22,9 +25,17 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from kvshare.layout import KVLayout
+
+try:  # optional C accelerator (setup.py); an older build lacks copy_chunks
+    from kvshare import _copy
+
+    _COPY_CHUNKS = hasattr(_copy, "copy_chunks")
+except ImportError:  # pragma: no cover - depends on the build
+    _COPY_CHUNKS = False
 
 CPU_ATTN = "cpu"
 FLASH_NHD = "flash_nhd"
@@ -120,43 +131,103 @@ class PagedRequestKV:
             raise ValueError(f"the request's pages cover {self.num_tokens} tokens past block "
                              f"{self.first_block}, the plan loads {tokens}")
 
-    def _pages_of(self, index: int, writing: bool) -> tuple[list[int], list[int]]:
-        """(positions within the block, vLLM page ids) of block ``index``."""
-        first = (self.first_block + index) * self.per_block
+    def _pages(self, first: int, n: int, writing: bool) -> tuple[list[int], list[int]]:
+        """(positions in blocks ``first..first+n``, flattened ``block * per_block + page``;
+        vLLM page ids) of the pages those blocks cover. Writing skips pages under
+        ``keep_tokens``."""
         pos, ids = [], []
-        for j in range(self.per_block):
-            p = first + j
+        base = (self.first_block + first) * self.per_block
+        for k in range(n * self.per_block):
+            p = base + k
             if p >= len(self.page_ids):
                 break
             if writing and p * self.pages.page_tokens < self.keep_tokens:
                 continue
-            pos.append(j)
+            pos.append(k)
             ids.append(self.page_ids[p])
         return pos, ids
 
-    def _heads(self, block: torch.Tensor, layer: int) -> torch.Tensor:
-        """Layer ``layer`` of a canonical block as ``[per_block, local_heads, 2, t, D]``."""
-        h0, n = self.pages.head_start, self.pages.local_heads
-        t = self.pages.page_tokens
-        x = block[layer, :, h0:h0 + n]  # [2, n, B, D]
-        return x.reshape(2, n, self.per_block, t, x.shape[-1]).permute(2, 1, 0, 3, 4)
+    def _layer_pages(self, blocks: torch.Tensor, layer: int) -> torch.Tensor:
+        """Layer ``layer`` of ``[n, *block]`` canonical blocks as a (strided) view
+        ``[n * per_block, local_heads, 2, page_tokens, head_dim]``, one row per page."""
+        h0, nh = self.pages.head_start, self.pages.local_heads
+        n, t = blocks.shape[0], self.pages.page_tokens
+        x = blocks[:, layer, :, h0:h0 + nh]  # [n, 2, nh, B, D]
+        x = x.reshape(n, 2, nh, self.per_block, t, x.shape[-1]).permute(0, 3, 2, 1, 4, 5)
+        return x.reshape(n * self.per_block, nh, 2, t, x.shape[-1])  # the one gather copy
 
-    def write_block(self, index: int, block: torch.Tensor) -> None:
-        pos, ids = self._pages_of(index, writing=True)
+    def _chunks(self, pos: list[int], ids: list[int], elem: int
+                ) -> tuple[np.ndarray, np.ndarray, int, int]:
+        """Byte offsets for :func:`kvshare._copy.copy_chunks` between ``[n, *block]`` canonical
+        blocks and CPU_ATTN pages ``[pages, local_heads, 2, t, D]``: (canonical offsets for
+        layer 0, page offsets (the same for every layer), chunk bytes, canonical layer stride)."""
+        L, _, H, B, D = self.layout.block_shape
+        t, h0, nh = self.pages.page_tokens, self.pages.head_start, self.pages.local_heads
+        chunk = t * D * elem
+        k = np.asarray(pos, dtype=np.int64)[:, None, None]
+        page = np.asarray(ids, dtype=np.int64)[:, None, None]
+        h = np.arange(nh, dtype=np.int64)[None, :, None]
+        kv = np.arange(2, dtype=np.int64)[None, None, :]
+        block, j = k // self.per_block, k % self.per_block
+        canon = block * self.layout.bytes_per_block + ((kv * H + h0 + h) * B + j * t) * D * elem
+        paged = page * (nh * 2 * chunk) + (h * 2 + kv) * chunk
+        return canon.reshape(-1), paged.reshape(-1), chunk, 2 * H * B * D * elem
+
+    def _fast(self, blocks: torch.Tensor) -> bool:
+        return (_COPY_CHUNKS and self.pages.kind == CPU_ATTN and self._device.type == "cpu"
+                and blocks.device.type == "cpu" and blocks.is_contiguous()
+                and all(v.is_contiguous() for v in self.pages.views))
+
+    def _copy_chunks(self, blocks: torch.Tensor, pos: list[int], ids: list[int],
+                     into_pages: bool) -> None:
+        canon, paged, chunk, stride = self._chunks(pos, ids, blocks.element_size())
+        buf = blocks.reshape(-1).view(torch.uint8).numpy()
+        for layer, view in enumerate(self.pages.views):
+            pages = view.reshape(-1).view(torch.uint8).numpy()
+            src_off = canon + layer * stride
+            if into_pages:
+                _copy.copy_chunks(pages.data, paged.data, buf.data, src_off.data, chunk)
+            else:
+                _copy.copy_chunks(buf.data, src_off.data, pages.data, paged.data, chunk)
+
+    def write_blocks(self, first: int, blocks: torch.Tensor) -> None:
+        """Per layer one C gather/scatter (CPU_ATTN), else a gather into page order and one
+        ``index_copy_`` into vLLM's pages."""
+        pos, ids = self._pages(first, int(blocks.shape[0]), writing=True)
         if not ids:
             return
+        if self._fast(blocks):
+            self._copy_chunks(blocks, pos, ids, into_pages=True)
+            return
         idx = torch.tensor(ids, dtype=torch.long, device=self._device)
-        sel = torch.tensor(pos, dtype=torch.long)
-        whole = len(pos) == self.per_block
+        whole = len(pos) == blocks.shape[0] * self.per_block
+        sel = None if whole else torch.tensor(pos, dtype=torch.long)
         for layer, view in enumerate(self.pages.views):
-            src = self._heads(block, layer)
-            src = src if whole else src.index_select(0, sel)
-            view.index_copy_(0, idx, src.to(view.device, non_blocking=False))
+            src = self._layer_pages(blocks, layer)
+            src = src if sel is None else src.index_select(0, sel)
+            view.index_copy_(0, idx, src.to(view.device))
+
+    def write_block(self, index: int, block: torch.Tensor) -> None:
+        self.write_blocks(index, block.unsqueeze(0))
+
+    def read_blocks(self, first: int, out: torch.Tensor) -> None:
+        """Per layer one C gather/scatter (CPU_ATTN), else one ``index_select`` of the pages
+        and one scatter into canonical order."""
+        n = int(out.shape[0])
+        pos, ids = self._pages(first, n, writing=False)
+        if len(ids) != n * self.per_block:
+            raise ValueError(f"blocks {self.first_block + first}..{self.first_block + first + n - 1}"
+                             " are not fully in the request's pages")
+        if self._fast(out):
+            self._copy_chunks(out, pos, ids, into_pages=False)
+            return
+        idx = torch.tensor(ids, dtype=torch.long, device=self._device)
+        h0, nh, t = self.pages.head_start, self.pages.local_heads, self.pages.page_tokens
+        for layer, view in enumerate(self.pages.views):
+            got = view.index_select(0, idx).to(out.device)  # [n * per, nh, 2, t, D]
+            dest = out[:, layer, :, h0:h0 + nh]  # [n, 2, nh, B, D]
+            dest.view(n, 2, nh, self.per_block, t, got.shape[-1]).copy_(
+                got.view(n, self.per_block, nh, 2, t, got.shape[-1]).permute(0, 3, 2, 1, 4, 5))
 
     def read_block(self, index: int, out: torch.Tensor) -> None:
-        pos, ids = self._pages_of(index, writing=False)
-        if len(ids) != self.per_block:
-            raise ValueError(f"block {self.first_block + index} is not fully in the request's pages")
-        idx = torch.tensor(ids, dtype=torch.long, device=self._device)
-        for layer, view in enumerate(self.pages.views):
-            self._heads(out, layer).copy_(view.index_select(0, idx))
+        self.read_blocks(index, out.unsqueeze(0))

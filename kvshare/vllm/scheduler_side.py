@@ -8,7 +8,8 @@ after waiting at most ``lookup_wait_s``); loads are asynchronous (the request wa
 Per request: its full blocks' hashes (namespace root from the model keys and the request's
 ``cache_salt``); what the cluster holds beyond vLLM's own prefix hit, cut by the cost model
 (:class:`kvshare.client.KVShareClient.lookup`); then, step by step, which new full blocks to
-save (blocks the cluster did not hold at lookup, once the forward pass has computed them).
+save (blocks the cluster did not hold at lookup, or whose load failed and were recomputed,
+once the forward pass has computed them).
 A request that had a save issued keeps its pages after it finishes until the workers report
 the save done (``request_finished`` returns True; vLLM frees on ``finished_sending``).
 """
@@ -172,7 +173,8 @@ class SchedulerSide:
         return out
 
     def update_connector_output(self, finished_recving: set[str], invalid_pages: set[int]) -> None:
-        """A load that left invalid pages marks its request: vLLM recomputes, we never retry."""
+        """A load that left invalid pages marks its request: vLLM recomputes, we never retry;
+        the recomputed blocks are saved again."""
         for rid in finished_recving:
             st = self._reqs.get(rid)
             if st is None:
@@ -180,6 +182,10 @@ class SchedulerSide:
             if invalid_pages and not invalid_pages.isdisjoint(st.loading):
                 st.failed = True
                 self._count("failed_loads")
+                # vLLM recomputes from the first failed page: those blocks get saved like any
+                # new full block (the cluster's copy was bad or unreachable)
+                bad = min(i for i, p in enumerate(st.loading) if p in invalid_pages)
+                st.saved_upto = min(st.saved_upto, bad * self.page_tokens // self.block_tokens)
             st.loading = ()
 
     # ------------------------------------------------------------------ per step
@@ -187,6 +193,7 @@ class SchedulerSide:
                    page_ids_of: Any) -> KVShareMetadata:
         """This step's loads and saves. ``scheduled``: tokens scheduled per request id;
         ``page_ids_of(req_id)``: the request's pages in token order."""
+        self._count("steps")
         meta = KVShareMetadata(loads=self._loads, busy=bool(scheduled),
                                preempted=tuple(preempted))
         self._loads = []

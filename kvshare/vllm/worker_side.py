@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Mapping
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import replace
@@ -35,8 +36,10 @@ from kvshare.vllm.paged import PagedRequestKV, PageViews
 
 log = logging.getLogger(__name__)
 
-IDLE_WAIT_S = 0.002
-"""How long a step with no forward pass waits for a pending load (instead of spinning)."""
+IDLE_WAIT_S = 0.01
+"""How long a step with no forward pass waits for a pending load (it returns as soon as one
+finishes). Each such step is an engine step of Python work that competes with the load
+thread for the GIL; a new request waits at most this long for an otherwise idle engine."""
 
 
 class WorkerSide:
@@ -53,6 +56,7 @@ class WorkerSide:
         self.tp_size = tp_size
         self.pages: PageViews | None = None
         self._loading: dict[str, tuple[Future[LoadResult], LoadSpec]] = {}
+        self._load_t0: dict[str, float] = {}
         self._saving: dict[str, list[Future[StoreResult]]] = {}
         self._saved: set[str] = set()  # had a save: vLLM waits for finished_sending
         self._finished: set[str] = set()
@@ -95,6 +99,7 @@ class WorkerSide:
                 fut = Future()
                 fut.set_exception(exc)
             self._loading[spec.req_id] = (fut, spec)
+            self._load_t0[spec.req_id] = time.perf_counter()
 
     def submit_saves(self, meta: KVShareMetadata) -> None:
         """``wait_for_save``: hand this step's saves to the store thread (returns at once)."""
@@ -127,14 +132,19 @@ class WorkerSide:
     def finished(self, finished_req_ids: set[str], meta: KVShareMetadata | None
                  ) -> tuple[set[str], set[str]]:
         """``get_finished``: (saves done for finished requests, loads done)."""
-        if self._loading and (meta is None or not meta.busy):
-            wait([f for f, _ in self._loading.values()], timeout=IDLE_WAIT_S,
-                 return_when=FIRST_COMPLETED)
+        if self._loading:
+            self._count("load_polls")
+            if meta is None or not meta.busy:
+                wait([f for f, _ in self._loading.values()], timeout=IDLE_WAIT_S,
+                     return_when=FIRST_COMPLETED)
         recving = set()
         for rid, (fut, spec) in list(self._loading.items()):
             if fut.done():
                 del self._loading[rid]
                 self._load_done(fut, spec)
+                # submit -> vLLM told: the load plus how long the steps took to notice it
+                self._count("load_reported_seconds",
+                            time.perf_counter() - self._load_t0.pop(rid, time.perf_counter()))
                 recving.add(rid)
         self._finished |= finished_req_ids & self._saved
         sending = set()
