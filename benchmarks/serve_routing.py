@@ -25,12 +25,17 @@ import json
 import statistics
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import httpx
 
 from kvshare.engines.hf import default_model_config
 from kvshare.layout import KVLayout
+
+# Run as a script, benchmarks/ is first on sys.path and benchmarks/router.py would shadow the
+# repo's router package that main() imports: put the repo root first.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 BLOCK = 128
 OVERRIDES = {"num_hidden_layers": 2}  # the default tiny Llama, 2 of its 4 layers: ~1 min run
