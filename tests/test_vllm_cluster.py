@@ -105,7 +105,7 @@ def test_gateway_routes_a_prompt_to_the_vllm_worker_whose_cache_holds_it(
         text = f"Worker {n} alone has read this document. " * 30
         prefill_directly(cluster, info, router, text)
         r = httpx.post(f"{gw.url}/v1/completions", timeout=120,
-                       json={"model": "tiny", "prompt": text, "max_tokens": 4, "stream": True})
+                       json={"model": NS, "prompt": text, "max_tokens": 4, "stream": True})
         assert r.status_code == 200, r.text
         assert r.headers["x-kvshare-worker"] == info["worker_id"], r.headers
         assert "data: [DONE]" in r.text  # streamed through from vLLM
@@ -142,7 +142,7 @@ def test_chat_reaches_vllm_as_the_gateways_token_ids(
     msgs = [{"role": "system", "content": "You answer questions about caches. " * 20},
             {"role": "user", "content": "Which blocks does a prefix cache keep?"}]
     r = httpx.post(f"{gw.url}/v1/chat/completions", timeout=120,
-                   json={"model": "tiny", "messages": msgs, "max_tokens": 2})
+                   json={"model": NS, "messages": msgs, "max_tokens": 2})
     assert r.status_code == 200, r.text
     assert r.json()["object"] == "chat.completion"
     ids = router.tokenize(messages=msgs)
@@ -170,7 +170,7 @@ def test_a_prompt_only_in_a_pool_goes_where_loading_is_cheapest_and_is_loaded(
     assert held(index, hashes, pool, Tier.HOST)
     before = metric(a["endpoint"], "vllm:external_prefix_cache_hits_total")
     r = httpx.post(f"{gw.url}/v1/completions", timeout=120,
-                   json={"model": "tiny", "prompt": text, "max_tokens": 1})
+                   json={"model": NS, "prompt": text, "max_tokens": 1})
     assert r.status_code == 200, r.text
     # the cost model: shared memory from its own node's pool beats a transfer to the other node
     assert r.headers["x-kvshare-worker"] == a["worker_id"], r.headers
