@@ -367,8 +367,12 @@ def test_a_worker_killed_with_requests_queued_is_retried_on_another(env: dict[st
         assert len(got) == len(prompts) and {a.status_code for a in got} == {200}, \
             [(a.status_code, a.text[:200]) for a in got]
         tries = [int(a.headers["x-kvshare-tries"]) for a in got]
-        assert max(tries) >= 2 and {a.headers["x-kvshare-worker"] for a in got} == {"w0"}, tries
-        for i, a in enumerate(got):  # the retried answers are the survivor's own
+        # the victim serves tenants in turn, so it may finish a short request before the kill:
+        # what matters is that the killed ones were retried and every answer is right
+        assert max(tries) >= 2, tries
+        assert all(a.headers["x-kvshare-worker"] == "w0" for a, n in zip(got, tries, strict=True)
+                   if n >= 2)
+        for i, a in enumerate(got):  # every answer equals the survivor's own (same model)
             direct = httpx.post(f"{survivor.url}/v1/completions", timeout=60, json={
                 "prompt": prompts[i], "max_tokens": 6, "ignore_eos": True})
             text = ("".join(json.loads(line[6:])["choices"][0]["text"] for line in
