@@ -22,16 +22,16 @@ its distinct blocks, and queue length is the worker's requests in flight.
 from __future__ import annotations
 
 import math
-import random
 from typing import ClassVar
 
 from kvshare.cost import CostModel
 from kvshare.types import BlockHash, WorkerId
-from router.policy import Candidate, Decision, Policy, RouteRequest
+from router.peer_rule import PeerRule
+from router.policy import Candidate, Decision, RouteRequest
 from router.sources import Sharing, SourceMap
 
 
-class RayPrefixAffinity(Policy):
+class RayPrefixAffinity(PeerRule):
     """Ray 2.60's PrefixCacheAffinityRouter rule (module docstring)."""
 
     name: ClassVar[str] = "ray_prefix"
@@ -40,18 +40,20 @@ class RayPrefixAffinity(Policy):
         self,
         cost: CostModel,
         sharing: Sharing = Sharing.GLOBAL,
+        *,
         imbalanced_threshold: float = math.inf,
         match_rate_threshold: float = 0.1,
         seed: int = 0,
     ) -> None:
-        super().__init__(cost, sharing)
-        if not 0 <= match_rate_threshold <= 1 or imbalanced_threshold < 0:
-            raise ValueError("match_rate_threshold must be in [0, 1] and imbalanced_threshold >= 0")
+        super().__init__(cost, sharing, seed)
+        if not 0 <= match_rate_threshold <= 1 or not imbalanced_threshold >= 0:
+            raise ValueError(f"{self.name}: match_rate_threshold must be in [0, 1] and "
+                             f"imbalanced_threshold >= 0, got {match_rate_threshold} and "
+                             f"{imbalanced_threshold}")
         self.imbalanced_threshold = imbalanced_threshold
         self.match_rate_threshold = match_rate_threshold
         self._tree: dict[BlockHash, set[WorkerId]] = {}
         self._tenant_tokens: dict[WorkerId, int] = {}
-        self._rng = random.Random(seed)
 
     def prefix_match(self, request: RouteRequest, tenants: set[WorkerId]) -> tuple[int, set[WorkerId]]:
         """Longest routed prefix (blocks) among ``tenants`` and the tenants that hold it."""

@@ -89,3 +89,16 @@ def test_ray_router_follows_its_own_tree_of_routed_prompts() -> None:
     # matched replicas: the shortest queue among them wins
     cands2 = [_cand(0, running=3), _cand(1, running=0), _cand(2, running=0)]
     assert p.choose(REQ, empty, cands2).worker == first.worker  # only it holds the prefix
+
+
+
+@pytest.mark.parametrize(("name", "bad"), [
+    ("dynamo_kv", {"host_cache_hit_weight": -0.5}),
+    ("llmd_precise", {"tier_weights": (1.0, float("nan"), 0.3)}),
+    ("ray_prefix", {"match_rate_threshold": 1.5}),
+])
+def test_a_bad_peer_option_names_the_rule_and_makes_no_policy(name: str, bad: dict[str, object]) -> None:
+    with pytest.raises(ValueError, match=name):
+        make_policy(name, _cost(), **bad)
+    with pytest.raises(TypeError, match="typo_weight"):
+        make_policy(name, _cost(), typo_weight=1.0)
