@@ -5,3 +5,7 @@ from typing_extensions import Buffer
 def sha256_chain(parent: bytes, data: Buffer, block_bytes: int, tail: bytes) -> list[bytes]:
     """``h_i = sha256(h_{i-1} || data block i || tail)`` for every full ``block_bytes`` block of
     ``data`` (any C-contiguous buffer), ``h_{-1} = parent`` (32 bytes); GIL released."""
+
+def pack_u32(ids: list[int] | tuple[int, ...]) -> bytes:
+    """``ids`` as little-endian u32 bytes in one pass; OverflowError for an id outside
+    [0, 2**32), TypeError for a non-integer."""

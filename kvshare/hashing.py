@@ -43,6 +43,8 @@ _U32 = struct.Struct("<I")
 _U32LE = np.dtype("<u4")
 NATIVE_CHAIN: bool = _chain is not None
 """Whether the C extension was built and imported (sha256 chains without extra keys use it)."""
+# an extension built before pack_u32 existed (a stale in-place build) lacks it
+_pack_u32: Callable[[Sequence[int]], bytes] | None = getattr(_chain, "pack_u32", None)
 
 
 class HashFn(StrEnum):
@@ -116,6 +118,11 @@ def namespace_root(
 def tokens_to_u32le(tokens: Sequence[int] | npt.NDArray[np.integer]) -> bytes:
     """Token ids as little-endian u32 bytes; ValueError for non-integers or ids outside [0, 2**32)."""
     if isinstance(tokens, list | tuple):
+        if _pack_u32 is not None:
+            try:  # one C pass with range checks, ~3x faster than array.array
+                return _pack_u32(tokens)
+            except (OverflowError, TypeError):
+                pass  # numpy below names the offending id or dtype
         try:  # C loop with range checks, ~4x faster than numpy for a list of Python ints
             packed = array.array("I", tokens)
         except (OverflowError, TypeError):

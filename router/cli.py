@@ -31,7 +31,7 @@ def _positive_int(text: str) -> int:
 
 def register(subparsers: Any) -> None:
     """Add ``sim`` and ``gateway`` to the ``kvshare`` command."""
-    from router.policy import DEFAULT_POLICY, POLICIES
+    from router.policy import DEFAULT_POLICY, policy_names
 
     sim = subparsers.add_parser(
         "sim", help="replay a request trace through the routing policies",
@@ -42,7 +42,7 @@ def register(subparsers: Any) -> None:
     sim.add_argument("trace", nargs="+", help="Mooncake JSONL file, or agentic trace dir/files")
     sim.add_argument("--format", default="auto", choices=["auto", "mooncake", "agentic"],
                      help="trace format (default: detected)")
-    sim.add_argument("--policy", default="all", choices=[*sorted(POLICIES), "all"],
+    sim.add_argument("--policy", default="all", choices=[*policy_names(), "all"],
                      help=f"one policy or all (default all; routers default to {DEFAULT_POLICY})")
     sim.add_argument("--sharing", default="global", choices=["local", "global"],
                      help="local: reuse only the own node's blocks; global: any node's")
@@ -82,7 +82,7 @@ def register(subparsers: Any) -> None:
     gw.add_argument("--workers", default="", help="comma-separated worker base URLs")
     gw.add_argument("--address", default=None,
                     help="Ray cluster address: discover workers registered in the kvshare index")
-    gw.add_argument("--policy", default=DEFAULT_POLICY, choices=sorted(POLICIES))
+    gw.add_argument("--policy", default=DEFAULT_POLICY, choices=policy_names())
     gw.add_argument("--index-replica", action="store_true",
                     help="with --address: keep a replica of the index in the gateway, fed by the "
                     "index's change stream, so routing makes no index call per request")

@@ -7,16 +7,11 @@ model's estimate for it) and every candidate's :class:`Estimate`, best first.
 :meth:`Policy.choose` returns the decision alone.
 
 - ``round_robin``, ``least_loaded``: baselines that ignore the cache.
-- ``prefix_affinity``: Ray Serve LLM's PrefixCacheAffinityRouter rule. If the queue lengths
-  differ by more than ``imbalanced_threshold`` requests, least loaded; else if the best match
-  rate (cached prefix tokens / prompt tokens, on the worker's own gpu and node) reaches
-  ``match_rate_threshold``, the best-matching workers; else the "smallest tenants" (fewest
-  tokens routed to them so far); ties go to the shortest queue.
-- ``kv_overlap``: NVIDIA Dynamo's KV router rule. ``logit = overlap_score_weight *
-  potential_prefill_blocks + decode_blocks`` where prefill blocks are the worker's queued
-  prefill tokens plus this prompt's tokens not covered by its local overlap, over the block
-  size, and decode blocks are the blocks active on the worker; lowest wins, or softmax
-  sampling of the max-normalised logits at ``temperature`` > 0.
+- peers' rules as they ship today, one module each: ``ray_prefix`` (Ray Serve LLM's
+  PrefixCacheAffinityRouter, :mod:`router.policy_ray`), ``dynamo_kv`` (NVIDIA Dynamo's KV
+  router cost, :mod:`router.policy_dynamo`), ``llmd_precise`` (llm-d's precise prefix scorer,
+  :mod:`router.policy_llmd`). The older names ``prefix_affinity`` and ``kv_overlap`` are
+  aliases of ``ray_prefix`` and ``dynamo_kv`` (:data:`ALIASES`).
 - ``cost`` (default): estimated TTFT = queue wait + the cost model's best plan (fetch from
   the worker's gpu/node/other nodes + prefill of the rest, see :mod:`kvshare.cost`).
 
@@ -28,7 +23,6 @@ already differ by hash root, so one tenant never matches another's blocks.
 from __future__ import annotations
 
 import math
-import random
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -59,7 +53,7 @@ class RouteRequest:
 @dataclass(frozen=True)
 class Candidate:
     """A worker the request may go to. ``active_blocks``: blocks of requests in flight there
-    (tracked by the router, as Dynamo does); used by ``kv_overlap``."""
+    (tracked by the router, as Dynamo does); used by ``dynamo_kv``."""
 
     info: WorkerInfo
     load: WorkerLoad
@@ -351,93 +345,6 @@ class LeastLoaded(Policy):
         return _least_loaded_index(cands, self._rotate), "least_loaded"
 
 
-class PrefixAffinity(Policy):
-    """Ray Serve LLM's PrefixCacheAffinityRouter rule (see module docstring).
-
-    Ray's code default for ``imbalanced_threshold`` is infinity (never imbalanced); ours is
-    10 queued requests so the load check is active.
-    """
-
-    name = "prefix_affinity"
-
-    def __init__(
-        self,
-        cost: CostModel,
-        sharing: Sharing = Sharing.GLOBAL,
-        imbalanced_threshold: float = 10,
-        match_rate_threshold: float = 0.1,
-    ) -> None:
-        super().__init__(cost, sharing)
-        if not 0 <= match_rate_threshold <= 1:
-            raise ValueError("match_rate_threshold must be in [0, 1]")
-        self.imbalanced_threshold = imbalanced_threshold
-        self.match_rate_threshold = match_rate_threshold
-        self._routed_tokens: dict[WorkerId, int] = {}
-        self._rotate = _Rotation()
-
-    def _select(self, request: RouteRequest, view: SourceMap, cands: list[Candidate]) -> tuple[int, str]:
-        queues = [c.load.running for c in cands]
-        if max(queues) - min(queues) > self.imbalanced_threshold:
-            return _least_loaded_index(cands, self._rotate), "imbalanced"
-        matched = [
-            self.cost.cached_tokens(view.local_prefix(c.info.worker_id, c.info.node), request.num_tokens)
-            for c in cands
-        ]
-        best = max(matched)
-        if best > 0 and best / request.num_tokens >= self.match_rate_threshold:
-            pool = [i for i, m in enumerate(matched) if m == best]
-            reason = "prefix_match"
-        else:
-            sizes = [self._routed_tokens.get(c.info.worker_id, 0) for c in cands]
-            pool = [i for i, s in enumerate(sizes) if s == min(sizes)]
-            reason = "smallest_tenant"
-        return min(pool, key=lambda i: (queues[i], cands[i].info.worker_id)), reason
-
-    def observe(self, request: RouteRequest, decision: Decision) -> None:
-        w = decision.worker
-        self._routed_tokens[w] = self._routed_tokens.get(w, 0) + request.num_tokens
-
-
-class KvOverlap(Policy):
-    """NVIDIA Dynamo's KV router rule (see module docstring)."""
-
-    name = "kv_overlap"
-
-    def __init__(
-        self,
-        cost: CostModel,
-        sharing: Sharing = Sharing.GLOBAL,
-        overlap_score_weight: float = 1.0,
-        temperature: float = 0.0,
-        seed: int = 0,
-    ) -> None:
-        super().__init__(cost, sharing)
-        if temperature < 0 or overlap_score_weight < 0:
-            raise ValueError("temperature and overlap_score_weight must be >= 0")
-        self.weight = overlap_score_weight
-        self.temperature = temperature
-        self._rng = random.Random(seed)
-
-    def _select(self, request: RouteRequest, view: SourceMap, cands: list[Candidate]) -> tuple[int, str]:
-        bt = self.cost.block_tokens
-        logits = []
-        for c in cands:
-            overlap = view.local_prefix(c.info.worker_id, c.info.node)
-            new = max(0, request.num_tokens - overlap * bt)
-            prefill_blocks = (c.load.queued_prefill_tokens + new) / bt
-            logits.append(self.weight * prefill_blocks + c.active_blocks)
-        return self._sample(logits), "kv_overlap"
-
-    def _sample(self, logits: list[float]) -> int:
-        if self.temperature == 0:
-            low = min(logits)
-            ties = [i for i, x in enumerate(logits) if x == low]
-            return ties[0] if len(ties) == 1 else self._rng.choice(ties)
-        top = max(logits) or 1.0
-        weights = [math.exp(-(x / top) / self.temperature) for x in logits]
-        return self._rng.choices(range(len(logits)), weights)[0]
-
-
 class CostPolicy(Policy):
     """Lowest estimated TTFT: queue wait + fetch + prefill of the rest (kvshare's default)."""
 
@@ -519,20 +426,29 @@ _SHRINK = 1.0 - 1e-9
 
 
 POLICIES: dict[str, Callable[..., Policy]] = {
-    cls.name: cls for cls in (RoundRobin, LeastLoaded, PrefixAffinity, KvOverlap, CostPolicy)
+    cls.name: cls for cls in (RoundRobin, LeastLoaded, CostPolicy)
 }
 DEFAULT_POLICY = "cost"
+ALIASES: dict[str, str] = {"prefix_affinity": "ray_prefix", "kv_overlap": "dynamo_kv"}
+"""Older names of the peers' rules, still accepted: each is the policy it names, options and
+all (``--policy all`` and sweeps run the policies of :data:`POLICIES` once each)."""
+
+
+def policy_names() -> list[str]:
+    """Every name :func:`make_policy` accepts: the registry's, then the aliases."""
+    return [*sorted(POLICIES), *sorted(ALIASES)]
 
 
 def make_policy(
     name: str, cost: CostModel, sharing: Sharing | str = Sharing.GLOBAL, **options: Any
 ) -> Policy:
-    """A fresh policy by registry name; KeyError listing the names if unknown."""
+    """A fresh policy by registry name or alias; KeyError listing the names if unknown."""
     try:
-        factory = POLICIES[name]
+        factory = POLICIES[ALIASES.get(name, name)]
     except KeyError:
-        raise KeyError(f"unknown policy {name!r}: choose one of {sorted(POLICIES)}") from None
+        raise KeyError(f"unknown policy {name!r}: choose one of {policy_names()}") from None
     return factory(cost, Sharing(sharing), **options)
+
 
 # Peers' rules subclass Policy, so they register after it exists.
 from router.policy_peers import PEER_POLICIES  # noqa: E402

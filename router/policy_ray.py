@@ -14,15 +14,27 @@ never sees the engines' caches, and ``do_eviction`` defaults to False). Per requ
    match; below it, the "smallest tenants" (fewest characters in the tree).
 3. Serve then takes the candidate with the shortest queue (ongoing requests), ties at random.
 
+Eviction (``PrefixTree.evict_tenant_by_lru``, started by ``do_eviction``): each tenant keeps
+its nodes in least-recently-inserted order (an insert touches every node of the prompt's path);
+a tenant above ``eviction_threshold_chars`` (400,000) drops its oldest nodes, all nodes of one
+timestamp together, until it is at or below ``eviction_target_chars`` (360,000). Ray checks
+every ``eviction_interval_secs`` (10 s) in a thread; this policy checks after each insert (it
+has no clock), so a tenant never exceeds the threshold by more than one prompt.
+
 Mapping onto kvshare: the tree is over block hashes instead of characters (a hash names its
 whole prefix, so per-hash sets of replicas are the tree), a tenant's size counts the tokens of
-its distinct blocks, and queue length is the worker's requests in flight.
+its distinct blocks, and queue length is the worker's requests in flight. Eviction is off by
+default, as in Ray (the tree grows with every distinct block routed: ~0.4 KB a block); with
+``do_eviction=True`` the thresholds are Ray's at ~4 characters per token, 100,000 and 90,000
+tokens per tenant. At those defaults the rule loses most of its affinity on 512-token-block
+traces (a tenant keeps ~10 prompts of 10k tokens), so the simulator's baseline is Ray's default.
 """
 
 from __future__ import annotations
 
 import math
 import random
+from collections import OrderedDict
 from typing import ClassVar
 
 from kvshare.cost import CostModel
@@ -43,14 +55,27 @@ class RayPrefixAffinity(Policy):
         imbalanced_threshold: float = math.inf,
         match_rate_threshold: float = 0.1,
         seed: int = 0,
+        do_eviction: bool = False,
+        eviction_threshold_tokens: int = 100_000,
+        eviction_target_tokens: int = 90_000,
     ) -> None:
         super().__init__(cost, sharing)
         if not 0 <= match_rate_threshold <= 1 or imbalanced_threshold < 0:
             raise ValueError("match_rate_threshold must be in [0, 1] and imbalanced_threshold >= 0")
+        if not 0 <= eviction_target_tokens <= eviction_threshold_tokens:
+            raise ValueError("need 0 <= eviction_target_tokens <= eviction_threshold_tokens, got "
+                             f"{eviction_target_tokens} and {eviction_threshold_tokens}")
         self.imbalanced_threshold = imbalanced_threshold
         self.match_rate_threshold = match_rate_threshold
+        self.do_eviction = do_eviction
+        self.eviction_threshold_tokens = eviction_threshold_tokens
+        self.eviction_target_tokens = eviction_target_tokens
         self._tree: dict[BlockHash, set[WorkerId]] = {}
-        self._tenant_tokens: dict[WorkerId, int] = {}
+        self._tenant_blocks: dict[WorkerId, int] = {}
+        # with eviction, per tenant: its blocks, least recently inserted first, with the
+        # insert's number
+        self._lru: dict[WorkerId, OrderedDict[BlockHash, int]] = {}
+        self._inserts = 0
         self._rng = random.Random(seed)
 
     def prefix_match(self, request: RouteRequest, tenants: set[WorkerId]) -> tuple[int, set[WorkerId]]:
@@ -79,18 +104,53 @@ class RayPrefixAffinity(Policy):
         if holders and matched / request.num_tokens >= self.match_rate_threshold:
             pool, reason = [ids[w] for w in holders], "prefix_match"
         else:
-            sizes = [self._tenant_tokens.get(c.info.worker_id, 0) for c in cands]
+            sizes = [self.tenant_tokens(c.info.worker_id) for c in cands]
             pool = [i for i, s in enumerate(sizes) if s == min(sizes)]
             reason = "smallest_tenant"
         low = min(queues[i] for i in pool)
         return self._rng.choice(sorted(i for i in pool if queues[i] == low)), reason
 
+    def tenant_tokens(self, worker: WorkerId) -> int:
+        """Tokens of the distinct blocks the tree holds for ``worker`` (Ray's char count)."""
+        return self._tenant_blocks.get(worker, 0) * self.cost.block_tokens
+
     def observe(self, request: RouteRequest, decision: Decision) -> None:
+        """Ray's ``insert``: every block of the prompt under the chosen replica (with
+        eviction: touched at this insert's time, then the replica's eviction check)."""
         w = decision.worker
+        tree = self._tree
         added = 0
         for h in request.hashes:
-            holders = self._tree.setdefault(h, set())
-            if w not in holders:
+            holders = tree.get(h)
+            if holders is None:
+                tree[h] = {w}
+                added += 1
+            elif w not in holders:
                 holders.add(w)
                 added += 1
-        self._tenant_tokens[w] = self._tenant_tokens.get(w, 0) + added * self.cost.block_tokens
+        self._tenant_blocks[w] = self._tenant_blocks.get(w, 0) + added
+        if not self.do_eviction:
+            return
+        self._inserts += 1
+        stamp = self._inserts
+        lru = self._lru.setdefault(w, OrderedDict())
+        for h in request.hashes:
+            lru[h] = stamp
+            lru.move_to_end(h)
+        if self.tenant_tokens(w) > self.eviction_threshold_tokens:
+            self._evict(w, lru)
+
+    def _evict(self, w: WorkerId, lru: OrderedDict[BlockHash, int]) -> None:
+        """Ray's ``evict_tenant_by_lru`` down to the target: oldest inserts first, all blocks
+        of one insert together."""
+        keep = self.eviction_target_tokens // self.cost.block_tokens
+        tree = self._tree
+        while len(lru) > keep:
+            oldest = next(iter(lru.values()))
+            while lru and next(iter(lru.values())) == oldest:
+                h, _ = lru.popitem(last=False)
+                holders = tree[h]
+                holders.discard(w)
+                if not holders:
+                    del tree[h]
+        self._tenant_blocks[w] = len(lru)

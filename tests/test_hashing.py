@@ -79,6 +79,29 @@ def test_input_forms_agree() -> None:
     assert tokens_to_u32le([1, 2**32 - 1]) == b"\x01\x00\x00\x00\xff\xff\xff\xff"
 
 
+@pytest.mark.skipif(hashing._pack_u32 is None, reason="kvshare._chain not built")
+def test_the_c_packer_packs_as_array_does() -> None:
+    """``tokens_to_u32le`` packs lists in C (``_chain.pack_u32``): the same bytes as
+    ``array.array("I")`` on random ids of every size class, and the same refusals."""
+    import array
+    import random
+
+    rng = random.Random(7)
+    edges = [0, 1, 255, 256, 2**15, 2**30 - 1, 2**30, 2**31, 2**32 - 1, True, np.int64(9)]
+    for n in (0, 1, 17, 4096):
+        for hi in (300, 2**16, 2**32):
+            ids = [rng.randrange(hi) for _ in range(n)] + edges
+            rng.shuffle(ids)
+            want = array.array("I", ids).tobytes()
+            assert hashing._pack_u32(ids) == want
+            assert tokens_to_u32le(tuple(ids)) == want
+    for bad in ([1, -1], [2**32], [-(2**70)], [2**70], [1.0], ["a"], [None]):
+        with pytest.raises((OverflowError, TypeError)):
+            hashing._pack_u32(bad)
+        with pytest.raises((OverflowError, TypeError)):
+            array.array("I", bad)
+
+
 def test_continuing_a_chain_equals_hashing_at_once() -> None:
     root = namespace_root(MODEL, LAYOUT_FP, SALT)
     tokens = list(range(1000, 1064))

@@ -20,11 +20,13 @@ from kvshare.types import (
 from kvshare.workers import WorkerInfo, WorkerLoad
 from router.pending import PendingBlocks
 from router.policy import (
+    ALIASES,
     POLICIES,
     Candidate,
     NoEligibleWorker,
     RouteRequest,
     make_policy,
+    policy_names,
 )
 from router.sources import Sharing, SourceMap
 
@@ -134,8 +136,8 @@ def test_pending_blocks_count_only_for_their_own_worker_and_expire() -> None:
 
 # ---------------------------------------------------------------- policies
 def test_registry_has_every_policy_and_rejects_unknown_names() -> None:
-    assert set(POLICIES) == {"round_robin", "least_loaded", "prefix_affinity", "kv_overlap", "cost",
-                             "dynamo_kv", "llmd_precise", "ray_prefix"}
+    assert set(POLICIES) == {"round_robin", "least_loaded", "cost", "dynamo_kv", "llmd_precise",
+                             "ray_prefix"}
     with pytest.raises(KeyError, match="choose one of"):
         make_policy("random", cost_model())
 
@@ -149,34 +151,18 @@ def test_round_robin_cycles_and_least_loaded_picks_the_emptiest_queue() -> None:
     assert d.worker == "w1" and d.reason == "least_loaded" and d.cached_blocks == 0
 
 
-def test_prefix_affinity_follows_the_match_unless_load_is_imbalanced() -> None:
-    match = held({node_location("n2"): (6, Tier.HOST)})
+def test_older_peer_names_are_aliases_of_the_peers_rules() -> None:
+    # prefix_affinity is Ray Serve's rule (ray_prefix), options and all: imbalanced -> pow2
     pol = make_policy("prefix_affinity", cost_model(), imbalanced_threshold=4)
-    req = RouteRequest(NS, HASHES, 128)
-    balanced = [cand(0, running=1), cand(1, running=0), cand(2, running=3)]
-    d = pol.choose(req, match, balanced)
-    assert (d.worker, d.reason) == ("w2", "prefix_match")
+    assert type(pol) is POLICIES["ray_prefix"]
     skewed = [cand(0, running=0), cand(1, running=1), cand(2, running=9)]
-    assert pol.choose(req, match, skewed).reason == "imbalanced"
-    # below the match-rate threshold: the worker that was routed the fewest tokens
-    low = held({node_location("n2"): (1, Tier.HOST)})
-    pol2 = make_policy("prefix_affinity", cost_model(), match_rate_threshold=0.5)
-    d = pol2.choose(req, low, balanced)
-    assert d.reason == "smallest_tenant" and d.worker == "w1"  # all 0 routed: shortest queue
-
-
-def test_kv_overlap_is_dynamos_logit_and_temperature_samples() -> None:
-    match = held({node_location("n0"): (8, Tier.HOST)})
-    req = RouteRequest(NS, HASHES, 128)
-    # w0 holds everything but has 200 queued tokens: (200 + 0)/16 = 12.5 blocks
-    # w1 holds nothing, queue 0: 128/16 = 8 blocks -> w1 wins
-    cands = [cand(0, queued=200), cand(1, queued=0)]
-    assert make_policy("kv_overlap", cost_model()).choose(req, match, cands).worker == "w1"
-    cands = [cand(0, queued=100), cand(1, queued=0)]  # 6.25 < 8 -> w0
-    assert make_policy("kv_overlap", cost_model()).choose(req, match, cands).worker == "w0"
-    hot = make_policy("kv_overlap", cost_model(), temperature=5.0, seed=1)
-    picks = {hot.choose(req, match, cands).worker for _ in range(50)}
-    assert picks == {"w0", "w1"}
+    d = pol.choose(RouteRequest(NS, HASHES, 128), EMPTY_MATCH, skewed)
+    assert d.reason == "pow2" and d.policy == "ray_prefix"
+    kv = make_policy("kv_overlap", cost_model(), router_temperature=0.5)
+    assert type(kv) is POLICIES["dynamo_kv"] and kv.temperature == 0.5
+    assert set(ALIASES) <= set(policy_names()) and not set(ALIASES) & set(POLICIES)
+    with pytest.raises(TypeError):  # an option of the old model is not silently ignored
+        make_policy("kv_overlap", cost_model(), temperature=5.0)
 
 
 def test_cost_policy_trades_queue_wait_against_prefill_and_transfer() -> None:

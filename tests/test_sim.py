@@ -128,8 +128,8 @@ def test_cli_all_policies_global_meets_targets(tmp_path: Path) -> None:
     result = json.loads(lines[-1])
     ref = result["reference"]["global_lru_hit_rate"]
     pols = result["policies"]
-    assert set(pols) == {"round_robin", "least_loaded", "prefix_affinity", "kv_overlap", "cost",
-                         "dynamo_kv", "llmd_precise", "ray_prefix"}
+    assert set(pols) == {"round_robin", "least_loaded", "cost", "dynamo_kv", "llmd_precise",
+                         "ray_prefix"}
     for p in pols.values():
         assert {"hit_rate", "ttft_mean_s", "ttft_p99_s", "imbalance"} <= set(p)
     cost = pols["cost"]

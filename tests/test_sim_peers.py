@@ -89,3 +89,27 @@ def test_ray_router_follows_its_own_tree_of_routed_prompts() -> None:
     # matched replicas: the shortest queue among them wins
     cands2 = [_cand(0, running=3), _cand(1, running=0), _cand(2, running=0)]
     assert p.choose(REQ, empty, cands2).worker == first.worker  # only it holds the prefix
+
+
+def test_ray_router_evicts_each_replicas_oldest_prompts_past_its_threshold() -> None:
+    # 3-block prompts (48 tokens); a tenant above 100 tokens is cut back to 64 (4 blocks)
+    p = make_policy("ray_prefix", _cost(), do_eviction=True, eviction_threshold_tokens=100,
+                    eviction_target_tokens=64)
+    one = [_cand(0)]
+    prompts = [RouteRequest(NS, [BlockHash(bytes([k, j]) * 16) for j in range(3)], 48)
+               for k in range(3)]
+    for req in prompts[:2]:
+        p.choose(req, build_match([{} for _ in range(3)]), one)
+    assert p.tenant_tokens(WorkerId("w0")) == 96  # under the threshold: nothing evicted
+    p.choose(prompts[2], build_match([{} for _ in range(3)]), one)
+    # 144 > 100: the two oldest prompts go whole (all blocks of one insert together)
+    assert p.tenant_tokens(WorkerId("w0")) == 48
+    assert p.prefix_match(prompts[0], {WorkerId("w0")}) == (0, set())
+    assert p.prefix_match(prompts[2], {WorkerId("w0")}) == (3, {WorkerId("w0")})
+    keep = make_policy("ray_prefix", _cost(), eviction_threshold_tokens=100,
+                       eviction_target_tokens=64)
+    for req in prompts:
+        keep.choose(req, build_match([{} for _ in range(3)]), one)
+    assert keep.tenant_tokens(WorkerId("w0")) == 144  # Ray's default, no eviction: the tree only grows
+    with pytest.raises(ValueError, match="eviction_target_tokens"):
+        make_policy("ray_prefix", _cost(), eviction_threshold_tokens=10, eviction_target_tokens=20)
