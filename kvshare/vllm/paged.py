@@ -256,24 +256,23 @@ class PagedRequestKV:
         gather/scatter per layer on CPU_ATTN, else block by block through ``write_blocks``).
         A load writes before the slot epochs are re-checked; a block whose check fails is
         reported, so vLLM recomputes its pages (:class:`kvshare.block_io.SlabIO`)."""
-        pos, ids = self._pages(blocks, writing=True)
+        self._slots(blocks, rows, slots, into_pages=True)
+
+    def read_slots(self, blocks: Sequence[int], rows: np.ndarray, slots: Sequence[int]) -> None:
+        """Blocks ``blocks[i]`` of vLLM's pages straight into slab row ``slots[i]``."""
+        self._slots(blocks, rows, slots, into_pages=False)
+
+    def _slots(self, blocks: Sequence[int], rows: np.ndarray, slots: Sequence[int],
+               into_pages: bool) -> None:
+        pos, ids = self._pages(blocks, writing=into_pages)
+        if not into_pages and len(ids) != len(blocks) * self.per_block:
+            raise ValueError(f"blocks {list(blocks)} are not fully in the request's pages")
         if not ids:
             return
         if self._fast():
             offsets = np.asarray(slots, dtype=np.int64) * int(rows.shape[1])
-            self._copy_chunks(rows.reshape(-1), offsets, pos, ids, into_pages=True)
+            self._copy_chunks(rows.reshape(-1), offsets, pos, ids, into_pages)
             return
         for b, s in zip(blocks, slots, strict=True):
-            self.write_blocks(b, blocks_view(rows[s], self.layout))
-
-    def read_slots(self, blocks: Sequence[int], rows: np.ndarray, slots: Sequence[int]) -> None:
-        """Blocks ``blocks[i]`` of vLLM's pages straight into slab row ``slots[i]``."""
-        pos, ids = self._pages(blocks, writing=False)
-        if len(ids) != len(blocks) * self.per_block:
-            raise ValueError(f"blocks {list(blocks)} are not fully in the request's pages")
-        if self._fast():
-            offsets = np.asarray(slots, dtype=np.int64) * int(rows.shape[1])
-            self._copy_chunks(rows.reshape(-1), offsets, pos, ids, into_pages=False)
-            return
-        for b, s in zip(blocks, slots, strict=True):
-            self.read_blocks(b, blocks_view(rows[s], self.layout))
+            copy = self.write_blocks if into_pages else self.read_blocks
+            copy(b, blocks_view(rows[s], self.layout))
