@@ -34,7 +34,6 @@ import argparse
 import json
 import os
 import random
-import shutil
 import statistics
 import subprocess
 import sys
@@ -42,10 +41,9 @@ import tempfile
 from typing import Any
 
 import ray
-from ray.cluster_utils import Cluster
 
+from actors.local_cluster import local_cluster
 from kvshare.layout import KVLayout
-from kvshare.ray_env import use_local_ray_defaults
 from kvshare.vllm.offline import ENGINE_ENV, OfflineEngine, kv_transfer_config
 from kvshare.vllm.tiny_model import TinyModelSpec, build_tiny_llama
 
@@ -115,15 +113,8 @@ def main() -> None:
     args = ap.parse_args()
     n, reps = args.tokens, args.repeats
     max_len = n + SUFFIX + 64
-    tmp = tempfile.mkdtemp(prefix="kvs-vllm-bench-")
     model = build_tiny_llama(os.path.join(tempfile.gettempdir(), "kvshare-tiny-llama-bf16"),
                              TinyModelSpec(max_position_embeddings=max(16384, max_len)))
-    cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 1, "object_store_memory": 256 * 2**20, "temp_dir": tmp})
-    for i in range(2):
-        cluster.add_node(num_cpus=2, object_store_memory=256 * 2**20, resources={f"node_{i}": 1})
-    cluster.wait_for_nodes()
-    ray.init(address=cluster.address, namespace="kvshare", log_to_driver=False)
     res: dict[str, list[float]] = {}
     split: dict[str, list[float]] = {}
     lmcache_error = ""
@@ -133,7 +124,7 @@ def main() -> None:
         res.setdefault(key, []).append(value)
         print(f"{key:18s} {value:8.3f} s", flush=True)
 
-    try:
+    with local_cluster(2, ray_namespace="kvshare", temp_prefix="kvs-vllm-bench-"):
         from actors.deploy import deploy
 
         layout = KVLayout.from_hf_config(f"{model}/config.json", dtype="bf16", block_tokens=BLOCK)
@@ -190,10 +181,6 @@ def main() -> None:
             except Exception as exc:  # the peer failed to run: say so, keep our figures
                 lmcache_error = f"{type(exc).__name__}: {str(exc)[:300]}"
                 print("LMCache run failed:", lmcache_error, flush=True)
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
-        shutil.rmtree(tmp, ignore_errors=True)
 
     med = {k: statistics.median(v) for k, v in res.items()}
     out: dict[str, Any] = {"prefix_tokens": n, "suffix_tokens": SUFFIX, "repeats": reps,
@@ -218,5 +205,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    use_local_ray_defaults()
     main()
