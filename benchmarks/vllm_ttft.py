@@ -19,11 +19,13 @@ vLLM's own prefix cache does not hold the prefix, except ``vllm_prefix_s``:
 Ratios: ``speedup_local = cold_s / kvshare_local_s``, ``vs_lmcache = lmcache_s /
 kvshare_local_s``, ``local_vs_vllm_prefix = kvshare_local_s / vllm_prefix_s``,
 ``remote_vs_local = kvshare_remote_s / kvshare_local_s``, ``cold_overhead = cold_connector_s
-/ cold_s``; ``breakdown_local`` splits kvshare_local_s: lookup, shm transfer, copy into
-vLLM's pages, ``load_reported_s`` (load submitted -> vLLM told it is done: the load plus the
-idle steps until it is noticed), the rest (scheduling + the suffix's compute), and how many
-engine steps the request took (``load_polls`` of them while its load ran). Medians over ``--repeats``. Last line: one
-JSON object.
+/ cold_s``; ``breakdown_local`` splits kvshare_local_s: lookup, ``transfer_s`` (this node's
+slab -> vLLM's pages: one straight copy), ``copy_into_pages_s`` (a second copy, staging ->
+pages; ~0 when the copy is straight), ``load_reported_s`` (load started -> vLLM told it is
+done: for a synchronous load, the load itself inside the step; for an asynchronous one, plus
+the idle steps until it is noticed), the rest (scheduling + the suffix's compute), how many
+engine steps the request took (``load_polls`` of them spent polling an asynchronous load) and
+``sync_loads``. Medians over ``--repeats``. Last line: one JSON object.
 """
 
 from __future__ import annotations
@@ -162,6 +164,7 @@ def main() -> None:
                          ("scheduling_and_compute_s", max(0.0, t - lookup - reported)),
                          ("engine_steps", delta(after, before, "steps")),
                          ("load_polls", delta(after, before, "load_polls")),
+                         ("sync_loads", delta(after, before, "sync_loads")),
                          ("loaded_tokens", cached)):
                 split.setdefault(k, []).append(v)
             t, cached = ttft(b, prefix + s1)
