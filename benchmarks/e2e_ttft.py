@@ -27,10 +27,13 @@ medians) and ends with one JSON line.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import random
+import socket
 import statistics
+import subprocess
 import sys
 import threading
 import time
@@ -112,10 +115,27 @@ def start_gateway(keys: Any) -> tuple[str, Any]:
     return f"http://127.0.0.1:{port}", server
 
 
+def gateway_process(address: str, cfg: EngineConfig) -> tuple[str, subprocess.Popen[bytes]]:
+    """``kvshare gateway`` in its own process, as an operator runs it (no GIL shared with the
+    client or the Ray driver)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    root = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvshare.cli", "gateway", "--address", address, "--namespace", NS,
+         "--engine-config", json.dumps(dataclasses.asdict(cfg)), "--port", str(port)], env=env)
+    return f"http://127.0.0.1:{port}", proc
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--prefix", type=int, default=4096, help="prefix tokens")
     ap.add_argument("--repeats", type=int, default=5, help="warm requests per path")
+    ap.add_argument("--gateway-process", action="store_true",
+                    help="run the gateway as its own process (kvshare gateway --address) instead "
+                    "of a thread of this one")
     args = ap.parse_args()
     print(f"load before: {os.getloadavg()}", flush=True)
     cfg = EngineConfig(threads=2)
@@ -126,9 +146,17 @@ def main() -> int:
         workers = {f"w{i}": Worker.options(resources={f"node_{i}": 1}).remote(  # type: ignore[attr-defined]
             NS, cfg, worker_id=f"w{i}", model_name=NS) for i in range(2)}
         ray.get([w.ready.remote() for w in workers.values()], timeout=180)
-        url, server = start_gateway(keys)
-        deadline = time.monotonic() + 30
-        while httpx.get(url + "/health").json().get("workers", 0) < 2 and time.monotonic() < deadline:
+        if args.gateway_process:
+            url, proc = gateway_process(cluster.address, cfg)
+        else:
+            url, server = start_gateway(keys)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(url + "/health").json().get("workers", 0) >= 2:
+                    break
+            except httpx.TransportError:
+                pass  # not listening yet
             time.sleep(0.2)
         client = Client(url)
         client.streamed(text(tokens(300, 99)))  # warm-up (allocator, threads, HTTP connections)
@@ -162,9 +190,14 @@ def main() -> int:
             assert r["reused_tokens"] >= full * 0.95, r
             inproc.append(r["ttft_s"])
         print(summary({"cold": cold_bd, "warm": warm_bd}), flush=True)
-        server.should_exit = True
+        if args.gateway_process:
+            proc.terminate()
+            proc.wait(timeout=30)
+        else:
+            server.should_exit = True
     out = {
-        "prefix_tokens": args.prefix, "inprocess_warm_s": round(statistics.median(inproc), 4),
+        "prefix_tokens": args.prefix, "gateway": "process" if args.gateway_process else "thread",
+        "inprocess_warm_s": round(statistics.median(inproc), 4),
         "gateway_warm_s": round(statistics.median(gw), 4),
         "gateway_cold_s": round(statistics.median(cold), 4),
         "overhead_ratio": round(statistics.median(gw) / statistics.median(inproc), 3),
