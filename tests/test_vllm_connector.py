@@ -147,6 +147,8 @@ def test_vllm_cache_too_small_gets_the_prefix_from_this_nodes_host_tier(env: Env
     shm = after.get("bytes_shm", 0) - before.get("bytes_shm", 0)
     assert shm >= BLOCK * env_layout_bytes(env) and shm % (BLOCK * env_layout_bytes(env)) == 0
     assert after.get("load_tokens", 0) - before.get("load_tokens", 0) >= BLOCK
+    # from this node's slab straight into vLLM's pages, inside the step computing the suffix
+    assert after.get("sync_loads", 0) - before.get("sync_loads", 0) == 1
     same_as_vllm_prefix_hit(got, env.refs[2])
 
 
