@@ -111,8 +111,7 @@ class WorkerSide:
                 fut = Future()
                 fut.set_exception(exc)
             if spec.sync:
-                self._load_done(fut, spec)
-                self._count("load_reported_seconds", time.perf_counter() - t0)
+                self._count_wait(self._load_done(fut, spec), time.perf_counter() - t0)
                 continue
             self._loading[spec.req_id] = (fut, spec)
             self._load_t0[spec.req_id] = t0
@@ -159,10 +158,7 @@ class WorkerSide:
                 del self._loading[rid]
                 where = self._load_done(fut, spec)
                 # submit -> vLLM told: the load plus how long the steps took to notice it
-                waited = time.perf_counter() - self._load_t0.pop(rid, time.perf_counter())
-                self._count("load_reported_seconds", waited)
-                self._count(f"load_reported_seconds_{where}", waited)  # kvshare.vllm.stats
-                self._count(f"loads_{where}")
+                self._count_wait(where, time.perf_counter() - self._load_t0.pop(rid, time.perf_counter()))
                 recving.add(rid)
         self._finished |= finished_req_ids & self._saved
         sending = set()
@@ -176,6 +172,13 @@ class WorkerSide:
                 self._saved.discard(rid)
                 sending.add(rid)
         return sending, recving
+
+    def _count_wait(self, where: str, waited: float) -> None:
+        """A request waited ``waited`` seconds for its load (``where``: local or remote;
+        exported by :mod:`kvshare.vllm.stats`)."""
+        self._count("load_reported_seconds", waited)
+        self._count(f"load_reported_seconds_{where}", waited)
+        self._count(f"loads_{where}")
 
     def _load_done(self, fut: Future[LoadResult], spec: LoadSpec) -> str:
         """Count the load; pages of blocks that did not arrive become load errors. Returns
