@@ -4,12 +4,13 @@
 pool per node and transfers between them take the cross-node paths (NIXL, object store), as
 on a real cluster. :func:`local_cluster` starts it, connects this process as the driver and,
 on exit (also on an exception), stops a kvshare deployment if one was made, the driver and
-every raylet.
+every raylet, and removes the cluster's temporary directory (its session logs).
 """
 
 from __future__ import annotations
 
 import logging
+import shutil
 import tempfile
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -53,9 +54,10 @@ def local_cluster(
     if len(labels) != nodes:
         raise ValueError(f"resources has {len(labels)} entries for {nodes} nodes: give one per node")
     use_local_ray_defaults()
+    temp_dir = tempfile.mkdtemp(prefix=temp_prefix)
     cluster = Cluster(initialize_head=True, head_node_args={
         "num_cpus": head_cpus, "object_store_memory": head_store_mib * MiB,
-        "include_dashboard": False, "temp_dir": tempfile.mkdtemp(prefix=temp_prefix)})
+        "include_dashboard": False, "temp_dir": temp_dir})
     try:
         for label in labels:
             cluster.add_node(num_cpus=node_cpus, object_store_memory=node_store_mib * MiB,
@@ -67,6 +69,7 @@ def local_cluster(
         _stop_deployment()
         ray.shutdown()
         cluster.shutdown()  # type: ignore[no-untyped-call]
+        shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 def _stop_deployment() -> None:

@@ -1,9 +1,10 @@
 """Warm TTFT end to end: through the gateway over HTTP vs inside the worker, same prompt, same run.
 
 Starts a local ``ray.cluster_utils.Cluster`` (head + 2 nodes), deploys kvshare, one reference
-worker (tiny Llama, fp32, random weights) per node serving HTTP, and the gateway (``cost``
-policy, uvicorn on loopback). A ``--prefix``-token prefix (default 4,096) plus a 64-token
-suffix:
+worker (tiny Llama, fp32, random weights, byte tokenizer) per node serving HTTP, and the
+gateway (``cost`` policy, uvicorn on loopback). A ``--prefix``-token prefix (default 4,096) plus
+a 64-token suffix, sent as text (printable ASCII: one byte token per character, so the gateway's
+tokenizer gives exactly the ids the in-process leg uses):
 
 - ``gateway_cold_s``: a new prefix through the gateway, nothing cached (the official
   ``openai`` client, streamed, TTFT = first token at the client);
@@ -13,7 +14,11 @@ suffix:
 - ``inprocess_warm_s``: the same prompts on the same worker without HTTP, TTFT measured inside
   the worker (lookup + load + prefill + first token, as ``benchmarks/ttft.py``), interleaved
   with the gateway's;
-- ``overhead_ratio`` = ``gateway_warm_s / inprocess_warm_s`` (target <= 1.5).
+- ``overhead_ratio`` = ``gateway_warm_s / inprocess_warm_s`` (target <= 1.5);
+- ``gateway_warm_ids_s`` / ``overhead_ratio_token_ids``: the same warm requests with the prompt
+  as a list of token ids. ``client_prep_ms`` is what the ``openai`` client spends before its
+  request leaves (an httpx request hook): for a token-id prompt that is openai-python's
+  ``maybe_transform`` walking every id (~10-20 us each), the client's cost, not the gateway's.
 
 It prints the gateway requests' TTFT breakdown (:mod:`kvshare.breakdown`, cold vs warm
 medians) and ends with one JSON line.
@@ -22,10 +27,13 @@ medians) and ends with one JSON line.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import random
+import socket
 import statistics
+import subprocess
 import sys
 import threading
 import time
@@ -52,20 +60,41 @@ SUFFIX = 64
 
 
 def tokens(n: int, seed: int) -> list[int]:
+    """``n`` printable ASCII byte tokens (the byte tokenizer's ids of the same text)."""
     rng = random.Random(seed)
-    return [rng.randrange(256) for _ in range(n)]
+    return [rng.randrange(32, 127) for _ in range(n)]
 
 
-def streamed(client: Any, prompt: list[int]) -> tuple[float, dict[str, Any]]:
-    """(TTFT at the client, the answer's ``kvshare`` object) of one streamed completion."""
-    t0 = time.perf_counter()
-    first: float | None = None
-    kv: dict[str, Any] = {}
-    for chunk in client.completions.create(model=NS, prompt=prompt, max_tokens=2, stream=True):
-        if first is None and chunk.choices and chunk.choices[0].text:
-            first = time.perf_counter() - t0
-        kv = (chunk.model_extra or {}).get("kvshare") or kv
-    return (first if first is not None else time.perf_counter() - t0), kv
+def text(ids: list[int]) -> str:
+    return bytes(ids).decode("ascii")
+
+
+class Client:
+    """The official ``openai`` client with an httpx hook noting when each request leaves."""
+
+    def __init__(self, url: str) -> None:
+        from openai import OpenAI
+
+        self.sent = 0.0
+        http = httpx.Client(timeout=300, event_hooks={"request": [self._sent]})
+        self.openai = OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=300,
+                             http_client=http)
+
+    def _sent(self, _request: httpx.Request) -> None:
+        self.sent = time.perf_counter()
+
+    def streamed(self, prompt: str | list[int]) -> tuple[float, float, dict[str, Any]]:
+        """(TTFT at the client, the client's time before its request left, the answer's
+        ``kvshare`` object) of one streamed completion."""
+        t0 = time.perf_counter()
+        first: float | None = None
+        kv: dict[str, Any] = {}
+        for chunk in self.openai.completions.create(model=NS, prompt=prompt, max_tokens=2,
+                                                    stream=True):
+            if first is None and chunk.choices and chunk.choices[0].text:
+                first = time.perf_counter() - t0
+            kv = (chunk.model_extra or {}).get("kvshare") or kv
+        return (first if first is not None else time.perf_counter() - t0), self.sent - t0, kv
 
 
 def start_gateway(keys: Any) -> tuple[str, Any]:
@@ -86,13 +115,28 @@ def start_gateway(keys: Any) -> tuple[str, Any]:
     return f"http://127.0.0.1:{port}", server
 
 
+def gateway_process(address: str, cfg: EngineConfig) -> tuple[str, subprocess.Popen[bytes]]:
+    """``kvshare gateway`` in its own process, as an operator runs it (no GIL shared with the
+    client or the Ray driver)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    root = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvshare.cli", "gateway", "--address", address, "--namespace", NS,
+         "--engine-config", json.dumps(dataclasses.asdict(cfg)), "--port", str(port)], env=env)
+    return f"http://127.0.0.1:{port}", proc
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--prefix", type=int, default=4096, help="prefix tokens")
     ap.add_argument("--repeats", type=int, default=5, help="warm requests per path")
+    ap.add_argument("--gateway-process", action="store_true",
+                    help="run the gateway as its own process (kvshare gateway --address) instead "
+                    "of a thread of this one")
     args = ap.parse_args()
-    from openai import OpenAI
-
     print(f"load before: {os.getloadavg()}", flush=True)
     cfg = EngineConfig(threads=2)
     keys = model_keys(cfg)
@@ -102,47 +146,69 @@ def main() -> int:
         workers = {f"w{i}": Worker.options(resources={f"node_{i}": 1}).remote(  # type: ignore[attr-defined]
             NS, cfg, worker_id=f"w{i}", model_name=NS) for i in range(2)}
         ray.get([w.ready.remote() for w in workers.values()], timeout=180)
-        url, server = start_gateway(keys)
-        deadline = time.monotonic() + 30
-        while httpx.get(url + "/health").json().get("workers", 0) < 2 and time.monotonic() < deadline:
+        if args.gateway_process:
+            url, proc = gateway_process(cluster.address, cfg)
+        else:
+            url, server = start_gateway(keys)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(url + "/health").json().get("workers", 0) >= 2:
+                    break
+            except httpx.TransportError:
+                pass  # not listening yet
             time.sleep(0.2)
-        client = OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=300)
-        streamed(client, tokens(300, 99))  # warm-up (allocator, threads, HTTP connections)
+        client = Client(url)
+        client.streamed(text(tokens(300, 99)))  # warm-up (allocator, threads, HTTP connections)
         block = keys.layout.block_tokens
         full = args.prefix // block * block
         cold, reuse, cold_bd = [], [], []
         for k in range(2):  # a new prefix, then the next turn the moment its answer ends
             prefix = tokens(args.prefix, 1000 + k)
-            ttft, kv = streamed(client, prefix + tokens(SUFFIX, 1))
+            ttft, _, kv = client.streamed(text(prefix + tokens(SUFFIX, 1)))
             cold.append(ttft)
             cold_bd.append(kv.get("breakdown", {}))
-            _, kv = streamed(client, prefix + tokens(SUFFIX, 2))
+            _, _, kv = client.streamed(text(prefix + tokens(SUFFIX, 2)))
             reuse.append(int(kv.get("reused_tokens", 0)) / full)
             print(f"cold {ttft:.3f}s; back-to-back turn reused {kv.get('reused_tokens')} of "
                   f"{full} prefix tokens ({kv.get('plan', {}).get('reason')})", flush=True)
         holder = httpx.post(url + "/v1/route", json={"prompt": prefix + tokens(SUFFIX, 3)},
                             timeout=30).json()["worker"]
-        gw, inproc, warm_bd, beyond = [], [], [], []
-        for k in range(args.repeats):  # interleaved: gateway, then in-process, new suffixes
-            ttft, kv = streamed(client, prefix + tokens(SUFFIX, 10 + k))
+        gw, gw_ids, prep, prep_ids, inproc, warm_bd, beyond = [], [], [], [], [], [], []
+        for k in range(args.repeats):  # interleaved: text, token ids, in-process; new suffixes
+            ttft, before, kv = client.streamed(text(prefix + tokens(SUFFIX, 10 + k)))
             assert kv.get("reused_tokens", 0) >= full * 0.95, kv
             gw.append(ttft)
+            prep.append(before)
             warm_bd.append(kv.get("breakdown", {}))
-            beyond.append(ttft - total(warm_bd[-1]))
+            beyond.append(ttft - before - total(warm_bd[-1]))
+            ttft, before, kv = client.streamed(prefix + tokens(SUFFIX, 30 + k))
+            assert kv.get("reused_tokens", 0) >= full * 0.95, kv
+            gw_ids.append(ttft)
+            prep_ids.append(before)
             r = ray.get(workers[holder].generate.remote(prefix + tokens(SUFFIX, 20 + k), 1))
             assert r["reused_tokens"] >= full * 0.95, r
             inproc.append(r["ttft_s"])
         print(summary({"cold": cold_bd, "warm": warm_bd}), flush=True)
-        server.should_exit = True
+        if args.gateway_process:
+            proc.terminate()
+            proc.wait(timeout=30)
+        else:
+            server.should_exit = True
     out = {
-        "prefix_tokens": args.prefix, "inprocess_warm_s": round(statistics.median(inproc), 4),
+        "prefix_tokens": args.prefix, "gateway": "process" if args.gateway_process else "thread",
+        "inprocess_warm_s": round(statistics.median(inproc), 4),
         "gateway_warm_s": round(statistics.median(gw), 4),
         "gateway_cold_s": round(statistics.median(cold), 4),
         "overhead_ratio": round(statistics.median(gw) / statistics.median(inproc), 3),
+        "gateway_warm_ids_s": round(statistics.median(gw_ids), 4),
+        "overhead_ratio_token_ids": round(statistics.median(gw_ids) / statistics.median(inproc), 3),
+        "client_prep_ms": round(statistics.median(prep) * 1e3, 2),
+        "client_prep_ids_ms": round(statistics.median(prep_ids) * 1e3, 2),
         "back_to_back_reuse": round(min(reuse), 4),
         "warm_breakdown_ms": {k: round(v * 1e3, 2) for k, v in medians(warm_bd).items()},
-        # the client's TTFT less the stages: the first token's way from the engine to the
-        # client (worker event loop, relay, client) and the client's own request encoding
+        # the client's TTFT less its own preparation and the stages: the first token's way
+        # from the engine to the client (worker event loop, relay, client parsing)
         "warm_beyond_stages_ms": round(statistics.median(beyond) * 1e3, 2),
         "load_after": [round(x, 2) for x in os.getloadavg()],
     }

@@ -81,19 +81,24 @@ def fill(apply: object, router: CacheAwareRouter, reqs: list[list[int]], rng: ra
 
 
 CPU_RATES: dict[str, float] = {}
+STAGES_US: dict[str, dict[str, float]] = {}  # per tag: median microseconds per decision stage
 
 
 async def sequential(router: CacheAwareRouter, reqs: list[list[int]], n: int,
                      tag: str = "") -> tuple[float, list[float]]:
     lat = []
+    stages: dict[str, list[float]] = {}
     t0, c0 = time.perf_counter(), time.process_time()
     for i in range(n):
         t = time.perf_counter()
         r = await router.route(token_ids=reqs[i % len(reqs)])
         router.finished(r.request_id)
         lat.append(time.perf_counter() - t)
+        for k, v in r.timings.items():
+            stages.setdefault(k, []).append(v)
     if tag:  # decisions per CPU second of this process: what an idle core would give
         CPU_RATES[tag] = n / max(1e-9, time.process_time() - c0)
+        STAGES_US[tag] = {k: round(float(np.median(v)) * 1e6, 1) for k, v in stages.items()}
     return n / (time.perf_counter() - t0), lat
 
 
@@ -177,11 +182,14 @@ def main() -> None:
           f"p50 {ms(rep_lat, 50):.3f} ms  p99 {ms(rep_lat, 99):.3f} ms ({rep_rate / seq_rate:.1f}x "
           f"the actor path; {CPU_RATES['replica']:.0f}/CPU-s); the replica answers {agree}/"
           f"{len(hashes)} prompts as the actor does; fallbacks {near.fallbacks}")
+    print(f"median microseconds per stage of a decision on the replica: {STAGES_US['replica']} "
+          "(score: worker list, in-flight load, pending blocks, the policy's ranking)")
     print(json.dumps({
         "replica_decisions_per_s": round(rep_rate, 1),
         "replica_p99_ms": round(ms(rep_lat, 99), 3),
         "replica_agrees": agree,
         "replica_decisions_per_cpu_s": round(CPU_RATES["replica"], 1),
+        "replica_stage_us": STAGES_US["replica"],
         "decisions_per_s": round(local_rate, 1),
         "actor_decisions_per_s": round(actor_rate, 1),
         "p99_decision_ms": round(ms(lat, 99), 3),

@@ -23,19 +23,16 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 from typing import Any
 
 import numpy as np
 
-from kvshare.ray_env import use_local_ray_defaults
-
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import ray
-from ray.cluster_utils import Cluster
 
+from actors.local_cluster import local_cluster
 from benchmarks.raw_nixl import RawNixl
 from kvshare.layout import KVLayout
 from kvshare.transfer.local import make_local_pool
@@ -140,18 +137,11 @@ class Reader:
 
 
 def main() -> None:
-    tmp = tempfile.mkdtemp(prefix="kvs-bench-", dir="/tmp")
-    os.makedirs("/tmp/ray", exist_ok=True)
-    cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 0, "object_store_memory": 200 * MiB, "temp_dir": tmp})
-    for name in ("bench_a", "bench_b"):
-        cluster.add_node(num_cpus=2, object_store_memory=700 * MiB, resources={name: 10})
-    cluster.wait_for_nodes()
-    ray.init(address=cluster.address, log_to_driver=False)
     host_cls = ray.remote(num_cpus=0, max_concurrency=4)(PoolHost)  # threaded, as NodePoolActor
     reader_cls = ray.remote(num_cpus=0)(Reader)
     out: dict[str, dict[int, float]] = {}
-    try:
+    with local_cluster(2, head_cpus=0, head_store_mib=200, node_store_mib=700,
+                       resources=[{"bench_a": 10}, {"bench_b": 10}], temp_prefix="kvs-bench-"):
         host = host_cls.options(resources={"bench_a": 1}).remote("bench-a")
         b = reader_cls.options(resources={"bench_b": 1}).remote("bench-b", host, "bench/b/reader")
         a = reader_cls.options(resources={"bench_a": 1}).remote("bench-a", host, "bench/a/reader")
@@ -204,9 +194,6 @@ def main() -> None:
         finally:
             raw_nixl.close()
         print(f"raw NIXL READ over tcp: {raw_tcp:6.2f} GB/s", flush=True)
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
     big = 16 * MiB
     result = {
         "memcpy_GBps": round(memcpy, 3),
@@ -256,5 +243,4 @@ def _shmem_thp() -> str:
 
 
 if __name__ == "__main__":
-    use_local_ray_defaults()
     main()

@@ -117,43 +117,66 @@ def workload(tokenizer: Any, args: argparse.Namespace) -> list[list[Turn]]:
     return convs
 
 
-_METRIC = re.compile(r'^(vllm:[a-z_]+_total)(?:\{([^}]*)\})?\s+([0-9.eE+-]+)$', re.MULTILINE)
+_METRIC = re.compile(r'^(vllm:[a-z_]+(?:_total|_seconds_sum|_seconds_count))(?:\{([^}]*)\})?'
+                     r'\s+([0-9.eE+-]+)$', re.MULTILINE)
 _SOURCE = re.compile(r'source="([a-z0-9_]+)"')
 
 
 def counters(endpoints: list[str]) -> dict[str, float]:
-    """The servers' counters summed; ``prompt_tokens_cached_by_source`` per ``source``."""
+    """The servers' counters and latency sums summed; ``prompt_tokens_cached_by_source`` per
+    ``source``; each server's too, under ``<endpoint>|<name>``."""
     out: dict[str, float] = {}
     for url in endpoints:
         for name, labels, value in _METRIC.findall(httpx.get(f"{url}/metrics", timeout=30).text):
             src = _SOURCE.search(labels or "")
             key = f"{name}:{src.group(1)}" if src else name
-            out[key] = out.get(key, 0.0) + float(value)
+            for k in (key, f"{url}|{key}"):
+                out[k] = out.get(k, 0.0) + float(value)
+    return out
+
+
+_STAGES = ("queue", "prefill", "decode")
+
+
+def stages(d: dict[str, float], prefix: str = "") -> dict[str, float]:
+    """Mean seconds per request in vLLM's queue, prefill and decode, from counter deltas."""
+    out = {}
+    for stage in _STAGES:
+        n = d.get(f"{prefix}vllm:request_{stage}_time_seconds_count", 0.0)
+        out[f"{stage}_s"] = round(d.get(f"{prefix}vllm:request_{stage}_time_seconds_sum", 0.0)
+                                  / n, 4) if n else 0.0
     return out
 
 
 async def drive(handle: Any, convs: list[list[Turn]], max_tokens: int,
                 tracker: Any) -> dict[str, Any]:
+    """Every conversation's turns in order (think time between), all conversations at once;
+    one record per request: when it was sent, its TTFT end to end and at the replica (the
+    engine alone), the worker that served it and the tokens its cache supplied."""
     from router.serve_vllm import ServeCompletion
 
-    ttft: list[float] = []
-    per_worker: dict[str, int] = {}
+    records: list[dict[str, Any]] = []
     failed = 0
+    start = time.perf_counter()
 
-    async def one(turn: Turn) -> None:
+    async def one(turn: Turn, k: int) -> None:
         nonlocal failed
         t0 = time.perf_counter()
+        rec: dict[str, Any] = {"conversation": turn.conversation, "turn": k,
+                               "sent_s": round(t0 - start, 3), "prompt_tokens": len(turn.ids)}
         req = ServeCompletion(turn.text, turn.ids, max_tokens)
         gen = handle.options(stream=True).remote(req, request_token_ids=turn.ids)
-        first = True
         try:
             async for piece in gen:
-                if first:
-                    ttft.append(time.perf_counter() - t0)
-                    per_worker[piece["worker"]] = per_worker.get(piece["worker"], 0) + 1
-                    first = False
+                if "ttft_s" not in rec:
+                    rec["ttft_s"] = round(time.perf_counter() - t0, 4)
+                    rec["worker"] = piece["worker"]
+                    rec["engine_ttft_s"] = round(piece.get("upstream_ttft_s", 0.0), 4)
                     if tracker is not None:
                         await tracker.on_prefill_complete(gen.request_id)
+                if piece.get("usage"):
+                    rec["cached_tokens"] = piece["usage"]["cached_tokens"]
+            records.append(rec)
         except Exception as exc:  # counted: a failed request is not a completed one
             failed += 1
             print(f"request failed: {exc!r}"[:300], file=sys.stderr)
@@ -162,14 +185,12 @@ async def drive(handle: Any, convs: list[list[Turn]], max_tokens: int,
                 await tracker.on_request_completed(gen.request_id)
 
     async def conversation(turns: list[Turn]) -> None:
-        for turn in turns:
+        for k, turn in enumerate(turns):
             await asyncio.sleep(turn.think_s)
-            await one(turn)
+            await one(turn, k)
 
-    t0 = time.perf_counter()
     await asyncio.gather(*(conversation(c) for c in convs))
-    wall = time.perf_counter() - t0
-    return {"ttft": ttft, "wall_s": wall, "failed": failed, "per_worker": per_worker}
+    return {"records": records, "wall_s": time.perf_counter() - start, "failed": failed}
 
 
 async def run_router(name: str, handle: Any, convs: list[list[Turn]], args: argparse.Namespace,
@@ -187,8 +208,10 @@ async def run_router(name: str, handle: Any, convs: list[list[Turn]], args: argp
             await asyncio.sleep(0.2)
     await warm(handle, len(endpoints), tracker)
     before = counters(endpoints)
+    load0 = os.getloadavg()[0]
     out = await drive(handle, convs, args.max_tokens, tracker)
     after = counters(endpoints)
+    out["load"] = (round(load0, 1), round(os.getloadavg()[0], 1))
     d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
     prompt = d.get("vllm:prompt_tokens_total", 0.0) or 1.0
     by = "vllm:prompt_tokens_cached_by_source_total:"
@@ -198,6 +221,11 @@ async def run_router(name: str, handle: Any, convs: list[list[Turn]], args: argp
     out["hit_node_pool"] = (d.get(by + "host", 0.0) + d.get(by + "disk", 0.0)) / prompt
     out["hit_other_nodes"] = d.get(by + "p2p", 0.0) / prompt
     out["hit_unspecified"] = d.get(by + "external_unspecified", 0.0) / prompt
+    out["servers"] = {url: {"requests": int(d.get(f"{url}|vllm:request_success_total", 0.0)),
+                            "computed_tokens": int(d.get(f"{url}|vllm:prompt_tokens_total", 0.0)
+                                                   - d.get(f"{url}|vllm:prefix_cache_hits_total", 0.0)
+                                                   - d.get(f"{url}|vllm:external_prefix_cache_hits_total", 0.0)),
+                            **stages(d, f"{url}|")} for url in endpoints}
     return out
 
 
@@ -232,14 +260,27 @@ def start_servers(model: str, connector: bool) -> list[dict[str, Any]]:
                          connector=connector)
 
 
-def summary(name: str, r: dict[str, Any]) -> dict[str, Any]:
-    t = np.asarray(r["ttft"])
-    return {"router": name, "requests": len(t), "failed": r["failed"],
-            **{k: round(r[k], 4) for k in ("hit_vllm", "hit_node_pool", "hit_other_nodes",
-                                             "hit_unspecified")},
+def summary(name: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One router's figures over its runs (repeats pooled: every request's TTFT, requests
+    over the runs' wall time, hit rates averaged); per-run p50 kept to show the spread."""
+    recs = [r for run in runs for r in run["records"]]
+    t = np.asarray([r["ttft_s"] for r in recs])
+    engine = np.asarray([r["engine_ttft_s"] for r in recs])
+    per_worker: dict[str, int] = {}
+    for r in recs:
+        per_worker[r["worker"]] = per_worker.get(r["worker"], 0) + 1
+    hits = {k: round(float(np.mean([run[k] for run in runs])), 4)
+            for k in ("hit_vllm", "hit_node_pool", "hit_other_nodes", "hit_unspecified")}
+    return {"router": name, "requests": len(t), "failed": sum(run["failed"] for run in runs),
+            **hits,
             "ttft_p50_s": round(float(np.percentile(t, 50)), 4),
             "ttft_p99_s": round(float(np.percentile(t, 99)), 4),
-            "completed_per_s": round(len(t) / r["wall_s"], 3), "per_worker": r["per_worker"]}
+            "engine_ttft_p50_s": round(float(np.percentile(engine, 50)), 4),
+            "ttft_p50_per_run_s": [round(float(np.percentile([r["ttft_s"] for r in run["records"]],
+                                                              50)), 4) for run in runs],
+            "completed_per_s": round(len(t) / sum(run["wall_s"] for run in runs), 3),
+            "per_worker": per_worker, "load": [run["load"] for run in runs],
+            "servers": [run["servers"] for run in runs]}
 
 
 def main() -> int:
@@ -254,6 +295,11 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--routers", default=",".join(ROUTERS))
+    ap.add_argument("--repeats", type=int, default=2,
+                    help="runs per router; the order of routers alternates (forward, reversed) "
+                         "so a load change on the machine does not fall on one router")
+    ap.add_argument("--records", default="",
+                    help="write every request's record (JSON lines: router, run, worker, TTFT...)")
     ap.add_argument("--log-decisions", action="store_true",
                     help="log every kvshare decision (estimates per replica) to stderr")
     ap.add_argument("--no-connector", dest="connector", action="store_false",
@@ -287,7 +333,8 @@ def main() -> int:
     from actors.vllm_workers import stop_workers
     from router.serve_vllm import vllm_app
 
-    results: dict[str, Any] = {}
+    runs: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
+    records = open(args.records, "w") if args.records else None  # noqa: SIM115
     with local_cluster(args.replicas, node_cpus=1, head_store_mib=200, node_store_mib=200,
                        resources=[{"vllm_slot": 1}] * args.replicas, ray_namespace="kvshare-bench",
                        temp_prefix="kvs-vllm-bench-"):
@@ -297,23 +344,35 @@ def main() -> int:
             serve.start(proxy_location="Disabled")
             print(f"cluster, kvshare, {len(infos)} vLLM servers up in "
                   f"{time.perf_counter() - t_start:.0f}s", file=sys.stderr)
-            for name in names:
-                for url in endpoints:  # every router starts cold: no vLLM cache, empty pools
-                    httpx.post(f"{url}/reset_prefix_cache", timeout=60).raise_for_status()
-                admin.clear(NS)
-                kwargs = {"namespace": NS, "log_decisions": args.log_decisions} if name == "kvshare" else {}
-                app = vllm_app(ROUTERS[name], len(infos), NS, router_kwargs=kwargs,
-                               replica_resources={"vllm_slot": 1})
-                handle = serve.run(app, name=name, route_prefix=None)
-                t0 = time.perf_counter()
-                results[name] = summary(name, asyncio.run(run_router(name, handle, convs, args,
-                                                                     endpoints)))
-                print(f"{name}: {json.dumps(results[name])} ({time.perf_counter() - t0:.0f}s)",
-                      file=sys.stderr)
-                serve.delete(name)
+            for rep in range(args.repeats):
+                for name in names if rep % 2 == 0 else names[::-1]:
+                    for url in endpoints:  # every router starts cold: no vLLM cache, empty pools
+                        httpx.post(f"{url}/reset_prefix_cache", timeout=60).raise_for_status()
+                    admin.clear(NS)
+                    kwargs = ({"namespace": NS, "log_decisions": args.log_decisions}
+                              if name == "kvshare" else {})
+                    app = vllm_app(ROUTERS[name], len(infos), NS, router_kwargs=kwargs,
+                                   replica_resources={"vllm_slot": 1})
+                    handle = serve.run(app, name=name, route_prefix=None)
+                    t0 = time.perf_counter()
+                    run = asyncio.run(run_router(name, handle, convs, args, endpoints))
+                    runs[name].append(run)
+                    r1 = summary(name, [run])
+                    print(f"{name} run {rep}: p50 {r1['ttft_p50_s']}s p99 {r1['ttft_p99_s']}s "
+                          f"{r1['completed_per_s']} req/s vLLM hit {r1['hit_vllm']} "
+                          f"{r1['per_worker']} load {run['load']} "
+                          f"servers {json.dumps(run['servers'])} ({time.perf_counter() - t0:.0f}s)",
+                          file=sys.stderr)
+                    if records is not None:
+                        for r in run["records"]:
+                            records.write(json.dumps({"router": name, "run": rep, **r}) + "\n")
+                    serve.delete(name)
         finally:
             serve.shutdown()  # type: ignore[no-untyped-call]
             stop_workers()
+            if records is not None:
+                records.close()
+    results = {n: summary(n, rs) for n, rs in runs.items() if rs}
     print(f"{'router':9} {'vLLM hit':>8} {'pool hit':>8} {'p50':>7} {'p99':>7} {'req/s':>6} workers")
     for r in results.values():
         pool = r["hit_node_pool"] + r["hit_other_nodes"] + r["hit_unspecified"]
@@ -321,8 +380,10 @@ def main() -> int:
               f"{r['ttft_p50_s']:6.3f}s {r['ttft_p99_s']:6.3f}s {r['completed_per_s']:6.3f} "
               f"{r['per_worker']}")
     peers = [r for n, r in results.items() if n != "kvshare"]
-    out: dict[str, Any] = {"routers": {n: {k: v for k, v in r.items() if k != "router"}
+    out: dict[str, Any] = {"routers": {n: {k: v for k, v in r.items()
+                                           if k not in ("router", "servers")}
                                        for n, r in results.items()},
+                           "repeats": args.repeats,
                            "connector": args.connector,
                            "total_s": round(time.perf_counter() - t_start, 1)}
     if "kvshare" in results and peers:
@@ -331,6 +392,9 @@ def main() -> int:
         out["best_peer"] = best["router"]
         out["ttft_p50_vs_best_peer"] = round(best["ttft_p50_s"] / kv["ttft_p50_s"], 3)
         out["throughput_vs_best_peer"] = round(kv["completed_per_s"] / best["completed_per_s"], 3)
+        out["ttft_p50_vs_best_peer_per_run"] = [
+            round(min(p["ttft_p50_per_run_s"][i] for p in peers) / kv["ttft_p50_per_run_s"][i], 3)
+            for i in range(args.repeats)]
     print(json.dumps(out))
     return 0
 

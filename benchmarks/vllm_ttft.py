@@ -19,11 +19,13 @@ vLLM's own prefix cache does not hold the prefix, except ``vllm_prefix_s``:
 Ratios: ``speedup_local = cold_s / kvshare_local_s``, ``vs_lmcache = lmcache_s /
 kvshare_local_s``, ``local_vs_vllm_prefix = kvshare_local_s / vllm_prefix_s``,
 ``remote_vs_local = kvshare_remote_s / kvshare_local_s``, ``cold_overhead = cold_connector_s
-/ cold_s``; ``breakdown_local`` splits kvshare_local_s: lookup, shm transfer, copy into
-vLLM's pages, ``load_reported_s`` (load submitted -> vLLM told it is done: the load plus the
-idle steps until it is noticed), the rest (scheduling + the suffix's compute), and how many
-engine steps the request took (``load_polls`` of them while its load ran). Medians over ``--repeats``. Last line: one
-JSON object.
+/ cold_s``; ``breakdown_local`` splits kvshare_local_s: lookup, ``transfer_s`` (this node's
+slab -> vLLM's pages: one straight copy), ``copy_into_pages_s`` (a second copy, staging ->
+pages; ~0 when the copy is straight), ``load_reported_s`` (load started -> vLLM told it is
+done: for a synchronous load, the load itself inside the step; for an asynchronous one, plus
+the idle steps until it is noticed), the rest (scheduling + the suffix's compute), how many
+engine steps the request took (``load_polls`` of them spent polling an asynchronous load) and
+``sync_loads``. Medians over ``--repeats``. Last line: one JSON object.
 """
 
 from __future__ import annotations
@@ -32,7 +34,6 @@ import argparse
 import json
 import os
 import random
-import shutil
 import statistics
 import subprocess
 import sys
@@ -40,10 +41,9 @@ import tempfile
 from typing import Any
 
 import ray
-from ray.cluster_utils import Cluster
 
+from actors.local_cluster import local_cluster
 from kvshare.layout import KVLayout
-from kvshare.ray_env import use_local_ray_defaults
 from kvshare.vllm.offline import ENGINE_ENV, OfflineEngine, kv_transfer_config
 from kvshare.vllm.tiny_model import TinyModelSpec, build_tiny_llama
 
@@ -113,15 +113,8 @@ def main() -> None:
     args = ap.parse_args()
     n, reps = args.tokens, args.repeats
     max_len = n + SUFFIX + 64
-    tmp = tempfile.mkdtemp(prefix="kvs-vllm-bench-")
     model = build_tiny_llama(os.path.join(tempfile.gettempdir(), "kvshare-tiny-llama-bf16"),
                              TinyModelSpec(max_position_embeddings=max(16384, max_len)))
-    cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 1, "object_store_memory": 256 * 2**20, "temp_dir": tmp})
-    for i in range(2):
-        cluster.add_node(num_cpus=2, object_store_memory=256 * 2**20, resources={f"node_{i}": 1})
-    cluster.wait_for_nodes()
-    ray.init(address=cluster.address, namespace="kvshare", log_to_driver=False)
     res: dict[str, list[float]] = {}
     split: dict[str, list[float]] = {}
     lmcache_error = ""
@@ -131,7 +124,7 @@ def main() -> None:
         res.setdefault(key, []).append(value)
         print(f"{key:18s} {value:8.3f} s", flush=True)
 
-    try:
+    with local_cluster(2, ray_namespace="kvshare", temp_prefix="kvs-vllm-bench-"):
         from actors.deploy import deploy
 
         layout = KVLayout.from_hf_config(f"{model}/config.json", dtype="bf16", block_tokens=BLOCK)
@@ -171,6 +164,7 @@ def main() -> None:
                          ("scheduling_and_compute_s", max(0.0, t - lookup - reported)),
                          ("engine_steps", delta(after, before, "steps")),
                          ("load_polls", delta(after, before, "load_polls")),
+                         ("sync_loads", delta(after, before, "sync_loads")),
                          ("loaded_tokens", cached)):
                 split.setdefault(k, []).append(v)
             t, cached = ttft(b, prefix + s1)
@@ -187,10 +181,6 @@ def main() -> None:
             except Exception as exc:  # the peer failed to run: say so, keep our figures
                 lmcache_error = f"{type(exc).__name__}: {str(exc)[:300]}"
                 print("LMCache run failed:", lmcache_error, flush=True)
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
-        shutil.rmtree(tmp, ignore_errors=True)
 
     med = {k: statistics.median(v) for k, v in res.items()}
     out: dict[str, Any] = {"prefix_tokens": n, "suffix_tokens": SUFFIX, "repeats": reps,
@@ -215,5 +205,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    use_local_ray_defaults()
     main()

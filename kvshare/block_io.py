@@ -8,12 +8,16 @@ block as a canonical ``[layers, 2, kv_heads, block_tokens, head_dim]`` view and 
 one copy into (or out of) its own memory. ``write_blocks``/``read_blocks`` take several
 consecutive blocks at once (``[n, layers, 2, kv_heads, block_tokens, head_dim]``), so memory
 that can move them in a few vectorised copies does (the SDK's loads and stores use these).
+Memory that is also a :class:`SlabIO` is copied straight from and into this node's pool slab.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
+import numpy as np
+import numpy.typing as npt
 import torch
 
 from kvshare.layout import KVLayout
@@ -46,4 +50,31 @@ class BlockIO(Protocol):
 
     def read_blocks(self, first: int, out: torch.Tensor) -> None:
         """Copy blocks ``first..first+n`` into ``out`` (``[n, *block]``)."""
+        ...
+
+
+@runtime_checkable
+class SlabIO(Protocol):
+    """Engine memory that copies straight to and from a pool's shared-memory slab.
+
+    ``rows`` is the slab mapped in this process (``[slots, bytes_per_block]`` uint8); block
+    ``blocks[i]`` (numbered as in :class:`BlockIO`) is slot ``slots[i]``. A load from this
+    node's pool then makes one copy (slab -> engine) instead of two (slab -> staging ->
+    engine), and a store one instead of two.
+
+    A load writes *before* the pool's slot epochs are re-checked, so a block whose check then
+    fails (its slot was given to another block meanwhile) may hold that other block's bytes.
+    Only memory whose engine recomputes the blocks a load reports failed may implement this
+    (vLLM's pages: the connector reports them as invalid block ids); the SDK never writes
+    a :class:`BlockIO` or tensor target past its verified prefix.
+    """
+
+    def write_slots(self, blocks: Sequence[int], rows: npt.NDArray[np.uint8],
+                    slots: Sequence[int]) -> None:
+        """Copy slab rows ``slots[i]`` into blocks ``blocks[i]`` of this memory."""
+        ...
+
+    def read_slots(self, blocks: Sequence[int], rows: npt.NDArray[np.uint8],
+                   slots: Sequence[int]) -> None:
+        """Copy blocks ``blocks[i]`` of this memory into slab rows ``slots[i]``."""
         ...

@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 import ray
 
+from kvshare.block_io import SlabIO
 from kvshare.client_types import (
     SOURCE_AUTO,
     SOURCE_NIXL,
@@ -62,7 +63,7 @@ from kvshare.transfer.control import ActorControl
 from kvshare.transfer.estimate import BandwidthEstimator
 from kvshare.transfer.objstore import ObjStoreTransport
 from kvshare.transfer.probe import TransportBandwidths, parse_overrides
-from kvshare.transfer.shm import ShmTransport
+from kvshare.transfer.shm import ShmTransport, SlotCopy
 from kvshare.transfer.wire import BlockControl
 from kvshare.types import BlockHash, Tier, node_location
 from kvshare.workers import IndexQuery
@@ -88,6 +89,15 @@ CutPolicy = Callable[[int, Sequence[Source]], int]
 def load_everything(prompt_tokens: int, sources: Sequence[Source]) -> int:
     """The default cut: every available block (fetching beats recompute on every path here)."""
     return len(sources)
+
+
+def _in_plan_order(copy: SlotCopy, idx: list[int]) -> SlotCopy:
+    """``copy`` for a batch holding the plan's blocks ``idx`` (batch positions -> plan blocks)."""
+
+    def run(rows: np.ndarray, positions: list[int], slots: list[int]) -> None:
+        copy(rows, [idx[p] for p in positions], slots)
+
+    return run
 
 
 class KVShareClient:
@@ -370,10 +380,13 @@ class KVShareClient:
         check_target(into, self.layout, plan.load_tokens)
         start = time.perf_counter()
         transfer_s: dict[str, float] = {}
+        direct = self._slot_copy_into(plan, into)
         with self._load_lock:
             n = plan.load_blocks
-            staging = self._staging_rows(n)
-            reasons = self._fetch(plan, staging, transfer_s)
+            # straight copies only size the batch with the staging rows: leave them untouched
+            staging = self._staging_rows(n) if direct is None else np.empty(
+                (n, self.layout.bytes_per_block), dtype=np.uint8)
+            reasons = self._fetch(plan, staging, transfer_s, direct)
             t_copy = time.perf_counter()
             outcomes: list[BlockOutcome] = []
             good = 0  # only the contiguous prefix is usable: copy just that
@@ -383,7 +396,7 @@ class KVShareClient:
                     good += 1
                 outcomes.append(BlockOutcome(i, ok, b.transport, reasons[i],
                                              self.layout.bytes_per_block if ok else 0))
-            if good:
+            if good and direct is None:
                 blocks_into_target(staging[:good], into, 0, self.layout)
         done = time.perf_counter()
         result = LoadResult(outcomes, done - start, transfer_s, done - t_copy)
@@ -399,9 +412,20 @@ class KVShareClient:
                 self._count(f"miss_{o.reason}")
         return result
 
-    def _fetch(self, plan: Plan, staging: np.ndarray, spent: dict[str, float]) -> list[str]:
-        """Read the plan's blocks into ``staging``; per block ``""`` or a miss reason.
-        ``spent`` gets each transport's seconds from the first submit to its last batch's end."""
+    def _slot_copy_into(self, plan: Plan, into: KVTarget) -> SlotCopy | None:
+        """The straight slab -> ``into`` copy for a plan served wholly by this node's pool
+        over shm, when ``into`` is a :class:`~kvshare.block_io.SlabIO` (and checksums are
+        not verified); None: stage the blocks, then copy their verified prefix."""
+        if (not isinstance(into, SlabIO) or self._load_shm.verify or not plan.blocks
+                or any(b.transport != SOURCE_SHM for b in plan.blocks)):
+            return None
+        return lambda rows, positions, slots: into.write_slots(positions, rows, slots)
+
+    def _fetch(self, plan: Plan, staging: np.ndarray, spent: dict[str, float],
+               direct: SlotCopy | None = None) -> list[str]:
+        """Read the plan's blocks into ``staging`` (or, with ``direct``, straight into the
+        target); per block ``""`` or a miss reason. ``spent`` gets each transport's seconds
+        from the first submit to its last batch's end."""
         t_start = time.perf_counter()
         groups: dict[tuple[str, str], list[int]] = {}
         for i, b in enumerate(plan.blocks):
@@ -419,7 +443,12 @@ class KVShareClient:
             tr = self._transport(transport)
             hs = [plan.blocks[i].block_hash for i in idx]
             t0 = time.perf_counter()
-            t = tr.submit_read(control, hs, [staging[i] for i in idx], deadline_s=self.load_deadline_s)
+            bufs = [staging[i] for i in idx]
+            if direct is not None and tr is self._load_shm:
+                t = self._load_shm.submit_read(control, hs, bufs, deadline_s=self.load_deadline_s,
+                                               copy=_in_plan_order(direct, idx))
+            else:
+                t = tr.submit_read(control, hs, bufs, deadline_s=self.load_deadline_s)
             running.append((tr, t, idx, tr.name, t0, loc))
         for tr, t, idx, used, t0, loc in running:  # each batch's own peer for the estimator
             res = tr.wait(t)
@@ -506,8 +535,13 @@ class KVShareClient:
             self._count("store_no_pool", len(todo))
             return StoreResult(skipped=len(todo), reason="no pool on this node")
         data = np.empty((len(todo), self.layout.bytes_per_block), dtype=np.uint8)
-        blocks_from_source(kv, start, data, self.layout)
-        res = self._store_shm.write(control, todo, list(data), deadline_s=self.store_deadline_s)
+        if isinstance(kv, SlabIO):  # pages -> slab in one copy (``data`` stays untouched)
+            res = self._store_shm.wait(self._store_shm.submit_write(
+                control, todo, list(data), deadline_s=self.store_deadline_s,
+                copy=lambda rows, pos, slots: kv.read_slots([start + p for p in pos], rows, slots)))
+        else:
+            blocks_from_source(kv, start, data, self.layout)
+            res = self._store_shm.write(control, todo, list(data), deadline_s=self.store_deadline_s)
         stored = res.num_ok
         reasons = res.reasons()
         for reason, count in reasons.items():

@@ -8,6 +8,7 @@ the calls below and nothing more::
     answer = await core.query(namespace, hashes)         # the index, under its deadline
     cands = core.candidates(infos, loads)                # reports + this router's in-flight work
     ranking = core.rank(request, answer, cands)          # Decision + every candidate's Estimate
+    core.expect(request_id, ranking)                     # ranked, to be placed (Serve)
     core.routed(request_id, ranking, worker)             # once it is sent there
     ...
     core.prefilled(request_id); core.finished(request_id)
@@ -224,12 +225,22 @@ class RoutingCore:
     def routed(self, request_id: str, ranking: Ranking, worker: WorkerId | None = None) -> None:
         """The ranked request was sent to ``worker`` (default: the decision's): its blocks are
         pending there (gpu tier) and the tokens its plan there leaves to prefill load the
-        worker until :meth:`prefilled`."""
+        worker until :meth:`prefilled` (:meth:`expect`)."""
+        worker = worker or ranking.decision.worker
+        req = ranking.request
+        self.pending.add(req.namespace, worker_location(worker), req.hashes, PENDING_TIER)
+        self.expect(request_id, ranking, worker)
+
+    def expect(self, request_id: str, ranking: Ranking, worker: WorkerId | None = None) -> None:
+        """The ranked request is about to go to ``worker`` (default: the decision's): the
+        tokens its plan there leaves to prefill load that worker from now on, so requests
+        ranked meanwhile (a front end that places a request some time after ranking it, as
+        Serve does) see it. :meth:`routed` (or :meth:`finished`) replaces it; no pending
+        blocks yet (the request may still land elsewhere)."""
         req = ranking.request
         worker = worker or ranking.decision.worker
         plan = ranking.plan_of(worker)
         cached = plan.cached_tokens if plan is not None else 0
-        self.pending.add(req.namespace, worker_location(worker), req.hashes, PENDING_TIER)
         self.inflight.add(request_id, worker, req.num_tokens - cached, len(req.hashes),
                           counted_tokens=req.num_tokens)
 

@@ -135,6 +135,14 @@ class Routed:
         return out
 
 
+def _token_ids(prompt: Sequence[Any]) -> bool:
+    """Whether every item is an int in [0, 2**32) and not a bool (C-level passes when every
+    item is exactly an int, as parsed JSON is; item by item otherwise)."""
+    if set(map(type, prompt)) == {int}:
+        return bool(min(prompt) >= 0 and max(prompt) < 2**32)
+    return all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**32 for t in prompt)
+
+
 class InProcessIndex:
     """:class:`~kvshare.workers.IndexQuery` over an in-process ``GlobalIndex`` (embedding a
     router next to its own index, tests, benchmarks), with the worker registry reads of
@@ -221,9 +229,7 @@ class CacheAwareRouter:
             return list(self.tokenizer.apply_chat_template(messages))
         if isinstance(prompt, str) and prompt:
             return list(self.tokenizer.encode(prompt))
-        if isinstance(prompt, list | tuple) and prompt and all(
-            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**32 for t in prompt
-        ):
+        if isinstance(prompt, list | tuple) and prompt and _token_ids(prompt):
             return list(prompt)
         raise ValueError("'prompt' must be a non-empty string or a list of token ids (ints >= 0)")
 

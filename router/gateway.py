@@ -40,7 +40,7 @@ from router import timing, upstream
 from router.admin_routes import add_admin_routes, checked_body, json_object
 from router.admission import Admission, AdmissionConfig
 from router.embed import CacheAwareRouter, Routed, RouterConfig, Tenant
-from router.forward import forward_body
+from router.forward import forward_body, is_vllm
 from router.limits import BodyLimit, Limits
 from router.policy import NoEligibleWorker
 from router.requests import AdminRequest, ChatRequest, CompletionRequest, RouteRequest, document
@@ -310,6 +310,7 @@ def create_app(
         headers = {"x-kvshare-worker": d.worker, "x-kvshare-reason": d.reason,
                    "x-kvshare-tries": str(outcome.tries)}
         resp = outcome.response
+        first_s = time.perf_counter() - t_send  # to the whole body, or a stream's first chunk
         if outcome.rest is None:
             router.finished(routed.request_id)
             raw = outcome.body
@@ -318,6 +319,11 @@ def create_app(
             ctype = resp.headers.get("content-type", "application/json")
             return Response(raw, resp.status_code, headers=headers, media_type=ctype)
         rest = outcome.rest
+        stages = timing.stream_stages(routed.timings, first_s)
+        headers["x-kvshare-breakdown"] = timing.header(stages)
+        vllm = is_vllm(infos.get(d.worker))
+        if vllm:  # no worker stages will come: what the gateway saw is the whole breakdown
+            timing.observe(metrics.ttft_stages, stages)
 
         async def relay() -> AsyncIterator[bytes]:
             router.prefilled(routed.request_id)
@@ -335,7 +341,8 @@ def create_app(
                         at = buf.find(b'"kvshare"')
                         cut = buf.rfind(b"\n\n", 0, at if at >= 0 else len(buf))
                         if cut >= 0:
-                            yield buf[:cut + 2]
+                            events = buf[:cut + 2]
+                            yield timing.usage_events(events, stages) if vllm else events
                             buf = buf[cut + 2:]
                         if at >= 0:
                             upstream_s = time.perf_counter() - t_send
@@ -346,7 +353,7 @@ def create_app(
                     chunk = await rest.__anext__()
             except StopAsyncIteration:
                 if not tail:
-                    yield buf
+                    yield timing.usage_events(buf, stages) if vllm else buf
                     return
                 end, breakdown = timing.stream_tail(b"".join(tail), routed.timings, upstream_s)
                 router.recent.finish_stream(routed.request_id, end)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass
+from itertools import compress, repeat
 from typing import Any
 
 Scope = MutableMapping[str, Any]
@@ -85,7 +86,9 @@ def depth_of(value: Any, limit: int) -> int:
         deepest = max(deepest, d)
         if deepest > limit:
             return deepest
-        stack.extend((c, d + 1) for c in children if isinstance(c, dict | list))
+        # C-level filter: a list of 8k token ids must not cost a Python step per id
+        stack.extend(zip(compress(children, map(isinstance, children, repeat((dict, list)))),
+                         repeat(d + 1)))
     return deepest
 
 

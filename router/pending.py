@@ -20,6 +20,8 @@ from kvshare.match import EMPTY_MATCH, LocationMatch, MatchResult
 from kvshare.types import BlockHash, Location, Tier
 
 _RANK = {t: t.rank for t in Tier}
+_Holders = dict[Location, tuple[Tier, float]]
+"""A block's pending holders and (tier, expiry); shared between blocks, never changed in place."""
 
 
 class PendingBlocks:
@@ -36,9 +38,7 @@ class PendingBlocks:
         self.ttl_s = ttl_s
         self._clock = clock
         self._max = max_entries
-        self._entries: OrderedDict[tuple[str, BlockHash], dict[Location, tuple[Tier, float]]] = (
-            OrderedDict()
-        )
+        self._entries: OrderedDict[tuple[str, BlockHash], _Holders] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -52,13 +52,21 @@ class PendingBlocks:
         value = (tier, now + self.ttl_s)  # one shared (immutable) value for the whole call
         entries = self._entries
         get, refresh = entries.get, entries.move_to_end
+        # Holder maps are shared between keys and never changed in place: the keys of one call
+        # that had the same holders get one new map, so a prompt's blocks usually share one
+        # object and _live_runs reads it once (compared by identity).
+        fresh = {location: value}
+        grown: dict[int, tuple[_Holders, _Holders]] = {}  # id(old map) -> (old map, new map)
         for key in zip(repeat(namespace), hashes):
             holders = get(key)
             if holders is None:
-                entries[key] = {location: value}
-            else:
-                refresh(key)
-                holders[location] = value
+                entries[key] = fresh
+                continue
+            refresh(key)
+            done = grown.get(id(holders))
+            if done is None or done[0] is not holders:  # (the old map is kept alive in grown)
+                done = grown[id(holders)] = (holders, {**holders, location: value})
+            entries[key] = done[1]
         while len(entries) > self._max:
             entries.popitem(last=False)
 
@@ -104,12 +112,12 @@ class PendingBlocks:
         # A prompt's blocks were mostly added together, so their holder maps are equal and
         # are read once per run.
         runs: list[list[Any]] = []
-        prev: dict[Location, tuple[Tier, float]] | None = None
+        prev: _Holders | None = None
         k = 0
         for pending in map(self._entries.get, zip(repeat(namespace), hashes)):
             if not pending:
                 break
-            if pending != prev:
+            if pending is not prev and pending != prev:
                 live = tuple([(loc, t) for loc, (t, expiry) in pending.items() if expiry > now])
                 if not live:
                     break

@@ -32,11 +32,12 @@ import random
 from typing import ClassVar
 
 from kvshare.cost import CostModel, Source
-from router.policy import Candidate, Policy, RouteRequest
+from router.peer_rule import PeerRule, pick_tie, require_weights
+from router.policy import Candidate, RouteRequest
 from router.sources import Sharing, SourceMap
 
 
-class DynamoKv(Policy):
+class DynamoKv(PeerRule):
     """Dynamo's current ``DefaultWorkerSelector`` cost (module docstring)."""
 
     name: ClassVar[str] = "dynamo_kv"
@@ -45,6 +46,7 @@ class DynamoKv(Policy):
         self,
         cost: CostModel,
         sharing: Sharing = Sharing.GLOBAL,
+        *,
         overlap_score_credit: float = 1.0,
         host_cache_hit_weight: float = 0.75,
         disk_cache_hit_weight: float = 0.25,
@@ -53,16 +55,17 @@ class DynamoKv(Policy):
         router_temperature: float = 0.0,
         seed: int = 0,
     ) -> None:
-        super().__init__(cost, sharing)
-        weights = (overlap_score_credit, host_cache_hit_weight, disk_cache_hit_weight,
-                   prefill_load_scale, decode_active_request_weight, router_temperature)
-        if not all(math.isfinite(w) and w >= 0 for w in weights):
-            raise ValueError("Dynamo's weights and router_temperature must be finite and >= 0")
+        super().__init__(cost, sharing, seed)
+        require_weights(self.name, overlap_score_credit=overlap_score_credit,
+                        host_cache_hit_weight=host_cache_hit_weight,
+                        disk_cache_hit_weight=disk_cache_hit_weight,
+                        prefill_load_scale=prefill_load_scale,
+                        decode_active_request_weight=decode_active_request_weight,
+                        router_temperature=router_temperature)
         self.tier_credit = (overlap_score_credit, host_cache_hit_weight, disk_cache_hit_weight)
         self.prefill_load_scale = prefill_load_scale
         self.request_weight = decode_active_request_weight
         self.temperature = router_temperature
-        self._rng = random.Random(seed)
 
     def logit(self, request: RouteRequest, view: SourceMap, cand: Candidate) -> float:
         """The worker's cost in blocks (lower is better)."""
@@ -86,8 +89,7 @@ def sample_lowest(costs: list[float], temperature: float, rng: random.Random) ->
     the min-max normalised costs: ``p_i ~ exp(-(c_i - min) / ((max - min) * T))``."""
     low, high = min(costs), max(costs)
     if temperature == 0 or low == high:
-        ties = [i for i, c in enumerate(costs) if c == low]
-        return ties[0] if len(ties) == 1 else rng.choice(ties)
+        return pick_tie([i for i, c in enumerate(costs) if c == low], rng)
     scale = (high - low) * temperature
     weights = [math.exp(-(c - low) / scale) for c in costs]
     return rng.choices(range(len(costs)), weights)[0]

@@ -20,16 +20,15 @@ requests are its requests in flight less the one running.
 
 from __future__ import annotations
 
-import math
-import random
 from typing import ClassVar
 
 from kvshare.cost import CostModel, Source
-from router.policy import Candidate, Policy, RouteRequest
+from router.peer_rule import PeerRule, pick_tie, require_weights
+from router.policy import Candidate, RouteRequest
 from router.sources import Sharing, SourceMap
 
 
-class LlmdPrecise(Policy):
+class LlmdPrecise(PeerRule):
     """llm-d's precise-prefix-cache scorer + queue scorer, max-score picker."""
 
     name: ClassVar[str] = "llmd_precise"
@@ -38,17 +37,18 @@ class LlmdPrecise(Policy):
         self,
         cost: CostModel,
         sharing: Sharing = Sharing.GLOBAL,
+        *,
         prefix_weight: float = 2.0,
         queue_weight: float = 1.0,
         tier_weights: tuple[float, float, float] = (1.0, 0.8, 0.3),
         seed: int = 0,
     ) -> None:
-        super().__init__(cost, sharing)
-        if not all(math.isfinite(w) and w >= 0 for w in (prefix_weight, queue_weight, *tier_weights)):
-            raise ValueError("llm-d scorer weights must be finite and >= 0")
+        super().__init__(cost, sharing, seed)
+        gpu, cpu, storage = tier_weights
+        require_weights(self.name, prefix_weight=prefix_weight, queue_weight=queue_weight,
+                        gpu=gpu, cpu=cpu, storage=storage)
         self.prefix_weight, self.queue_weight = prefix_weight, queue_weight
         self.tier_weights = tier_weights
-        self._rng = random.Random(seed)
 
     def prefix_score(self, view: SourceMap, cand: Candidate) -> float:
         """Tier-weighted length of the worker's consecutive prefix (``LongestPrefixScorer``)."""
@@ -67,5 +67,4 @@ class LlmdPrecise(Policy):
         total = [self.prefix_weight * p + self.queue_weight * q for p, q in zip(prefix, queue, strict=True)]
         best = max(total)
         ties = [i for i, t in enumerate(total) if t == best]
-        return (ties[0] if len(ties) == 1 else self._rng.choice(ties)), (
-            "prefix" if prefix[ties[0]] > 0 else "queue")
+        return pick_tie(ties, self._rng), "prefix" if prefix[ties[0]] > 0 else "queue"

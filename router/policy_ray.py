@@ -33,17 +33,17 @@ traces (a tenant keeps ~10 prompts of 10k tokens), so the simulator's baseline i
 from __future__ import annotations
 
 import math
-import random
 from collections import OrderedDict
 from typing import ClassVar
 
 from kvshare.cost import CostModel
 from kvshare.types import BlockHash, WorkerId
-from router.policy import Candidate, Decision, Policy, RouteRequest
+from router.peer_rule import PeerRule
+from router.policy import Candidate, Decision, RouteRequest
 from router.sources import Sharing, SourceMap
 
 
-class RayPrefixAffinity(Policy):
+class RayPrefixAffinity(PeerRule):
     """Ray 2.60's PrefixCacheAffinityRouter rule (module docstring)."""
 
     name: ClassVar[str] = "ray_prefix"
@@ -52,6 +52,7 @@ class RayPrefixAffinity(Policy):
         self,
         cost: CostModel,
         sharing: Sharing = Sharing.GLOBAL,
+        *,
         imbalanced_threshold: float = math.inf,
         match_rate_threshold: float = 0.1,
         seed: int = 0,
@@ -59,12 +60,15 @@ class RayPrefixAffinity(Policy):
         eviction_threshold_tokens: int = 100_000,
         eviction_target_tokens: int = 90_000,
     ) -> None:
-        super().__init__(cost, sharing)
-        if not 0 <= match_rate_threshold <= 1 or imbalanced_threshold < 0:
-            raise ValueError("match_rate_threshold must be in [0, 1] and imbalanced_threshold >= 0")
+        super().__init__(cost, sharing, seed)
+        if not 0 <= match_rate_threshold <= 1 or not imbalanced_threshold >= 0:
+            raise ValueError(f"{self.name}: match_rate_threshold must be in [0, 1] and "
+                             f"imbalanced_threshold >= 0, got {match_rate_threshold} and "
+                             f"{imbalanced_threshold}")
         if not 0 <= eviction_target_tokens <= eviction_threshold_tokens:
-            raise ValueError("need 0 <= eviction_target_tokens <= eviction_threshold_tokens, got "
-                             f"{eviction_target_tokens} and {eviction_threshold_tokens}")
+            raise ValueError(f"{self.name}: need 0 <= eviction_target_tokens <= "
+                             f"eviction_threshold_tokens, got {eviction_target_tokens} and "
+                             f"{eviction_threshold_tokens}")
         self.imbalanced_threshold = imbalanced_threshold
         self.match_rate_threshold = match_rate_threshold
         self.do_eviction = do_eviction
@@ -76,7 +80,6 @@ class RayPrefixAffinity(Policy):
         # insert's number
         self._lru: dict[WorkerId, OrderedDict[BlockHash, int]] = {}
         self._inserts = 0
-        self._rng = random.Random(seed)
 
     def prefix_match(self, request: RouteRequest, tenants: set[WorkerId]) -> tuple[int, set[WorkerId]]:
         """Longest routed prefix (blocks) among ``tenants`` and the tenants that hold it."""

@@ -19,7 +19,10 @@ does it). For every request the router
    replicas, ranks them with kvshare's ``cost`` policy (estimated TTFT: queue + fetch +
    prefill of the rest) and returns one replica per rank, so Serve still skips a full replica.
    The first passes offer only replicas close to the best (Serve retries them with backoff);
-   later passes offer every replica ("spill").
+   later passes offer every replica ("spill"). From the ranking on, the request's prefill
+   counts as queued at its first choice (``RoutingCore.expect``), so a burst of requests
+   ranked before Serve placed any of them is not all sent to one replica; once placed it
+   counts where it went.
 
 Steps 1-3 are :class:`~router.core.RoutingCore`'s, the same core the asyncio gateway uses
 (hashing, the index deadline and its fallback, in-flight load, pending blocks, the cost model
@@ -377,6 +380,9 @@ class KVShareRequestRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         else:
             self._count("spilled")
         self._remember(rid, _Routing(ranking, passes, tuple(order)))
+        # Serve places it some time later (queue probes, backoff): until then the requests
+        # ranked meanwhile must see it queued at its first choice.
+        self.core.expect(rid, ranking)
         return [[by_worker[w]] for w in order]
 
     def _with_queue_lengths(self, by_worker: Mapping[WorkerId, RunningReplica],
@@ -394,7 +400,9 @@ class KVShareRequestRouter(LocalityMixin, MultiplexMixin, RequestRouter):
 
     def _remember(self, rid: str, routing: _Routing) -> None:
         while len(self._last) >= 4096:  # requests cancelled before being routed
-            del self._last[next(iter(self._last))]
+            gone = next(iter(self._last))
+            del self._last[gone]
+            self.core.finished(gone)
         self._last[rid] = routing
 
     # ------------------------------------------------------------------ lifecycle hooks

@@ -23,11 +23,13 @@ dict, as Serve LLM's routers read them)::
     handle = serve.run(app, name="vllm")
     async for chunk in handle.options(stream=True).remote(ServeCompletion(text, ids, 8)):
         ...  # {"worker": id, "text": "...", "finish_reason": None | "stop" | "length"}
+        # the first piece adds "upstream_ttft_s"; a last one carries the server's "usage"
 """
 
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -93,11 +95,18 @@ class VllmReplica:
 
     async def __call__(self, request: ServeCompletion, **_: Any) -> AsyncIterator[dict[str, Any]]:
         """Stream the completion from the vLLM server: one dict per generated piece; extra
-        keyword arguments (a router's, e.g. ``request_token_ids``) are ignored."""
+        keyword arguments (a router's, e.g. ``request_token_ids``) are ignored.
+
+        The first piece also carries ``upstream_ttft_s`` (seconds from this replica's call to
+        the server's first token: the engine's queue and prefill, without Serve's routing);
+        the server's usage (``prompt_tokens``, ``cached_tokens``) comes as a last piece with
+        empty ``text`` and ``usage`` set."""
         body = {**dict(request.extra), "model": self.worker.meta.get("model"),
                 "prompt": list(request.prompt_token_ids), "max_tokens": request.max_tokens,
-                "stream": True}
+                "stream": True, "stream_options": {"include_usage": True}}
         wid = str(self.worker.worker_id)
+        t0 = time.perf_counter()
+        first = True
         async with self.http.stream("POST", f"{self.worker.endpoint}/v1/completions",
                                     json=body) as resp:
             if resp.status_code != 200:
@@ -106,9 +115,26 @@ class VllmReplica:
             async for line in resp.aiter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
-                for choice in json.loads(line[6:]).get("choices", []):
-                    yield {"worker": wid, "text": choice.get("text", ""),
-                           "finish_reason": choice.get("finish_reason")}
+                data = json.loads(line[6:])
+                for choice in data.get("choices") or []:
+                    piece = {"worker": wid, "text": choice.get("text", ""),
+                             "finish_reason": choice.get("finish_reason")}
+                    if first:
+                        piece["upstream_ttft_s"] = time.perf_counter() - t0
+                        first = False
+                    yield piece
+                if data.get("usage"):
+                    yield {"worker": wid, "text": "", "finish_reason": None,
+                           "usage": _usage(data["usage"])}
+
+
+def _usage(usage: Mapping[str, Any]) -> dict[str, int]:
+    """vLLM's usage object as plain counts (``cached_tokens``: its prefix cache and the KV
+    connector's, with ``--enable-prompt-tokens-details``)."""
+    details = usage.get("prompt_tokens_details") or {}
+    return {"prompt_tokens": int(usage.get("prompt_tokens") or 0),
+            "completion_tokens": int(usage.get("completion_tokens") or 0),
+            "cached_tokens": int(details.get("cached_tokens") or 0)}
 
 
 def vllm_app(router: str | None, num_replicas: int, namespace: str, *,

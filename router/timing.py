@@ -5,8 +5,12 @@ The gateway times its own stages (``parse``, and the router's ``tokenize``/``has
 carries its stages and ``worker_s``, its own time for the request. ``network`` is the
 difference. The joined breakdown (:mod:`kvshare.breakdown`) replaces ``kvshare.breakdown`` in
 the reply: in the JSON body, or in the last server-sent event that carries ``kvshare``.
-A reply without a ``kvshare`` object (a vLLM server) gets one with the gateway's stages when
-it is JSON; a stream without one is passed on unchanged.
+A reply without a ``kvshare`` object (a vLLM server) gets one with the gateway's stages and
+``upstream`` (the worker's whole time, network included) when it is JSON. Every streamed answer
+carries the gateway's stages in the header ``x-kvshare-breakdown`` (:func:`header`), with
+``upstream`` = the wait for the worker's first chunk; a vLLM stream's usage event (asked for
+with ``stream_options.include_usage``: the one event with ``"choices":[]``) gets the same
+in a ``kvshare`` object (:func:`usage_events`); otherwise a vLLM stream is passed on unchanged.
 """
 
 from __future__ import annotations
@@ -16,6 +20,10 @@ from collections.abc import Mapping
 from typing import Any
 
 from kvshare.breakdown import STAGES
+
+UPSTREAM = "upstream"
+"""The stage of a worker that reports none of its own (vLLM): the gateway's wait for it."""
+_USAGE_EVENT = b'"choices":[]'  # vLLM's usage event (pydantic's compact JSON)
 
 
 def joined(gateway: Mapping[str, float], upstream_s: float, kv: Any) -> dict[str, Any]:
@@ -27,7 +35,7 @@ def joined(gateway: Mapping[str, float], upstream_s: float, kv: Any) -> dict[str
     if isinstance(worker_s, int | float):
         parts["network"] = max(0.0, upstream_s - float(worker_s))
     else:
-        parts["upstream"] = upstream_s  # not a kvshare worker: its time is all one stage
+        parts[UPSTREAM] = upstream_s  # not a kvshare worker: its time is all one stage
     if isinstance(worker, Mapping):
         parts.update({k: v for k, v in worker.items() if k not in parts})
     order = {s: i for i, s in enumerate(STAGES)}
@@ -35,8 +43,9 @@ def joined(gateway: Mapping[str, float], upstream_s: float, kv: Any) -> dict[str
 
 
 def observe(histogram: Any, breakdown: Mapping[str, Any]) -> None:
-    """One observation per stage into a Prometheus histogram labelled by ``stage``."""
-    for stage in STAGES:
+    """One observation per stage (and ``upstream``) into a Prometheus histogram labelled by
+    ``stage``."""
+    for stage in (*STAGES, UPSTREAM):
         value = breakdown.get(stage)
         if isinstance(value, int | float):
             histogram.labels(stage).observe(float(value))
@@ -73,3 +82,34 @@ def stream_tail(tail: bytes, gateway: Mapping[str, float],
         events[i] = b"data: " + json.dumps(data).encode()
         return b"\n\n".join(events), breakdown
     return tail, None
+
+
+def stream_stages(gateway: Mapping[str, float], first_s: float) -> dict[str, float]:
+    """A stream's breakdown as the gateway knows it when the worker's first chunk arrives:
+    its own stages and ``upstream`` (``first_s``: from sending to that chunk)."""
+    return {**gateway, UPSTREAM: first_s}
+
+
+def header(stages: Mapping[str, float]) -> str:
+    """``stages`` as the ``x-kvshare-breakdown`` header: compact JSON, seconds."""
+    return json.dumps({k: round(v, 6) for k, v in stages.items()}, separators=(",", ":"))
+
+
+def usage_events(events: bytes, stages: Mapping[str, float]) -> bytes:
+    """Complete server-sent ``events`` with ``kvshare.breakdown`` = ``stages`` added to a
+    vLLM usage event (``"choices":[]``) among them; anything else passes unchanged."""
+    if _USAGE_EVENT not in events:
+        return events
+    out = events.split(b"\n\n")
+    for i, event in enumerate(out):
+        line = event.strip()
+        if not (line.startswith(b"data: {") and _USAGE_EVENT in line):
+            continue
+        try:
+            data = json.loads(line[6:])
+        except ValueError:
+            continue
+        if isinstance(data, dict) and data.get("choices") == [] and "kvshare" not in data:
+            data["kvshare"] = {"breakdown": dict(stages)}
+            out[i] = b"data: " + json.dumps(data).encode()
+    return b"\n\n".join(out)

@@ -183,6 +183,41 @@ def test_serve_ranks_a_replica_by_the_worker_its_routing_stats_name() -> None:
         [WorkerInfo(WorkerId("vllm-a"), NodeId("n0"), (NS,))], {})[0][0].running == 1
 
 
+def test_serve_counts_a_ranked_request_before_serve_places_it() -> None:
+    """Serve places a request some time after the router ranked it; requests ranked meanwhile
+    (a burst of new conversations) see it queued at its first choice, so two short prompts
+    ranked after a long one are not put behind it, and once placed it counts where it went."""
+    reps = replicas(2)
+    index = cluster(reps)
+    long_ids = [RNG.randrange(256) for _ in range(BT * 40)]
+    short = [[RNG.randrange(256) for _ in range(BT * 2)] for _ in range(2)]
+
+    infos = [WorkerInfo(replica_worker_id(r.replica_id), NodeId(r.node_id), (NS,)) for r in reps]
+
+    async def burst() -> tuple[list[Any], list[dict[WorkerId, int]]]:
+        serve = KVShareRequestRouter(deployment_id=DEPLOYMENT,
+                                     handle_source=DeploymentHandleSource.UNKNOWN)
+        serve.initialize_state(namespace=NS, prefill_tokens_per_s=TPS, workers_refresh_s=0.0)
+        serve.use_index(InProcessIndex(index))
+        serve.update_replicas(reps)
+        prs = [pending_request(i, ids) for i, ids in enumerate([long_ids, *short])]
+        chosen = [(await serve.choose_replicas(reps, pr))[0][0] for pr in prs]  # none placed
+        queued = [{ld.worker_id: ld.queued_prefill_tokens
+                   for ld, _ in serve.core.inflight.loads(infos, {})}]
+        # Serve placed the long one on the other replica after all: it counts there, once
+        serve.on_request_routed(prs[0], chosen[1].replica_id, None)
+        queued.append({ld.worker_id: ld.queued_prefill_tokens
+                       for ld, _ in serve.core.inflight.loads(infos, {})})
+        return chosen, queued
+
+    chosen, queued = asyncio.run(burst())
+    assert chosen[1] is not chosen[0] and chosen[2] is not chosen[0], chosen
+    first, other = (replica_worker_id(chosen[i].replica_id) for i in (0, 1))
+    assert queued[0][first] == len(long_ids)
+    assert queued[1][first] == 0
+    assert queued[1][other] == len(long_ids) + 2 * BT * 2
+
+
 # ------------------------------------------------------------------ the core's own rules
 class SlowIndex:
     """Answers after the deadline (a real coroutine), or says it is unavailable."""

@@ -113,3 +113,15 @@ def test_ray_router_evicts_each_replicas_oldest_prompts_past_its_threshold() -> 
     assert keep.tenant_tokens(WorkerId("w0")) == 144  # Ray's default, no eviction: the tree only grows
     with pytest.raises(ValueError, match="eviction_target_tokens"):
         make_policy("ray_prefix", _cost(), eviction_threshold_tokens=10, eviction_target_tokens=20)
+
+
+@pytest.mark.parametrize(("name", "bad"), [
+    ("dynamo_kv", {"host_cache_hit_weight": -0.5}),
+    ("llmd_precise", {"tier_weights": (1.0, float("nan"), 0.3)}),
+    ("ray_prefix", {"match_rate_threshold": 1.5}),
+])
+def test_a_bad_peer_option_names_the_rule_and_makes_no_policy(name: str, bad: dict[str, object]) -> None:
+    with pytest.raises(ValueError, match=name):
+        make_policy(name, _cost(), **bad)
+    with pytest.raises(TypeError, match="typo_weight"):
+        make_policy(name, _cost(), typo_weight=1.0)

@@ -177,6 +177,37 @@ def test_write_then_read_back(source: BlockSource, transports: dict[str, Transpo
     source.pool.remove(hs[:-1])
 
 
+def test_shm_straight_copies_move_the_slots_bytes(source: BlockSource) -> None:
+    """``copy`` instead of buffers: a read hands the caller the slab rows of exactly the blocks
+    it holds (the missing one is a miss), a write fills the reserved slots from the caller."""
+    shm = ShmTransport(NODE, verify=True)
+    seen: dict[int, np.ndarray] = {}
+
+    def take(rows: np.ndarray, pos: list[int], slots: list[int]) -> None:
+        seen.update({p: rows[s].copy() for p, s in zip(pos, slots, strict=True)})
+
+    hs = [h(3), h(4000), h(5)]
+    res = shm.wait(shm.submit_read(LocalControl(source), hs, list(np.empty((3, B), np.uint8)),
+                                   deadline_s=5.0, copy=take))
+    assert res.misses() == {h(4000): MISSING} and set(seen) == {0, 2}
+    assert np.array_equal(seen[0], payload(3)) and np.array_equal(seen[2], payload(5))
+
+    def give(rows: np.ndarray, pos: list[int], slots: list[int]) -> None:
+        for p, s in zip(pos, slots, strict=True):
+            rows[s] = payload(700 + p)
+
+    new = [h(i, 30) for i in range(3)]
+    res = shm.wait(shm.submit_write(LocalControl(source), new, list(np.empty((3, B), np.uint8)),
+                                    deadline_s=5.0, copy=give))
+    assert res.ok, res.reasons()
+    for i in range(3):  # the pool verifies its checksums on this read
+        got = source.pool.get(new[i])
+        assert got is not None and np.array_equal(got, payload(700 + i))
+    consistent(source)
+    source.pool.remove(new)
+    shm.close()
+
+
 def test_bad_input_names_the_fix(source: BlockSource, transports: dict[str, Transport]) -> None:
     for t in transports.values():
         with pytest.raises(ValueError, match="one buffer per block"):
@@ -232,11 +263,14 @@ def test_fetch_falls_back_to_objstore_when_source_has_no_nixl(transports: dict[s
             s.pool.close()
 
 
-@pytest.mark.parametrize("shared_epochs", [True, False])
-def test_shm_read_whose_lease_expired_during_the_copy_is_a_miss(shared_epochs: bool) -> None:
+@pytest.mark.parametrize(("shared_epochs", "straight"), [(True, False), (False, False), (True, True)])
+def test_shm_read_whose_lease_expired_during_the_copy_is_a_miss(shared_epochs: bool,
+                                                                straight: bool) -> None:
     """The epoch re-check: leases expire mid-copy and the slots are reused -> slot_reused.
 
     With shared epochs the reader checks them itself; without, the pool's ``finish`` reply says.
+    ``straight``: the slots are copied by the caller's ``copy`` (slab -> its own memory, as
+    vLLM's pages are loaded), and the check after that copy still catches the reuse.
     """
     import dataclasses
 
@@ -267,8 +301,13 @@ def test_shm_read_whose_lease_expired_during_the_copy_is_a_miss(shared_epochs: b
         for i in range(4):
             assert pool.put(h(i), payload(i))
         dest = np.zeros((2, B), np.uint8)
-        res = ShmTransport("ut-e").read(SlowReader(src), [h(0), h(1)], list(dest))
+        got: list[int] = []
+        shm = ShmTransport("ut-e")
+        copy = (lambda rows, pos, slots: got.extend(pos)) if straight else None
+        res = shm.wait(shm.submit_read(SlowReader(src), [h(0), h(1)], list(dest), deadline_s=5.0,
+                                       copy=copy))
         assert res.misses() == {h(0): SLOT_REUSED, h(1): SLOT_REUSED}
+        assert got == ([0, 1] if straight else [])
         assert pool.stats()["active_leases"] == 0
     finally:
         src.close()

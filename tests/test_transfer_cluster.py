@@ -323,17 +323,30 @@ def test_peer_fetch_pins_pulls_verifies_and_keeps_a_local_copy(kv: dict[str, Any
     rb = kv["rb"]
     tag = "fetch"
     ray.get(kv["ra"].write.remote("shm", kv["pa"], NS, tag, list(range(32))))
-    time.sleep(0.3)  # events reach the index (publish interval 50 ms)
+    indexed_at(kv["a"], tag, 32)  # events reach the index (publish interval 50 ms)
     first = ray.get(rb.fetch.remote(tag, list(range(32)) + [999999], True))
     assert first["reasons"] == [""] * 32 + [MISSING] and all(first["identical"][:32])
     assert set(first["served_by"][:32]) == {f"{node_location(kv['a'])}/nixl"}
     assert first["kept"] == 32
     assert_consistent(kv["pa"])
     assert_consistent(kv["pb"])
-    time.sleep(0.3)
+    indexed_at(kv["b"], tag, 32)  # the kept copies reach the index too
     second = ray.get(rb.fetch.remote(tag, list(range(32)), False))
     assert second["reasons"] == [""] * 32 and all(second["identical"])
     assert set(second["served_by"]) == {f"{node_location(kv['b'])}/shm"}  # now local
+
+
+def indexed_at(node: str, tag: str, n: int, timeout_s: float = 30.0) -> None:
+    """Wait until the index lists blocks ``bhash(tag, 0..n-1)`` in ``node``'s pool."""
+    from actors.deploy import get_index_client
+    from kvshare.types import BlockHash, node_location
+
+    index, loc = get_index_client(RAY_NS), node_location(node)
+    hs = [BlockHash(bhash(tag, s)) for s in range(n)]
+    deadline = time.monotonic() + timeout_s
+    while not all(loc in held for held in index.lookup(NS, hs)):
+        assert time.monotonic() < deadline, f"{tag} blocks not indexed at {loc} in {timeout_s} s"
+        time.sleep(0.05)
 
 
 def wait_probed(timeout_s: float = 60.0) -> list[dict[str, Any]]:

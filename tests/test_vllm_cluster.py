@@ -7,6 +7,7 @@ same in front of them."""
 
 from __future__ import annotations
 
+import json
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -17,6 +18,7 @@ import uvicorn
 
 pytest.importorskip("vllm")
 
+from kvshare.breakdown import GATEWAY_STAGES  # noqa: E402
 from kvshare.types import Tier  # noqa: E402
 from tests.vllm_helpers import free_port, tiny_model, wait_for  # noqa: E402
 
@@ -28,6 +30,7 @@ BLOCK = 128
 # 2-core CI machine with two vLLM engines busy (at the 50 ms default a slow answer falls back
 # to load-only routing by design: test_index_recovery and test_embed cover that path).
 INDEX_TIMEOUT_S = 10.0
+GATEWAY_OWN = set(GATEWAY_STAGES) - {"network"}  # network needs the worker's own time
 
 
 @pytest.fixture(scope="module")
@@ -110,10 +113,18 @@ def test_gateway_routes_a_prompt_to_the_vllm_worker_whose_cache_holds_it(
         text = f"Worker {n} alone has read this document. " * 30
         prefill_directly(cluster, info, router, text)
         r = httpx.post(f"{gw.url}/v1/completions", timeout=120,
-                       json={"model": NS, "prompt": text, "max_tokens": 4, "stream": True})
+                       json={"model": NS, "prompt": text, "max_tokens": 4, "stream": True,
+                             "stream_options": {"include_usage": True}})
         assert r.status_code == 200, r.text
         assert r.headers["x-kvshare-worker"] == info["worker_id"], r.headers
         assert "data: [DONE]" in r.text  # streamed through from vLLM
+        # vLLM reports no stages: the gateway's own and its wait for the first chunk, in a
+        # header and in vLLM's usage event
+        stages = json.loads(r.headers["x-kvshare-breakdown"])
+        assert {*GATEWAY_OWN, "upstream"} <= set(stages) and min(stages.values()) >= 0, stages
+        usage = [json.loads(e[6:]) for e in r.text.split("\n\n") if e.startswith("data: {")]
+        assert usage[-1]["choices"] == [] and usage[-1]["usage"]["completion_tokens"] == 4
+        assert usage[-1]["kvshare"]["breakdown"] == pytest.approx(stages, abs=1e-5)
 
 
 def prefill_directly(cluster: dict[str, Any], info: dict[str, Any], router: Any,

@@ -104,10 +104,24 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
         stop_cluster(cluster)
 
 
+def pool_blocks(node_key: str) -> int:
+    """Blocks the index lists in the pool of the node with custom resource ``node_key``."""
+    from actors.deploy import get_index_client
+    from kvshare.types import node_location
+
+    node = next(n["NodeID"] for n in ray.nodes() if n["Alive"] and node_key in n["Resources"])
+    loc = node_location(node)
+    return sum(shard["locations"].get(loc, 0) for shard in get_index_client().stats())
+
+
 def test_engine_on_another_node_loads_the_prefix(env: Env) -> None:
+    held = pool_blocks("node_0")
     first = env.run("A", prompt(1))
     assert first["tokens"] == env.refs[1]["cold"]["tokens"] and first["cached_tokens"] == 0
-    time.sleep(0.3)  # node_0's pool publishes its new blocks to the index
+    deadline = time.monotonic() + 60  # node_0's pool publishes its new blocks to the index
+    while pool_blocks("node_0") < held + 4:
+        assert time.monotonic() < deadline, "engine A's blocks never reached the index"
+        time.sleep(0.05)
     before = env.counters("B")
     got = env.run("B", prompt(1))
     after = env.counters("B")
@@ -133,6 +147,8 @@ def test_vllm_cache_too_small_gets_the_prefix_from_this_nodes_host_tier(env: Env
     shm = after.get("bytes_shm", 0) - before.get("bytes_shm", 0)
     assert shm >= BLOCK * env_layout_bytes(env) and shm % (BLOCK * env_layout_bytes(env)) == 0
     assert after.get("load_tokens", 0) - before.get("load_tokens", 0) >= BLOCK
+    # from this node's slab straight into vLLM's pages, inside the step computing the suffix
+    assert after.get("sync_loads", 0) - before.get("sync_loads", 0) == 1
     same_as_vllm_prefix_hit(got, env.refs[2])
 
 

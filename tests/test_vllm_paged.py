@@ -122,3 +122,44 @@ def test_unknown_layout_and_bad_block_size_name_the_fix() -> None:
     odd = KVLayout(num_layers=2, num_kv_heads=4, head_dim=32, dtype="fp32", block_tokens=48)
     with pytest.raises(ValueError, match="multiple of vLLM's block_size 32"):
         PagedRequestKV(views, odd, [0, 1]).check(odd, 48)
+
+
+@pytest.mark.parametrize("c_copy", [True, False])
+def test_slab_copies_are_the_staged_copies(monkeypatch: pytest.MonkeyPatch, c_copy: bool) -> None:
+    """Loads and stores straight between a pool's slab rows and vLLM's pages (``SlabIO``) put
+    and take the same bytes as the staged ``write_blocks``/``read_blocks``, in any slot order,
+    kept pages untouched (C chunk copy and the torch fallback)."""
+    import numpy as np
+
+    import kvshare.vllm.paged as paged
+    from kvshare.block_io import SlabIO
+
+    monkeypatch.setattr(paged, "_COPY_CHUNKS", paged._COPY_CHUNKS and c_copy)
+    slab = np.zeros((6, LAYOUT.bytes_per_block), dtype=np.uint8)
+    for slot, seed in ((4, 20), (0, 21), (2, 22)):  # request blocks 1, 2, 3 live in these slots
+        slab[slot] = canonical(seed).view(torch.uint8).reshape(-1).numpy()
+    page_ids = [7, 1, 4, 0, 6, 2, 3, 5]
+
+    def request(caches: dict[str, torch.Tensor]) -> PagedRequestKV:
+        for t in caches.values():
+            t.fill_(-1.0)
+        return PagedRequestKV(PageViews.from_vllm(caches, local_heads=4, head_dim=32,
+                                                  page_tokens=PAGE), LAYOUT, page_ids,
+                              first_block=1, keep_tokens=96)
+
+    straight_pages, staged_pages = cpu_caches(8), cpu_caches(8)
+    straight, staged = request(straight_pages), request(staged_pages)
+    assert isinstance(straight, SlabIO)
+    straight.write_slots([2, 0, 1], slab, [2, 4, 0])  # any order of (block, slot) pairs
+    staged.write_blocks(0, torch.from_numpy(slab[[4, 0, 2]].copy()).view(torch.float32)
+                        .view(3, *LAYOUT.block_shape))
+    for name in straight_pages:
+        assert torch.equal(straight_pages[name], staged_pages[name])
+        assert torch.equal(straight_pages[name][[7, 1, 4]],
+                           torch.full_like(straight_pages[name][[7, 1, 4]], -1))
+    back = np.zeros_like(slab)
+    straight.read_slots([1, 2], back, [5, 3])  # request blocks 2, 3 (pages all written)
+    assert np.array_equal(back[5], slab[0]) and np.array_equal(back[3], slab[2])
+    assert not back[[0, 1, 2, 4]].any()
+    with pytest.raises(ValueError, match="not fully in the request's pages"):
+        straight.read_slots([3], back, [0])

@@ -56,7 +56,8 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     CLIENT.clear()
 
 
-def make_scheduler(model: str, block_tokens: int = BLOCK, **overrides: Any) -> Any:
+def make_scheduler(model: str, block_tokens: int = BLOCK, extra: dict[str, Any] | None = None,
+                   **overrides: Any) -> Any:
     from vllm.config import (
         CacheConfig,
         DeviceConfig,
@@ -78,7 +79,8 @@ def make_scheduler(model: str, block_tokens: int = BLOCK, **overrides: Any) -> A
         cache_config=CacheConfig(block_size=PAGE, enable_prefix_caching=True),
         kv_transfer_config=KVTransferConfig(
             kv_connector="KVShareLocalTest", kv_role="kv_both",
-            kv_connector_extra_config={"namespace": "t", "block_tokens": block_tokens}),
+            kv_connector_extra_config={"namespace": "t", "block_tokens": block_tokens,
+                                       **(extra or {})}),
         device_config=DeviceConfig("cpu"))
     vc.cache_config.num_gpu_blocks = 200
     kcc = KVCacheConfig(num_blocks=200, kv_cache_tensors=[], kv_cache_groups=[
@@ -127,8 +129,11 @@ def seed_pool(sched: Any, toks: list[int]) -> None:
     client.store(toks, kv).result()
 
 
+ASYNC = {"sync_local_mib": 0}  # every load asynchronous (as loads from other nodes always are)
+
+
 def test_hit_loads_async_then_only_the_suffix_is_computed(model: str) -> None:
-    sched = make_scheduler(model)
+    sched = make_scheduler(model, extra=ASYNC)
     toks = tokens(1)
     seed_pool(sched, toks)
     req = request("r1", toks)
@@ -146,7 +151,7 @@ def test_hit_loads_async_then_only_the_suffix_is_computed(model: str) -> None:
 
 
 def test_failed_pages_are_recomputed_stored_again_and_never_reloaded(model: str) -> None:
-    sched = make_scheduler(model)
+    sched = make_scheduler(model, extra=ASYNC)
     toks = tokens(2)
     seed_pool(sched, toks)
     sched.add_request(request("r2", toks))
@@ -160,6 +165,47 @@ def test_failed_pages_are_recomputed_stored_again_and_never_reloaded(model: str)
     assert sched.connector.counters["failed_loads"] == 1
     (save,) = out.kv_connector_metadata.saves  # the recomputed blocks are stored again
     assert (save.start_block, len(save.hashes)) == (1, 4)
+
+
+def test_a_local_hit_loads_inside_the_step_that_computes_the_suffix(model: str) -> None:
+    """This node's pool (no network): vLLM schedules the suffix in the same step and the load
+    runs before that step's forward pass; nothing waits for a ``finished_recving``."""
+    sched = make_scheduler(model)
+    toks = tokens(4)
+    seed_pool(sched, toks)
+    req = request("r4", toks, max_tokens=3)
+    sched.add_request(req)
+    out = sched.schedule()
+    assert out.num_scheduled_tokens == {"r4": len(toks) - 4 * BLOCK}
+    assert out.has_sync_kv_loads  # vLLM starts the load before the forward pass
+    (load,) = out.kv_connector_metadata.loads
+    assert load.sync and len(load.plan["blocks"]) == 4
+    sched.update_from_output(out, output([req]))
+    assert len(req.output_token_ids) == 1 and sched.connector.counters["sync_loads"] == 1
+    out = sched.schedule()
+    assert out.num_scheduled_tokens == {"r4": 1}  # decoding
+
+
+def test_a_failed_local_load_is_recomputed_in_the_next_step_and_stored_again(model: str) -> None:
+    """The synchronous load's failed pages come back in the step it ran: vLLM drops that step's
+    token and recomputes from the first failed page; the recomputed blocks are saved again."""
+    sched = make_scheduler(model)
+    toks = tokens(5)
+    seed_pool(sched, toks)
+    req = request("r5", toks)
+    sched.add_request(req)
+    out = sched.schedule()
+    (load,) = out.kv_connector_metadata.loads
+    assert load.sync
+    bad = set(load.page_ids[2 * BLOCK // PAGE:4 * BLOCK // PAGE])  # blocks 2 and 3 failed
+    sched.update_from_output(out, output([req], invalid_block_ids=bad))
+    assert list(req.output_token_ids) == []  # the token computed over the failed KV is dropped
+    out = sched.schedule()
+    assert out.num_scheduled_tokens == {"r5": len(toks) - 2 * BLOCK}
+    assert out.kv_connector_metadata.loads == []
+    assert sched.connector.counters["failed_loads"] == 1
+    (save,) = out.kv_connector_metadata.saves
+    assert (save.start_block, len(save.hashes)) == (2, 4)
 
 
 def test_new_blocks_are_saved_and_pages_kept_until_the_save_is_done(model: str) -> None:

@@ -46,6 +46,10 @@ from kvshare.types import BlockHash
 
 log = logging.getLogger(__name__)
 
+SlotCopy = Callable[[ByteArray, list[int], list[int]], None]
+"""``copy(slab_rows, positions, slots)``: move the batch's blocks ``positions`` between the
+slab's rows ``slots`` and the caller's own memory (no staging buffer)."""
+
 
 class ShmTransport(Transport):
     """Reads and writes through the host slab of a pool on node ``node``."""
@@ -94,8 +98,12 @@ class ShmTransport(Transport):
 
     def submit_read(
         self, source: BlockControl, hashes: Sequence[BlockHash], dest: Sequence[ByteArray],
-        *, deadline_s: float,
+        *, deadline_s: float, copy: SlotCopy | None = None,
     ) -> Transfer:
+        """Read ``hashes`` into ``dest`` (done when it returns). With ``copy``, the pinned
+        slots go to ``copy(slab_rows, positions, slots)`` instead (one copy straight into the
+        caller's memory; ``dest`` only sizes and counts the batch), before the epoch check:
+        a block reported ``slot_reused`` may then hold another block's bytes there."""
         t, prep = self._begin("read", source, source.prepare_read, hashes, dest, deadline_s)
         if prep is None:
             return t
@@ -105,23 +113,28 @@ class ShmTransport(Transport):
         for i, b in enumerate(prep.blocks):
             reasons[i] = _blocked(t, slab) if isinstance(b, SourceBlock) else b
             if slab is not None and not reasons[i]:
-                copy_block(dest[i], slab.array[b.slot])  # type: ignore[union-attr]
+                if copy is None:
+                    copy_block(dest[i], slab.array[b.slot])  # type: ignore[union-attr]
                 copied.append(i)
-        lease_ids = [prep.blocks[i].lease_id for i in copied]  # type: ignore[union-attr]
+        pinned = [prep.blocks[i] for i in copied]
+        if copy is not None and slab is not None and copied:
+            _copy_or_release(source, t.holder, copy, slab, copied, [b.slot for b in pinned])  # type: ignore[union-attr]
         epochs = self._epochs.get(prep.slab.name) if prep.slab is not None else None
         if epochs is not None:  # re-check the epochs ourselves; the unpin needs no reply
             now = epochs.array
-            valid = [bool(now[prep.blocks[i].slot] == prep.blocks[i].epoch) for i in copied]  # type: ignore[union-attr]
+            valid = [bool(now[b.slot] == b.epoch) for b in pinned]  # type: ignore[union-attr]
             source.finish(t.holder, [])
         else:
-            valid = finish_quietly(source, t.holder, lease_ids)
+            valid = finish_quietly(source, t.holder, [b.lease_id for b in pinned])  # type: ignore[union-attr]
         bad: list[BlockHash] = []
         for k, i in enumerate(copied):
             if k >= len(valid):
                 reasons[i] = SOURCE_DEAD
             elif not valid[k]:
                 reasons[i] = SLOT_REUSED
-            elif self.verify and block_checksum(dest[i]) != prep.blocks[i].checksum:  # type: ignore[union-attr]
+            elif self.verify and block_checksum(
+                    dest[i] if copy is None or slab is None else slab.array[pinned[k].slot]  # type: ignore[union-attr]
+            ) != pinned[k].checksum:  # type: ignore[union-attr]
                 reasons[i] = CORRUPT
                 bad.append(hashes[i])
         if bad:
@@ -130,24 +143,31 @@ class ShmTransport(Transport):
 
     def submit_write(
         self, sink: BlockControl, hashes: Sequence[BlockHash], data: Sequence[ByteArray],
-        *, deadline_s: float,
+        *, deadline_s: float, copy: SlotCopy | None = None,
     ) -> Transfer:
+        """Write ``data`` as ``hashes`` (done when it returns). With ``copy``, the reserved
+        slots are filled by ``copy(slab_rows, positions, slots)`` from the caller's memory
+        instead (``data`` only sizes and counts the batch)."""
         t, prep = self._begin("write", sink, sink.prepare_write, hashes, data, deadline_s)
         if prep is None:
             return t
         reasons = [""] * len(hashes)
         slab = self._local_slab(prep.slab)
         written: list[int] = []
-        sums: list[int] = []
         for i, s in enumerate(prep.slots):
             if isinstance(s, str):
                 reasons[i] = "" if s == PRESENT else s
                 continue
             reasons[i] = _blocked(t, slab)
             if slab is not None and not reasons[i]:
-                copy_block(slab.array[s.slot], data[i])
-                sums.append(block_checksum(data[i]))
+                if copy is None:
+                    copy_block(slab.array[s.slot], data[i])
                 written.append(i)
+        slots = [prep.slots[i].slot for i in written]  # type: ignore[union-attr]
+        if copy is not None and slab is not None and written:
+            _copy_or_release(sink, t.holder, copy, slab, written, slots)
+        sums = [block_checksum(data[i] if copy is None or slab is None else slab.array[s])
+                for i, s in zip(written, slots, strict=True)]
         lease_ids = [prep.slots[i].lease_id for i in written]  # type: ignore[union-attr]
         try:
             done = set(call(sink.commit_write(t.holder, lease_ids, sums), max(t.remaining, 2.0)))
@@ -169,6 +189,16 @@ class ShmTransport(Transport):
         for ep in self._epochs.values():
             ep.close()
         self._epochs.clear()
+
+
+def _copy_or_release(control: BlockControl, holder: str, copy: SlotCopy, slab: HostSlab,
+                     positions: list[int], slots: list[int]) -> None:
+    """Run the caller's slot copy; if it raises, release the batch's pins first."""
+    try:
+        copy(slab.array, positions, slots)
+    except BaseException:
+        finish_quietly(control, holder, [])
+        raise
 
 
 def _blocked(t: Transfer, slab: HostSlab | None) -> str:

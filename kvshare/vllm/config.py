@@ -12,7 +12,11 @@
 - ``ray_namespace`` (default ``kvshare``), ``block_tokens`` (default 256: a multiple of
   vLLM's ``--block-size``), ``remote`` (``auto``|``nixl``|``objstore``), ``cut`` (``cost``:
   the cost model picks how much to load; ``all``), ``save`` (store new blocks, default true),
-  ``load_deadline_s``, ``store_deadline_s``, ``index_timeout_s``.
+  ``load_deadline_s``, ``store_deadline_s``, ``index_timeout_s``;
+- ``sync_local_mib`` (default 256): a load wholly from this node's pool (shared memory) of at
+  most this many MiB completes inside the step that computes the request's suffix, before its
+  forward pass (that step waits for the copy, ~a memcpy of the prefix's KV); larger loads and
+  loads from other nodes are asynchronous. 0: every load asynchronous.
 
 Keys (:func:`model_keys`): the namespace root hashes the model identity (config, weight
 manifest and sampled weight bytes, tokenizer files; :func:`kvshare.identity.
@@ -50,6 +54,7 @@ class ConnectorSettings:
     load_deadline_s: float = 5.0
     store_deadline_s: float = 10.0
     index_timeout_s: float = 2.0
+    sync_local_mib: float = 256.0
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorSettings:
@@ -77,6 +82,7 @@ class ConnectorSettings:
                 load_deadline_s=float(data.get("load_deadline_s", 5.0)),
                 store_deadline_s=float(data.get("store_deadline_s", 10.0)),
                 index_timeout_s=float(data.get("index_timeout_s", 2.0)),
+                sync_local_mib=float(data.get("sync_local_mib", 256.0)),
             )
         except (TypeError, ValueError) as exc:
             raise ValueError(f"KVShareConnector: bad kv_connector_extra_config value: {exc}") from exc
@@ -84,6 +90,9 @@ class ConnectorSettings:
             raise ValueError(f'KVShareConnector: "remote" must be auto, nixl or objstore, got {s.remote!r}')
         if s.cut not in ("cost", "all"):
             raise ValueError(f'KVShareConnector: "cut" must be cost or all, got {s.cut!r}')
+        if not s.sync_local_mib >= 0:
+            raise ValueError(f'KVShareConnector: "sync_local_mib" must be >= 0 (0: every load '
+                             f'asynchronous), got {s.sync_local_mib}')
         if s.block_tokens <= 0:
             raise ValueError(f'KVShareConnector: "block_tokens" must be positive, got {s.block_tokens}')
         return s

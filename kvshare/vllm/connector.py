@@ -146,7 +146,8 @@ class KVShareConnector(KVConnectorBase_V1):
         self._sched: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self._sched = SchedulerSide(client, self.keys, page, save=self.settings.save)
+            self._sched = SchedulerSide(client, self.keys, page, save=self.settings.save,
+                                        sync_local_bytes=int(self.settings.sync_local_mib * 2**20))
             _SIDES.append(self._sched)
         else:
             from vllm.distributed.parallel_state import (

@@ -1,16 +1,21 @@
 """A vLLM server's load, read from its Prometheus ``/metrics``.
 
-vLLM exports ``vllm:num_requests_running``, ``vllm:num_requests_waiting``,
-``vllm:kv_cache_usage_perc``, ``vllm:prompt_tokens_total``, ``vllm:prefix_cache_hits_total``
-and ``vllm:request_prefill_time_seconds_sum``. :class:`MetricsLoad` turns them into a
-:class:`~kvshare.workers.WorkerLoad`: running and waiting requests, KV usage, and the prefill
-speed over the last reports (computed prompt tokens per second of prefill). vLLM does not
-export the prompt tokens still queued, so ``queued_prefill_tokens`` is the waiting requests
-times the mean tokens a request has had to compute so far: its prompt less what vLLM's own
-cache and the KV connector supplied (``vllm:external_prefix_cache_hits_total``). A waiting
-turn of a long conversation costs its new suffix, not its whole prompt; counting whole
-prompts made a worker holding a conversation look busiest exactly when its next turn was
-cheapest there. An estimate; the router adds its own in-flight work.
+vLLM exports ``vllm:num_requests_running``/``_waiting``, ``vllm:kv_cache_usage_perc``, token
+counters and per-request latency histograms. :class:`MetricsLoad` turns them into a
+:class:`~kvshare.workers.WorkerLoad`:
+
+- **Prefill work ahead of a new request** (``queued_prefill_tokens``). vLLM does not export
+  the prompt tokens still to compute, and with chunked prefill a request leaves ``waiting``
+  as soon as part of its prompt fits a step's budget: most of the prefill work in a busy
+  engine is in *running* requests that have not produced their first token. So the requests
+  still in prefill are counted: running + waiting, less those decoding (first token seen,
+  not finished: ``time_to_first_token_seconds_count`` less ``e2e_request_latency_seconds_count``,
+  re-based whenever the engine is seen idle, so a request aborted before its first token does
+  not skew it for good). A waiting one costs the mean tokens a request has had to compute
+  (its prompt less what vLLM's cache and the KV connector supplied; a turn of a long
+  conversation costs its new suffix, not its whole prompt), a running one half that (on
+  average half its prefill is done). An estimate; the router adds its own in-flight work.
+- **Prefill speed** (``prefill_tokens_per_s``), by :class:`PrefillSpeed`.
 """
 
 from __future__ import annotations
@@ -27,6 +32,9 @@ _LINE = re.compile(r"^(vllm:[a-z_]+)(?:\{[^}]*\})?\s+([0-9.eE+-]+|NaN)$", re.MUL
 _WANTED = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
            "vllm:prompt_tokens_total", "vllm:prefix_cache_hits_total",
            "vllm:external_prefix_cache_hits_total",
+           "vllm:request_prefill_kv_computed_tokens_sum",
+           "vllm:request_prefill_kv_computed_tokens_count",
+           "vllm:time_to_first_token_seconds_count", "vllm:e2e_request_latency_seconds_count",
            "vllm:request_prefill_time_seconds_sum", "vllm:request_prefill_time_seconds_count")
 
 
@@ -39,6 +47,74 @@ def parse_metrics(text: str) -> dict[str, float]:
     return out
 
 
+class PrefillSpeed:
+    """Prefill tokens per second from a server's cumulative counters, sampled over time.
+
+    vLLM's ``request_prefill_time_seconds`` is each request's own span from first scheduled
+    to first token: requests prefilled in the same steps each count the whole span, so under
+    concurrency the sum of spans exceeds the time the engine spent (tokens / summed spans
+    undercounts the speed by the mean concurrency). The engine's busy time (wall time between
+    samples while it had requests) bounds the spent time from the other side (it includes
+    decode steps and idle gaps between samples). Both are upper bounds of the time the
+    prefills took, so the tighter one is used: over a window of at least ``window_s`` busy
+    seconds in which some prefill finished, ``speed = computed tokens / min(busy, summed
+    spans)``, smoothed over windows (weight ``alpha`` on the newest). The computed tokens
+    and the spans must come from the same finished requests (vLLM observes
+    ``request_prefill_kv_computed_tokens`` and ``request_prefill_time_seconds`` together).
+    """
+
+    def __init__(self, window_s: float = 1.0, alpha: float = 0.3) -> None:
+        if window_s <= 0 or not 0 < alpha <= 1:
+            raise ValueError("window_s must be positive and alpha in (0, 1]")
+        self.window_s = window_s
+        self.alpha = alpha
+        self.tokens_per_s = 0.0
+        self._prev: tuple[float, float, float, bool] | None = None  # t, tokens, spans, busy
+        self._busy = self._tokens = self._spans = 0.0
+
+    def update(self, t: float, computed_tokens: float, prefill_spans_s: float,
+               busy: bool) -> float:
+        """One sample at time ``t`` (seconds): cumulative computed prompt tokens and summed
+        prefill spans, and whether the engine has requests now. Returns the speed (0 until
+        the first window closes)."""
+        prev, self._prev = self._prev, (t, computed_tokens, prefill_spans_s, busy)
+        if prev is None:
+            return self.tokens_per_s
+        dt, dn, ds = t - prev[0], computed_tokens - prev[1], prefill_spans_s - prev[2]
+        if dt < 0 or dn < 0 or ds < 0:  # a restarted server: its counters start again
+            self._busy = self._tokens = self._spans = 0.0
+            return self.tokens_per_s
+        if busy or prev[3]:
+            self._busy += dt
+        self._tokens += dn
+        self._spans += ds
+        if self._busy >= self.window_s and self._tokens > 0:
+            spent = min(self._busy, self._spans) if self._spans > 0 else self._busy
+            speed = self._tokens / spent
+            old = self.tokens_per_s
+            self.tokens_per_s = speed if old == 0 else (1 - self.alpha) * old + self.alpha * speed
+            self._busy = self._tokens = self._spans = 0.0
+        return self.tokens_per_s
+
+
+class InPrefill:
+    """How many of a server's requests have not produced their first token yet (module
+    docstring): from its running and waiting gauges and the first-token and finished counts."""
+
+    def __init__(self) -> None:
+        self._offset = 0.0  # first tokens less finished while idle: requests that never decode
+
+    def count(self, m: dict[str, float]) -> int:
+        active = int(m.get("vllm:num_requests_running", 0) + m.get("vllm:num_requests_waiting", 0))
+        started = (m.get("vllm:time_to_first_token_seconds_count", 0.0)
+                   - m.get("vllm:e2e_request_latency_seconds_count", 0.0))
+        if active == 0:
+            self._offset = started
+            return 0
+        decoding = started - self._offset
+        return max(0, min(active, active - int(round(decoding))))
+
+
 class MetricsLoad:
     """``load()`` -> the server's current :class:`WorkerLoad`, or None if it does not answer."""
 
@@ -46,8 +122,12 @@ class MetricsLoad:
         self.worker_id = worker_id
         self.url = endpoint.rstrip("/") + "/metrics"
         self._http = httpx.Client(timeout=timeout_s)
-        self._prev: dict[str, float] = {}
-        self.prefill_tokens_per_s = 0.0
+        self.speed = PrefillSpeed()
+        self.in_prefill = InPrefill()
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        return self.speed.tokens_per_s
 
     def load(self) -> WorkerLoad | None:
         try:
@@ -56,33 +136,35 @@ class MetricsLoad:
             return None
         if resp.status_code != 200:
             return None
-        m = parse_metrics(resp.text)
-        self._update_speed(m)
-        waiting = int(m.get("vllm:num_requests_waiting", 0))
-        count = m.get("vllm:request_prefill_time_seconds_count", 0.0)
-        mean_new = _computed(m) / count if count else 0.0
-        return WorkerLoad(self.worker_id, int(waiting * mean_new),
-                          int(m.get("vllm:num_requests_running", 0)) + waiting,
-                          self.prefill_tokens_per_s, time.time(), waiting=waiting,
-                          kv_usage=float(m.get("vllm:kv_cache_usage_perc", 0.0)))
+        return self.from_metrics(parse_metrics(resp.text), time.monotonic())
 
-    def _update_speed(self, m: dict[str, float]) -> None:
-        prev, self._prev = self._prev, m
-        if not prev:
-            return
-        computed = _computed(m) - _computed(prev)
-        spent = (m.get("vllm:request_prefill_time_seconds_sum", 0.0)
-                 - prev.get("vllm:request_prefill_time_seconds_sum", 0.0))
-        if computed > 0 and spent > 0:
-            speed = computed / spent
-            old = self.prefill_tokens_per_s
-            self.prefill_tokens_per_s = speed if old == 0 else 0.8 * old + 0.2 * speed
+    def from_metrics(self, m: dict[str, float], now: float) -> WorkerLoad:
+        """The load report for one scrape ``m`` (:func:`parse_metrics`) taken at ``now``
+        (monotonic seconds), updating the speed estimate."""
+        waiting = int(m.get("vllm:num_requests_waiting", 0))
+        running = int(m.get("vllm:num_requests_running", 0))
+        tokens, count = _computed(m)
+        self.speed.update(now, tokens, m.get("vllm:request_prefill_time_seconds_sum", 0.0),
+                          running + waiting > 0)
+        mean_new = tokens / count if count else 0.0
+        prefilling = self.in_prefill.count(m)
+        queued_waiting = min(waiting, prefilling)
+        queued = queued_waiting * mean_new + (prefilling - queued_waiting) * mean_new / 2
+        return WorkerLoad(self.worker_id, int(queued), running + waiting,
+                          self.speed.tokens_per_s, time.time(), waiting=waiting,
+                          kv_usage=float(m.get("vllm:kv_cache_usage_perc", 0.0)))
 
     def close(self) -> None:
         self._http.close()
 
 
-def _computed(m: dict[str, float]) -> float:
-    """Prompt tokens vLLM computed: all prompt tokens less its own and the connector's hits."""
-    return max(0.0, m.get("vllm:prompt_tokens_total", 0.0) - m.get("vllm:prefix_cache_hits_total", 0.0)
-               - m.get("vllm:external_prefix_cache_hits_total", 0.0))
+def _computed(m: dict[str, float]) -> tuple[float, float]:
+    """Prompt tokens vLLM computed for finished requests (less its own and the connector's
+    hits) and how many requests: its per-request histogram, else the token counters with
+    the prefill-time count."""
+    if "vllm:request_prefill_kv_computed_tokens_count" in m:
+        return (m.get("vllm:request_prefill_kv_computed_tokens_sum", 0.0),
+                m["vllm:request_prefill_kv_computed_tokens_count"])
+    tokens = max(0.0, m.get("vllm:prompt_tokens_total", 0.0) - m.get("vllm:prefix_cache_hits_total", 0.0)
+                 - m.get("vllm:external_prefix_cache_hits_total", 0.0))
+    return tokens, m.get("vllm:request_prefill_time_seconds_count", 0.0)

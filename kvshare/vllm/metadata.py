@@ -14,6 +14,8 @@ class LoadSpec:
 
     ``plan`` is :meth:`kvshare.client_types.Plan.to_dict`; pages below ``keep_tokens`` (vLLM's
     own prefix hit) are not written; ``page_ids`` are the request's pages from token 0.
+    ``sync``: load before this step's forward pass (it computes the request's suffix), else
+    in the background until ``get_finished`` reports it.
     """
 
     req_id: str
@@ -21,6 +23,7 @@ class LoadSpec:
     first_block: int
     keep_tokens: int
     page_ids: tuple[int, ...]
+    sync: bool = False
 
 
 @dataclass(frozen=True)

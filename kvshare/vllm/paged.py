@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kvshare.kv_convert import blocks_view
 from kvshare.layout import KVLayout
 
 try:  # optional C accelerator (setup.py); an older build lacks copy_chunks
@@ -131,20 +132,21 @@ class PagedRequestKV:
             raise ValueError(f"the request's pages cover {self.num_tokens} tokens past block "
                              f"{self.first_block}, the plan loads {tokens}")
 
-    def _pages(self, first: int, n: int, writing: bool) -> tuple[list[int], list[int]]:
-        """(positions in blocks ``first..first+n``, flattened ``block * per_block + page``;
-        vLLM page ids) of the pages those blocks cover. Writing skips pages under
-        ``keep_tokens``."""
+    def _pages(self, blocks: Sequence[int], writing: bool) -> tuple[list[int], list[int]]:
+        """(positions ``j * per_block + page`` of the pages of ``blocks[j]``; their vLLM page
+        ids) for the pages those blocks cover. Writing skips pages under ``keep_tokens``."""
         pos, ids = [], []
-        base = (self.first_block + first) * self.per_block
-        for k in range(n * self.per_block):
-            p = base + k
-            if p >= len(self.page_ids):
-                break
-            if writing and p * self.pages.page_tokens < self.keep_tokens:
-                continue
-            pos.append(k)
-            ids.append(self.page_ids[p])
+        per, t = self.per_block, self.pages.page_tokens
+        for j, b in enumerate(blocks):
+            base = (self.first_block + b) * per
+            for k in range(per):
+                p = base + k
+                if p >= len(self.page_ids):
+                    break
+                if writing and p * t < self.keep_tokens:
+                    continue
+                pos.append(j * per + k)
+                ids.append(self.page_ids[p])
         return pos, ids
 
     def _layer_pages(self, blocks: torch.Tensor, layer: int) -> torch.Tensor:
@@ -156,32 +158,41 @@ class PagedRequestKV:
         x = x.reshape(n, 2, nh, self.per_block, t, x.shape[-1]).permute(0, 3, 2, 1, 4, 5)
         return x.reshape(n * self.per_block, nh, 2, t, x.shape[-1])  # the one gather copy
 
-    def _chunks(self, pos: list[int], ids: list[int], elem: int
+    @property
+    def _elem(self) -> int:
+        """Bytes per element of the canonical blocks."""
+        return self.layout.bytes_per_block // int(np.prod(self.layout.block_shape))
+
+    def _chunks(self, pos: list[int], ids: list[int], block_offsets: np.ndarray
                 ) -> tuple[np.ndarray, np.ndarray, int, int]:
-        """Byte offsets for :func:`kvshare._copy.copy_chunks` between ``[n, *block]`` canonical
-        blocks and CPU_ATTN pages ``[pages, local_heads, 2, t, D]``: (canonical offsets for
-        layer 0, page offsets (the same for every layer), chunk bytes, canonical layer stride)."""
+        """Byte offsets for :func:`kvshare._copy.copy_chunks` between canonical blocks (batch
+        block ``j`` starting at byte ``block_offsets[j]`` of one buffer) and CPU_ATTN pages
+        ``[pages, local_heads, 2, t, D]``: (canonical offsets for layer 0, page offsets (the
+        same for every layer), chunk bytes, canonical layer stride)."""
         L, _, H, B, D = self.layout.block_shape
-        t, h0, nh = self.pages.page_tokens, self.pages.head_start, self.pages.local_heads
+        t, h0, nh, elem = self.pages.page_tokens, self.pages.head_start, self.pages.local_heads, self._elem
         chunk = t * D * elem
         k = np.asarray(pos, dtype=np.int64)[:, None, None]
         page = np.asarray(ids, dtype=np.int64)[:, None, None]
         h = np.arange(nh, dtype=np.int64)[None, :, None]
         kv = np.arange(2, dtype=np.int64)[None, None, :]
         block, j = k // self.per_block, k % self.per_block
-        canon = block * self.layout.bytes_per_block + ((kv * H + h0 + h) * B + j * t) * D * elem
+        canon = block_offsets[block] + ((kv * H + h0 + h) * B + j * t) * D * elem
         paged = page * (nh * 2 * chunk) + (h * 2 + kv) * chunk
         return canon.reshape(-1), paged.reshape(-1), chunk, 2 * H * B * D * elem
 
-    def _fast(self, blocks: torch.Tensor) -> bool:
+    def _fast(self, blocks: torch.Tensor | None = None) -> bool:
+        """Whether the C copy applies (CPU_ATTN pages on the CPU, and ``blocks`` a contiguous
+        CPU tensor when given)."""
         return (_COPY_CHUNKS and self.pages.kind == CPU_ATTN and self._device.type == "cpu"
-                and blocks.device.type == "cpu" and blocks.is_contiguous()
+                and (blocks is None or (blocks.device.type == "cpu" and blocks.is_contiguous()))
                 and all(v.is_contiguous() for v in self.pages.views))
 
-    def _copy_chunks(self, blocks: torch.Tensor, pos: list[int], ids: list[int],
-                     into_pages: bool) -> None:
-        canon, paged, chunk, stride = self._chunks(pos, ids, blocks.element_size())
-        buf = blocks.reshape(-1).view(torch.uint8).numpy()
+    def _copy_chunks(self, buf: np.ndarray, block_offsets: np.ndarray, pos: list[int],
+                     ids: list[int], into_pages: bool) -> None:
+        """One C gather/scatter per layer between the canonical blocks in ``buf`` (flat uint8)
+        and vLLM's pages."""
+        canon, paged, chunk, stride = self._chunks(pos, ids, block_offsets)
         for layer, view in enumerate(self.pages.views):
             pages = view.reshape(-1).view(torch.uint8).numpy()
             src_off = canon + layer * stride
@@ -190,17 +201,24 @@ class PagedRequestKV:
             else:
                 _copy.copy_chunks(buf.data, src_off.data, pages.data, paged.data, chunk)
 
+    def _copy_tensor(self, blocks: torch.Tensor, pos: list[int], ids: list[int],
+                     into_pages: bool) -> None:
+        buf = blocks.reshape(-1).view(torch.uint8).numpy()
+        offsets = np.arange(int(blocks.shape[0]), dtype=np.int64) * self.layout.bytes_per_block
+        self._copy_chunks(buf, offsets, pos, ids, into_pages)
+
     def write_blocks(self, first: int, blocks: torch.Tensor) -> None:
         """Per layer one C gather/scatter (CPU_ATTN), else a gather into page order and one
         ``index_copy_`` into vLLM's pages."""
-        pos, ids = self._pages(first, int(blocks.shape[0]), writing=True)
+        n = int(blocks.shape[0])
+        pos, ids = self._pages(range(first, first + n), writing=True)
         if not ids:
             return
         if self._fast(blocks):
-            self._copy_chunks(blocks, pos, ids, into_pages=True)
+            self._copy_tensor(blocks, pos, ids, into_pages=True)
             return
         idx = torch.tensor(ids, dtype=torch.long, device=self._device)
-        whole = len(pos) == blocks.shape[0] * self.per_block
+        whole = len(pos) == n * self.per_block
         sel = None if whole else torch.tensor(pos, dtype=torch.long)
         for layer, view in enumerate(self.pages.views):
             src = self._layer_pages(blocks, layer)
@@ -214,12 +232,12 @@ class PagedRequestKV:
         """Per layer one C gather/scatter (CPU_ATTN), else one ``index_select`` of the pages
         and one scatter into canonical order."""
         n = int(out.shape[0])
-        pos, ids = self._pages(first, n, writing=False)
+        pos, ids = self._pages(range(first, first + n), writing=False)
         if len(ids) != n * self.per_block:
             raise ValueError(f"blocks {self.first_block + first}..{self.first_block + first + n - 1}"
                              " are not fully in the request's pages")
         if self._fast(out):
-            self._copy_chunks(out, pos, ids, into_pages=False)
+            self._copy_tensor(out, pos, ids, into_pages=False)
             return
         idx = torch.tensor(ids, dtype=torch.long, device=self._device)
         h0, nh, t = self.pages.head_start, self.pages.local_heads, self.pages.page_tokens
@@ -231,3 +249,30 @@ class PagedRequestKV:
 
     def read_block(self, index: int, out: torch.Tensor) -> None:
         self.read_blocks(index, out.unsqueeze(0))
+
+    # ------------------------------------------------------------------ SlabIO
+    def write_slots(self, blocks: Sequence[int], rows: np.ndarray, slots: Sequence[int]) -> None:
+        """Blocks ``blocks[i]`` from slab row ``slots[i]`` straight into vLLM's pages (one C
+        gather/scatter per layer on CPU_ATTN, else block by block through ``write_blocks``).
+        A load writes before the slot epochs are re-checked; a block whose check fails is
+        reported, so vLLM recomputes its pages (:class:`kvshare.block_io.SlabIO`)."""
+        self._slots(blocks, rows, slots, into_pages=True)
+
+    def read_slots(self, blocks: Sequence[int], rows: np.ndarray, slots: Sequence[int]) -> None:
+        """Blocks ``blocks[i]`` of vLLM's pages straight into slab row ``slots[i]``."""
+        self._slots(blocks, rows, slots, into_pages=False)
+
+    def _slots(self, blocks: Sequence[int], rows: np.ndarray, slots: Sequence[int],
+               into_pages: bool) -> None:
+        pos, ids = self._pages(blocks, writing=into_pages)
+        if not into_pages and len(ids) != len(blocks) * self.per_block:
+            raise ValueError(f"blocks {list(blocks)} are not fully in the request's pages")
+        if not ids:
+            return
+        if self._fast():
+            offsets = np.asarray(slots, dtype=np.int64) * int(rows.shape[1])
+            self._copy_chunks(rows.reshape(-1), offsets, pos, ids, into_pages)
+            return
+        for b, s in zip(blocks, slots, strict=True):
+            copy = self.write_blocks if into_pages else self.read_blocks
+            copy(b, blocks_view(rows[s], self.layout))

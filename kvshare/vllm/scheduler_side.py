@@ -2,8 +2,11 @@
 
 Runs in vLLM's EngineCore process and never waits on the network: a prompt's lookup runs on a
 background thread (``get_num_new_matched_tokens`` answers None, "ask again", while it runs,
-after waiting at most ``lookup_wait_s``); loads are asynchronous (the request waits in
-``WAITING_FOR_REMOTE_KVS`` while the workers copy, other requests keep running).
+after waiting at most ``lookup_wait_s``). Loads over the network are asynchronous (the
+request waits in ``WAITING_FOR_REMOTE_KVS`` while the workers copy, other requests keep
+running); a load wholly from this node's pool of at most ``sync_local_bytes`` is synchronous:
+vLLM schedules the request's suffix at once and the workers copy the prefix from shared memory
+just before that step's forward pass (no engine steps spent waiting for the load's report).
 
 Per request: its full blocks' hashes (namespace root from the model keys and the request's
 ``cache_salt``); what the cluster holds beyond vLLM's own prefix hit, cut by the cost model
@@ -25,7 +28,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from kvshare.client_types import KVClient, Plan
+from kvshare.client_types import SOURCE_LOCAL, SOURCE_SHM, KVClient, Plan
 from kvshare.hashing import block_hashes
 from kvshare.types import BlockHash
 from kvshare.vllm.config import ModelKeys
@@ -35,6 +38,8 @@ log = logging.getLogger(__name__)
 
 MAX_LOADS = 2
 """Load attempts per request (a preempted request may load again once)."""
+LOCAL_TRANSPORTS = (SOURCE_SHM, SOURCE_LOCAL)
+"""Transports that never leave this node (candidates for a load inside the forward pass)."""
 
 
 @dataclass
@@ -49,19 +54,21 @@ class _Req:
     loading: tuple[int, ...] = ()  # pages of the load in flight
     loads: int = 0  # load attempts; a failed one is never retried (no load/fail loops)
     failed: bool = False
+    sync: bool = False  # the load in flight completes inside the step's forward pass
 
 
 class SchedulerSide:
     """Plain class behind KVShareConnector's scheduler-role methods (no vLLM imports)."""
 
     def __init__(self, client: KVClient, keys: ModelKeys, page_tokens: int, *, save: bool = True,
-                 lookup_wait_s: float = 0.02) -> None:
+                 lookup_wait_s: float = 0.02, sync_local_bytes: int = 0) -> None:
         self.client = client
         self.keys = keys
         self.block_tokens = keys.layout.block_tokens
         self.page_tokens = page_tokens
         self.save = save
         self.lookup_wait_s = lookup_wait_s
+        self.sync_local_bytes = sync_local_bytes
         self._reqs: dict[str, _Req] = {}
         self._loads: list[LoadSpec] = []
         self._sending: set[str] = set()
@@ -119,7 +126,17 @@ class SchedulerSide:
             st.hit_tokens = 0
             return 0, False
         st.hit_tokens = hit
-        return hit - num_computed, True
+        st.sync = self._sync(plan, hit, hit - num_computed)
+        return hit - num_computed, not st.sync
+
+    def _sync(self, plan: Plan, hit: int, num_external: int) -> bool:
+        """Whether the load completes inside the step's forward pass: every block from this
+        node's pool (shared memory, no network) and at most ``sync_local_bytes``. vLLM then
+        schedules the suffix in the same step (no steps spent waiting for the load to be
+        reported); a failed block is still reported (invalid block ids) and recomputed."""
+        n_blocks = -(-hit // self.block_tokens)
+        return (0 < num_external * self.keys.layout.bytes_per_token <= self.sync_local_bytes
+                and all(b.transport in LOCAL_TRANSPORTS for b in plan.blocks[:n_blocks]))
 
     def _lookup(self, tokens: Sequence[int], hashes: Sequence[BlockHash]) -> Plan:
         t0 = time.perf_counter()
@@ -144,7 +161,7 @@ class SchedulerSide:
         first = keep // self.block_tokens
         used = replace(plan, blocks=plan.blocks[:n_blocks])
         self._loads.append(LoadSpec(request.request_id, used.to_dict(), first, keep,
-                                    tuple(int(p) for p in page_ids)))
+                                    tuple(int(p) for p in page_ids), sync=st.sync))
         st.sources = {}
         for b in used.blocks[first:]:
             key = "disk" if b.tier.value == "disk" else (
@@ -155,6 +172,8 @@ class SchedulerSide:
         st.loading = tuple(int(p) for p in page_ids)
         self._count("load_requests")
         self._count("load_tokens", num_external)
+        if st.sync:
+            self._count("sync_loads")
 
     def hit_sources(self, request: Any, num_external: int) -> dict[str, int]:
         """Tokens per source (``host``, ``disk``, ``p2p``) summing to ``num_external``."""
@@ -174,19 +193,29 @@ class SchedulerSide:
 
     def update_connector_output(self, finished_recving: set[str], invalid_pages: set[int]) -> None:
         """A load that left invalid pages marks its request: vLLM recomputes, we never retry;
-        the recomputed blocks are saved again."""
+        the recomputed blocks are saved again. An asynchronous load ends with its request in
+        ``finished_recving``; a synchronous one reports its invalid pages in the step it ran
+        (its pages stay the request's until it finishes, so they identify it)."""
+        if invalid_pages:
+            for req in self._reqs.values():
+                if req.sync and req.loading and not invalid_pages.isdisjoint(req.loading):
+                    self._failed(req, invalid_pages)
         for rid in finished_recving:
             st = self._reqs.get(rid)
             if st is None:
                 continue
             if invalid_pages and not invalid_pages.isdisjoint(st.loading):
-                st.failed = True
-                self._count("failed_loads")
-                # vLLM recomputes from the first failed page: those blocks get saved like any
-                # new full block (the cluster's copy was bad or unreachable)
-                bad = min(i for i, p in enumerate(st.loading) if p in invalid_pages)
-                st.saved_upto = min(st.saved_upto, bad * self.page_tokens // self.block_tokens)
+                self._failed(st, invalid_pages)
             st.loading = ()
+
+    def _failed(self, st: _Req, invalid_pages: set[int]) -> None:
+        st.failed = True
+        self._count("failed_loads")
+        # vLLM recomputes from the first failed page: those blocks get saved like any new full
+        # block (the cluster's copy was bad or unreachable)
+        bad = min(i for i, p in enumerate(st.loading) if p in invalid_pages)
+        st.saved_upto = min(st.saved_upto, bad * self.page_tokens // self.block_tokens)
+        st.loading = ()
 
     # ------------------------------------------------------------------ per step
     def build_meta(self, scheduled: dict[str, int], preempted: Sequence[str],

@@ -1,11 +1,13 @@
 """The worker half of the connector: copy blocks between the cluster and vLLM's pages.
 
-Runs in every vLLM worker process (one per TP rank). Loads go through the SDK's load thread
-(:meth:`kvshare.client.KVShareClient.start_load`) into the request's pages
-(:class:`~kvshare.vllm.paged.PagedRequestKV`); vLLM learns they are done from
-``get_finished`` (``finished_recving``) and which pages failed from
-``get_block_ids_with_load_errors`` (it recomputes from the first failed page: a fault is a
-recompute, never a wrong token). Saves are handed to the SDK's store thread after the
+Runs in every vLLM worker process (one per TP rank). Loads go into the request's pages
+(:class:`~kvshare.vllm.paged.PagedRequestKV`; from this node's pool straight from the shared
+slab, one copy): asynchronous ones through the SDK's load thread
+(:meth:`kvshare.client.KVShareClient.start_load`), vLLM learning they are done from
+``get_finished`` (``finished_recving``); synchronous ones (small loads from this node's pool)
+inside ``start_load_kv``, before the forward pass that computes the request's suffix. Which
+pages failed goes to ``get_block_ids_with_load_errors`` (vLLM recomputes from the first failed
+page: a fault is a recompute, never a wrong token). Saves are handed to the SDK's store thread after the
 forward pass (``wait_for_save`` returns at once); a request's pages stay allocated until its
 saves are done (``finished_sending``), and a preempted request's saves finish before vLLM
 reuses its pages (``handle_preemptions``).
@@ -84,7 +86,9 @@ class WorkerSide:
         return self.pages
 
     def start_loads(self, meta: KVShareMetadata) -> None:
-        """``start_load_kv``: submit this step's loads (returns at once)."""
+        """``start_load_kv``: submit this step's asynchronous loads (returns at once) and run
+        its synchronous ones (vLLM calls this before a forward pass that needs them; their
+        failed pages are reported in this step, they are never in ``finished_recving``)."""
         for spec in meta.loads:
             if spec.req_id in self._loading:
                 continue
@@ -92,14 +96,23 @@ class WorkerSide:
             sub = replace(plan, blocks=plan.blocks[spec.first_block:])
             target = PagedRequestKV(self._views(), self.layout, spec.page_ids, spec.first_block,
                                     spec.keep_tokens)
+            t0 = time.perf_counter()
+            fut: Future[LoadResult] = Future()
             try:
-                fut = self._client.start_load(sub, target)
+                if spec.sync:
+                    fut.set_result(self._client.load(sub, target))
+                else:
+                    fut = self._client.start_load(sub, target)
             except Exception as exc:  # bad plan for these pages: recompute it all
-                log.warning("kvshare load of %s not started: %s", spec.req_id, exc)
+                log.warning("kvshare load of %s failed to start: %s", spec.req_id, exc)
                 fut = Future()
                 fut.set_exception(exc)
+            if spec.sync:
+                self._load_done(fut, spec)
+                self._count("load_reported_seconds", time.perf_counter() - t0)
+                continue
             self._loading[spec.req_id] = (fut, spec)
-            self._load_t0[spec.req_id] = time.perf_counter()
+            self._load_t0[spec.req_id] = t0
 
     def submit_saves(self, meta: KVShareMetadata) -> None:
         """``wait_for_save``: hand this step's saves to the store thread (returns at once)."""

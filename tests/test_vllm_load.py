@@ -1,0 +1,99 @@
+"""vLLM load reports from its metrics (kvshare/vllm/load.py): prefill speed that does not
+undercount under concurrency, and the prefill work still ahead in a busy engine. Pure
+arithmetic on scrapes: no vLLM process."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvshare.types import WorkerId
+from kvshare.vllm.load import InPrefill, MetricsLoad, PrefillSpeed, parse_metrics
+
+
+def test_concurrent_prefills_are_not_counted_twice() -> None:
+    # two 2,000-token prompts prefilled together in 2 s: each request's own span is 2 s, so
+    # tokens / summed spans says 1,000 tok/s; the engine did 4,000 tokens in 2 s
+    s = PrefillSpeed(window_s=1.0)
+    s.update(0.0, 0, 0.0, busy=True)
+    s.update(1.0, 0, 0.0, busy=True)
+    assert s.update(2.0, 4000, 4.0, busy=True) == pytest.approx(2000)
+
+
+def test_sequential_prefills_with_idle_gaps_use_the_spans() -> None:
+    # one 1,000-token prefill of 0.5 s per second, idle between (sampled busy each time):
+    # the spans (0.5 s) are tighter than the busy wall time (1 s)
+    s = PrefillSpeed(window_s=1.0)
+    s.update(0.0, 0, 0.0, busy=True)
+    assert s.update(1.0, 1000, 0.5, busy=True) == pytest.approx(2000)
+
+
+def test_idle_time_does_not_count_and_windows_smooth() -> None:
+    s = PrefillSpeed(window_s=1.0, alpha=0.5)
+    s.update(0.0, 0, 0.0, busy=False)
+    assert s.update(10.0, 0, 0.0, busy=False) == 0  # idle: no window yet
+    s.update(11.0, 0, 0.0, busy=True)  # busy from 10 s to 11 s (counted: busy at one end)
+    assert s.update(12.0, 3000, 5.0, busy=False) == pytest.approx(1500)  # 3,000 in 2 busy s
+    s.update(13.0, 3000, 5.0, busy=True)
+    assert s.update(14.0, 6000, 6.0, busy=True) == pytest.approx(0.5 * 1500 + 0.5 * 3000)
+
+
+def test_a_restarted_server_restarts_the_window_not_the_estimate() -> None:
+    s = PrefillSpeed(window_s=1.0)
+    s.update(0.0, 0, 0.0, busy=True)
+    assert s.update(1.0, 1000, 1.0, busy=True) == pytest.approx(1000)
+    assert s.update(2.0, 0, 0.0, busy=True) == pytest.approx(1000)  # counters went back
+    assert s.update(3.0, 3000, 1.0, busy=True) == pytest.approx(0.7 * 1000 + 0.3 * 3000)
+
+
+def test_bad_settings_are_refused() -> None:
+    with pytest.raises(ValueError, match="window_s"):
+        PrefillSpeed(window_s=0)
+    with pytest.raises(ValueError, match="alpha"):
+        PrefillSpeed(alpha=1.5)
+
+
+def scrape(running: int = 0, waiting: int = 0, first: int = 0, finished: int = 0,
+           computed: float = 0.0, spans: float = 0.0) -> dict[str, float]:
+    return {"vllm:num_requests_running": running, "vllm:num_requests_waiting": waiting,
+            "vllm:time_to_first_token_seconds_count": first,
+            "vllm:e2e_request_latency_seconds_count": finished,
+            "vllm:request_prefill_kv_computed_tokens_sum": computed,
+            "vllm:request_prefill_kv_computed_tokens_count": finished,
+            "vllm:request_prefill_time_seconds_sum": spans}
+
+
+def test_running_requests_before_their_first_token_are_prefill_work() -> None:
+    c = InPrefill()
+    assert c.count(scrape(running=3, first=1)) == 2  # one decodes, two prefill
+    assert c.count(scrape(running=2, waiting=1, first=5, finished=4)) == 2
+    assert c.count(scrape(running=1, first=9, finished=4)) == 0  # never negative
+
+
+def test_an_abort_before_the_first_token_is_forgotten_once_idle() -> None:
+    c = InPrefill()
+    # 3 requests finished, one of them aborted before its first token: 2 first tokens
+    assert c.count(scrape(first=2, finished=3)) == 0  # idle: re-based
+    assert c.count(scrape(running=2, first=3, finished=3)) == 1  # 1 decodes, 1 prefills
+
+
+def test_load_counts_waiting_and_half_done_running_prefills() -> None:
+    load = MetricsLoad(WorkerId("w"), "http://127.0.0.1:1")
+    try:
+        # 4 finished requests computed 4,000 tokens (mean 1,000); now 2 waiting and 2 running
+        # before their first token, 1 decoding
+        r = load.from_metrics(scrape(running=3, waiting=2, first=5, finished=4,
+                                     computed=4000, spans=8.0), 1.0)
+    finally:
+        load.close()
+    assert r.worker_id == "w" and r.running == 5 and r.waiting == 2
+    assert r.queued_prefill_tokens == 2 * 1000 + 2 * 500
+
+
+def test_parse_sums_engines_and_skips_nan() -> None:
+    text = ('vllm:num_requests_running{engine="0"} 2.0\n'
+            'vllm:num_requests_running{engine="1"} 1.0\n'
+            'vllm:time_to_first_token_seconds_count{engine="0"} 7.0\n'
+            'vllm:kv_cache_usage_perc{engine="0"} NaN\n'
+            'vllm:unrelated_total 5.0\n')
+    assert parse_metrics(text) == {"vllm:num_requests_running": 3.0,
+                                   "vllm:time_to_first_token_seconds_count": 7.0}
