@@ -65,15 +65,12 @@ class BlockResult(NamedTuple):
     reason: str = ""
 
 
-@dataclass(frozen=True)
-class TransferResult:
-    """Outcome of one batch: per-block outcomes in request order, bytes moved, wall time."""
+class BlockOutcomes:
+    """What a batch's per-block results (``outcomes``, in request order) say: whether all
+    arrived, how many, the leading run that did, and why the others missed. Mixed into the
+    results that carry ``outcomes`` (:class:`TransferResult`, ``fetch.FetchResult``)."""
 
-    transport: str
-    op: str
     outcomes: tuple[BlockResult, ...]
-    nbytes: int = 0
-    seconds: float = 0.0
 
     @property
     def ok(self) -> bool:
@@ -84,6 +81,16 @@ class TransferResult:
     def num_ok(self) -> int:
         return sum(1 for o in self.outcomes if o.ok)
 
+    @property
+    def prefix_ok(self) -> int:
+        """How many leading blocks arrived (what a prefix-loading engine can use)."""
+        n = 0
+        for o in self.outcomes:
+            if not o.ok:
+                break
+            n += 1
+        return n
+
     def misses(self) -> dict[BlockHash, str]:
         """Hash -> reason of every block that did not arrive."""
         return {o.block_hash: o.reason for o in self.outcomes if not o.ok}
@@ -91,6 +98,17 @@ class TransferResult:
     def reasons(self) -> dict[str, int]:
         """How many blocks missed for each reason."""
         return miss_reasons(self.outcomes)
+
+
+@dataclass(frozen=True)
+class TransferResult(BlockOutcomes):
+    """Outcome of one batch: per-block outcomes in request order, bytes moved, wall time."""
+
+    transport: str
+    op: str
+    outcomes: tuple[BlockResult, ...]
+    nbytes: int = 0
+    seconds: float = 0.0
 
     @property
     def gbps(self) -> float:

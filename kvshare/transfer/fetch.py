@@ -28,12 +28,12 @@ from kvshare.transfer.base import (
     NIXL_UNAVAILABLE,
     SOURCE_DEAD,
     TRANSFER_ERROR,
+    BlockOutcomes,
     BlockResult,
     Transfer,
     TransferResult,
     Transport,
     check_batch,
-    miss_reasons,
 )
 from kvshare.transfer.wire import BlockControl
 from kvshare.types import BlockHash, Location, node_location, parse_location
@@ -47,7 +47,7 @@ REMOTE_ORDER = ("nixl", "objstore")
 
 
 @dataclass(frozen=True)
-class FetchResult:
+class FetchResult(BlockOutcomes):
     """Per-block outcomes (request order), which node and transport served each, and stats."""
 
     outcomes: tuple[BlockResult, ...]
@@ -55,24 +55,6 @@ class FetchResult:
     kept_local: int = 0
     transfers: tuple[TransferResult, ...] = field(default=(), compare=False)
     seconds: float = 0.0
-
-    @property
-    def ok(self) -> bool:
-        return all(o.ok for o in self.outcomes)
-
-    @property
-    def prefix_ok(self) -> int:
-        """How many leading blocks arrived (what a prefix-loading engine can use)."""
-        n = 0
-        for o in self.outcomes:
-            if not o.ok:
-                break
-            n += 1
-        return n
-
-    def reasons(self) -> dict[str, int]:
-        """How many blocks missed for each reason."""
-        return miss_reasons(self.outcomes)
 
 
 class PeerFetcher:
