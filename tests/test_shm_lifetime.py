@@ -28,13 +28,15 @@ def _spawn_owner(name: str) -> subprocess.Popen[str]:
 def test_a_killed_owners_slab_is_removed_and_a_live_one_is_kept() -> None:
     pid = os.getpid()
     dead, live, mine = (f"kvshare-lifetime-t{pid}-{i}" for i in range(3))
+    alive = _spawn_owner(live)
+    slab = HostSlab(4096, 4, mine)
+    # the dead owner last, checked at once: any pool starting on this machine removes orphans
+    # older than 2 s (another process's Python start-up must not fall between kill and check)
     owner = _spawn_owner(dead)
     owner.send_signal(signal.SIGKILL)
     owner.wait()
     with open(os.path.join(SHM_DIR, dead + ".epochs"), "wb") as f:
         f.write(b"\0" * 64)
-    alive = _spawn_owner(live)
-    slab = HostSlab(4096, 4, mine)
     try:
         assert os.path.exists(os.path.join(SHM_DIR, dead))  # SIGKILL left it behind
         assert dead not in remove_orphan_segments(min_age_s=60)  # too young to judge
