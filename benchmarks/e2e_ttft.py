@@ -47,7 +47,7 @@ import ray
 
 from actors.deploy import deploy, get_index_client, measured_bandwidths
 from actors.local_cluster import local_cluster
-from kvshare.breakdown import medians, summary, total
+from kvshare.breakdown import WORKER_STAGES, medians, summary, total
 from kvshare.cost import Bandwidths
 from kvshare.engines.hf import EngineConfig, model_keys
 from kvshare.engines.service import WorkerService
@@ -85,15 +85,19 @@ class Client:
 
     def streamed(self, prompt: str | list[int]) -> tuple[float, float, dict[str, Any]]:
         """(TTFT at the client, the client's time before its request left, the answer's
-        ``kvshare`` object) of one streamed completion."""
+        ``kvshare`` object, with the gateway's ``x-kvshare-breakdown`` header as
+        ``stream_stages``) of one streamed completion."""
         t0 = time.perf_counter()
         first: float | None = None
         kv: dict[str, Any] = {}
-        for chunk in self.openai.completions.create(model=NS, prompt=prompt, max_tokens=2,
-                                                    stream=True):
+        raw = self.openai.completions.with_raw_response.create(model=NS, prompt=prompt,
+                                                               max_tokens=2, stream=True)
+        stages = json.loads(raw.headers.get("x-kvshare-breakdown", "{}"))
+        for chunk in raw.parse():
             if first is None and chunk.choices and chunk.choices[0].text:
                 first = time.perf_counter() - t0
             kv = (chunk.model_extra or {}).get("kvshare") or kv
+        kv = {**kv, "stream_stages": stages}
         return (first if first is not None else time.perf_counter() - t0), self.sent - t0, kv
 
 
@@ -175,6 +179,7 @@ def main() -> int:
         holder = httpx.post(url + "/v1/route", json={"prompt": prefix + tokens(SUFFIX, 3)},
                             timeout=30).json()["worker"]
         gw, gw_ids, prep, prep_ids, inproc, warm_bd, beyond = [], [], [], [], [], [], []
+        first_gap: list[float] = []
         for k in range(args.repeats):  # interleaved: text, token ids, in-process; new suffixes
             ttft, before, kv = client.streamed(text(prefix + tokens(SUFFIX, 10 + k)))
             assert kv.get("reused_tokens", 0) >= full * 0.95, kv
@@ -182,6 +187,8 @@ def main() -> int:
             prep.append(before)
             warm_bd.append(kv.get("breakdown", {}))
             beyond.append(ttft - before - total(warm_bd[-1]))
+            worker = sum(float(warm_bd[-1].get(k, 0.0)) for k in WORKER_STAGES)
+            first_gap.append(float(kv["stream_stages"].get("upstream", 0.0)) - worker)
             ttft, before, kv = client.streamed(prefix + tokens(SUFFIX, 30 + k))
             assert kv.get("reused_tokens", 0) >= full * 0.95, kv
             gw_ids.append(ttft)
@@ -210,6 +217,9 @@ def main() -> int:
         # the client's TTFT less its own preparation and the stages: the first token's way
         # from the engine to the client (worker event loop, relay, client parsing)
         "warm_beyond_stages_ms": round(statistics.median(beyond) * 1e3, 2),
+        # the gateway's wait for the first chunk less the worker's stages: the request's and
+        # the first token's way between gateway and worker (worker event loop included)
+        "warm_first_chunk_gap_ms": round(statistics.median(first_gap) * 1e3, 2),
         "load_after": [round(x, 2) for x in os.getloadavg()],
     }
     print(json.dumps(out))

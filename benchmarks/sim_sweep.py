@@ -8,7 +8,9 @@ conversations, seed 1, which overloads small clusters), written under /tmp and r
 
 Prints one markdown table per trace (mean / p99 TTFT in s per policy and cell; ``*`` marks
 the cell's best of each) and ends with ONE JSON line: per cell whether ``cost`` has the lowest
-mean and the lowest p99 (the baseline is every other policy, measured in the same run).
+mean and the lowest p99 (the baseline is every other policy, measured in the same run); for
+each cell it does not win both, ``gap_pct``: how much higher its mean and p99 are than the best
+other policy's, in percent (negative where it wins).
 
     python benchmarks/sim_sweep.py [--traces synthetic,dynamo,agentic,conv,conv_heavy]
 """
@@ -85,10 +87,11 @@ def main() -> int:
                         table[n].append(f"{mean[n]:.3f}{'*' if mean[n] == best_m else ''} / "
                                         f"{p99[n]:.3f}{'*' if p99[n] == best_p else ''}")
                     others = [n for n in names if n != "cost"]
+                    om, op = min(mean[n] for n in others), min(p99[n] for n in others)
                     cells[f"{tname}/{w}w/{h // 1_000_000}M"] = {
-                        "cost_best_mean": mean["cost"] <= min(mean[n] for n in others),
-                        "cost_best_p99": p99["cost"] <= min(p99[n] for n in others),
-                        "mean": mean, "p99": p99,
+                        "cost_best_mean": mean["cost"] <= om, "cost_best_p99": p99["cost"] <= op,
+                        "gap_pct": [round(100 * (mean["cost"] / om - 1), 3),
+                                    round(100 * (p99["cost"] / op - 1), 3)],
                     }
             for n in names:
                 print(f"| {n} | " + " | ".join(table[n]) + " |")
@@ -99,7 +102,9 @@ def main() -> int:
                       "cost_best_p99": sum(c["cost_best_p99"] for c in cells.values()),
                       "cpu_s": round(time.process_time() - t0, 1),
                       "lost": [k for k, c in cells.items()
-                               if not (c["cost_best_mean"] and c["cost_best_p99"])]}))
+                               if not (c["cost_best_mean"] and c["cost_best_p99"])],
+                      "gap_pct": {k: c["gap_pct"] for k, c in cells.items()
+                                  if not (c["cost_best_mean"] and c["cost_best_p99"])}}))
     return 0
 
 

@@ -40,6 +40,7 @@ import random
 import re
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -193,19 +194,35 @@ async def drive(handle: Any, convs: list[list[Turn]], max_tokens: int,
     return {"records": records, "wall_s": time.perf_counter() - start, "failed": failed}
 
 
+_TRACKERS: dict[str, Any] = {}  # kv_aware: one tracker per process, as Serve LLM's ingress has
+
+
+async def kv_tracker(handle: Any, replicas: int) -> Any:
+    """Ray Serve LLM's ``KVTokenTracker`` for the kv_aware deployment, built once (on the
+    benchmark's one event loop, which keeps running between runs: the tracker follows the
+    deployment's replicas through a LongPollClient bound to it), once it tracks this run's
+    replicas (a redeployed application has new ones)."""
+    from ray.llm._internal.serve.routing_policies.kv_aware import kv_token_tracker
+
+    tracker = _TRACKERS.get("kv_aware")
+    before = _TRACKERS.get("kv_aware_replicas", set())  # the previous run's (deleted) replicas
+    if tracker is None:
+        tracker = _TRACKERS["kv_aware"] = kv_token_tracker.build_kv_token_tracker(
+            SimpleNamespace(experimental_configs={}), handle.deployment_id)
+    deadline = time.monotonic() + 60
+    while True:
+        now = set(tracker._replica_id_by_worker.values())
+        if len(now) == replicas and not now & before:
+            _TRACKERS["kv_aware_replicas"] = now
+            return tracker
+        if time.monotonic() > deadline:
+            raise RuntimeError("KVAwareRouter's tracker never saw the replicas' KV events")
+        await asyncio.sleep(0.2)
+
+
 async def run_router(name: str, handle: Any, convs: list[list[Turn]], args: argparse.Namespace,
                      endpoints: list[str]) -> dict[str, Any]:
-    tracker = None
-    if name == "kv_aware":  # Serve LLM's ingress builds it before its handle routes (router.py)
-        from ray.llm._internal.serve.routing_policies.kv_aware import kv_token_tracker
-
-        tracker = kv_token_tracker.build_kv_token_tracker(
-            SimpleNamespace(experimental_configs={}), handle.deployment_id)
-        deadline = time.monotonic() + 60
-        while len(tracker._replica_id_by_worker) < len(endpoints):
-            if time.monotonic() > deadline:
-                raise RuntimeError("KVAwareRouter's tracker never saw the replicas' KV events")
-            await asyncio.sleep(0.2)
+    tracker = await kv_tracker(handle, len(endpoints)) if name == "kv_aware" else None
     await warm(handle, len(endpoints), tracker)
     before = counters(endpoints)
     load0 = os.getloadavg()[0]
@@ -334,6 +351,8 @@ def main() -> int:
     from router.serve_vllm import vllm_app
 
     runs: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
+    loop = asyncio.new_event_loop()  # one loop for every run, running in between (kv_tracker)
+    threading.Thread(target=loop.run_forever, name="bench-loop", daemon=True).start()
     records = open(args.records, "w") if args.records else None  # noqa: SIM115
     with local_cluster(args.replicas, node_cpus=1, head_store_mib=200, node_store_mib=200,
                        resources=[{"vllm_slot": 1}] * args.replicas, ray_namespace="kvshare-bench",
@@ -355,7 +374,8 @@ def main() -> int:
                                    replica_resources={"vllm_slot": 1})
                     handle = serve.run(app, name=name, route_prefix=None)
                     t0 = time.perf_counter()
-                    run = asyncio.run(run_router(name, handle, convs, args, endpoints))
+                    run = asyncio.run_coroutine_threadsafe(
+                        run_router(name, handle, convs, args, endpoints), loop).result()
                     runs[name].append(run)
                     r1 = summary(name, [run])
                     print(f"{name} run {rep}: p50 {r1['ttft_p50_s']}s p99 {r1['ttft_p99_s']}s "

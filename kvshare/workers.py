@@ -43,7 +43,9 @@ class WorkerLoad:
     ``running``: requests in flight; ``prefill_tokens_per_s``: measured prefill speed
     (0 = unknown); ``ts``: the worker's wall clock at report time (``time.time()``);
     ``waiting``: requests queued but not yet scheduled (engines that say so, e.g. vLLM);
-    ``kv_usage``: fraction of the engine's own KV cache in use (0..1, 0 = unknown).
+    ``kv_usage``: fraction of the engine's own KV cache in use (0..1, 0 = unknown);
+    ``local_load_s`` / ``remote_load_s``: measured seconds a request waits for its KV to load
+    from this node's pool / another node's (0 = unknown; e.g. vLLM's kvshare connector).
     """
 
     worker_id: WorkerId
@@ -53,6 +55,8 @@ class WorkerLoad:
     ts: float = 0.0
     waiting: int = 0
     kv_usage: float = 0.0
+    local_load_s: float = 0.0
+    remote_load_s: float = 0.0
 
 
 @runtime_checkable

@@ -346,7 +346,21 @@ class LeastLoaded(Policy):
 
 
 class CostPolicy(Policy):
-    """Lowest estimated TTFT: queue wait + fetch + prefill of the rest (kvshare's default)."""
+    """Lowest estimated TTFT: queue wait + fetch + prefill of the rest (kvshare's default),
+    with the work a plan adds priced for the requests that will wait behind it.
+
+    A candidate's score is ``queue_s + (1 + waiting) * plan.total_s``, ``waiting`` the fewest
+    requests waiting (queued, not started: :attr:`WorkerLoad.waiting`) at any candidate. The
+    first term is the request's own TTFT; the second adds, to first order, what its service
+    time costs the requests arriving while it is ahead of them. Extra work delays others only
+    when no worker has slack to absorb it: then every worker has at least ``waiting``
+    requests queued, about as many arrive at each during the current wait (Little's law), and
+    with requests joining the shortest waits the work's delay reaches them all. With an idle
+    worker (or nothing waiting) the score is the lowest estimated TTFT; when every worker is
+    behind, the cheaper plan (a local copy over a remote one, a cached prefix over a
+    recompute) wins over a shorter queue, since total work then decides everyone's wait. The
+    decision's ``est_ttft_s`` stays the TTFT estimate (queue wait + plan).
+    """
 
     name = "cost"
 
@@ -368,12 +382,13 @@ class CostPolicy(Policy):
         c_max = cost.cached_tokens(view.combined, n)
         floor = cost.prefill.time(n - c_max, c_max)  # no plan beats this (free fetch)
         queues, order = self.queues(cands)
+        work = 1.0 + min([c.load.waiting for c in cands])  # what a second of plan costs
         ests = [math.inf] * len(cands)
         best = math.inf
         pos, end = 0, len(order)
         while pos < end:
             q = queues[order[pos]]
-            if q + floor > best + tie:
+            if q + work * floor > best + tie:
                 break  # exact pruning: this worker (and every later one) cannot win or tie
             group = []  # the workers with this queue wait, most promising first
             while pos < end and queues[order[pos]] == q:
@@ -384,13 +399,13 @@ class CostPolicy(Policy):
                 pos += 1
             group.sort()
             for bound, _, i, runs in group:
-                if q + bound > best + tie:
+                if q + work * bound > best + tie:
                     break  # exact pruning: its plan (and the rest's) cannot win or tie
                 plan = by_runs.get(runs)
                 if plan is None:
                     plan = by_runs[runs] = cost.plan_runs(n, runs)
                 plans[cands[i].info.worker_id] = plan
-                ests[i] = q + plan.total_s
+                ests[i] = q + work * plan.total_s
                 best = min(best, ests[i])
         best = min(ests)
         # Near-ties (e.g. a new prefix on idle workers) rotate, so new blocks spread over nodes.

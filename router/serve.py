@@ -74,6 +74,12 @@ from router.sources import Sharing
 log = logging.getLogger("ray.serve")
 BANDWIDTH_REFRESH_S = 30.0  # how often measured transport bandwidths are re-read
 
+def _median(values: list[float]) -> float:
+    """The median of the positive ``values`` (0 = none known)."""
+    known = sorted(v for v in values if v > 0)
+    return known[len(known) // 2] if known else 0.0
+
+
 class _Routing(NamedTuple):
     """A request's routing so far: its ranking, passes made, its shortlist."""
 
@@ -234,14 +240,21 @@ class KVShareRequestRouter(LocalityMixin, MultiplexMixin, RequestRouter):
 
     def _use_cost(self, hashing: WorkerHashing, loads: Mapping[WorkerId, WorkerLoad]) -> None:
         """The core's cost model from the workers' hashing, their median reported prefill
-        speed (rounded, so jitter does not rebuild it) and the measured bandwidths."""
-        speeds = sorted(ld.prefill_tokens_per_s for ld in loads.values() if ld.prefill_tokens_per_s > 0)
-        tps = speeds[len(speeds) // 2] if speeds else self.settings.prefill_tokens_per_s
+        speed (rounded, so jitter does not rebuild it), the measured bandwidths and, as the
+        fixed cost of a load, the median seconds the workers report a request waits for a
+        load from their node's pool / another node (``local_load_s`` / ``remote_load_s``,
+        to 10 ms; a bandwidth probe sees only the bytes/s, not the setup and engine steps)."""
+        tps = _median([ld.prefill_tokens_per_s for ld in loads.values()]) or self.settings.prefill_tokens_per_s
         bpt = hashing.bytes_per_token or self.settings.bytes_per_token or 1
         sharing = Sharing(self.settings.sharing or hashing.sharing)
         measured = {**self._measured, **(self.settings.bandwidths or {})}  # settings win
-        self.core.use_cost(CostInputs(hashing.block_tokens, bpt, Bandwidths.from_measured(measured),
-                                      round(tps, -1), sharing))
+        bw = Bandwidths.from_measured(measured)
+        local = round(_median([ld.local_load_s for ld in loads.values()]), 2)
+        remote = round(_median([ld.remote_load_s for ld in loads.values()]), 2)
+        if local or remote:
+            bw = replace(bw, local_latency_s=local or bw.local_latency_s,
+                         remote_latency_s=remote or bw.remote_latency_s)
+        self.core.use_cost(CostInputs(hashing.block_tokens, bpt, bw, round(tps, -1), sharing))
 
     # ------------------------------------------------------------------ choosing
     async def choose_replicas(

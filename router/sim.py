@@ -119,7 +119,8 @@ class _Worker:
         ``queued_prefill_tokens``: uncached tokens still to prefill (queued requests as
         planned when routed, plus the rest of the running one); ``prefill_tokens_per_s``: the
         rate at which the worker expects to drain them (its own plans), else its measured
-        average rate, so ``queued / rate`` is the worker's own estimate of its queue wait.
+        average rate, so ``queued / rate`` is the worker's own estimate of its queue wait;
+        ``running``: requests queued or running; ``waiting``: queued ones.
         """
         queued = sum(j.est_uncached for j in self.queue)
         drain = sum(j.est_service for j in self.queue)
@@ -133,7 +134,7 @@ class _Worker:
             active += len(r.hashes)
         rate = queued / drain if queued > 0 and drain > 0 else self.tps
         n = len(self.queue) + (r is not None)
-        return WorkerLoad(self.info.worker_id, queued, n, rate, now), active
+        return WorkerLoad(self.info.worker_id, queued, n, rate, now, len(self.queue)), active
 
 
 class Simulator:

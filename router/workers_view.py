@@ -151,7 +151,8 @@ class InFlight:
         if not gone:
             return report
         return WorkerLoad(report.worker_id, max(0, report.queued_prefill_tokens - gone),
-                          report.running, report.prefill_tokens_per_s, report.ts)
+                          report.running, report.prefill_tokens_per_s, report.ts,
+                          report.waiting, report.kv_usage)
 
     def keep_only(self, workers: Collection[WorkerId]) -> None:
         """Forget the requests of every worker not in ``workers`` (removed or dead)."""
@@ -213,7 +214,7 @@ class InFlight:
             if running:  # else the report itself (same values)
                 report = WorkerLoad(wid, report.queued_prefill_tokens + tokens,
                                     report.running + running, report.prefill_tokens_per_s,
-                                    report.ts)
+                                    report.ts, report.waiting, report.kv_usage)
             out.append((report, blocks))
         return out
 
@@ -236,7 +237,7 @@ class InFlight:
             return WorkerLoad(worker, tokens, running, 0.0, self._clock()), blocks
         return WorkerLoad(
             worker, report.queued_prefill_tokens + tokens, report.running + running,
-            report.prefill_tokens_per_s, report.ts,
+            report.prefill_tokens_per_s, report.ts, report.waiting, report.kv_usage,
         ), blocks
 
 

@@ -100,7 +100,7 @@ def test_blocks_on_two_nodes_show_up_within_1s(kv: dict[str, Any]) -> None:
     pb = pool(kv["b"])
     info = ray.get(pb.slab_info.remote("m", layout.fingerprint()))
     slab = HostSlab.attach(info.name, info.slot_bytes, info.num_slots)
-    res = ray.get(pb.transfer_prepare_write.remote("m", hs[:5], "pid:1", 30.0)).slots
+    res = ray.get(pb.transfer_prepare_write.remote("m", hs[:5], "pid:1", 30.0)).blocks
     for r, row in zip(res, data[:5], strict=True):
         slab.view(r.slot)[:] = row
     ray.get(pb.transfer_commit_write.remote("m", "pid:1", [r.lease_id for r in res],

@@ -183,6 +183,29 @@ def test_cost_policy_trades_queue_wait_against_prefill_and_transfer() -> None:
     assert (d.worker, d.reason, d.remote_blocks) == ("w1", "cache_remote", 8)
 
 
+def test_cost_policy_prices_a_plans_work_by_the_requests_waiting() -> None:
+    m = cost_model(a=1e-3)  # 128-token prompt: 128 ms cold, ~1 ms from w0's host cache
+    match = held({node_location("n0"): (8, Tier.HOST)})
+    req = RouteRequest(NS, HASHES, 128)
+    pol = make_policy("cost", m, Sharing.LOCAL)
+
+    def load(i: int, queued: int, waiting: int) -> Candidate:
+        c = cand(i)
+        return Candidate(c.info, WorkerLoad(c.info.worker_id, queued, waiting + 1, 0.0, 0.0, waiting))
+
+    # nothing waiting: the lowest TTFT, recomputing on idle w1 (128 ms < 200 ms + 1 ms)
+    d = pol.choose(req, match, [load(0, 200, 0), load(1, 0, 0)])
+    assert (d.worker, d.reason) == ("w1", "load")
+    # requests waiting at every worker: the 127 ms a recompute adds would delay the requests
+    # arriving behind it too, so the cached plan wins over the shorter queue
+    d = pol.choose(req, match, [load(0, 200, 3), load(1, 0, 1)])
+    assert (d.worker, d.reason, d.cached_blocks) == ("w0", "cache_local", 8)
+    assert d.est_ttft_s == pytest.approx(0.2 + 0.001 + 8 * 16 * 1000 / 25e9, rel=1e-6)  # its TTFT
+    # a worker with nothing waiting has slack for the extra work: the lowest TTFT again
+    d = pol.choose(req, match, [load(0, 200, 3), load(1, 50, 0)])
+    assert (d.worker, d.reason) == ("w1", "load")
+
+
 def test_policies_respect_namespace_and_tenant_restrictions() -> None:
     req = RouteRequest(NS, HASHES, 128, tenant="acme")
     cands = [cand(0, ns=("other",)), cand(1, tenants="globex"), cand(2, tenants="acme,initech")]

@@ -218,6 +218,39 @@ def test_serve_counts_a_ranked_request_before_serve_places_it() -> None:
     assert queued[1][other] == len(long_ids) + 2 * BT * 2
 
 
+@pytest.mark.parametrize("remote_load_s", [0.0, 1.0])
+def test_serve_prices_a_remote_load_at_what_the_workers_measured(remote_load_s: float) -> None:
+    """A prompt held in node n0's pool, n0's worker busy: the idle worker on n1 pulls it from
+    n0 while a load is cheap; when the workers report that a load from another node takes
+    1 s (vLLM's connector measures it), recomputing 400 tokens there is cheaper."""
+    index = GlobalIndex()
+    index.declare_namespace(NS, 32)
+    meta = {META_ROOT: HASHER.root.hex(), META_BLOCK_TOKENS: str(BT),
+            META_BYTES_PER_TOKEN: str(BPT), META_TOKENIZER: json.dumps({"kind": "bytes"})}
+    reps = replicas(2)
+    for r, queued in zip(reps, (50_000, 0), strict=True):
+        wid = replica_worker_id(r.replica_id)
+        index.register_worker(WorkerInfo(wid, NodeId(r.node_id), (NS,), meta=meta))
+        index.report_load(WorkerLoad(wid, queued, 0, TPS, time.time(), remote_load_s=remote_load_s))
+    ids = SYSTEMS[0] + [1, 2, 3]
+    index.apply([BlockStored(NS, node_location("n0"), Tier.HOST, h, 0, j + 1)
+                 for j, h in enumerate(HASHER.hashes(SYSTEMS[0]))])
+
+    async def route() -> Any:
+        serve = KVShareRequestRouter(deployment_id=DEPLOYMENT,
+                                     handle_source=DeploymentHandleSource.UNKNOWN)
+        serve.initialize_state(namespace=NS, prefill_tokens_per_s=TPS, workers_refresh_s=0.0)
+        serve.use_index(InProcessIndex(index))
+        serve.update_replicas(reps)
+        shortlist = await serve.choose_replicas(reps, pending_request(0, ids))
+        return shortlist[0][0], serve._last["q0"].ranking.decision, serve.core.cost
+
+    chosen, decision, cost = asyncio.run(route())
+    assert chosen is reps[1]
+    assert cost.bandwidths.remote_latency_s == (remote_load_s or Bandwidths().remote_latency_s)
+    assert (decision.remote_blocks == 0) == (remote_load_s > 0), decision
+
+
 # ------------------------------------------------------------------ the core's own rules
 class SlowIndex:
     """Answers after the deadline (a real coroutine), or says it is unavailable."""
@@ -295,17 +328,21 @@ def test_in_flight_work_adds_to_a_report_and_drained_work_comes_off_a_stale_one(
     now = [100.0]
     inflight = InFlight(clock=lambda: now[0])
     w = WORKERS[0]
-    report = WorkerLoad(w.worker_id, 1000, 1, TPS, 99.5)  # counts the request routed at 99
+    # counts the request routed at 99; the engine says 3 requests wait (the cost policy
+    # prices work by them), which the router's view keeps
+    report = WorkerLoad(w.worker_id, 1000, 1, TPS, 99.5, waiting=3, kv_usage=0.5)
     now[0] = 99.0
     inflight.add("old", w.worker_id, 1000, 4)
     now[0] = 100.0
     inflight.add("new", w.worker_id, 300, 2)  # after the report: on top of it
     [(load, blocks)] = inflight.loads([w], {w.worker_id: report})
     assert (load.queued_prefill_tokens, load.running, blocks) == (1300, 2, 6)
+    assert (load.waiting, load.kv_usage) == (3, 0.5)
     now[0] = 100.5
     inflight.done("old")  # drained after the report: the report still counts it
     [(load, blocks)] = inflight.loads([w], {w.worker_id: report})
-    assert (load.queued_prefill_tokens, blocks) == (300, 2)
+    assert (load.queued_prefill_tokens, blocks, load.waiting) == (300, 2, 3)
+    assert inflight.load(w.worker_id, report)[0].waiting == 3
     now[0] = 103.0  # past drain_window_s: a fresher report is due, the old one stands again
     [(load, _)] = inflight.loads([w], {w.worker_id: report})
     assert load.queued_prefill_tokens == 1300

@@ -37,7 +37,7 @@ from kvshare.transfer.probe import TransportBandwidths, parse_overrides, probe
 from kvshare.transfer.serve import TransferService
 from kvshare.transfer.shm import ShmTransport
 from kvshare.transfer.source import BlockSource
-from kvshare.transfer.wire import PreparedRead, Ready, Reply
+from kvshare.transfer.wire import Ready, Reply, SlotReply
 from kvshare.types import BlockHash, Location, Tier, node_location
 
 LAYOUT = KVLayout(1, 1, 8, "fp32", 64)  # 4 KiB blocks
@@ -287,7 +287,7 @@ def test_shm_read_whose_lease_expired_during_the_copy_is_a_miss(shared_epochs: b
     src = BlockSource(pool, "ut-e", nixl=False)
 
     class SlowReader(LocalControl):
-        def prepare_read(self, hashes: Sequence[BlockHash], holder: str, ttl_s: float) -> Reply[PreparedRead]:
+        def prepare_read(self, hashes: Sequence[BlockHash], holder: str, ttl_s: float) -> Reply[SlotReply]:
             prep = super().prepare_read(hashes, holder, ttl_s).get(0)
             if not shared_epochs:
                 assert prep.slab is not None

@@ -97,3 +97,27 @@ def test_parse_sums_engines_and_skips_nan() -> None:
             'vllm:unrelated_total 5.0\n')
     assert parse_metrics(text) == {"vllm:num_requests_running": 3.0,
                                    "vllm:time_to_first_token_seconds_count": 7.0}
+
+
+def test_load_waits_are_read_per_kind_and_smoothed() -> None:
+    text = ('vllm:kvshare_load_seconds_total{engine="0",where="remote"} 3.0\n'
+            'vllm:kvshare_loads_total{engine="0",where="remote"} 2.0\n'
+            'vllm:kvshare_load_seconds_total{engine="0",where="local"} 0.2\n'
+            'vllm:kvshare_loads_total{engine="0",where="local"} 4.0\n')
+    m = parse_metrics(text)
+    assert m == {"load_seconds:remote": 3.0, "loads:remote": 2.0,
+                 "load_seconds:local": 0.2, "loads:local": 4.0}
+    load = MetricsLoad(WorkerId("w"), "http://127.0.0.1:1")
+    try:
+        first = load.from_metrics({**scrape(), "load_seconds:remote": 1.0, "loads:remote": 1.0}, 0.0)
+        assert first.remote_load_s == 0 and first.local_load_s == 0  # nothing measured yet
+        r = load.from_metrics({**scrape(), "load_seconds:remote": 4.0, "loads:remote": 3.0,
+                               "load_seconds:local": 0.1, "loads:local": 2.0}, 0.1)
+        assert r.remote_load_s == pytest.approx(1.5) and r.local_load_s == pytest.approx(0.05)
+        # no new load: the estimate stays; the next ones move it by 30 %
+        assert load.from_metrics({**scrape(), "load_seconds:remote": 4.0, "loads:remote": 3.0},
+                                 0.2).remote_load_s == pytest.approx(1.5)
+        r = load.from_metrics({**scrape(), "load_seconds:remote": 4.5, "loads:remote": 4.0}, 0.3)
+        assert r.remote_load_s == pytest.approx(0.7 * 1.5 + 0.3 * 0.5)
+    finally:
+        load.close()

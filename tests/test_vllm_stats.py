@@ -48,3 +48,32 @@ def test_prometheus_counters_per_transport_and_stored() -> None:
     assert 'transport="nixl"} 1024.0' in text
     assert 'vllm:kvshare_stored_bytes_total{engine="0",model_name="tiny"} 4096.0' in text
     assert "lookups" not in text
+
+
+def test_load_waits_become_counters_a_load_report_reads() -> None:
+    from kvshare.types import WorkerId
+    from kvshare.vllm.load import MetricsLoad, parse_metrics
+    from kvshare.vllm.stats import wait_counters
+
+    registry = CollectorRegistry()
+
+    def counter(**kw: object) -> Counter:
+        return Counter(registry=registry, **kw)  # type: ignore[arg-type]
+
+    types = {Counter: counter, Gauge: Gauge, Histogram: Histogram}
+    prom = KVSharePromMetrics(SimpleNamespace(kv_transfer_config=None), types,
+                              ["model_name", "engine"], {0: ["tiny", "0"]})
+    worker = {"load_reported_seconds": 9.0, "load_reported_seconds_remote": 3.0,
+              "loads_remote": 2, "load_reported_seconds_local": 0.5, "loads_local": 5,
+              "load_polls": 40}
+    waits = wait_counters(worker)
+    assert waits == {"load_reported_seconds_remote": 3.0, "loads_remote": 2.0,
+                     "load_reported_seconds_local": 0.5, "loads_local": 5.0}
+    load = MetricsLoad(WorkerId("w"), "http://127.0.0.1:1")
+    try:
+        load.from_metrics(parse_metrics(generate_latest(registry).decode()), 0.0)
+        prom.observe(waits, 0)
+        report = load.from_metrics(parse_metrics(generate_latest(registry).decode()), 0.1)
+    finally:
+        load.close()
+    assert report.remote_load_s == 1.5 and report.local_load_s == 0.1

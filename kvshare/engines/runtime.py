@@ -80,8 +80,10 @@ class LoadTracker:
 
     def snapshot(self, worker_id: str) -> WorkerLoad:
         with self._lock:
+            # one request runs at a time: the others in flight wait
             return WorkerLoad(WorkerId(worker_id), max(0, self.queued_prefill_tokens),
-                              self.running, self.prefill_tokens_per_s, time.time())
+                              self.running, self.prefill_tokens_per_s, time.time(),
+                              max(0, self.running - 1))
 
     def as_dict(self) -> dict[str, float]:
         """The current load as JSON-ready numbers."""

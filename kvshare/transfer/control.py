@@ -16,13 +16,11 @@ from kvshare.transfer.source import BlockSource
 from kvshare.transfer.wire import (
     BlockBatch,
     NixlPeerInfo,
-    PreparedRead,
-    PreparedWrite,
-    PushedRead,
     PushRequest,
     Ready,
     Reply,
     SlabInfo,
+    SlotReply,
     SourceGone,
 )
 from kvshare.types import BlockHash
@@ -41,7 +39,7 @@ class LocalControl:
     def nixl_info(self) -> Reply[NixlPeerInfo | None]:
         return Ready(self.source.nixl_info())
 
-    def prepare_read(self, hashes: Sequence[BlockHash], holder: str, ttl_s: float) -> Reply[PreparedRead]:
+    def prepare_read(self, hashes: Sequence[BlockHash], holder: str, ttl_s: float) -> Reply[SlotReply]:
         return Ready(self.source.prepare_read(hashes, holder, ttl_s))
 
     def finish(self, holder: str, lease_ids: Sequence[int]) -> Reply[list[bool]]:
@@ -50,7 +48,7 @@ class LocalControl:
     def read_blocks(self, hashes: Sequence[BlockHash]) -> Reply[BlockBatch]:
         return Ready(self.source.read_blocks(hashes))
 
-    def prepare_write(self, hashes: Sequence[BlockHash], holder: str, ttl_s: float) -> Reply[PreparedWrite]:
+    def prepare_write(self, hashes: Sequence[BlockHash], holder: str, ttl_s: float) -> Reply[SlotReply]:
         return Ready(self.source.prepare_write(hashes, holder, ttl_s))
 
     def commit_write(
@@ -71,7 +69,7 @@ class LocalControl:
 
     def push_read(
         self, hashes: Sequence[BlockHash], holder: str, ttl_s: float, request: PushRequest
-    ) -> Reply[PushedRead]:
+    ) -> Reply[SlotReply]:
         return Ready(self.source.push_read(hashes, holder, ttl_s, request))
 
 
@@ -125,7 +123,7 @@ class ActorControl:
     def nixl_info(self) -> Reply[NixlPeerInfo | None]:
         return self._call("nixl_info")  # type: ignore[no-any-return]
 
-    def prepare_read(self, hashes: Sequence[BlockHash], holder: str, ttl_s: float) -> Reply[PreparedRead]:
+    def prepare_read(self, hashes: Sequence[BlockHash], holder: str, ttl_s: float) -> Reply[SlotReply]:
         return self._call("prepare_read", list(hashes), holder, ttl_s)  # type: ignore[no-any-return]
 
     def finish(self, holder: str, lease_ids: Sequence[int]) -> Reply[list[bool]]:
@@ -134,7 +132,7 @@ class ActorControl:
     def read_blocks(self, hashes: Sequence[BlockHash]) -> Reply[BlockBatch]:
         return self._call("read_blocks", list(hashes))  # type: ignore[no-any-return]
 
-    def prepare_write(self, hashes: Sequence[BlockHash], holder: str, ttl_s: float) -> Reply[PreparedWrite]:
+    def prepare_write(self, hashes: Sequence[BlockHash], holder: str, ttl_s: float) -> Reply[SlotReply]:
         return self._call("prepare_write", list(hashes), holder, ttl_s)  # type: ignore[no-any-return]
 
     def commit_write(
@@ -155,5 +153,5 @@ class ActorControl:
 
     def push_read(
         self, hashes: Sequence[BlockHash], holder: str, ttl_s: float, request: PushRequest
-    ) -> Reply[PushedRead]:
+    ) -> Reply[SlotReply]:
         return self._call("push_read", list(hashes), holder, ttl_s, request)  # type: ignore[no-any-return]

@@ -190,7 +190,7 @@ class NixlTransport(Transport):
                 entries, agent = prep.blocks, prep.nixl_agent
             else:
                 prepw = call(control.prepare_write(t.hashes, t.holder, lease_ttl(deadline_s)), t.remaining)
-                entries, agent = prepw.slots, prepw.nixl_agent
+                entries, agent = prepw.blocks, prepw.nixl_agent
         except TimeoutError:
             return self._end(t, DEADLINE)
         except SourceGone:

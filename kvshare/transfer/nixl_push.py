@@ -3,7 +3,7 @@
 (The pool's side is :meth:`BlockSource.push_read <kvshare.transfer.source.BlockSource.push_read>`
 and :meth:`NixlSource.write_slots <kvshare.transfer.nixl_agent.NixlSource.write_slots>`; the
 messages, :class:`~kvshare.transfer.wire.PushRequest` and
-:class:`~kvshare.transfer.wire.PushedRead`, are the control interface's.)
+:class:`~kvshare.transfer.wire.SlotReply`, are the control interface's.)
 
 Same guarantees as the ``nixl`` READ path, other initiator. Over UCX ``cma`` (one host, the
 stand-in for RDMA here) the initiator calls ``process_vm_readv``/``process_vm_writev``, which
@@ -47,9 +47,9 @@ from kvshare.transfer.base import (
 from kvshare.transfer.nixl import NixlTransport
 from kvshare.transfer.wire import (
     BlockControl,
-    PushedRead,
     PushRequest,
     Reply,
+    SlotReply,
     SourceBlock,
     SourceGone,
 )
@@ -108,7 +108,7 @@ class NixlPushTransport(NixlTransport):
             return t.result
         if t.op != "read":
             return super().poll(t)
-        reply: Reply[PushedRead] = t.state["reply"]
+        reply: Reply[SlotReply] = t.state["reply"]
         if not reply.done():
             self.agent.get_new_notifs()  # progress: lets UCX accept the pool's connection
             if t.remaining < -CANCEL_GRACE_S:
@@ -121,7 +121,7 @@ class NixlPushTransport(NixlTransport):
             return self._end(t, SOURCE_DEAD).result
         return self._verify(t, pushed)
 
-    def _verify(self, t: Transfer, pushed: PushedRead) -> TransferResult:
+    def _verify(self, t: Transfer, pushed: SlotReply) -> TransferResult:
         outcome: dict[int, str] = t.state["outcome"]
         bufs: list[ByteArray] = t.state["bufs"]
         late = t.remaining < 0

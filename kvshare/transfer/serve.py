@@ -32,11 +32,9 @@ from kvshare.transfer.wire import (
     BlockBatch,
     BlockControl,
     NixlPeerInfo,
-    PreparedRead,
-    PreparedWrite,
-    PushedRead,
     PushRequest,
     SlabInfo,
+    SlotReply,
 )
 from kvshare.types import BlockHash, UnknownNamespace
 
@@ -192,13 +190,13 @@ class TransferEndpoints:
 
     def transfer_prepare_read(
         self, namespace: str, hashes: Sequence[BlockHash], holder: str, ttl_s: float
-    ) -> PreparedRead:
+    ) -> SlotReply:
         return self.transfer.leasing(namespace, holder).prepare_read(hashes, holder, ttl_s)
 
     def transfer_push_read(
         self, namespace: str, hashes: Sequence[BlockHash], holder: str, ttl_s: float,
         request: PushRequest,
-    ) -> PushedRead:
+    ) -> SlotReply:
         return self.transfer.leasing(namespace, holder).push_read(hashes, holder, ttl_s, request)
 
     def transfer_finish(self, namespace: str, holder: str, lease_ids: Sequence[int]) -> list[bool]:
@@ -209,7 +207,7 @@ class TransferEndpoints:
 
     def transfer_prepare_write(
         self, namespace: str, hashes: Sequence[BlockHash], holder: str, ttl_s: float
-    ) -> PreparedWrite:
+    ) -> SlotReply:
         return self.transfer.leasing(namespace, holder).prepare_write(hashes, holder, ttl_s)
 
     def transfer_commit_write(

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from typing import TypeVar
 
 from kvshare.tiers.base import ByteArray, block_checksum, copy_block
 from kvshare.tiers.host import HostSlab
@@ -35,10 +34,9 @@ from kvshare.transfer.epochs import SharedEpochs
 from kvshare.transfer.wire import (
     PRESENT,
     BlockControl,
-    PreparedRead,
-    PreparedWrite,
     Reply,
     SlabInfo,
+    SlotReply,
     SourceBlock,
     SourceGone,
 )
@@ -89,9 +87,10 @@ class ShmTransport(Transport):
             return None
 
     def _begin(
-        self, kind: str, control: BlockControl, prepare: Callable[[Sequence[BlockHash], str, float], Reply[P]],
+        self, kind: str, control: BlockControl,
+        prepare: Callable[[Sequence[BlockHash], str, float], Reply[SlotReply]],
         hashes: Sequence[BlockHash], bufs: Sequence[ByteArray], deadline_s: float,
-    ) -> tuple[Transfer, P | None]:
+    ) -> tuple[Transfer, SlotReply | None]:
         """A new transfer and the pool's size-checked prepare reply (None: ``t`` has ended)."""
         t = self.new_transfer(kind, hashes, bufs, deadline_s, self.holder)
         return t, _prepared(t, control, prepare(hashes, t.holder, lease_ttl(deadline_s)), bufs)
@@ -154,7 +153,7 @@ class ShmTransport(Transport):
         reasons = [""] * len(hashes)
         slab = self._local_slab(prep.slab)
         written: list[int] = []
-        for i, s in enumerate(prep.slots):
+        for i, s in enumerate(prep.blocks):
             if isinstance(s, str):
                 reasons[i] = "" if s == PRESENT else s
                 continue
@@ -163,12 +162,12 @@ class ShmTransport(Transport):
                 if copy is None:
                     copy_block(slab.array[s.slot], data[i])
                 written.append(i)
-        slots = [prep.slots[i].slot for i in written]  # type: ignore[union-attr]
+        slots = [prep.blocks[i].slot for i in written]  # type: ignore[union-attr]
         if copy is not None and slab is not None and written:
             _copy_or_release(sink, t.holder, copy, slab, written, slots)
         sums = [block_checksum(data[i] if copy is None or slab is None else slab.array[s])
                 for i, s in zip(written, slots, strict=True)]
-        lease_ids = [prep.slots[i].lease_id for i in written]  # type: ignore[union-attr]
+        lease_ids = [prep.blocks[i].lease_id for i in written]  # type: ignore[union-attr]
         try:
             done = set(call(sink.commit_write(t.holder, lease_ids, sums), max(t.remaining, 2.0)))
         except (TimeoutError, SourceGone):
@@ -213,10 +212,9 @@ def _done(t: Transfer, reasons: Sequence[str], bufs: Sequence[ByteArray]) -> Tra
     return t
 
 
-P = TypeVar("P", PreparedRead, PreparedWrite)
-
-
-def _prepared(t: Transfer, control: BlockControl, reply: Reply[P], bufs: Sequence[ByteArray]) -> P | None:
+def _prepared(
+    t: Transfer, control: BlockControl, reply: Reply[SlotReply], bufs: Sequence[ByteArray]
+) -> SlotReply | None:
     """The pool's prepare reply, size-checked against ``bufs``; None once ``t`` ended with
     every block missed (the reply missed the deadline, or the pool is gone)."""
     try:

@@ -110,11 +110,11 @@ class BlockSource:
     # ------------------------------------------------------------------ reads
     def prepare_read(
         self, hashes: Sequence[BlockHash], holder: str, ttl_s: float
-    ) -> wire.PreparedRead:
+    ) -> wire.SlotReply:
         """Pin ``hashes`` in the host slab for ``holder``; a miss says missing or corrupt."""
         with self._lock:
             if holder in self._finished:
-                return wire.PreparedRead(self.generation, (DEADLINE,) * len(hashes))
+                return wire.SlotReply(self.generation, (DEADLINE,) * len(hashes))
             known = [h in self.pool for h in hashes]
             leases = self.pool.pin(hashes, holder, ttl_s, promote=True)
         blocks: list[wire.SourceBlock | str] = []
@@ -129,11 +129,11 @@ class BlockSource:
         # the reader copies these slots itself (shm mapping, NIXL): they leave the slab now
         self.pool.note_read(Tier.HOST, sum(isinstance(b, wire.SourceBlock) for b in blocks))
         agent, err = self._nixl_fields()
-        return wire.PreparedRead(self.generation, tuple(blocks), self.slab_info(), agent, err)
+        return wire.SlotReply(self.generation, tuple(blocks), self.slab_info(), agent, err)
 
     def push_read(
         self, hashes: Sequence[BlockHash], holder: str, ttl_s: float, request: wire.PushRequest
-    ) -> wire.PushedRead:
+    ) -> wire.SlotReply:
         """Pin ``hashes``, NIXL-WRITE them into the reader's memory, end the pins (nixl_push).
 
         Raises ValueError (nothing pinned) when the request does not match the pool's blocks.
@@ -164,7 +164,7 @@ class BlockSource:
         if reason:
             for i in moving:
                 blocks[i] = reason
-        return wire.PushedRead(prep.generation, tuple(blocks))
+        return wire.SlotReply(prep.generation, tuple(blocks))
 
     def finish(self, holder: str, lease_ids: Sequence[int]) -> list[bool]:
         """Report which of ``lease_ids`` were still valid, then end every lease of ``holder``."""
@@ -209,11 +209,11 @@ class BlockSource:
     # ------------------------------------------------------------------ writes
     def prepare_write(
         self, hashes: Sequence[BlockHash], holder: str, ttl_s: float
-    ) -> wire.PreparedWrite:
+    ) -> wire.SlotReply:
         """Reserve a host slot per new hash for ``holder`` (``"present"`` if already held)."""
         with self._lock:
             if holder in self._finished:
-                return wire.PreparedWrite(self.generation, (DEADLINE,) * len(hashes))
+                return wire.SlotReply(self.generation, (DEADLINE,) * len(hashes))
             res = self.pool.reserve(hashes, holder, ttl_s)
         slots: list[wire.SourceBlock | str] = []
         for r in res:
@@ -231,7 +231,7 @@ class BlockSource:
                 assert isinstance(r, NoSpace)
                 slots.append(NO_SPACE)
         agent, err = self._nixl_fields()
-        return wire.PreparedWrite(self.generation, tuple(slots), self.slab_info(), agent, err)
+        return wire.SlotReply(self.generation, tuple(slots), self.slab_info(), agent, err)
 
     def commit_write(
         self, holder: str, lease_ids: Sequence[int], checksums: Sequence[int]

@@ -70,25 +70,22 @@ class SourceBlock:
 
 
 @dataclass(frozen=True)
-class PreparedRead:
-    """Reply to ``prepare_read``: per requested hash a pinned block or a miss reason."""
+class SlotReply:
+    """The pool's per-hash answer about its slab slots, in request order: a
+    :class:`SourceBlock` or a reason per hash.
 
-    generation: int
-    blocks: tuple[SourceBlock | str, ...]
-    slab: SlabInfo | None = None
-    nixl_agent: str = ""  # "" = the source has no working NIXL agent
-    nixl_error: str = ""
+    - ``prepare_read``: pinned blocks (or a miss reason);
+    - ``prepare_write``: reserved slots, ``checksum`` -1 (:data:`PRESENT`: the pool already
+      holds the block, which counts as stored);
+    - ``push_read``: the blocks NIXL-written into the reader's memory (checksum to verify),
+      already unpinned; no ``slab``.
 
-
-@dataclass(frozen=True)
-class PreparedWrite:
-    """Reply to ``prepare_write``: per hash a reserved slot (lease, slot, epoch) or a reason.
-
-    ``"present"`` means the pool already holds the block (counts as stored).
+    ``slab``/``nixl_agent``/``nixl_error``: where the prepared slots are and the pool's NIXL
+    agent (``""``: none working).
     """
 
     generation: int
-    slots: tuple[SourceBlock | str, ...]
+    blocks: tuple[SourceBlock | str, ...]
     slab: SlabInfo | None = None
     nixl_agent: str = ""
     nixl_error: str = ""
@@ -124,14 +121,6 @@ class PushRequest:
     dest_addrs: tuple[int, ...]
     block_bytes: int
     deadline_s: float
-
-
-@dataclass(frozen=True)
-class PushedRead:
-    """Reply to ``push_read``: per hash the written block (checksum to verify) or a reason."""
-
-    generation: int
-    blocks: tuple[SourceBlock | str, ...]
 
 
 class Reply(Protocol[T_co]):
@@ -175,7 +164,7 @@ class BlockControl(Protocol):
 
     def prepare_read(
         self, hashes: Sequence[BlockHash], holder: str, ttl_s: float
-    ) -> Reply[PreparedRead]: ...
+    ) -> Reply[SlotReply]: ...
 
     def finish(self, holder: str, lease_ids: Sequence[int]) -> Reply[list[bool]]: ...
 
@@ -183,7 +172,7 @@ class BlockControl(Protocol):
 
     def prepare_write(
         self, hashes: Sequence[BlockHash], holder: str, ttl_s: float
-    ) -> Reply[PreparedWrite]: ...
+    ) -> Reply[SlotReply]: ...
 
     def commit_write(
         self, holder: str, lease_ids: Sequence[int], checksums: Sequence[int]
@@ -201,6 +190,6 @@ class BlockControl(Protocol):
 
     def push_read(
         self, hashes: Sequence[BlockHash], holder: str, ttl_s: float, request: PushRequest
-    ) -> Reply[PushedRead]:
+    ) -> Reply[SlotReply]:
         """Pin ``hashes``, NIXL-WRITE them into the reader's addresses, end the pins."""
         ...

@@ -34,7 +34,13 @@ from kvshare.types import BlockHash
 from kvshare.vllm.config import ConnectorSettings, ModelKeys, model_keys
 from kvshare.vllm.metadata import KVShareMetadata
 from kvshare.vllm.scheduler_side import SchedulerSide
-from kvshare.vllm.stats import CounterDelta, KVSharePromMetrics, KVShareStats, byte_counters
+from kvshare.vllm.stats import (
+    CounterDelta,
+    KVSharePromMetrics,
+    KVShareStats,
+    byte_counters,
+    wait_counters,
+)
 from kvshare.vllm.worker_side import WorkerSide
 
 if TYPE_CHECKING:
@@ -175,10 +181,12 @@ class KVShareConnector(KVConnectorBase_V1):
 
     # ------------------------------------------------------------------ stats (kvshare.vllm.stats)
     def get_kv_connector_stats(self) -> KVShareStats | None:
-        """Worker role: bytes loaded per transport and stored since the last call."""
+        """Worker role: bytes loaded per transport and stored, and load waits, since the last
+        call."""
         if self._worker is None:
             return None  # the scheduler role moves no KV
-        moved = self._moved.take(byte_counters(self._client.counters))
+        moved = self._moved.take({**byte_counters(self._client.counters),
+                                  **wait_counters(self._worker.counters)})
         return KVShareStats(data=moved) if moved else None
 
     @classmethod

@@ -16,6 +16,11 @@ counters and per-request latency histograms. :class:`MetricsLoad` turns them int
   conversation costs its new suffix, not its whole prompt), a running one half that (on
   average half its prefill is done). An estimate; the router adds its own in-flight work.
 - **Prefill speed** (``prefill_tokens_per_s``), by :class:`PrefillSpeed`.
+- **What a load costs** (``local_load_s``, ``remote_load_s``): the mean seconds a request
+  waited for the kvshare connector to load its KV, from this node's pool or with blocks from
+  another node (``vllm:kvshare_load_seconds_total{where}`` over ``vllm:kvshare_loads_total``,
+  :mod:`kvshare.vllm.stats`), smoothed over reports: the setup, transfer and engine steps a
+  load really takes on this server, which a bandwidth probe does not see.
 """
 
 from __future__ import annotations
@@ -29,6 +34,8 @@ from kvshare.types import WorkerId
 from kvshare.workers import WorkerLoad
 
 _LINE = re.compile(r"^(vllm:[a-z_]+)(?:\{[^}]*\})?\s+([0-9.eE+-]+|NaN)$", re.MULTILINE)
+_WAIT = re.compile(r'^vllm:kvshare_load(s|_seconds)_total\{[^}]*where="(local|remote)"[^}]*\}'
+                   r"\s+([0-9.eE+-]+)$", re.MULTILINE)
 _WANTED = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
            "vllm:prompt_tokens_total", "vllm:prefix_cache_hits_total",
            "vllm:external_prefix_cache_hits_total",
@@ -39,12 +46,34 @@ _WANTED = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_ca
 
 
 def parse_metrics(text: str) -> dict[str, float]:
-    """The vLLM gauges and counters this module uses, summed over engines (label sets)."""
+    """The vLLM gauges and counters this module uses, summed over engines (label sets); the
+    connector's load waits as ``loads:<where>`` and ``load_seconds:<where>``."""
     out: dict[str, float] = {}
     for name, value in _LINE.findall(text):
         if name in _WANTED and value != "NaN":
             out[name] = out.get(name, 0.0) + float(value)
+    for kind, where, value in _WAIT.findall(text):
+        key = f"load{kind}:{where}"
+        out[key] = out.get(key, 0.0) + float(value)
     return out
+
+
+class LoadWait:
+    """Mean seconds per load from cumulative ``(seconds, loads)`` counters, smoothed over
+    the samples in which loads finished (weight ``alpha`` on the newest)."""
+
+    def __init__(self, alpha: float = 0.3) -> None:
+        self.alpha = alpha
+        self.seconds = 0.0
+        self._prev: tuple[float, float] | None = None
+
+    def update(self, seconds: float, loads: float) -> float:
+        prev, self._prev = self._prev, (seconds, loads)
+        if prev is not None and loads > prev[1] and seconds >= prev[0]:
+            mean = (seconds - prev[0]) / (loads - prev[1])
+            old = self.seconds
+            self.seconds = mean if old == 0 else (1 - self.alpha) * old + self.alpha * mean
+        return self.seconds
 
 
 class PrefillSpeed:
@@ -124,6 +153,7 @@ class MetricsLoad:
         self._http = httpx.Client(timeout=timeout_s)
         self.speed = PrefillSpeed()
         self.in_prefill = InPrefill()
+        self.waits = {w: LoadWait() for w in ("local", "remote")}
 
     @property
     def prefill_tokens_per_s(self) -> float:
@@ -150,9 +180,12 @@ class MetricsLoad:
         prefilling = self.in_prefill.count(m)
         queued_waiting = min(waiting, prefilling)
         queued = queued_waiting * mean_new + (prefilling - queued_waiting) * mean_new / 2
+        wait = {w: lw.update(m.get(f"load_seconds:{w}", 0.0), m.get(f"loads:{w}", 0.0))
+                for w, lw in self.waits.items()}
         return WorkerLoad(self.worker_id, int(queued), running + waiting,
                           self.speed.tokens_per_s, time.time(), waiting=waiting,
-                          kv_usage=float(m.get("vllm:kv_cache_usage_perc", 0.0)))
+                          kv_usage=float(m.get("vllm:kv_cache_usage_perc", 0.0)),
+                          local_load_s=wait["local"], remote_load_s=wait["remote"])
 
     def close(self) -> None:
         self._http.close()

@@ -8,7 +8,11 @@ server's ``/metrics``, next to vLLM's own:
 - ``vllm:kvshare_loaded_bytes_total{transport}``: KV bytes the connector loaded into vLLM's
   pages, per transport (``shm`` from this node's pool, ``nixl`` / ``objstore`` from another
   node's);
-- ``vllm:kvshare_stored_bytes_total``: KV bytes it saved to this node's pool.
+- ``vllm:kvshare_stored_bytes_total``: KV bytes it saved to this node's pool;
+- ``vllm:kvshare_load_seconds_total{where}`` and ``vllm:kvshare_loads_total{where}``: how long
+  requests waited for their loads (submitted until vLLM was told they are done) and how
+  many, ``where`` = ``local`` (this node's pool) or ``remote`` (a block from another node):
+  what a router needs to price a load (:mod:`kvshare.vllm.load`).
 
 Names start with ``vllm:`` as vLLM's own connector metrics do, so vLLM's re-registration
 (``unregister_vllm_metrics``, once per engine in a process) clears them too.
@@ -29,10 +33,20 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 STORED = "bytes_stored"
 
 
+WAITS = ("local", "remote")
+_WAIT_KEYS = tuple(f"{p}{w}" for w in WAITS for p in ("load_reported_seconds_", "loads_"))
+
+
 def byte_counters(counters: Mapping[str, float]) -> dict[str, float]:
     """The ``bytes_*`` entries of a :class:`kvshare.client.KVShareClient`'s counters
     (``bytes_<transport>`` loaded, ``bytes_stored`` saved)."""
     return {k: float(v) for k, v in counters.items() if k.startswith("bytes_")}
+
+
+def wait_counters(counters: Mapping[str, float]) -> dict[str, float]:
+    """The load waits of a :class:`~kvshare.vllm.worker_side.WorkerSide`'s counters
+    (``load_reported_seconds_<where>``, ``loads_<where>``)."""
+    return {k: float(counters[k]) for k in _WAIT_KEYS if k in counters}
 
 
 class CounterDelta:
@@ -49,7 +63,8 @@ class CounterDelta:
 
 @dataclass
 class KVShareStats(KVConnectorStats):
-    """``data``: bytes moved since the last report, keyed as in :func:`byte_counters`."""
+    """``data``: bytes moved and load waits since the last report, keyed as in
+    :func:`byte_counters` and :func:`wait_counters`."""
 
     def reset(self) -> None:
         self.data = {}
@@ -60,14 +75,15 @@ class KVShareStats(KVConnectorStats):
         return self
 
     def reduce(self) -> dict[str, int | float]:
-        return {k: int(v) for k, v in sorted(self.data.items())}
+        return {k: int(v) if float(v).is_integer() else round(float(v), 3)
+                for k, v in sorted(self.data.items())}
 
     def is_empty(self) -> bool:
         return not any(self.data.values())
 
 
 class KVSharePromMetrics(KVConnectorPromMetrics):
-    """``vllm:kvshare_loaded_bytes{transport}`` and ``vllm:kvshare_stored_bytes`` counters."""
+    """The counters of the module docstring."""
 
     def __init__(self, vllm_config: Any, metric_types: dict[type, type],
                  labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]) -> None:
@@ -80,13 +96,27 @@ class KVSharePromMetrics(KVConnectorPromMetrics):
             name="vllm:kvshare_stored_bytes",
             documentation="KV bytes the kvshare connector saved to this node's pool.",
             labelnames=labelnames))
+        self.load_seconds = cast(Counter, self._counter_cls(
+            name="vllm:kvshare_load_seconds",
+            documentation="Seconds requests waited for kvshare loads, from this node's pool "
+                          "(local) or with blocks from another node (remote).",
+            labelnames=[*labelnames, "where"]))
+        self.loads = cast(Counter, self._counter_cls(
+            name="vllm:kvshare_loads", documentation="kvshare loads completed, local or remote.",
+            labelnames=[*labelnames, "where"]))
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         labels = self.per_engine_labelvalues[engine_idx]
         for key, value in transfer_stats_data.items():
-            if not value or not key.startswith("bytes_"):
+            if not value:
                 continue
-            if key == STORED:
+            if key.startswith("load_reported_seconds_"):
+                self.load_seconds.labels(*labels, key.rsplit("_", 1)[1]).inc(value)
+            elif key.startswith("loads_"):
+                self.loads.labels(*labels, key.removeprefix("loads_")).inc(value)
+            elif not key.startswith("bytes_"):
+                continue
+            elif key == STORED:
                 self.stored.labels(*labels).inc(value)
             else:
                 self.loaded.labels(*labels, key.removeprefix("bytes_")).inc(value)

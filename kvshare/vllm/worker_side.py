@@ -38,6 +38,9 @@ from kvshare.vllm.paged import PagedRequestKV, PageViews
 
 log = logging.getLogger(__name__)
 
+REMOTE_TRANSPORTS = frozenset({"nixl", "objstore"})
+"""Transports that bring a block from another node (a load using one counts as ``remote``)."""
+
 IDLE_WAIT_S = 0.01
 """How long a step with no forward pass waits for a pending load (it returns as soon as one
 finishes). Each such step is an engine step of Python work that competes with the load
@@ -108,8 +111,7 @@ class WorkerSide:
                 fut = Future()
                 fut.set_exception(exc)
             if spec.sync:
-                self._load_done(fut, spec)
-                self._count("load_reported_seconds", time.perf_counter() - t0)
+                self._count_wait(self._load_done(fut, spec), time.perf_counter() - t0)
                 continue
             self._loading[spec.req_id] = (fut, spec)
             self._load_t0[spec.req_id] = t0
@@ -154,10 +156,9 @@ class WorkerSide:
         for rid, (fut, spec) in list(self._loading.items()):
             if fut.done():
                 del self._loading[rid]
-                self._load_done(fut, spec)
+                where = self._load_done(fut, spec)
                 # submit -> vLLM told: the load plus how long the steps took to notice it
-                self._count("load_reported_seconds",
-                            time.perf_counter() - self._load_t0.pop(rid, time.perf_counter()))
+                self._count_wait(where, time.perf_counter() - self._load_t0.pop(rid, time.perf_counter()))
                 recving.add(rid)
         self._finished |= finished_req_ids & self._saved
         sending = set()
@@ -172,12 +173,23 @@ class WorkerSide:
                 sending.add(rid)
         return sending, recving
 
-    def _load_done(self, fut: Future[LoadResult], spec: LoadSpec) -> None:
-        """Count the load; pages of blocks that did not arrive become load errors."""
+    def _count_wait(self, where: str, waited: float) -> None:
+        """A request waited ``waited`` seconds for its load (``where``: local or remote;
+        exported by :mod:`kvshare.vllm.stats`)."""
+        self._count("load_reported_seconds", waited)
+        self._count(f"load_reported_seconds_{where}", waited)
+        self._count(f"loads_{where}")
+
+    def _load_done(self, fut: Future[LoadResult], spec: LoadSpec) -> str:
+        """Count the load; pages of blocks that did not arrive become load errors. Returns
+        ``remote`` if a block came from another node, else ``local``."""
         n = len(spec.plan["blocks"]) - spec.first_block
+        where = "local"
         try:
             res = fut.result()
             good = res.loaded_blocks
+            if any(o.transport in REMOTE_TRANSPORTS for o in res.outcomes):
+                where = "remote"
             self._count("load_seconds", res.seconds)
             for o in res.failed:
                 self._count(f"load_failed_{o.reason or 'unknown'}")
@@ -187,7 +199,7 @@ class WorkerSide:
             good = 0
         self._count("load_blocks_ok", good)
         if good >= n:
-            return
+            return where
         per = self.layout.block_tokens // self.page_tokens
         first_page = (spec.first_block + good) * per
         keep_pages = -(-spec.keep_tokens // self.page_tokens)
@@ -195,6 +207,7 @@ class WorkerSide:
         self._count("failed_blocks", n - good)
         with self._lock:
             self._errors.update(int(p) for p in bad)
+        return where
 
     def load_errors(self) -> set[int]:
         """``get_block_ids_with_load_errors`` (each reported once)."""
