@@ -16,7 +16,6 @@ from dataclasses import replace
 from typing import Any
 
 import ray
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from actors.config import (
     POOL_PREFIX,
@@ -29,7 +28,7 @@ from actors.config import (
     pool_name,
 )
 from actors.index.client import IndexClient
-from actors.index.keeper import start_shard
+from actors.index.keeper import control_plane_placement, start_shard
 from kvshare.auth import cluster_secret
 from kvshare.cost import bytes_per_s
 from kvshare.layout import KVLayout
@@ -139,7 +138,7 @@ def deploy(
     existing = _find_watcher(ray_namespace)
     if existing is None:
         check_shm(settings)
-    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
+    here = control_plane_placement()  # the head node: it outlives every worker node
     known = tuple((s.name, s.hash_size, s.layout.fingerprint()) for s in specs)
     index_config = IndexConfig(0, index_shards, worker_ttl_s, snapshot_path, ray_namespace, known)
     shards = [start_shard(replace(index_config, shard=i), here) for i in range(index_shards)]

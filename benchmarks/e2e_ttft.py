@@ -7,7 +7,11 @@ a 64-token suffix, sent as text (printable ASCII: one byte token per character, 
 tokenizer gives exactly the ids the in-process leg uses):
 
 - ``gateway_cold_s``: a new prefix through the gateway, nothing cached (the official
-  ``openai`` client, streamed, TTFT = first token at the client);
+  ``openai`` client, streamed, one token as in the in-process leg; TTFT = the first chunk
+  carrying a choice at the client. The random-weight byte model often generates a token with
+  no text of its own (a special, or a byte of an unfinished UTF-8 character): the worker then
+  sends its first chunk at the end, right after that token, so with ``max_tokens=1`` the chunk
+  still marks the first token, where waiting for visible text would wait for later tokens);
 - ``back_to_back_reuse``: the moment that answer ends, the same prefix with another suffix:
   the fraction of the prefix's full blocks the worker reused (read-after-write);
 - ``gateway_warm_s``: the cached prefix with a new suffix, through the gateway;
@@ -91,10 +95,10 @@ class Client:
         first: float | None = None
         kv: dict[str, Any] = {}
         raw = self.openai.completions.with_raw_response.create(model=NS, prompt=prompt,
-                                                               max_tokens=2, stream=True)
+                                                               max_tokens=1, stream=True)
         stages = json.loads(raw.headers.get("x-kvshare-breakdown", "{}"))
         for chunk in raw.parse():
-            if first is None and chunk.choices and chunk.choices[0].text:
+            if first is None and chunk.choices:
                 first = time.perf_counter() - t0
             kv = (chunk.model_extra or {}).get("kvshare") or kv
         kv = {**kv, "stream_stages": stages}

@@ -281,10 +281,15 @@ def _generation(node: str) -> int:
 def test_node_removed_its_entries_go_within_5s_and_new_nodes_get_a_pool(kv: dict[str, Any]) -> None:
     import ray
 
+    from actors.config import index_name
+
     client, cluster = kv["client"], kv["cluster"]
     hs = hashes(24, "demote")
     b = loc(kv["b"])
     assert b in client.match("m", hs).locations
+    # the index (restarted by the test above) runs on the head: removing a node cannot take it
+    head = cluster.head_node.node_id
+    assert ray.get(ray.get_actor(index_name(0), namespace=RAY_NS).ready.remote())["node"] == head
     victim = next(n for n in cluster.worker_nodes if n.node_id == kv["b"])
     cluster.remove_node(victim)
     assert wait_for(lambda: b not in client.match("m", hs).locations, 5.0) < 5.0

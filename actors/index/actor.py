@@ -66,9 +66,11 @@ class IndexService(GlobalIndex):
             self._unfrozen = 0
 
     def ready(self) -> dict[str, Any]:
-        """Shard facts: ``epoch`` (new on every start), ``shard``, ``num_shards``, ``restarted``."""
+        """Shard facts: ``epoch`` (new on every start), ``shard``, ``num_shards``, ``restarted``,
+        ``node`` (the Ray node it runs on)."""
         return {"epoch": self.epoch, "shard": self.config.shard,
-                "num_shards": self.config.num_shards, "restarted": self.restarted}
+                "num_shards": self.config.num_shards, "restarted": self.restarted,
+                "node": ray.get_runtime_context().get_node_id()}
 
     def client(self, timeout_s: float = 5.0) -> IndexClient:
         """The deployment's index client (every shard, by name), each call bounded by

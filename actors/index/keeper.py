@@ -12,6 +12,10 @@ handle to it fails with ``ActorDiedError``. Then:
   look the shards up by name again (it does so itself, at most every ``REFRESH_S``).
 
 Until then the index is unavailable, which callers already treat as a cache miss.
+
+Shards (and the watcher that keeps them) live on the head node, pinned hard
+(:func:`control_plane_placement`): the head outlives every worker node, while a soft pin lets
+a busy head spill a shard onto a worker node whose removal then takes the index with it.
 """
 
 from __future__ import annotations
@@ -27,9 +31,20 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from actors.config import IndexConfig, index_name
 
 log = logging.getLogger(__name__)
+HEAD_RESOURCE = "node:__internal_head__"  # Ray gives the head node this resource
 
 REFRESH_S = 0.2
 """An :class:`IndexClient` with a dead shard handle looks the names up at most this often."""
+
+
+def control_plane_placement() -> NodeAffinitySchedulingStrategy:
+    """Where the index shards and the watcher run: the head node, hard; the caller's node,
+    soft, where the cluster names no head (the ``node:__internal_head__`` resource)."""
+    head = [n["NodeID"] for n in ray.nodes()  # type: ignore[no-untyped-call]
+            if n.get("Alive") and HEAD_RESOURCE in n.get("Resources", {})]
+    if len(head) == 1:
+        return NodeAffinitySchedulingStrategy(head[0], soft=False)
+    return NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
 
 
 def start_shard(config: IndexConfig, scheduling_strategy: Any = None) -> Any:
@@ -83,8 +98,7 @@ class IndexKeeper:
         for i in range(self.config.num_shards):
             if find_shard(self.config.ray_namespace, i) is not None:
                 continue
-            here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)
-            start_shard(replace(self.config, shard=i), here)
+            start_shard(replace(self.config, shard=i), control_plane_placement())
             started.append(i)
             self.recreated += 1
             self.last_recreated_at = time.time()
