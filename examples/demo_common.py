@@ -104,12 +104,13 @@ def run_turn(client: Any, t: Turn, messages: list[dict[str, str]], model: str,
             t.prompt_tokens = int(chunk.usage.prompt_tokens)
             t.reused_tokens = int(details.cached_tokens or 0) if details is not None else 0
     t.ttft_s = first if first is not None else time.perf_counter() - start
-    if extra:
-        t.reused_tokens = int(extra.get("reused_tokens", 0))
+    if "reused_tokens" in extra:  # a reference worker's figures (a vLLM usage event carries
+        t.reused_tokens = int(extra["reused_tokens"])  # only the gateway's breakdown)
         t.prompt_tokens = t.reused_tokens + int(extra.get("computed_tokens", 0))
         t.bytes_by_transport = dict(extra.get("bytes_by_transport", {}))
         t.bytes_by_tier = dict(extra.get("bytes_by_tier", {}))
         t.worker = str(extra.get("worker", t.worker))
+    if extra:
         t.breakdown = dict(extra.get("breakdown", {}))
     return "".join(out)
 
