@@ -58,6 +58,13 @@ class WorkerLoad:
     local_load_s: float = 0.0
     remote_load_s: float = 0.0
 
+    def with_queue(self, queued_prefill_tokens: int, running: int) -> WorkerLoad:
+        """This report with other queued prefill tokens and running requests (a router's
+        view adding its own in-flight work); every other field kept."""
+        return WorkerLoad(self.worker_id, queued_prefill_tokens, running,
+                          self.prefill_tokens_per_s, self.ts, self.waiting, self.kv_usage,
+                          self.local_load_s, self.remote_load_s)
+
 
 @runtime_checkable
 class IndexQuery(Protocol):

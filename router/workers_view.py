@@ -150,9 +150,7 @@ class InFlight:
         gone = rows.since(max(report.ts, self._clock() - self.drain_window_s))
         if not gone:
             return report
-        return WorkerLoad(report.worker_id, max(0, report.queued_prefill_tokens - gone),
-                          report.running, report.prefill_tokens_per_s, report.ts,
-                          report.waiting, report.kv_usage)
+        return report.with_queue(max(0, report.queued_prefill_tokens - gone), report.running)
 
     def keep_only(self, workers: Collection[WorkerId]) -> None:
         """Forget the requests of every worker not in ``workers`` (removed or dead)."""
@@ -212,9 +210,8 @@ class InFlight:
                     tokens += t
                     running += 1
             if running:  # else the report itself (same values)
-                report = WorkerLoad(wid, report.queued_prefill_tokens + tokens,
-                                    report.running + running, report.prefill_tokens_per_s,
-                                    report.ts, report.waiting, report.kv_usage)
+                report = report.with_queue(report.queued_prefill_tokens + tokens,
+                                           report.running + running)
             out.append((report, blocks))
         return out
 
@@ -235,10 +232,8 @@ class InFlight:
                 running += 1
         if report is None:
             return WorkerLoad(worker, tokens, running, 0.0, self._clock()), blocks
-        return WorkerLoad(
-            worker, report.queued_prefill_tokens + tokens, report.running + running,
-            report.prefill_tokens_per_s, report.ts, report.waiting, report.kv_usage,
-        ), blocks
+        return report.with_queue(report.queued_prefill_tokens + tokens,
+                                 report.running + running), blocks
 
 
 class _Drains:

@@ -330,7 +330,8 @@ def test_in_flight_work_adds_to_a_report_and_drained_work_comes_off_a_stale_one(
     w = WORKERS[0]
     # counts the request routed at 99; the engine says 3 requests wait (the cost policy
     # prices work by them), which the router's view keeps
-    report = WorkerLoad(w.worker_id, 1000, 1, TPS, 99.5, waiting=3, kv_usage=0.5)
+    report = WorkerLoad(w.worker_id, 1000, 1, TPS, 99.5, waiting=3, kv_usage=0.5,
+                        local_load_s=0.02, remote_load_s=0.3)
     now[0] = 99.0
     inflight.add("old", w.worker_id, 1000, 4)
     now[0] = 100.0
@@ -338,11 +339,13 @@ def test_in_flight_work_adds_to_a_report_and_drained_work_comes_off_a_stale_one(
     [(load, blocks)] = inflight.loads([w], {w.worker_id: report})
     assert (load.queued_prefill_tokens, load.running, blocks) == (1300, 2, 6)
     assert (load.waiting, load.kv_usage) == (3, 0.5)
+    assert (load.local_load_s, load.remote_load_s) == (0.02, 0.3)  # every other field kept
     now[0] = 100.5
     inflight.done("old")  # drained after the report: the report still counts it
     [(load, blocks)] = inflight.loads([w], {w.worker_id: report})
     assert (load.queued_prefill_tokens, blocks, load.waiting) == (300, 2, 3)
     assert inflight.load(w.worker_id, report)[0].waiting == 3
+    assert inflight.load(w.worker_id, report)[0].remote_load_s == 0.3
     now[0] = 103.0  # past drain_window_s: a fresher report is due, the old one stands again
     [(load, _)] = inflight.loads([w], {w.worker_id: report})
     assert load.queued_prefill_tokens == 1300
