@@ -58,6 +58,12 @@ def parse_metrics(text: str) -> dict[str, float]:
     return out
 
 
+def _smoothed(old: float, new: float, alpha: float) -> float:
+    """An exponential moving average's next value (weight ``alpha`` on ``new``; the first
+    sample, while ``old`` is 0, is taken as it is)."""
+    return new if old == 0 else (1 - alpha) * old + alpha * new
+
+
 class LoadWait:
     """Mean seconds per load from cumulative ``(seconds, loads)`` counters, smoothed over
     the samples in which loads finished (weight ``alpha`` on the newest)."""
@@ -71,8 +77,7 @@ class LoadWait:
         prev, self._prev = self._prev, (seconds, loads)
         if prev is not None and loads > prev[1] and seconds >= prev[0]:
             mean = (seconds - prev[0]) / (loads - prev[1])
-            old = self.seconds
-            self.seconds = mean if old == 0 else (1 - self.alpha) * old + self.alpha * mean
+            self.seconds = _smoothed(self.seconds, mean, self.alpha)
         return self.seconds
 
 
@@ -120,8 +125,7 @@ class PrefillSpeed:
         if self._busy >= self.window_s and self._tokens > 0:
             spent = min(self._busy, self._spans) if self._spans > 0 else self._busy
             speed = self._tokens / spent
-            old = self.tokens_per_s
-            self.tokens_per_s = speed if old == 0 else (1 - self.alpha) * old + self.alpha * speed
+            self.tokens_per_s = _smoothed(self.tokens_per_s, speed, self.alpha)
             self._busy = self._tokens = self._spans = 0.0
         return self.tokens_per_s
 
