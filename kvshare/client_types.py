@@ -1,4 +1,7 @@
-"""What the worker SDK hands back: plans, per-block outcomes, KV destinations.
+"""What the worker SDK hands back: plans and per-block outcomes.
+
+The KV memory a load fills and a store reads (:data:`KVTarget`, :data:`KVSource`) is
+:mod:`kvshare.block_io`'s (re-exported here).
 
 A :class:`Plan` is the scheduler side's answer ("load blocks 0..k-1 from here"); it is plain
 data (``to_dict``/``from_dict``) so a scheduler process can send it to every TP rank.
@@ -13,9 +16,9 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
-import torch
-
-from kvshare.block_io import BlockIO
+from kvshare.block_io import KVSource as KVSource
+from kvshare.block_io import KVTarget as KVTarget
+from kvshare.block_io import PagedKV as PagedKV
 from kvshare.types import BlockHash, Tier
 
 # Where a planned block comes from, cheapest first.
@@ -118,6 +121,17 @@ class LoadResult:
     copy_s: float = 0.0
     """Seconds spent copying fetched blocks into the caller's KV memory."""
 
+    @classmethod
+    def from_reasons(
+        cls, reasons: Sequence[str], transports: Sequence[str], block_bytes: int,
+        seconds: float = 0.0, transfer_s: dict[str, float] | None = None, copy_s: float = 0.0,
+    ) -> LoadResult:
+        """One outcome per planned block: ``reasons[i]`` is ``""`` for a block that arrived
+        (``block_bytes`` over ``transports[i]``), else why it did not."""
+        outcomes = [BlockOutcome(i, not r, t, r, 0 if r else block_bytes)
+                    for i, (r, t) in enumerate(zip(reasons, transports, strict=True))]
+        return cls(outcomes, seconds, dict(transfer_s or {}), copy_s)
+
     @property
     def loaded_blocks(self) -> int:
         n = 0
@@ -137,29 +151,6 @@ class LoadResult:
             if o.ok:
                 out[o.transport] = out.get(o.transport, 0) + o.nbytes
         return out
-
-
-@dataclass(frozen=True)
-class PagedKV:
-    """An engine's paged KV memory as a load/store destination.
-
-    ``pages[l]`` is layer ``l``'s ``[2, num_pages, page_tokens, kv_heads, head_dim]`` tensor;
-    ``page_table`` lists the sequence's pages in token order.
-    """
-
-    pages: Sequence[torch.Tensor]
-    page_table: Sequence[int]
-
-    def block_pages(self, index: int, block_tokens: int) -> Sequence[int]:
-        per = block_tokens // int(self.pages[0].shape[2])
-        return self.page_table[index * per : (index + 1) * per]
-
-
-KVTarget = torch.Tensor | PagedKV | BlockIO
-"""Contiguous ``[layers, 2, kv_heads, tokens, head_dim]`` tensor, or paged KV."""
-
-KVSource = torch.Tensor | PagedKV | BlockIO | Sequence[tuple[torch.Tensor, torch.Tensor]]
-"""What ``store`` accepts: a KVTarget, or per-layer ``(keys, values)`` ``[1, H, T, D]``."""
 
 
 @dataclass(frozen=True)
