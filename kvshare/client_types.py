@@ -28,6 +28,8 @@ SOURCE_NIXL = "nixl"  # another node's pool over NIXL
 SOURCE_OBJSTORE = "objstore"  # another node's pool through Ray's object store
 SOURCE_AUTO = "auto"  # remote transport chosen from the measured bandwidths (nixl or objstore)
 SOURCE_LOCAL = "local"  # an in-process pool (no Ray)
+REMOTE_SOURCES = (SOURCE_NIXL, SOURCE_OBJSTORE)
+"""The transports that bring a block from another node's pool, fastest first."""
 
 
 @dataclass(frozen=True)
