@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Protocol, runtime_checkable
 
 from kvshare.block_io import KVSource as KVSource
@@ -40,6 +40,15 @@ class PlannedBlock:
     location: str
     tier: Tier
     transport: str
+
+    def to_list(self) -> list[str]:
+        """``[hash_hex, location, tier, transport]`` (JSON)."""
+        return [self.block_hash.hex(), self.location, self.tier.value, self.transport]
+
+    @classmethod
+    def from_list(cls, data: Sequence[Any]) -> PlannedBlock:
+        h, loc, tier, transport = data
+        return cls(BlockHash(bytes.fromhex(h)), str(loc), Tier(tier), str(transport))
 
 
 @dataclass(frozen=True)
@@ -75,15 +84,11 @@ class Plan:
         return out
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "namespace": self.namespace,
-            "num_tokens": self.num_tokens,
-            "block_tokens": self.block_tokens,
-            "hashes": [h.hex() for h in self.hashes],
-            "available_blocks": self.available_blocks,
-            "blocks": [[b.block_hash.hex(), b.location, b.tier.value, b.transport] for b in self.blocks],
-            "reason": self.reason,
-        }
+        """JSON data: every field as it is, but hashes as hex and blocks as lists."""
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        out["hashes"] = [h.hex() for h in self.hashes]
+        out["blocks"] = [b.to_list() for b in self.blocks]
+        return out
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Plan:
@@ -93,10 +98,7 @@ class Plan:
             block_tokens=int(data["block_tokens"]),
             hashes=tuple(BlockHash(bytes.fromhex(h)) for h in data["hashes"]),
             available_blocks=int(data["available_blocks"]),
-            blocks=tuple(
-                PlannedBlock(BlockHash(bytes.fromhex(h)), str(loc), Tier(t), str(tr))
-                for h, loc, t, tr in data["blocks"]
-            ),
+            blocks=tuple(PlannedBlock.from_list(b) for b in data["blocks"]),
             reason=str(data.get("reason", "")),
         )
 
