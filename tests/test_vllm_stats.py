@@ -47,7 +47,7 @@ def test_prometheus_counters_per_transport_and_stored() -> None:
     assert 'vllm:kvshare_loaded_bytes_total{engine="0",model_name="tiny",transport="shm"} 4096.0' in text
     assert 'transport="nixl"} 1024.0' in text
     assert 'vllm:kvshare_stored_bytes_total{engine="0",model_name="tiny"} 4096.0' in text
-    assert "lookups" not in text
+    assert "kvshare_lookups_total{" not in text  # a client counter, not a lookup wait
 
 
 def test_load_waits_become_counters_a_load_report_reads() -> None:
@@ -77,3 +77,24 @@ def test_load_waits_become_counters_a_load_report_reads() -> None:
     finally:
         load.close()
     assert report.remote_load_s == 1.5 and report.local_load_s == 0.1
+
+
+def test_lookup_waits_become_their_own_counters() -> None:
+    from kvshare.vllm.stats import lookup_counters
+
+    registry = CollectorRegistry()
+
+    def counter(**kw: object) -> Counter:
+        return Counter(registry=registry, **kw)  # type: ignore[arg-type]
+
+    types = {Counter: counter, Gauge: Gauge, Histogram: Histogram}
+    prom = KVSharePromMetrics(SimpleNamespace(kv_transfer_config=None), types,
+                              ["model_name", "engine"], {0: ["tiny", "0"]})
+    sched = {"lookups": 4, "lookup_pending": 7, "lookup_wait_seconds": 0.25,
+             "lookups_answered": 3}
+    assert lookup_counters(sched) == {"lookup_wait_seconds": 0.25, "lookups_answered": 3.0}
+    prom.observe(lookup_counters(sched), 0)
+    text = generate_latest(registry).decode()
+    assert 'vllm:kvshare_lookup_seconds_total{engine="0",model_name="tiny"} 0.25' in text
+    assert 'vllm:kvshare_lookups_total{engine="0",model_name="tiny"} 3.0' in text
+    assert "pending" not in text
