@@ -29,9 +29,10 @@ this node's pool and ``p2p`` another node's. Pools are cleared between routers t
 Per server and run: requests, computed tokens, vLLM's mean queue/prefill/decode seconds and
 ``lookup_s``, the mean seconds a request was held for the connector's lookup.
 
-Noise: server i runs on core i with one OpenMP thread (``--no-pin``: unpinned), an engine per
-device as on a GPU host; a discarded warm-up run comes first (``--warmup-turns``); routers
-alternate order across ``--repeats``. ``ttft_p50_vs_best_peer`` pools every request of every
+Noise: a discarded warm-up run comes first (``--warmup-turns``); routers alternate order across
+``--repeats``; ``--cores-per-server K`` pins server i to its own K cores, one OpenMP thread
+each (an engine per device; on a 2-core machine one core per server halved throughput: the
+server's API process, scheduler and connector threads then share the compute's core). ``ttft_p50_vs_best_peer`` pools every request of every
 repeat; ``ttft_p50_vs_best_peer_per_run`` and its median are per repeat.
 Last line: one JSON object.
 """
@@ -273,9 +274,9 @@ async def warm(handle: Any, replicas: int, tracker: Any) -> None:
             await tracker.on_request_completed(gen.request_id)
 
 
-def start_servers(model: str, connector: bool, pin: bool) -> list[dict[str, Any]]:
-    """kvshare on the cluster and one vLLM server per ``vllm_slot`` node; ``pin``: server i
-    on this machine's core i (round robin), one OpenMP thread: an engine per device."""
+def start_servers(model: str, connector: bool, cores: int) -> list[dict[str, Any]]:
+    """kvshare on the cluster and one vLLM server per ``vllm_slot`` node; ``cores`` > 0:
+    server i on this machine's cores [i*cores, (i+1)*cores), one OpenMP thread each."""
     import ray
 
     from actors.config import NamespaceSpec
@@ -286,8 +287,10 @@ def start_servers(model: str, connector: bool, pin: bool) -> list[dict[str, Any]
     keys = VllmKeys.from_model(model, BLOCK)
     deploy(namespaces=[NamespaceSpec(NS, keys.layout, host_bytes=64 * keys.layout.bytes_per_block)])
     ids = sorted(n["NodeID"] for n in ray.nodes() if n["Alive"] and "vllm_slot" in n["Resources"])
-    cores = sorted(os.sched_getaffinity(0))
-    cpus = [(cores[i % len(cores)],) for i in range(len(ids))] if pin else []
+    usable = sorted(os.sched_getaffinity(0))
+    if cores * len(ids) > len(usable):
+        raise SystemExit(f"--cores-per-server {cores} x {len(ids)} servers: only {len(usable)} cores")
+    cpus = [tuple(usable[i * cores:(i + 1) * cores]) for i in range(len(ids))] if cores else []
     return start_workers(model, ids, namespace=NS, block_tokens=BLOCK, max_model_len=4096,
                          connector=connector, cpus=cpus)
 
@@ -336,9 +339,10 @@ def main() -> int:
                     help="log every kvshare decision (estimates per replica) to stderr")
     ap.add_argument("--no-connector", dest="connector", action="store_false",
                     help="servers without the kvshare connector (vLLM's own cache only)")
-    ap.add_argument("--no-pin", dest="pin", action="store_false",
-                    help="servers float over every core (default: server i on core i)")
-    ap.add_argument("--warmup-turns", type=int, default=2,
+    ap.add_argument("--cores-per-server", type=int, default=0,
+                    help="pin server i to its own cores, one OpenMP thread each (an engine "
+                         "per device); 0: servers float over every core")
+    ap.add_argument("--warmup-turns", type=int, default=1,
                     help="a discarded run first (Serve's default router, these first turns of "
                          "every conversation): engines, Serve and Ray warm for every router")
     args = ap.parse_args()
@@ -378,7 +382,7 @@ def main() -> int:
                        resources=[{"vllm_slot": 1}] * args.replicas, ray_namespace="kvshare-bench",
                        temp_prefix="kvs-vllm-bench-"):
         try:
-            infos = start_servers(model, args.connector, args.pin)
+            infos = start_servers(model, args.connector, args.cores_per_server)
             endpoints = [i["endpoint"] for i in infos]
             serve.start(proxy_location="Disabled")
             print(f"cluster, kvshare, {len(infos)} vLLM servers up in "
@@ -433,7 +437,7 @@ def main() -> int:
                                            if k not in ("router", "servers")}
                                        for n, r in results.items()},
                            "repeats": args.repeats,
-                           "connector": args.connector, "pinned": args.pin,
+                           "connector": args.connector, "cores_per_server": args.cores_per_server,
                            "total_s": round(time.perf_counter() - t_start, 1)}
     if "kvshare" in results and peers:
         best = min(peers, key=lambda r: r["ttft_p50_s"])
