@@ -30,7 +30,14 @@ from typing import Any
 
 import torch
 
-from kvshare.client_types import KVClient, LoadResult, Plan, StoreResult
+from kvshare.client_types import (
+    SOURCE_NIXL,
+    SOURCE_OBJSTORE,
+    KVClient,
+    LoadResult,
+    Plan,
+    StoreResult,
+)
 from kvshare.types import BlockHash
 from kvshare.vllm.config import ModelKeys
 from kvshare.vllm.metadata import KVShareMetadata, LoadSpec
@@ -38,7 +45,7 @@ from kvshare.vllm.paged import PagedRequestKV, PageViews
 
 log = logging.getLogger(__name__)
 
-REMOTE_TRANSPORTS = frozenset({"nixl", "objstore"})
+REMOTE_TRANSPORTS = frozenset({SOURCE_NIXL, SOURCE_OBJSTORE})
 """Transports that bring a block from another node (a load using one counts as ``remote``)."""
 
 IDLE_WAIT_S = 0.01
