@@ -169,8 +169,7 @@ class InFlight:
         rows = self._drained.get(worker)
         if rows is None:
             rows = self._drained[worker] = _Drains()
-        rows.add(now, tokens, now - self.drain_window_s)
-        self._memo.pop(worker, None)
+        rows.add(now, tokens, now - self.drain_window_s)  # (its callers dropped the memo)
 
     def _fresh(self, report: WorkerLoad, now: float) -> tuple[WorkerLoad, float]:
         """``report`` less the prefill work that drained after it was taken; and the time of
