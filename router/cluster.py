@@ -138,4 +138,5 @@ class ClusterConfig:
             "model": self.model, "kv_bytes_per_token": self.layout.bytes_per_token,
             "prefill_tokens_per_s": round(pm.tokens_per_s), "net_gbit_s": self.net_bw * 8 / 1e9,
             "kv_capacity_tokens": self.kv_capacity_tokens,
+            "gpu_cache_tokens": self.gpu_cache_capacity_tokens,
         }
