@@ -118,6 +118,6 @@ def _sim(args: argparse.Namespace) -> int:
 
 
 def _gateway(args: argparse.Namespace) -> int:
-    from router.gateway import serve_from_args
+    from router.gateway_cli import serve_from_args
 
     return int(serve_from_args(args))

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import bisect
 import logging
 import math
@@ -70,8 +71,9 @@ class IndexWorkers:
         now = time.monotonic()
         if now - self._at >= self.refresh_s:
             try:
-                infos = await self.client.workers_async()
-                loads = await self.client.loads_async()
+                # both at once: a refresh waits for one index round trip, not two
+                infos, loads = await asyncio.gather(self.client.workers_async(),
+                                                    self.client.loads_async())
             except Exception as exc:  # the index is a hint: keep the workers we knew
                 self._at = now
                 self.failures += 1
