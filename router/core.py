@@ -189,14 +189,17 @@ class RoutingCore:
 
     async def query(self, namespace: str, hashes: Sequence[BlockHash]) -> IndexAnswer:
         """The index's match under ``index_timeout_s`` (an in-process index, ``inline``, runs
-        without one); in run form when the index offers ``match_runs_async``."""
+        without one, its ``match_runs`` called directly); in run form when the index offers
+        ``match_runs_async``."""
         index = self.index
         if index is None or not hashes:
             return IndexAnswer(EMPTY_MATCH)
         t = time.perf_counter()
         try:
             if getattr(index, "inline", False):  # in-process: no I/O, no deadline needed
-                match = await self._ask(index, namespace, hashes)
+                runs = getattr(index, "match_runs", None)  # (called as is: no coroutine)
+                match = runs(namespace, hashes) if runs is not None else await self._ask(
+                    index, namespace, hashes)
             else:
                 match = await asyncio.wait_for(self._ask(index, namespace, hashes),
                                                self.index_timeout_s)

@@ -161,10 +161,13 @@ class InProcessIndex:
     async def match_async(self, namespace: str, hashes: Sequence[BlockHash]) -> MatchResult:
         return self.match(namespace, hashes)
 
-    async def match_runs_async(self, namespace: str, hashes: Sequence[BlockHash]) -> HolderRuns:
+    def match_runs(self, namespace: str, hashes: Sequence[BlockHash]) -> HolderRuns:
         """The match in run form (:class:`~actors.index.runs.HolderRuns`)."""
         result: HolderRuns = self.index.match_runs(namespace, hashes)
         return result
+
+    async def match_runs_async(self, namespace: str, hashes: Sequence[BlockHash]) -> HolderRuns:
+        return self.match_runs(namespace, hashes)
 
     async def workers_async(self) -> list[WorkerInfo]:
         """The registered workers (as ``IndexClient.workers_async``)."""

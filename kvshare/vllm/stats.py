@@ -100,29 +100,25 @@ class KVSharePromMetrics(KVConnectorPromMetrics):
     def __init__(self, vllm_config: Any, metric_types: dict[type, type],
                  labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
-        self.loaded = cast(Counter, self._counter_cls(
-            name="vllm:kvshare_loaded_bytes",
-            documentation="KV bytes the kvshare connector loaded into vLLM's cache, per transport.",
-            labelnames=[*labelnames, "transport"]))
-        self.stored = cast(Counter, self._counter_cls(
-            name="vllm:kvshare_stored_bytes",
-            documentation="KV bytes the kvshare connector saved to this node's pool.",
-            labelnames=labelnames))
-        self.load_seconds = cast(Counter, self._counter_cls(
-            name="vllm:kvshare_load_seconds",
-            documentation="Seconds requests waited for kvshare loads, from this node's pool "
-                          "(local) or with blocks from another node (remote).",
-            labelnames=[*labelnames, "where"]))
-        self.loads = cast(Counter, self._counter_cls(
-            name="vllm:kvshare_loads", documentation="kvshare loads completed, local or remote.",
-            labelnames=[*labelnames, "where"]))
-        self.lookup_seconds = cast(Counter, self._counter_cls(
-            name="vllm:kvshare_lookup_seconds",
-            documentation="Seconds requests were held for kvshare lookups.",
-            labelnames=labelnames))
-        self.lookups = cast(Counter, self._counter_cls(
-            name="vllm:kvshare_lookups", documentation="kvshare lookups answered.",
-            labelnames=labelnames))
+
+        def counter(name: str, documentation: str, *labels: str) -> Counter:
+            """``vllm:kvshare_<name>``, labelled by engine and ``labels``."""
+            return cast(Counter, self._counter_cls(name=f"vllm:kvshare_{name}",
+                                                   documentation=documentation,
+                                                   labelnames=[*labelnames, *labels]))
+
+        self.loaded = counter(
+            "loaded_bytes", "KV bytes the kvshare connector loaded into vLLM's cache, per "
+            "transport.", "transport")
+        self.stored = counter(
+            "stored_bytes", "KV bytes the kvshare connector saved to this node's pool.")
+        self.load_seconds = counter(
+            "load_seconds", "Seconds requests waited for kvshare loads, from this node's pool "
+            "(local) or with blocks from another node (remote).", "where")
+        self.loads = counter("loads", "kvshare loads completed, local or remote.", "where")
+        self.lookup_seconds = counter(
+            "lookup_seconds", "Seconds requests were held for kvshare lookups.")
+        self.lookups = counter("lookups", "kvshare lookups answered.")
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         labels = self.per_engine_labelvalues[engine_idx]
