@@ -61,9 +61,13 @@ def start_workers(model: str, nodes: Sequence[str], *, namespace: str, block_tok
                   page_tokens: int = 32, kv_cache_gb: float = 1.0, max_model_len: int = 4096,
                   num_blocks: int | None = None, connector: bool = False, dtype: str = "",
                   base_port: int = 0, ray_namespace: str = RAY_NAMESPACE,
-                  timeout_s: float = 300.0) -> list[dict[str, Any]]:
+                  timeout_s: float = 300.0,
+                  cpus: Sequence[tuple[int, ...]] = ()) -> list[dict[str, Any]]:
     """One vLLM worker per node id in ``nodes`` (vLLM servers start in parallel); returns
-    each worker's :meth:`VllmWorkerService.info`. Needs ``ray.init`` and a deployed index."""
+    each worker's :meth:`VllmWorkerService.info`. Needs ``ray.init`` and a deployed index.
+    ``cpus``: each worker's cores on its node (:class:`VllmSpec`; empty: unpinned)."""
+    if cpus and len(cpus) != len(nodes):
+        raise ValueError(f"cpus: one core set per node, got {len(cpus)} for {len(nodes)} nodes")
     from kvshare.engines.server import free_port
 
     events_dir = tempfile.mkdtemp(prefix="kvshare-vllm-ev-", dir="/tmp")
@@ -73,10 +77,11 @@ def start_workers(model: str, nodes: Sequence[str], *, namespace: str, block_tok
         port = base_port + len(ports) if base_port else free_port()
         if port not in ports:
             ports.append(port)
-    for node, port in zip(nodes, ports, strict=True):
+    for i, (node, port) in enumerate(zip(nodes, ports, strict=True)):
         spec = VllmSpec(model=os.path.abspath(model), port=port,
                         events_dir=events_dir, block_size=page_tokens, max_model_len=max_model_len,
-                        kv_cache_gb=kv_cache_gb, num_blocks=num_blocks)
+                        kv_cache_gb=kv_cache_gb, num_blocks=num_blocks,
+                        cpus=tuple(cpus[i]) if cpus else ())
         wid = f"vllm-{node[:8]}-{spec.port}"
         cfg = VllmWorkerConfig(wid, node, namespace, spec, block_tokens, dtype, connector,
                                ray_namespace)

@@ -102,6 +102,41 @@ async def sequential(router: CacheAwareRouter, reqs: list[list[int]], n: int,
     return n / (time.perf_counter() - t0), lat
 
 
+def parts(router: CacheAwareRouter, reqs: list[list[int]], n: int) -> dict[str, float]:
+    """Median microseconds of the score stage's parts over ``n`` more decisions, each part
+    timed by a wrapper (adds ~0.2 us to each): worker list and in-flight load (candidates),
+    the pending blocks' match and recording, the per-request source view, the policy's
+    selection, metrics and the recent-decisions record."""
+    import router.policy as policy_module
+
+    core, times = router.core, dict[str, list[float]]()
+    targets = ((core, "candidates", "candidates"), (core.pending, "match_runs", "pending_match"),
+               (core.pending, "add", "pending_add"), (policy_module, "SourceMap", "source_view"),
+               (core.policy, "_select", "select"), (router, "_count", "metrics"),
+               (router.recent, "add", "recent"))
+    saved = []
+    for owner, name, label in targets:
+        f = getattr(owner, name)
+
+        def wrapper(*args: object, _f: object = f, _label: str = label, **kw: object) -> object:
+            t = time.perf_counter()
+            try:
+                return _f(*args, **kw)  # type: ignore[operator]
+            finally:
+                times.setdefault(_label, []).append(time.perf_counter() - t)
+        saved.append((owner, name, vars(owner).get(name), name in vars(owner)))
+        setattr(owner, name, wrapper)
+    try:
+        asyncio.run(sequential(router, reqs, n))
+    finally:
+        for owner, name, original, had in saved:
+            if had:
+                setattr(owner, name, original)
+            else:
+                delattr(owner, name)
+    return {k: round(float(np.median(v)) * 1e6, 1) for k, v in times.items()}
+
+
 async def concurrent(router: CacheAwareRouter, reqs: list[list[int]], n: int, inflight: int) -> float:
     sem = asyncio.Semaphore(inflight)
 
@@ -168,6 +203,7 @@ def main() -> None:
             near = make_router(replica, "cost")
             asyncio.run(sequential(near, reqs, 300))  # warm-up
             rep_rate, rep_lat = asyncio.run(sequential(near, reqs, 3000, "replica"))
+            rep_parts = parts(near, reqs, 1500)
         finally:
             replica.close()
     finally:
@@ -184,12 +220,14 @@ def main() -> None:
           f"{len(hashes)} prompts as the actor does; fallbacks {near.fallbacks}")
     print(f"median microseconds per stage of a decision on the replica: {STAGES_US['replica']} "
           "(score: worker list, in-flight load, pending blocks, the policy's ranking)")
+    print(f"median microseconds of the score stage's parts (timed one by one): {rep_parts}")
     print(json.dumps({
         "replica_decisions_per_s": round(rep_rate, 1),
         "replica_p99_ms": round(ms(rep_lat, 99), 3),
         "replica_agrees": agree,
         "replica_decisions_per_cpu_s": round(CPU_RATES["replica"], 1),
         "replica_stage_us": STAGES_US["replica"],
+        "replica_score_parts_us": rep_parts,
         "decisions_per_s": round(local_rate, 1),
         "actor_decisions_per_s": round(actor_rate, 1),
         "p99_decision_ms": round(ms(lat, 99), 3),

@@ -13,6 +13,14 @@ each cell it does not win both, ``gap_pct``: how much higher its mean and p99 ar
 other policy's, in percent (negative where it wins).
 
     python benchmarks/sim_sweep.py [--traces synthetic,dynamo,agentic,conv,conv_heavy]
+    python benchmarks/sim_sweep.py --heldout
+
+``--heldout`` runs the cells no policy change is measured on first (the honest test): the
+synthetic trace's requests 1000-3993 in three slices of ~1000, and three generated
+conversation traces of other shapes and seeds (``conv_many``: 3000 conversations, seed 5,
+overloading small clusters; ``conv_long``: 12 turns of 1500-token user messages, 10 s think
+time, seed 7; ``conv_wide``: 32 system prompts of 2-12k tokens, seed 9), at 4/10/32 workers
+and 3M tokens of host cache.
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ import json
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +40,7 @@ from router.cluster import ClusterConfig  # noqa: E402
 from router.policy import POLICIES  # noqa: E402
 from router.report import summarize  # noqa: E402
 from router.sim import simulate  # noqa: E402
-from router.trace import Trace, read_trace  # noqa: E402
+from router.trace import Trace, TraceRequest, read_trace  # noqa: E402
 from router.trace_conversations import ConversationShape, conversation_rows, write_jsonl  # noqa: E402
 
 TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces"
@@ -39,15 +48,32 @@ WORKERS = (4, 10, 32)
 HOST_TOKENS = (3_000_000, 10_000_000)
 
 
-def load(name: str, tmp: Path, limit: int | None) -> Trace:
+HELDOUT = ("synthetic@1000", "synthetic@2000", "synthetic@3000", "conv_many", "conv_long",
+           "conv_wide")
+SHAPES = {
+    "conv": (ConversationShape(), 0),
+    "conv_heavy": (ConversationShape(conversations=2400), 1),
+    "conv_many": (ConversationShape(conversations=3000), 5),
+    "conv_long": (ConversationShape(conversations=300, mean_turns=12.0, user_tokens=1500.0,
+                                    think_s=10.0), 7),
+    "conv_wide": (ConversationShape(system_prompts=32, system_tokens=(2000, 12000)), 9),
+}
+
+
+def load(name: str, tmp: Path, limit: int | None) -> Sequence[TraceRequest] | Trace:
+    """A trace by name; ``synthetic@K``: the synthetic trace's requests K to K + limit."""
+    if "@" in name:
+        base, _, start = name.partition("@")
+        whole = load(base, tmp, None)
+        k = int(start)
+        return whole[k:k + limit] if limit is not None else whole[k:]
     if name == "synthetic":
         return read_trace(TRACES / "synthetic_trace.jsonl", limit)
     if name == "dynamo":
         return read_trace(TRACES / "dynamo_mooncake_trace_1000.jsonl", limit)
     if name == "agentic":
         return read_trace(TRACES / "agentic", limit, block_tokens=512)
-    shape, seed = {"conv": (ConversationShape(), 0),
-                   "conv_heavy": (ConversationShape(conversations=2400), 1)}[name]
+    shape, seed = SHAPES[name]
     path = tmp / f"{name}.jsonl"
     write_jsonl(path, conversation_rows(shape, seed))
     try:
@@ -62,22 +88,27 @@ def main() -> int:
     ap.add_argument("--policies", default=",".join(POLICIES))
     ap.add_argument("--limit", type=int, default=None, help="first N requests of each trace")
     ap.add_argument("--workers", default=",".join(map(str, WORKERS)))
+    ap.add_argument("--heldout", action="store_true",
+                    help="the held-out cells instead (module docstring); 3M host tokens only")
     args = ap.parse_args()
     names = args.policies.split(",")
+    traces = HELDOUT if args.heldout else args.traces.split(",")
+    hosts = HOST_TOKENS[:1] if args.heldout else HOST_TOKENS
     workers = [int(w) for w in args.workers.split(",")]
     cells: dict[str, Any] = {}
     t0 = time.process_time()
     with tempfile.TemporaryDirectory(dir="/tmp") as d:
-        for tname in args.traces.split(","):
+        for tname in traces:
             trace = load(tname, Path(d), args.limit)
-            print(f"\n### {tname} ({len(trace)} requests, {trace.block_tokens}-token blocks)\n")
+            block_tokens = trace.block_tokens if isinstance(trace, Trace) else 512
+            print(f"\n### {tname} ({len(trace)} requests, {block_tokens}-token blocks)\n")
             print("| policy | " + " | ".join(f"{w}w {h // 1_000_000}M mean / p99" for w in workers
-                                           for h in HOST_TOKENS) + " |")
-            print("|---" * (1 + len(workers) * len(HOST_TOKENS)) + "|")
+                                           for h in hosts) + " |")
+            print("|---" * (1 + len(workers) * len(hosts)) + "|")
             table: dict[str, list[str]] = {n: [] for n in names}
             for w in workers:
-                for h in HOST_TOKENS:
-                    cfg = ClusterConfig(workers=w, host_tokens=h, block_tokens=trace.block_tokens)
+                for h in hosts:
+                    cfg = ClusterConfig(workers=w, host_tokens=h, block_tokens=block_tokens)
                     r = simulate(trace, cfg, names, "global", reference=False)
                     s = {n: summarize(r.rows[n], r.busy[n]) for n in names}
                     mean = {n: s[n]["ttft_mean_s"] for n in names}

@@ -26,6 +26,14 @@ Hit rates are fractions of all prompt tokens, from the servers' own counters
 (``vllm:prompt_tokens_cached_by_source`` over ``vllm:prompt_tokens``): ``device`` is vLLM's own
 prefix cache; with the kvshare connector (on unless ``--no-connector``), ``host``/``disk`` is
 this node's pool and ``p2p`` another node's. Pools are cleared between routers too.
+Per server and run: requests, computed tokens, vLLM's mean queue/prefill/decode seconds and
+``lookup_s``, the mean seconds a request was held for the connector's lookup.
+
+Noise: a discarded warm-up run comes first (``--warmup-turns``); routers alternate order across
+``--repeats``; ``--cores-per-server K`` pins server i to its own K cores, one OpenMP thread
+each (an engine per device; on a 2-core machine one core per server halved throughput: the
+server's API process, scheduler and connector threads then share the compute's core). ``ttft_p50_vs_best_peer`` pools every request of every
+repeat; ``ttft_p50_vs_best_peer_per_run`` and its median are per repeat.
 Last line: one JSON object.
 """
 
@@ -141,12 +149,9 @@ _STAGES = ("queue", "prefill", "decode")
 
 def stages(d: dict[str, float], prefix: str = "") -> dict[str, float]:
     """Mean seconds per request in vLLM's queue, prefill and decode, from counter deltas."""
-    out = {}
-    for stage in _STAGES:
-        n = d.get(f"{prefix}vllm:request_{stage}_time_seconds_count", 0.0)
-        out[f"{stage}_s"] = round(d.get(f"{prefix}vllm:request_{stage}_time_seconds_sum", 0.0)
-                                  / n, 4) if n else 0.0
-    return out
+    return {f"{stage}_s": _mean(d, f"{prefix}vllm:request_{stage}_time_seconds_sum",
+                                f"{prefix}vllm:request_{stage}_time_seconds_count")
+            for stage in _STAGES}
 
 
 async def drive(handle: Any, convs: list[list[Turn]], max_tokens: int,
@@ -242,8 +247,16 @@ async def run_router(name: str, handle: Any, convs: list[list[Turn]], args: argp
                             "computed_tokens": int(d.get(f"{url}|vllm:prompt_tokens_total", 0.0)
                                                    - d.get(f"{url}|vllm:prefix_cache_hits_total", 0.0)
                                                    - d.get(f"{url}|vllm:external_prefix_cache_hits_total", 0.0)),
-                            **stages(d, f"{url}|")} for url in endpoints}
+                            **stages(d, f"{url}|"),
+                            "lookup_s": _mean(d, f"{url}|vllm:kvshare_lookup_seconds_total",
+                                              f"{url}|vllm:kvshare_lookups_total")}
+                     for url in endpoints}
     return out
+
+
+def _mean(d: dict[str, float], total: str, count: str) -> float:
+    n = d.get(count, 0.0)
+    return round(d.get(total, 0.0) / n, 4) if n else 0.0
 
 
 async def warm(handle: Any, replicas: int, tracker: Any) -> None:
@@ -261,8 +274,9 @@ async def warm(handle: Any, replicas: int, tracker: Any) -> None:
             await tracker.on_request_completed(gen.request_id)
 
 
-def start_servers(model: str, connector: bool) -> list[dict[str, Any]]:
-    """kvshare on the cluster and one vLLM server per ``vllm_slot`` node."""
+def start_servers(model: str, connector: bool, cores: int) -> list[dict[str, Any]]:
+    """kvshare on the cluster and one vLLM server per ``vllm_slot`` node; ``cores`` > 0:
+    server i on this machine's cores [i*cores, (i+1)*cores), one OpenMP thread each."""
     import ray
 
     from actors.config import NamespaceSpec
@@ -273,8 +287,12 @@ def start_servers(model: str, connector: bool) -> list[dict[str, Any]]:
     keys = VllmKeys.from_model(model, BLOCK)
     deploy(namespaces=[NamespaceSpec(NS, keys.layout, host_bytes=64 * keys.layout.bytes_per_block)])
     ids = sorted(n["NodeID"] for n in ray.nodes() if n["Alive"] and "vllm_slot" in n["Resources"])
+    usable = sorted(os.sched_getaffinity(0))
+    if cores * len(ids) > len(usable):
+        raise SystemExit(f"--cores-per-server {cores} x {len(ids)} servers: only {len(usable)} cores")
+    cpus = [tuple(usable[i * cores:(i + 1) * cores]) for i in range(len(ids))] if cores else []
     return start_workers(model, ids, namespace=NS, block_tokens=BLOCK, max_model_len=4096,
-                         connector=connector)
+                         connector=connector, cpus=cpus)
 
 
 def summary(name: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -321,6 +339,12 @@ def main() -> int:
                     help="log every kvshare decision (estimates per replica) to stderr")
     ap.add_argument("--no-connector", dest="connector", action="store_false",
                     help="servers without the kvshare connector (vLLM's own cache only)")
+    ap.add_argument("--cores-per-server", type=int, default=0,
+                    help="pin server i to its own cores, one OpenMP thread each (an engine "
+                         "per device); 0: servers float over every core")
+    ap.add_argument("--warmup-turns", type=int, default=1,
+                    help="a discarded run first (Serve's default router, these first turns of "
+                         "every conversation): engines, Serve and Ray warm for every router")
     args = ap.parse_args()
     names = [n for n in args.routers.split(",") if n]
     unknown = sorted(set(names) - set(ROUTERS))
@@ -358,11 +382,20 @@ def main() -> int:
                        resources=[{"vllm_slot": 1}] * args.replicas, ray_namespace="kvshare-bench",
                        temp_prefix="kvs-vllm-bench-"):
         try:
-            infos = start_servers(model, args.connector)
+            infos = start_servers(model, args.connector, args.cores_per_server)
             endpoints = [i["endpoint"] for i in infos]
             serve.start(proxy_location="Disabled")
             print(f"cluster, kvshare, {len(infos)} vLLM servers up in "
                   f"{time.perf_counter() - t_start:.0f}s", file=sys.stderr)
+            if args.warmup_turns > 0:
+                t0 = time.perf_counter()
+                warmup = [c[: args.warmup_turns] for c in convs]
+                handle = serve.run(vllm_app(None, len(infos), NS, replica_resources={"vllm_slot": 1}),
+                                   name="warmup", route_prefix=None)
+                asyncio.run_coroutine_threadsafe(
+                    run_router("warmup", handle, warmup, args, endpoints), loop).result()
+                serve.delete("warmup")
+                print(f"warm-up run discarded ({time.perf_counter() - t0:.0f}s)", file=sys.stderr)
             for rep in range(args.repeats):
                 for name in names if rep % 2 == 0 else names[::-1]:
                     for url in endpoints:  # every router starts cold: no vLLM cache, empty pools
@@ -404,7 +437,7 @@ def main() -> int:
                                            if k not in ("router", "servers")}
                                        for n, r in results.items()},
                            "repeats": args.repeats,
-                           "connector": args.connector,
+                           "connector": args.connector, "cores_per_server": args.cores_per_server,
                            "total_s": round(time.perf_counter() - t_start, 1)}
     if "kvshare" in results and peers:
         best = min(peers, key=lambda r: r["ttft_p50_s"])
@@ -412,9 +445,10 @@ def main() -> int:
         out["best_peer"] = best["router"]
         out["ttft_p50_vs_best_peer"] = round(best["ttft_p50_s"] / kv["ttft_p50_s"], 3)
         out["throughput_vs_best_peer"] = round(kv["completed_per_s"] / best["completed_per_s"], 3)
-        out["ttft_p50_vs_best_peer_per_run"] = [
-            round(min(p["ttft_p50_per_run_s"][i] for p in peers) / kv["ttft_p50_per_run_s"][i], 3)
-            for i in range(args.repeats)]
+        per_run = [min(p["ttft_p50_per_run_s"][i] for p in peers) / kv["ttft_p50_per_run_s"][i]
+                   for i in range(args.repeats)]
+        out["ttft_p50_vs_best_peer_per_run"] = [round(r, 3) for r in per_run]
+        out["ttft_p50_vs_best_peer_median_of_runs"] = round(float(np.median(per_run)), 3)
     print(json.dumps(out))
     return 0
 

@@ -2,6 +2,7 @@
  *
  * sha256_chain(parent, data, block_bytes, tail) -> list[bytes]
  * pack_u32(ids) -> bytes (a list of token ids as little-endian u32, range-checked)
+ * sha256_chain_u32(parent, ids, block_tokens, tail) -> list[bytes] (both in one pass)
  *
  *     h_{-1} = parent
  *     h_i    = SHA256(h_{i-1} || data[i*block_bytes:(i+1)*block_bytes] || tail)
@@ -43,6 +44,21 @@ static void chain_loop(const unsigned char *parent, const unsigned char *data, P
     }
 }
 
+/* ValueError (-1) unless the parent is one sha256 digest and ``size`` (named ``size_name``) > 0. */
+static int check_chain_args(Py_ssize_t parent_len, const char *size_name, Py_ssize_t size)
+{
+    if (parent_len != DIGEST) {
+        PyErr_Format(PyExc_ValueError, "parent must be %d bytes (a sha256 digest), got %zd",
+                     DIGEST, parent_len);
+        return -1;
+    }
+    if (size <= 0) {
+        PyErr_Format(PyExc_ValueError, "%s must be positive, got %zd", size_name, size);
+        return -1;
+    }
+    return 0;
+}
+
 static PyObject *sha256_chain(PyObject *self, PyObject *args)
 {
     const char *parent;
@@ -54,15 +70,8 @@ static PyObject *sha256_chain(PyObject *self, PyObject *args)
         return NULL;
     PyObject *result = NULL;
     unsigned char *out = NULL;
-    if (parent_len != DIGEST) {
-        PyErr_Format(PyExc_ValueError, "parent must be %d bytes (a sha256 digest), got %zd",
-                     DIGEST, parent_len);
+    if (check_chain_args(parent_len, "block_bytes", block_bytes) < 0)
         goto done;
-    }
-    if (block_bytes <= 0) {
-        PyErr_Format(PyExc_ValueError, "block_bytes must be positive, got %zd", block_bytes);
-        goto done;
-    }
     Py_ssize_t n_blocks = data.len / block_bytes;
     result = PyList_New(n_blocks);
     if (result == NULL || n_blocks == 0)
@@ -121,6 +130,35 @@ static inline int small_nonneg(PyObject *v, unsigned long *x)
 #endif
 }
 
+/* One token id as u32: 0 on success; -1 with OverflowError for an id outside [0, 2**32) or
+ * TypeError for a non-integer. */
+static inline int read_u32(PyObject *v, unsigned char *dst)
+{
+    unsigned long x;
+    if (PyLong_CheckExact(v) && small_nonneg(v, &x)) {
+        /* one machine word: read in place (the common case, ~2x faster) */
+    } else if (PyLong_Check(v)) {
+        x = PyLong_AsUnsignedLong(v);
+    } else {
+        PyObject *idx = PyNumber_Index(v);
+        if (idx == NULL)
+            return -1;
+        x = PyLong_AsUnsignedLong(idx);
+        Py_DECREF(idx);
+    }
+    if (x == (unsigned long)-1 && PyErr_Occurred())
+        return -1;
+    if (x > 0xFFFFFFFFUL) {
+        PyErr_Format(PyExc_OverflowError, "token id %lu does not fit in u32", x);
+        return -1;
+    }
+    dst[0] = (unsigned char)x;
+    dst[1] = (unsigned char)(x >> 8);
+    dst[2] = (unsigned char)(x >> 16);
+    dst[3] = (unsigned char)(x >> 24);
+    return 0;
+}
+
 /* pack_u32(ids) -> bytes: a list or tuple of ints (anything with __index__) as little-endian
  * u32, range-checked; OverflowError for an id outside [0, 2**32), TypeError for a non-integer.
  * One pass straight into the bytes object (array.array("I").fromlist + tobytes is two). */
@@ -139,42 +177,92 @@ static PyObject *pack_u32(PyObject *self, PyObject *seq)
     unsigned char *dst = (unsigned char *)PyBytes_AS_STRING(out);
     PyObject **items = PySequence_Fast_ITEMS(fast);
     for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *v = items[i];
-        unsigned long x;
-        if (PyLong_CheckExact(v) && small_nonneg(v, &x)) {
-            /* one machine word: read in place (the common case, ~2x faster) */
-        } else if (PyLong_Check(v)) {
-            x = PyLong_AsUnsignedLong(v);
-        } else {
-            PyObject *idx = PyNumber_Index(v);
-            if (idx == NULL)
-                goto fail;
-            x = PyLong_AsUnsignedLong(idx);
-            Py_DECREF(idx);
+        if (read_u32(items[i], dst + 4 * i) < 0) {
+            Py_DECREF(fast);
+            Py_DECREF(out);
+            return NULL;
         }
-        if (x == (unsigned long)-1 && PyErr_Occurred())
-            goto fail;
-        if (x > 0xFFFFFFFFUL) {
-            PyErr_Format(PyExc_OverflowError, "token id %lu does not fit in u32", x);
-            goto fail;
-        }
-        dst[4 * i] = (unsigned char)x;
-        dst[4 * i + 1] = (unsigned char)(x >> 8);
-        dst[4 * i + 2] = (unsigned char)(x >> 16);
-        dst[4 * i + 3] = (unsigned char)(x >> 24);
     }
     Py_DECREF(fast);
     return out;
-fail:
-    Py_DECREF(fast);
-    Py_DECREF(out);
-    return NULL;
+}
+
+/* sha256_chain_u32(parent, ids, block_tokens, tail) -> list[bytes]: sha256_chain(parent,
+ * pack_u32(ids), 4 * block_tokens, tail) in one pass: each block's ids are packed into a small
+ * buffer and hashed while it is in cache, no packed copy of the prompt is made. Every id is
+ * checked (those of a trailing partial block too), with pack_u32's refusals. The GIL stays
+ * held (the ids are Python objects), so callers keep this to prompts of moderate length. */
+static PyObject *sha256_chain_u32(PyObject *self, PyObject *args)
+{
+    const char *parent;
+    Py_ssize_t parent_len, block_tokens;
+    PyObject *seq;
+    Py_buffer tail;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "y#Ony*:sha256_chain_u32", &parent, &parent_len, &seq,
+                          &block_tokens, &tail))
+        return NULL;
+    PyObject *result = NULL, *fast = NULL;
+    unsigned char *buf = NULL;
+    if (check_chain_args(parent_len, "block_tokens", block_tokens) < 0)
+        goto done;
+    fast = PySequence_Fast(seq, "token ids must be a list or tuple of ints");
+    if (fast == NULL)
+        goto done;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast), n_blocks = n / block_tokens;
+    PyObject **items = PySequence_Fast_ITEMS(fast);
+    buf = PyMem_Malloc((size_t)block_tokens * 4);
+    result = PyList_New(n_blocks);
+    if (buf == NULL || result == NULL) {
+        Py_CLEAR(result);
+        if (!PyErr_Occurred())
+            PyErr_NoMemory();
+        goto done;
+    }
+    unsigned char prev[DIGEST];
+    memcpy(prev, parent, DIGEST);
+    SHA256_CTX ctx;
+    for (Py_ssize_t b = 0; b < n_blocks; b++) {
+        PyObject **ids = items + b * block_tokens;
+        for (Py_ssize_t j = 0; j < block_tokens; j++) {
+            if (read_u32(ids[j], buf + 4 * j) < 0) {
+                Py_CLEAR(result);
+                goto done;
+            }
+        }
+        SHA256_Init(&ctx);
+        SHA256_Update(&ctx, prev, DIGEST);
+        SHA256_Update(&ctx, buf, (size_t)block_tokens * 4);
+        if (tail.len > 0)
+            SHA256_Update(&ctx, tail.buf, (size_t)tail.len);
+        SHA256_Final(prev, &ctx);
+        PyObject *digest = PyBytes_FromStringAndSize((const char *)prev, DIGEST);
+        if (digest == NULL) {
+            Py_CLEAR(result);
+            goto done;
+        }
+        PyList_SET_ITEM(result, b, digest);
+    }
+    for (Py_ssize_t i = n_blocks * block_tokens; i < n; i++) { /* the partial block: checked */
+        if (read_u32(items[i], buf) < 0) {
+            Py_CLEAR(result);
+            goto done;
+        }
+    }
+done:
+    PyMem_Free(buf);
+    Py_XDECREF(fast);
+    PyBuffer_Release(&tail);
+    return result;
 }
 
 static PyMethodDef methods[] = {
     {"pack_u32", pack_u32, METH_O,
      "pack_u32(ids) -> bytes\n\n"
      "A list or tuple of ints as little-endian u32 bytes (OverflowError outside [0, 2**32))."},
+    {"sha256_chain_u32", sha256_chain_u32, METH_VARARGS,
+     "sha256_chain_u32(parent, ids, block_tokens, tail) -> list[bytes]\n\n"
+     "sha256_chain(parent, pack_u32(ids), 4 * block_tokens, tail) in one pass, GIL held."},
     {"sha256_chain", sha256_chain, METH_VARARGS,
      "sha256_chain(parent, data, block_bytes, tail) -> list[bytes]\n\n"
      "h_i = sha256(h_{i-1} || data block i || tail) for every full block of data, "

@@ -46,42 +46,31 @@ static size_t align_head(char *d, const char *s, size_t n, size_t vec)
     return head;
 }
 
-__attribute__((target("avx2"))) static void copy_avx2(char *d, const char *s, size_t n)
-{
-    size_t i = align_head(d, s, n, 32);
-    for (; i + 128 <= n; i += 128) {
-        _mm_prefetch(s + i + PREFETCH, _MM_HINT_T0);
-        _mm_prefetch(s + i + PREFETCH + 64, _MM_HINT_T0);
-        __m256i a = _mm256_loadu_si256((const __m256i *)(s + i));
-        __m256i b = _mm256_loadu_si256((const __m256i *)(s + i + 32));
-        __m256i c = _mm256_loadu_si256((const __m256i *)(s + i + 64));
-        __m256i e = _mm256_loadu_si256((const __m256i *)(s + i + 96));
-        _mm256_stream_si256((__m256i *)(d + i), a);
-        _mm256_stream_si256((__m256i *)(d + i + 32), b);
-        _mm256_stream_si256((__m256i *)(d + i + 64), c);
-        _mm256_stream_si256((__m256i *)(d + i + 96), e);
+/* One streaming loop per vector width W (bytes): four W-byte vectors a step, each 64-byte line
+ * of the source prefetched PREFETCH bytes ahead, then sfence and the tail with memcpy. */
+#define STREAM_LOOP(ATTR, NAME, VEC, W, LOAD, STORE)                                              \
+    ATTR static void NAME(char *d, const char *s, size_t n)                                       \
+    {                                                                                             \
+        size_t i = align_head(d, s, n, W);                                                        \
+        for (; i + 4 * W <= n; i += 4 * W) {                                                      \
+            for (size_t line = 0; line < 4 * W; line += 64)                                       \
+                _mm_prefetch(s + i + PREFETCH + line, _MM_HINT_T0);                               \
+            VEC a = LOAD((const VEC *)(s + i));                                                   \
+            VEC b = LOAD((const VEC *)(s + i + W));                                               \
+            VEC c = LOAD((const VEC *)(s + i + 2 * W));                                           \
+            VEC e = LOAD((const VEC *)(s + i + 3 * W));                                           \
+            STORE((VEC *)(d + i), a);                                                             \
+            STORE((VEC *)(d + i + W), b);                                                         \
+            STORE((VEC *)(d + i + 2 * W), c);                                                     \
+            STORE((VEC *)(d + i + 3 * W), e);                                                     \
+        }                                                                                         \
+        _mm_sfence();                                                                             \
+        memcpy(d + i, s + i, n - i);                                                              \
     }
-    _mm_sfence();
-    memcpy(d + i, s + i, n - i);
-}
 
-static void copy_sse2(char *d, const char *s, size_t n)
-{
-    size_t i = align_head(d, s, n, 16);
-    for (; i + 64 <= n; i += 64) {
-        _mm_prefetch(s + i + PREFETCH, _MM_HINT_T0);
-        __m128i a = _mm_loadu_si128((const __m128i *)(s + i));
-        __m128i b = _mm_loadu_si128((const __m128i *)(s + i + 16));
-        __m128i c = _mm_loadu_si128((const __m128i *)(s + i + 32));
-        __m128i e = _mm_loadu_si128((const __m128i *)(s + i + 48));
-        _mm_stream_si128((__m128i *)(d + i), a);
-        _mm_stream_si128((__m128i *)(d + i + 16), b);
-        _mm_stream_si128((__m128i *)(d + i + 32), c);
-        _mm_stream_si128((__m128i *)(d + i + 48), e);
-    }
-    _mm_sfence();
-    memcpy(d + i, s + i, n - i);
-}
+STREAM_LOOP(__attribute__((target("avx2"))), copy_avx2, __m256i, 32, _mm256_loadu_si256,
+            _mm256_stream_si256)
+STREAM_LOOP(, copy_sse2, __m128i, 16, _mm_loadu_si128, _mm_stream_si128)
 
 static int use_avx2 = -1;
 

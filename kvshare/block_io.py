@@ -1,4 +1,4 @@
-"""Engine KV memory that converts to and from canonical blocks itself.
+"""Engine KV memory: what a load fills (:data:`KVTarget`) and a store reads (:data:`KVSource`).
 
 The SDK converts two engine shapes on its own (a contiguous tensor and :class:`PagedKV`,
 see :mod:`kvshare.kv_convert`). An engine whose memory looks different (vLLM's CPU
@@ -14,6 +14,7 @@ Memory that is also a :class:`SlabIO` is copied straight from and into this node
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import numpy as np
@@ -78,3 +79,26 @@ class SlabIO(Protocol):
                    slots: Sequence[int]) -> None:
         """Copy blocks ``blocks[i]`` of this memory into slab rows ``slots[i]``."""
         ...
+
+
+@dataclass(frozen=True)
+class PagedKV:
+    """An engine's paged KV memory as a load/store destination.
+
+    ``pages[l]`` is layer ``l``'s ``[2, num_pages, page_tokens, kv_heads, head_dim]`` tensor;
+    ``page_table`` lists the sequence's pages in token order.
+    """
+
+    pages: Sequence[torch.Tensor]
+    page_table: Sequence[int]
+
+    def block_pages(self, index: int, block_tokens: int) -> Sequence[int]:
+        per = block_tokens // int(self.pages[0].shape[2])
+        return self.page_table[index * per : (index + 1) * per]
+
+
+KVTarget = torch.Tensor | PagedKV | BlockIO
+"""Contiguous ``[layers, 2, kv_heads, tokens, head_dim]`` tensor, or paged KV."""
+
+KVSource = torch.Tensor | PagedKV | BlockIO | Sequence[tuple[torch.Tensor, torch.Tensor]]
+"""What ``store`` accepts: a KVTarget, or per-layer ``(keys, values)`` ``[1, H, T, D]``."""

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -33,22 +32,21 @@ from typing import Any
 import numpy as np
 import ray
 
-from kvshare.block_io import SlabIO
+from kvshare.block_io import KVSource, KVTarget, SlabIO
+from kvshare.client_fetch import BlockFetcher, start_nixl
+from kvshare.client_remote import BandwidthSource, RemoteChoice
 from kvshare.client_types import (
     SOURCE_AUTO,
     SOURCE_NIXL,
     SOURCE_OBJSTORE,
     SOURCE_SHM,
-    BlockOutcome,
-    KVSource,
-    KVTarget,
     LoadResult,
     Plan,
     PlannedBlock,
     StoreResult,
 )
 from kvshare.cluster import RAY_NAMESPACE, find_index, find_pool, this_node
-from kvshare.cost import Source, bytes_per_s
+from kvshare.cost import Source
 from kvshare.hasher import Hasher
 from kvshare.kv_convert import (
     blocks_from_source,
@@ -58,27 +56,14 @@ from kvshare.kv_convert import (
     source_tokens,
 )
 from kvshare.layout import KVLayout
-from kvshare.transfer.base import NIXL_UNAVAILABLE, SOURCE_DEAD, Transfer, Transport
 from kvshare.transfer.control import ActorControl
 from kvshare.transfer.estimate import BandwidthEstimator
-from kvshare.transfer.objstore import ObjStoreTransport
-from kvshare.transfer.probe import TransportBandwidths, parse_overrides
 from kvshare.transfer.shm import ShmTransport, SlotCopy
 from kvshare.transfer.wire import BlockControl
 from kvshare.types import BlockHash, Tier, node_location
 from kvshare.workers import IndexQuery
 
 log = logging.getLogger(__name__)
-
-AUTO_WAIT_S = 120.0
-"""How long a ``remote="auto"`` client keeps asking for its node's first bandwidth probe."""
-REFINE_EVERY = 8
-"""Loads between two refinements of the bandwidths from this worker's own timed transfers."""
-REFINE_MIN_SAMPLES = 4
-"""Timed batches of a transport (>= 1 MiB each) before they replace the probe's figure."""
-
-BandwidthSource = Callable[[], Mapping[str, float]] | Mapping[str, float]
-"""GB/s per transport (``nixl``, ``objstore``, ...), or a callable returning them."""
 
 CutPolicy = Callable[[int, Sequence[Source]], int]
 """``(prompt_tokens, sources) -> blocks to load``; ``sources[i]`` is the
@@ -89,15 +74,6 @@ CutPolicy = Callable[[int, Sequence[Source]], int]
 def load_everything(prompt_tokens: int, sources: Sequence[Source]) -> int:
     """The default cut: every available block (fetching beats recompute on every path here)."""
     return len(sources)
-
-
-def _in_plan_order(copy: SlotCopy, idx: list[int]) -> SlotCopy:
-    """``copy`` for a batch holding the plan's blocks ``idx`` (batch positions -> plan blocks)."""
-
-    def run(rows: np.ndarray, positions: list[int], slots: list[int]) -> None:
-        copy(rows, [idx[p] for p in positions], slots)
-
-    return run
 
 
 class KVShareClient:
@@ -131,7 +107,6 @@ class KVShareClient:
         if remote not in (SOURCE_AUTO, SOURCE_NIXL, SOURCE_OBJSTORE):
             raise ValueError(
                 f"remote transport must be 'auto', 'nixl' or 'objstore', got {remote!r}")
-        self.bandwidth_overrides = parse_overrides(os.environ.get("KVSHARE_BANDWIDTH_GBPS", ""))
         self.namespace = namespace
         self.layout = layout
         self.block_tokens = layout.block_tokens
@@ -140,29 +115,18 @@ class KVShareClient:
         self.node = node
         self.location = node_location(node)
         self.index = index
-        self.control_for = control_for
         self.worker_id = worker_id
         self.cut_policy = cut_policy
-        self.load_deadline_s = load_deadline_s
         self.store_deadline_s = store_deadline_s
-        self._controls: dict[str, BlockControl] = {}
-        self._load_shm = ShmTransport(node, holder=f"{worker_id}-load")
         self._store_shm = ShmTransport(node, holder=f"{worker_id}-store")
-        self._objstore = ObjStoreTransport(holder=f"{worker_id}-obj")
-        self._nixl: Transport | None = None
-        self.nixl_error = ""
-        if remote != SOURCE_OBJSTORE:
-            self._nixl = self._start_nixl()
-        self.remote = SOURCE_NIXL if self._nixl is not None else SOURCE_OBJSTORE
-        self.auto = remote == SOURCE_AUTO
-        self.bandwidths: dict[str, float] = {}  # GB/s the auto choice was made on
-        self.estimator = BandwidthEstimator(32)  # this worker's own loads, per transport/peer
-        self._loads = 0
-        self._bw_source = bandwidths
+        self._nixl, self.nixl_error = (None, "") if remote == SOURCE_OBJSTORE else start_nixl(
+            namespace, worker_id)
+        self.choice = RemoteChoice(nixl_up=self._nixl is not None, auto=remote == SOURCE_AUTO,
+                                   source=bandwidths, cut_policy=cut_policy, name=worker_id)
+        self.fetcher = BlockFetcher(node=node, worker_id=worker_id, control_for=control_for,
+                                    nixl=self._nixl, estimator=self.choice.estimator,
+                                    count=self._count, deadline_s=load_deadline_s)
         self._closed = threading.Event()
-        if self.auto and not self.choose_remote() and callable(bandwidths):  # probe running
-            threading.Thread(target=self._await_bandwidths, name="kvshare-bandwidths",
-                             daemon=True).start()
         self._staging = np.empty((0, layout.bytes_per_block), dtype=np.uint8)
         self._load_lock = threading.Lock()
         self._store_pool = ThreadPoolExecutor(1, thread_name_prefix="kvshare-store")
@@ -172,6 +136,7 @@ class KVShareClient:
         self._pending_load: Future[LoadResult] | None = None
         self._pending_saves: list[Future[StoreResult]] = []
         self._layers: dict[int, tuple[Any, Any]] = {}
+        self.choice.start(self._closed)
 
     # ------------------------------------------------------------------ setup
     @classmethod
@@ -204,81 +169,34 @@ class KVShareClient:
         return cls(namespace=namespace, layout=layout, root=root, node=node, index=index,
                    control_for=control_for, **kwargs)
 
-    def choose_remote(self) -> bool:
-        """Pick :attr:`remote` from the bandwidths (``remote="auto"``): objstore only when it
-        is measured (or overridden) faster than nixl, or when NIXL did not start. Returns
-        True once both figures are known (or NIXL is out), False while the node's probe has
-        not reported yet (the choice then stays nixl)."""
-        src = self._bw_source
-        try:
-            measured = dict(src() if callable(src) else (src or {}))
-        except Exception as exc:  # pool busy or gone: keep the current choice
-            log.info("bandwidths unavailable for %s: %s", self.worker_id, exc)
-            measured = {}
-        bw = TransportBandwidths({k: float(v) for k, v in measured.items()}, dict(self.bandwidth_overrides))
-        self.bandwidths = bw.as_dict()
-        if self._nixl is None:
-            self.remote = SOURCE_OBJSTORE
-            self._feed_cut_policy()
-            return True
-        faster = bw.get(SOURCE_OBJSTORE) > bw.get(SOURCE_NIXL)
-        self.remote = SOURCE_OBJSTORE if faster else SOURCE_NIXL
-        self._feed_cut_policy()
-        return {SOURCE_NIXL, SOURCE_OBJSTORE} <= set(self.bandwidths)
+    # ------------------------------------------------------------------ remote transport
+    @property
+    def remote(self) -> str:
+        """The transport for other nodes' blocks now (``nixl`` or ``objstore``)."""
+        return self.choice.remote
 
-    def _feed_cut_policy(self) -> None:
-        """Give a cut policy that takes them (``CostCut``) the measured bandwidths, in bytes/s,
-        with the remote figure being the chosen transport's."""
-        setter = getattr(self.cut_policy, "set_bandwidths", None)
-        if not callable(setter) or not self.bandwidths:
-            return
-        gbps = {k: v for k, v in self.bandwidths.items() if k not in (SOURCE_NIXL, SOURCE_OBJSTORE)}
-        if self.remote in self.bandwidths:
-            gbps[self.remote] = self.bandwidths[self.remote]
-        setter(bytes_per_s(gbps))
+    @property
+    def auto(self) -> bool:
+        return self.choice.auto
+
+    @property
+    def bandwidths(self) -> dict[str, float]:
+        """GB/s per transport the remote choice was made on."""
+        return self.choice.bandwidths
+
+    @property
+    def estimator(self) -> BandwidthEstimator:
+        """This worker's timed loads, per transport and peer."""
+        return self.choice.estimator
+
+    def choose_remote(self) -> bool:
+        """:meth:`RemoteChoice.choose <kvshare.client_remote.RemoteChoice.choose>`."""
+        return self.choice.choose()
 
     def refine_bandwidths(self) -> dict[str, float]:
-        """Replace the probe's GB/s by this worker's own timed loads where it has at least
-        :data:`REFINE_MIN_SAMPLES` of a transport (overrides still win), and give them to the
-        cut policy. Runs every :data:`REFINE_EVERY` loads; returns the figures in use."""
-        live = {t: self.estimator.estimate(t) for t in self.estimator.transports()}
-        for name, est in live.items():
-            if est.samples >= REFINE_MIN_SAMPLES and est.gbps > 0:
-                self.bandwidths[name] = self.bandwidth_overrides.get(name, est.gbps)
-        self._feed_cut_policy()
-        return dict(self.bandwidths)
-
-    def _await_bandwidths(self) -> None:
-        deadline = time.monotonic() + AUTO_WAIT_S
-        while not self._closed.wait(1.0) and time.monotonic() < deadline:
-            if self.choose_remote():
-                log.info("%s: remote transport %s (GB/s %s)", self.worker_id, self.remote,
-                         self.bandwidths)
-                return
-
-    def _start_nixl(self) -> Transport | None:
-        try:
-            from kvshare.transfer.nixl import NixlTransport
-
-            return NixlTransport(f"{self.namespace}/worker/{self.worker_id}/{time.time_ns()}")
-        except Exception as exc:  # TransportUnavailable, missing package: objstore instead
-            self.nixl_error = str(exc)
-            log.warning("NIXL unavailable for %s, remote blocks use the object store: %s",
-                        self.worker_id, exc)
-            return None
-
-    def _control(self, node_id: str) -> BlockControl | None:
-        """The node's pool control (cached); None (not cached) when it cannot be found."""
-        control = self._controls.get(node_id)
-        if control is None:
-            try:
-                control = self.control_for(node_id)
-            except Exception as exc:  # its pool died with its node: a miss, not an error
-                log.info("no pool control for node %s: %s", node_id, exc)
-                control = None
-            if control is not None:
-                self._controls[node_id] = control
-        return control
+        """:meth:`RemoteChoice.refine <kvshare.client_remote.RemoteChoice.refine>` (runs every
+        :data:`~kvshare.client_remote.REFINE_EVERY` loads)."""
+        return self.choice.refine()
 
     def _count(self, key: str, amount: float = 1) -> None:
         with self._clock:
@@ -299,33 +217,33 @@ class KVShareClient:
 
     def lookup(self, tokens: Sequence[int], hashes: Sequence[BlockHash] | None = None) -> Plan:
         """Where the prompt's cached prefix is and how much of it to load."""
-        hs = tuple(hashes if hashes is not None else self.hashes(tokens))
-        self._count("lookups")
+        hs = self._lookup_hashes(tokens, hashes)
         if self.index is None or not hs:
-            return Plan(self.namespace, len(tokens), self.block_tokens, hs, 0, (), "no index")
-        match = self.index.match(self.namespace, list(hs))
-        if not match.available:
-            self._count("index_unavailable")
-            return Plan(self.namespace, len(tokens), self.block_tokens, hs, 0, (),
-                        "index unavailable")
-        return self._plan(tokens, hs, match)
+            return self._no_plan(tokens, hs, "no index")
+        return self._plan(tokens, hs, self.index.match(self.namespace, list(hs)))
 
     async def lookup_async(
         self, tokens: Sequence[int], hashes: Sequence[BlockHash] | None = None
     ) -> Plan:
         """:meth:`lookup` without blocking the event loop."""
+        hs = self._lookup_hashes(tokens, hashes)
+        if self.index is None or not hs:
+            return self._no_plan(tokens, hs, "no index")
+        return self._plan(tokens, hs, await self.index.match_async(self.namespace, list(hs)))
+
+    def _lookup_hashes(self, tokens: Sequence[int],
+                       hashes: Sequence[BlockHash] | None) -> tuple[BlockHash, ...]:
         hs = tuple(hashes if hashes is not None else self.hashes(tokens))
         self._count("lookups")
-        if self.index is None or not hs:
-            return Plan(self.namespace, len(tokens), self.block_tokens, hs, 0, (), "no index")
-        match = await self.index.match_async(self.namespace, list(hs))
-        if not match.available:
-            self._count("index_unavailable")
-            return Plan(self.namespace, len(tokens), self.block_tokens, hs, 0, (),
-                        "index unavailable")
-        return self._plan(tokens, hs, match)
+        return hs
+
+    def _no_plan(self, tokens: Sequence[int], hs: tuple[BlockHash, ...], reason: str) -> Plan:
+        return Plan(self.namespace, len(tokens), self.block_tokens, hs, 0, (), reason)
 
     def _plan(self, tokens: Sequence[int], hs: tuple[BlockHash, ...], match: Any) -> Plan:
+        if not match.available:
+            self._count("index_unavailable")
+            return self._no_plan(tokens, hs, "index unavailable")
         blocks: list[PlannedBlock] = []
         kinds: list[Source] = []
         for i in range(match.combined_prefix):
@@ -386,25 +304,18 @@ class KVShareClient:
             # straight copies only size the batch with the staging rows: leave them untouched
             staging = self._staging_rows(n) if direct is None else np.empty(
                 (n, self.layout.bytes_per_block), dtype=np.uint8)
-            reasons = self._fetch(plan, staging, transfer_s, direct)
+            reasons = self.fetcher.fetch(plan, staging, transfer_s, direct)
             t_copy = time.perf_counter()
-            outcomes: list[BlockOutcome] = []
-            good = 0  # only the contiguous prefix is usable: copy just that
-            for i, b in enumerate(plan.blocks):
-                ok = reasons[i] == ""
-                if ok and good == i:
-                    good += 1
-                outcomes.append(BlockOutcome(i, ok, b.transport, reasons[i],
-                                             self.layout.bytes_per_block if ok else 0))
-            if good and direct is None:
+            good = next((i for i, r in enumerate(reasons) if r), len(reasons))
+            if good and direct is None:  # only the contiguous prefix is usable: copy just that
                 blocks_into_target(staging[:good], into, 0, self.layout)
         done = time.perf_counter()
-        result = LoadResult(outcomes, done - start, transfer_s, done - t_copy)
-        self._loads += 1
-        if self._loads % REFINE_EVERY == 0:
-            self.refine_bandwidths()
+        result = LoadResult.from_reasons(reasons, [b.transport for b in plan.blocks],
+                                         self.layout.bytes_per_block, done - start, transfer_s,
+                                         done - t_copy)
+        self.choice.loaded()
         self._count("loaded_blocks", result.loaded_blocks)
-        for o in outcomes:
+        for o in result.outcomes:
             if o.ok:
                 self._count(f"bytes_{o.transport}", o.nbytes)
                 self._count(f"blocks_{plan.blocks[o.index].tier.value}")
@@ -416,77 +327,10 @@ class KVShareClient:
         """The straight slab -> ``into`` copy for a plan served wholly by this node's pool
         over shm, when ``into`` is a :class:`~kvshare.block_io.SlabIO` (and checksums are
         not verified); None: stage the blocks, then copy their verified prefix."""
-        if (not isinstance(into, SlabIO) or self._load_shm.verify or not plan.blocks
+        if (not isinstance(into, SlabIO) or self.fetcher.shm.verify or not plan.blocks
                 or any(b.transport != SOURCE_SHM for b in plan.blocks)):
             return None
         return lambda rows, positions, slots: into.write_slots(positions, rows, slots)
-
-    def _fetch(self, plan: Plan, staging: np.ndarray, spent: dict[str, float],
-               direct: SlotCopy | None = None) -> list[str]:
-        """Read the plan's blocks into ``staging`` (or, with ``direct``, straight into the
-        target); per block ``""`` or a miss reason. ``spent`` gets each transport's seconds
-        from the first submit to its last batch's end."""
-        t_start = time.perf_counter()
-        groups: dict[tuple[str, str], list[int]] = {}
-        for i, b in enumerate(plan.blocks):
-            groups.setdefault((b.location, b.transport), []).append(i)
-        reasons = [""] * plan.load_blocks
-        running: list[tuple[Transport, Transfer, list[int], str, float, str]] = []
-        retry: list[tuple[str, list[int]]] = []
-        for (loc, transport), idx in groups.items():
-            node = loc.removeprefix("node:")
-            control = self._control(node)
-            if control is None:
-                for i in idx:
-                    reasons[i] = SOURCE_DEAD
-                continue
-            tr = self._transport(transport)
-            hs = [plan.blocks[i].block_hash for i in idx]
-            t0 = time.perf_counter()
-            bufs = [staging[i] for i in idx]
-            if direct is not None and tr is self._load_shm:
-                t = self._load_shm.submit_read(control, hs, bufs, deadline_s=self.load_deadline_s,
-                                               copy=_in_plan_order(direct, idx))
-            else:
-                t = tr.submit_read(control, hs, bufs, deadline_s=self.load_deadline_s)
-            running.append((tr, t, idx, tr.name, t0, loc))
-        for tr, t, idx, used, t0, loc in running:  # each batch's own peer for the estimator
-            res = tr.wait(t)
-            spent[used] = time.perf_counter() - t_start
-            self._count_transfer(used, t0)
-            self.estimator.observe(used, loc, res.nbytes, res.seconds)
-            for i, o in zip(idx, res.outcomes, strict=True):
-                reasons[i] = "" if o.ok else o.reason
-            if tr is self._nixl and all(reasons[i] == NIXL_UNAVAILABLE for i in idx):
-                retry.append((plan.blocks[idx[0]].location, idx))
-            if all(reasons[i] == SOURCE_DEAD for i in idx):  # look the pool up again next time
-                self._controls.pop(plan.blocks[idx[0]].location.removeprefix("node:"), None)
-        for loc, idx in retry:  # the holder has no NIXL agent: the object store always works
-            control = self._control(loc.removeprefix("node:"))
-            if control is None:
-                continue
-            hs = [plan.blocks[i].block_hash for i in idx]
-            t0 = time.perf_counter()
-            res = self._objstore.read(control, hs, [staging[i] for i in idx],
-                                      deadline_s=self.load_deadline_s)
-            spent[self._objstore.name] = time.perf_counter() - t_start
-            self._count_transfer(self._objstore.name, t0)
-            self.estimator.observe(self._objstore.name, loc, res.nbytes, res.seconds)
-            for i, o in zip(idx, res.outcomes, strict=True):
-                reasons[i] = "" if o.ok else o.reason
-        return reasons
-
-    def _count_transfer(self, transport: str, t0: float) -> None:
-        """One batch read of ``transport`` finished: count it and its submit-to-done time."""
-        self._count(f"transfers_{transport}")
-        self._count(f"transfer_seconds_{transport}", time.perf_counter() - t0)
-
-    def _transport(self, name: str) -> Transport:
-        if name == SOURCE_SHM:
-            return self._load_shm
-        if name == SOURCE_NIXL and self._nixl is not None:
-            return self._nixl
-        return self._objstore
 
     async def load_async(self, plan: Plan, into: KVTarget) -> LoadResult:
         """:meth:`load` on a worker thread."""
@@ -530,7 +374,7 @@ class KVShareClient:
         todo = hs[start:]
         if not todo:
             return StoreResult()
-        control = self._control(self.node)
+        control = self.fetcher.control(self.node)
         if control is None:
             self._count("store_no_pool", len(todo))
             return StoreResult(skipped=len(todo), reason="no pool on this node")
@@ -572,7 +416,7 @@ class KVShareClient:
         self._closed.set()
         self._store_pool.shutdown(wait=True)
         self._load_pool.shutdown(wait=True)
-        self._load_shm.close()
+        self.fetcher.close()
         self._store_shm.close()
         if self._nixl is not None:
             self._nixl.close()

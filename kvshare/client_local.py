@@ -15,16 +15,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 
 from kvshare import kv_convert
-from kvshare.client_types import (
-    SOURCE_LOCAL,
-    BlockOutcome,
-    KVSource,
-    KVTarget,
-    LoadResult,
-    Plan,
-    PlannedBlock,
-    StoreResult,
-)
+from kvshare.block_io import KVSource, KVTarget
+from kvshare.client_types import SOURCE_LOCAL, LoadResult, Plan, PlannedBlock, StoreResult
 from kvshare.hasher import Hasher
 from kvshare.pool import TieredBlockPool
 from kvshare.pool_types import AlreadyPresent, Reserved
@@ -71,21 +63,20 @@ class LocalKVClient:
         start = time.perf_counter()
         leases = self.pool.pin([b.block_hash for b in plan.blocks], self.holder)
         buf = np.empty(self.layout.bytes_per_block, dtype=np.uint8)
-        out: list[BlockOutcome] = []
+        reasons: list[str] = []
         try:
             for i, lease in enumerate(leases):
                 if lease is None:
-                    out.append(BlockOutcome(i, False, SOURCE_LOCAL, "evicted"))
+                    reasons.append("evicted")
                     continue
                 res = self.pool.read_into(lease, buf)
-                if not res.ok:
-                    out.append(BlockOutcome(i, False, SOURCE_LOCAL, res.reason))
-                    continue
-                kv_convert.block_into_target(buf, into, i, self.layout)
-                out.append(BlockOutcome(i, True, SOURCE_LOCAL, nbytes=buf.nbytes))
+                if res.ok:
+                    kv_convert.block_into_target(buf, into, i, self.layout)
+                reasons.append("" if res.ok else res.reason)
         finally:
             self.pool.unpin([lease.lease_id for lease in leases if lease is not None])
-        result = LoadResult(out, time.perf_counter() - start)
+        result = LoadResult.from_reasons(reasons, [SOURCE_LOCAL] * len(reasons), buf.nbytes,
+                                         time.perf_counter() - start)
         with self._lock:
             self.counters["loaded_blocks"] += result.loaded_blocks
             self.counters["failed_blocks"] += len(result.failed)

@@ -1,4 +1,7 @@
-"""What the worker SDK hands back: plans, per-block outcomes, KV destinations.
+"""What the worker SDK hands back: plans and per-block outcomes.
+
+The KV memory a load fills and a store reads (:data:`KVTarget`, :data:`KVSource`) is
+:mod:`kvshare.block_io`'s (re-exported here).
 
 A :class:`Plan` is the scheduler side's answer ("load blocks 0..k-1 from here"); it is plain
 data (``to_dict``/``from_dict``) so a scheduler process can send it to every TP rank.
@@ -10,12 +13,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Protocol, runtime_checkable
 
-import torch
-
-from kvshare.block_io import BlockIO
+from kvshare.block_io import KVSource as KVSource
+from kvshare.block_io import KVTarget as KVTarget
+from kvshare.block_io import PagedKV as PagedKV
 from kvshare.types import BlockHash, Tier
 
 # Where a planned block comes from, cheapest first.
@@ -25,6 +28,8 @@ SOURCE_NIXL = "nixl"  # another node's pool over NIXL
 SOURCE_OBJSTORE = "objstore"  # another node's pool through Ray's object store
 SOURCE_AUTO = "auto"  # remote transport chosen from the measured bandwidths (nixl or objstore)
 SOURCE_LOCAL = "local"  # an in-process pool (no Ray)
+REMOTE_SOURCES = (SOURCE_NIXL, SOURCE_OBJSTORE)
+"""The transports that bring a block from another node's pool, fastest first."""
 
 
 @dataclass(frozen=True)
@@ -35,6 +40,15 @@ class PlannedBlock:
     location: str
     tier: Tier
     transport: str
+
+    def to_list(self) -> list[str]:
+        """``[hash_hex, location, tier, transport]`` (JSON)."""
+        return [self.block_hash.hex(), self.location, self.tier.value, self.transport]
+
+    @classmethod
+    def from_list(cls, data: Sequence[Any]) -> PlannedBlock:
+        h, loc, tier, transport = data
+        return cls(BlockHash(bytes.fromhex(h)), str(loc), Tier(tier), str(transport))
 
 
 @dataclass(frozen=True)
@@ -70,15 +84,11 @@ class Plan:
         return out
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "namespace": self.namespace,
-            "num_tokens": self.num_tokens,
-            "block_tokens": self.block_tokens,
-            "hashes": [h.hex() for h in self.hashes],
-            "available_blocks": self.available_blocks,
-            "blocks": [[b.block_hash.hex(), b.location, b.tier.value, b.transport] for b in self.blocks],
-            "reason": self.reason,
-        }
+        """JSON data: every field as it is, but hashes as hex and blocks as lists."""
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        out["hashes"] = [h.hex() for h in self.hashes]
+        out["blocks"] = [b.to_list() for b in self.blocks]
+        return out
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Plan:
@@ -88,10 +98,7 @@ class Plan:
             block_tokens=int(data["block_tokens"]),
             hashes=tuple(BlockHash(bytes.fromhex(h)) for h in data["hashes"]),
             available_blocks=int(data["available_blocks"]),
-            blocks=tuple(
-                PlannedBlock(BlockHash(bytes.fromhex(h)), str(loc), Tier(t), str(tr))
-                for h, loc, t, tr in data["blocks"]
-            ),
+            blocks=tuple(PlannedBlock.from_list(b) for b in data["blocks"]),
             reason=str(data.get("reason", "")),
         )
 
@@ -118,6 +125,17 @@ class LoadResult:
     copy_s: float = 0.0
     """Seconds spent copying fetched blocks into the caller's KV memory."""
 
+    @classmethod
+    def from_reasons(
+        cls, reasons: Sequence[str], transports: Sequence[str], block_bytes: int,
+        seconds: float = 0.0, transfer_s: dict[str, float] | None = None, copy_s: float = 0.0,
+    ) -> LoadResult:
+        """One outcome per planned block: ``reasons[i]`` is ``""`` for a block that arrived
+        (``block_bytes`` over ``transports[i]``), else why it did not."""
+        outcomes = [BlockOutcome(i, not r, t, r, 0 if r else block_bytes)
+                    for i, (r, t) in enumerate(zip(reasons, transports, strict=True))]
+        return cls(outcomes, seconds, dict(transfer_s or {}), copy_s)
+
     @property
     def loaded_blocks(self) -> int:
         n = 0
@@ -137,29 +155,6 @@ class LoadResult:
             if o.ok:
                 out[o.transport] = out.get(o.transport, 0) + o.nbytes
         return out
-
-
-@dataclass(frozen=True)
-class PagedKV:
-    """An engine's paged KV memory as a load/store destination.
-
-    ``pages[l]`` is layer ``l``'s ``[2, num_pages, page_tokens, kv_heads, head_dim]`` tensor;
-    ``page_table`` lists the sequence's pages in token order.
-    """
-
-    pages: Sequence[torch.Tensor]
-    page_table: Sequence[int]
-
-    def block_pages(self, index: int, block_tokens: int) -> Sequence[int]:
-        per = block_tokens // int(self.pages[0].shape[2])
-        return self.page_table[index * per : (index + 1) * per]
-
-
-KVTarget = torch.Tensor | PagedKV | BlockIO
-"""Contiguous ``[layers, 2, kv_heads, tokens, head_dim]`` tensor, or paged KV."""
-
-KVSource = torch.Tensor | PagedKV | BlockIO | Sequence[tuple[torch.Tensor, torch.Tensor]]
-"""What ``store`` accepts: a KVTarget, or per-layer ``(keys, values)`` ``[1, H, T, D]``."""
 
 
 @dataclass(frozen=True)

@@ -54,6 +54,9 @@ REMOTE_OFFSET = int(Source.REMOTE_GPU)
 
 
 _SOURCES = tuple(Source)
+_FLAT = 1e-12
+"""Slopes and curvatures below this fraction of a plan's cost scale count as flat
+(:meth:`CostModel.plan_runs` then computes every cut; rounding is ~1e-15 of it)."""
 
 
 def source_runs(sources: Sequence[int]) -> list[tuple[int, int]]:
@@ -263,6 +266,14 @@ class CostModel:
         cum = lat = 0.0
         any_r = any_l = False
         i = 0
+        # Within a run (one fetch cost per block) the total over cuts at c = i * bt tokens is
+        # cum + lat + a*(p - c) + b*(p*p - c*c)/2: linear (b = 0) or concave in i, so no cut
+        # strictly inside the run's uncapped part beats both its ends, by more than rounding
+        # whenever the slope or the curvature is well above it (_FLAT of the totals' scale);
+        # then only the ends are computed (the cumulated fetch still adds up block by block,
+        # so every total is the same float as computing all of them).
+        flat = _FLAT * (best_total + lat_r + lat_l + max(fetch) * (p // bt + 1))
+        curved = b * bt * bt > flat
         for src, ln in runs:
             f = fetch[src]
             if src >= 3:
@@ -271,11 +282,15 @@ class CostModel:
             elif src and not any_l:
                 any_l, lat = True, lat + lat_l
             first = i + 1
-            for i in range(first, first + ln):  # hot loop: plain floats and ints only
+            end = first + ln - 1
+            ends_only = curved or abs(f - a * bt) > flat
+            for i in range(first, end + 1):  # hot loop: plain floats and ints only
+                cum += f
+                if ends_only and first < i < end and (i + 1) * bt <= last:
+                    continue  # inside the run, the next cut uncapped too: cannot win
                 c = i * bt
                 if c > last:
                     c = last
-                cum += f
                 n = p - c
                 total = cum + lat + a * n + b * n * (c + n / 2)
                 if total <= best_total:

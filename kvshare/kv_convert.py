@@ -25,8 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvshare.block_io import BlockIO
-from kvshare.client_types import PagedKV
+from kvshare.block_io import BlockIO, PagedKV
 from kvshare.layout import KVLayout
 
 TORCH_DTYPES: dict[str, torch.dtype] = {

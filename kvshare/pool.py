@@ -14,24 +14,24 @@ Invariants (checked by property tests):
 Eviction is LRU per tier. Chains are stamped tail-first (the last block of a batch is touched
 first), so a prefix outlives its tail. An evicted block moves to the next tier if it was hit at
 least ``demote_min_hits`` times and that tier can make room; otherwise it is dropped.
-Thread-safe: every public method takes one lock.
+Thread-safe: every public method takes one lock. The books (tiers, slots, LRU, moves,
+events, recovery) are :mod:`kvshare.pool_books`; the leases and their deadlines
+:mod:`kvshare.pool_leases`.
 """
 
 from __future__ import annotations
 
-import heapq
-import itertools
 import logging
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from kvshare.events import AllCleared, BlockRemoved, BlockStored, Event
+from kvshare.events import BlockRemoved, Event
+from kvshare.pool_books import Entry, PoolBooks
+from kvshare.pool_leases import Lease, LeaseTable, check_lease_request
 from kvshare.pool_types import (
     AlreadyPresent,
     InFlightWrite,
@@ -54,48 +54,6 @@ from kvshare.types import BlockHash, Tier
 
 log = logging.getLogger(__name__)
 
-_HEAP_SLACK = 1024  # dead lease deadlines kept before the deadline heap is rebuilt
-
-_COUNTERS = (
-    "hits", "misses", "bytes_in", "bytes_out", "evictions", "demotions", "promotions",
-    "corrupt", "stores",
-)
-
-
-@dataclass
-class _Entry:
-    block_hash: BlockHash
-    tier: Tier
-    slot: int
-    checksum: int
-    committed: bool
-    hits: int = 0
-    pins: int = 0
-
-
-@dataclass
-class _Lease:
-    lease_id: int
-    holder: str
-    block_hash: BlockHash
-    deadline: float
-    write: bool
-
-
-class _TierState:
-    def __init__(self, tier: Tier, num_slots: int, store: TierStore | None) -> None:
-        self.tier = tier
-        self.num_slots = num_slots
-        self.store = store
-        self.free: list[int] = list(range(num_slots - 1, -1, -1))
-        self.epochs = np.zeros(num_slots, dtype=np.int64)
-        self.lru: OrderedDict[BlockHash, None] = OrderedDict()  # committed blocks, oldest first
-        self.counters = dict.fromkeys(_COUNTERS, 0)
-
-    @property
-    def used(self) -> int:
-        return self.num_slots - len(self.free)
-
 
 class TieredBlockPool:
     """Blocks of one namespace over host/disk (a node pool) or gpu (a worker pool)."""
@@ -108,63 +66,42 @@ class TieredBlockPool:
     ) -> None:
         self.config = config
         self.block_bytes = config.layout.bytes_per_block
-        self._clock = clock
         self._lock = threading.RLock()
-        self._tiers: dict[Tier, _TierState] = {}
-        for spec in config.tiers:
-            store = stores.get(spec.tier) if stores is not None else None
-            n = config.slots(spec.tier)
-            if stores is not None and store is None:
-                raise ValueError(f"no store given for tier {spec.tier.value}")
-            if store is not None:
-                if store.slot_bytes != self.block_bytes:
-                    raise ValueError(
-                        f"{spec.tier.value} store has {store.slot_bytes}-byte slots but the "
-                        f"layout's blocks are {self.block_bytes} bytes"
-                    )
-                n = min(n, store.num_slots)
-            self._tiers[spec.tier] = _TierState(spec.tier, n, store)
-        self._order = [spec.tier for spec in config.tiers]
-        self._entries: dict[BlockHash, _Entry] = {}
-        self._leases: dict[int, _Lease] = {}
-        self._deadlines: list[tuple[float, int]] = []
-        self._lease_ids = itertools.count(1)
-        self._events: list[Event] = []
-        self._seq = 0
+        self.books = PoolBooks(config, stores)
+        self._leases = LeaseTable(clock, config.lease_ttl_s)
         self.leases_expired = 0
-        self.recovered = 0
-        self._recover()
+        self.recovered = self.books.recover()
 
     # ------------------------------------------------------------------ queries
     @property
     def null(self) -> bool:
         """True when the pool keeps books only (no byte stores)."""
-        return all(t.store is None for t in self._tiers.values())
+        return all(t.store is None for t in self.books.tiers.values())
 
     def store(self, tier: Tier) -> TierStore | None:
-        return self._tiers[tier].store if tier in self._tiers else None
+        return self.books.tiers[tier].store if tier in self.books.tiers else None
 
     def tier_of(self, block_hash: BlockHash) -> Tier | None:
         """The tier of a committed block, else None."""
         with self._lock:
-            e = self._entries.get(block_hash)
+            e = self.books.entries.get(block_hash)
             return e.tier if e is not None and e.committed else None
 
     def __contains__(self, block_hash: object) -> bool:
         with self._lock:
-            e = self._entries.get(block_hash)  # type: ignore[call-overload]
+            e = self.books.entries.get(block_hash)  # type: ignore[call-overload]
             return e is not None and e.committed
 
     def __len__(self) -> int:
         with self._lock:
-            return sum(len(t.lru) for t in self._tiers.values())
+            return sum(len(t.lru) for t in self.books.tiers.values())
 
     def prefix_len(self, hashes: Sequence[BlockHash]) -> int:
         """How many leading blocks of ``hashes`` are committed here (no LRU touch)."""
         with self._lock:
             n = 0
             for h in hashes:
-                e = self._entries.get(h)
+                e = self.books.entries.get(h)
                 if e is None or not e.committed:
                     break
                 n += 1
@@ -173,23 +110,13 @@ class TieredBlockPool:
     def inventory(self) -> list[tuple[BlockHash, Tier]]:
         """Every committed block and its tier (for index resync)."""
         with self._lock:
-            return [(h, t.tier) for t in self._tiers.values() for h in t.lru]
+            return [(h, t.tier) for t in self.books.tiers.values() for h in t.lru]
 
     def stats(self) -> dict[str, Any]:
         """Per-tier used/capacity (blocks and bytes) and counters, plus lease figures."""
         with self._lock:
             self._expire()
-            tiers = {
-                t.tier.value: {
-                    "blocks": len(t.lru),
-                    "used_slots": t.used,
-                    "capacity_slots": t.num_slots,
-                    "used_bytes": t.used * self.block_bytes,
-                    "capacity_bytes": t.num_slots * self.block_bytes,
-                    **t.counters,
-                }
-                for t in self._tiers.values()
-            }
+            tiers = {t.tier.value: t.stats(self.block_bytes) for t in self.books.tiers.values()}
             return {
                 "namespace": self.config.namespace,
                 "location": self.config.location,
@@ -197,7 +124,7 @@ class TieredBlockPool:
                 "block_bytes": self.block_bytes,
                 "tiers": tiers,
                 "active_leases": len(self._leases),
-                "pinned_blocks": sum(1 for e in self._entries.values() if e.pins),
+                "pinned_blocks": sum(1 for e in self.books.entries.values() if e.pins),
                 "leases_expired": self.leases_expired,
                 "recovered": self.recovered,
             }
@@ -205,42 +132,40 @@ class TieredBlockPool:
     def take_events(self) -> list[Event]:
         """Drain the events emitted since the last call, in order."""
         with self._lock:
-            events, self._events = self._events, []
-            return events
+            return self.books.take_events()
 
     # ------------------------------------------------------------------ writes
     def reserve(
         self, hashes: Sequence[BlockHash], holder: str, ttl_s: float | None = None
     ) -> list[ReserveResult]:
         """Hold a write slot in the first tier for each new hash; never blocks."""
-        self._check_hashes(hashes)
-        self._check_ttl(ttl_s)
+        check_lease_request(hashes, self.config.hash_size, ttl_s)
         with self._lock:
             self._expire()
             out: list[ReserveResult] = []
-            tier = self._order[0]
+            tier = self.books.order[0]
             for h in hashes:
-                e = self._entries.get(h)
+                e = self.books.entries.get(h)
                 if e is not None:
                     out.append(AlreadyPresent(h) if e.committed else InFlightWrite(h))
                     continue
-                slot = self._alloc(tier)
+                slot = self.books.alloc(tier)
                 if slot is None:
                     out.append(NoSpace(h))
                     continue
-                self._entries[h] = _Entry(h, tier, slot, -1, committed=False)
-                lease = self._new_lease(holder, h, ttl_s, write=True)
-                out.append(Reserved(h, lease, tier, slot, int(self._tiers[tier].epochs[slot])))
+                self.books.entries[h] = Entry(h, tier, slot, -1, committed=False)
+                lease = self._leases.new(holder, h, ttl_s, write=True)
+                out.append(Reserved(h, lease, tier, slot, int(self.books.tiers[tier].epochs[slot])))
             return out
 
     def write(self, lease_id: int, data: object) -> None:
         """Copy a block payload into a reserved slot (and record its checksum)."""
         payload = as_u8(data)
         with self._lock:
-            lease = self._lease(lease_id, write=True)
-            e = self._entries[lease.block_hash]
+            lease = self._leases.held(lease_id, write=True)
+            e = self.books.entries[lease.block_hash]
             self._check_payload(payload)
-            st = self._tiers[e.tier]
+            st = self.books.tiers[e.tier]
             if st.store is not None:
                 e.checksum = st.store.write_checksummed(e.slot, payload, e.block_hash)
             else:
@@ -255,7 +180,7 @@ class TieredBlockPool:
         """
         with self._lock:
             self._expire()
-            leases = [self._lease(lid, write=True) for lid in lease_ids]
+            leases = [self._leases.held(lid, write=True) for lid in lease_ids]
             if len({lease.lease_id for lease in leases}) != len(leases):
                 raise ValueError("commit got the same lease twice: pass each lease id once")
             if checksums is not None and len(checksums) != len(leases):
@@ -263,8 +188,8 @@ class TieredBlockPool:
             # every checksum before any change, so that a failing store commits nothing
             sums: list[int] = []
             for i, lease in enumerate(leases):
-                e = self._entries[lease.block_hash]
-                st = self._tiers[e.tier]
+                e = self.books.entries[lease.block_hash]
+                st = self.books.tiers[e.tier]
                 if checksums is not None:
                     sums.append(int(checksums[i]))
                 elif e.checksum < 0:
@@ -273,18 +198,18 @@ class TieredBlockPool:
                     sums.append(e.checksum)
             done: list[BlockHash] = []
             for lease, checksum in zip(leases, sums, strict=True):
-                e = self._entries[lease.block_hash]
-                st = self._tiers[e.tier]
+                e = self.books.entries[lease.block_hash]
+                st = self.books.tiers[e.tier]
                 e.checksum = checksum
                 e.committed = True
-                del self._leases[lease.lease_id]
+                self._leases.end(lease.lease_id)
                 st.counters["stores"] += 1
                 st.counters["bytes_in"] += self.block_bytes
-                self._emit_stored(e.block_hash, e.tier)
+                self.books.emit_stored(e.block_hash, e.tier)
                 done.append(e.block_hash)
             for h in reversed(done):  # tail first: the prefix ends most recent
-                e = self._entries[h]
-                self._tiers[e.tier].lru[h] = None
+                e = self.books.entries[h]
+                self.books.tiers[e.tier].lru[h] = None
             return done
 
     def abort(self, lease_ids: Iterable[int]) -> None:
@@ -328,34 +253,33 @@ class TieredBlockPool:
         With ``promote=True`` disk blocks are first copied into the first tier (verified), so
         shared-memory readers can map them; a block that fails verification is a miss.
         """
-        self._check_hashes(hashes)
-        self._check_ttl(ttl_s)
+        check_lease_request(hashes, self.config.hash_size, ttl_s)
         with self._lock:
             self._expire()
             out: list[ReadLease | None] = []
             for h in hashes:
-                e = self._entries.get(h)
+                e = self.books.entries.get(h)
                 if e is None or not e.committed:
-                    self._tiers[self._order[0]].counters["misses"] += 1
+                    self.books.tiers[self.books.order[0]].counters["misses"] += 1
                     out.append(None)
                     continue
                 found = e.tier  # the tier that served it, also when promoted out of it
-                if promote and e.tier != self._order[0] and e.pins == 0:
+                if promote and e.tier != self.books.order[0] and e.pins == 0:
                     self._promote(e)
-                    if self._entries.get(h) is not e:  # corrupt: dropped
-                        self._tiers[self._order[0]].counters["misses"] += 1
+                    if self.books.entries.get(h) is not e:  # corrupt: dropped
+                        self.books.tiers[self.books.order[0]].counters["misses"] += 1
                         out.append(None)
                         continue
-                st = self._tiers[e.tier]
+                st = self.books.tiers[e.tier]
                 e.hits += 1
                 e.pins += 1
-                self._tiers[found].counters["hits"] += 1
-                lease = self._new_lease(holder, h, ttl_s, write=False)
+                self.books.tiers[found].counters["hits"] += 1
+                lease = self._leases.new(holder, h, ttl_s, write=False)
                 out.append(ReadLease(h, lease, e.tier, e.slot, int(st.epochs[e.slot]), e.checksum))
             for h in reversed(hashes):
-                e = self._entries.get(h)
+                e = self.books.entries.get(h)
                 if e is not None and e.committed:
-                    self._tiers[e.tier].lru.move_to_end(h)
+                    self.books.tiers[e.tier].lru.move_to_end(h)
             return out
 
     def read_into(self, lease: ReadLease, out: object) -> ReadResult:
@@ -369,7 +293,7 @@ class TieredBlockPool:
         with self._lock:
             if lease.lease_id not in self._leases:
                 return ReadResult(lease.block_hash, False, "lease expired")
-            st = self._tiers[lease.tier]
+            st = self.books.tiers[lease.tier]
             if st.epochs[lease.slot] != lease.epoch:
                 return ReadResult(lease.block_hash, False, "slot reused")
             if st.store is None:
@@ -386,7 +310,7 @@ class TieredBlockPool:
         """Count ``blocks`` handed to a reader that copies them itself from the tier's memory
         (shm mapping, NIXL READ), so ``bytes_out`` covers every way out of the tier."""
         with self._lock:
-            self._tiers[tier].counters["bytes_out"] += blocks * self.block_bytes
+            self.books.tiers[tier].counters["bytes_out"] += blocks * self.block_bytes
 
     def unpin(self, lease_ids: Iterable[int]) -> None:
         """End read leases; unknown ids are ignored (they may have expired)."""
@@ -403,7 +327,7 @@ class TieredBlockPool:
         out re-checks the slot's epoch itself instead of asking the pool.
         """
         with self._lock:
-            st = self._tiers[tier]
+            st = self.books.tiers[tier]
             if not isinstance(out, np.ndarray) or out.dtype != np.int64 or out.shape != (st.num_slots,):
                 raise ValueError(
                     f"epochs of tier {tier.value} need an int64 array of {st.num_slots} slots"
@@ -436,10 +360,10 @@ class TieredBlockPool:
     def verify(self, block_hash: BlockHash) -> bool:
         """Re-check a committed block's bytes against its checksum; drop it if corrupt."""
         with self._lock:
-            e = self._entries.get(block_hash)
+            e = self.books.entries.get(block_hash)
             if e is None or not e.committed:
                 return False
-            st = self._tiers[e.tier]
+            st = self.books.tiers[e.tier]
             if st.store is None:
                 return True
             buf = np.empty(self.block_bytes, dtype=np.uint8)
@@ -470,12 +394,12 @@ class TieredBlockPool:
         """Demote from the first tier until it is under the low watermark (if over the high)."""
         with self._lock:
             self._expire()
-            st = self._tiers[self._order[0]]
+            st = self.books.tiers[self.books.order[0]]
             if st.used <= self.config.high_watermark * st.num_slots:
                 return 0
             moved = 0
             target = self.config.low_watermark * st.num_slots
-            while st.used > target and self._evict_one(st.tier):
+            while st.used > target and self.books.evict_one(st.tier):
                 moved += 1
             return moved
 
@@ -484,49 +408,33 @@ class TieredBlockPool:
         with self._lock:
             n = 0
             for h in hashes:
-                e = self._entries.get(h)
+                e = self.books.entries.get(h)
                 if e is not None and e.committed and e.pins == 0:
-                    self._drop(e)
+                    self.books.drop(e)
                     n += 1
             return n
 
     def clear(self) -> int:
         """Drop every unpinned committed block; one AllCleared event if nothing stays."""
         with self._lock:
-            victims = [e for e in self._entries.values() if e.committed and e.pins == 0]
+            victims = [e for e in self.books.entries.values() if e.committed and e.pins == 0]
             for e in victims:
-                self._drop(e, emit=False)
-            if any(e.committed for e in self._entries.values()):
+                self.books.drop(e, emit=False)
+            if any(e.committed for e in self.books.entries.values()):
                 for e in victims:
-                    self._emit(BlockRemoved, e.block_hash, e.tier)
+                    self.books.emit(BlockRemoved, e.block_hash, e.tier)
             else:
-                self._seq += 1
-                c = self.config
-                self._events.append(AllCleared(c.namespace, c.location, c.generation, self._seq))
+                self.books.emit_cleared()
             return len(victims)
 
     def close(self) -> None:
         """Close the byte stores (the host slab is unmapped and, by its owner, unlinked)."""
         with self._lock:
-            for st in self._tiers.values():
+            for st in self.books.tiers.values():
                 if st.store is not None:
                     st.store.close()
 
     # ------------------------------------------------------------------ internals
-    def _check_hashes(self, hashes: Sequence[BlockHash]) -> None:
-        size = self.config.hash_size
-        for h in hashes:
-            if not isinstance(h, bytes) or len(h) != size:
-                raise ValueError(
-                    f"block hashes must be {size}-byte bytes, got "
-                    f"{type(h).__name__} of length {len(h) if hasattr(h, '__len__') else '?'}"
-                )
-
-    @staticmethod
-    def _check_ttl(ttl_s: float | None) -> None:
-        if ttl_s is not None and not ttl_s > 0:
-            raise ValueError(f"lease ttl_s must be positive seconds (or None for the default), got {ttl_s}")
-
     def _check_payload(self, payload: ByteArray) -> None:
         if payload.nbytes != self.block_bytes:
             raise ValueError(
@@ -534,127 +442,39 @@ class TieredBlockPool:
                 f"{self.block_bytes} bytes: check the KV layout (dtype, block_tokens, heads)"
             )
 
-    def _new_lease(self, holder: str, h: BlockHash, ttl_s: float | None, write: bool) -> int:
-        lid = next(self._lease_ids)
-        deadline = self._clock() + (ttl_s if ttl_s is not None else self.config.lease_ttl_s)
-        self._leases[lid] = _Lease(lid, holder, h, deadline, write)
-        if len(self._deadlines) > 2 * len(self._leases) + _HEAP_SLACK:
-            # Ended leases leave their deadline behind until it passes: with long TTLs the
-            # heap would grow with every lease ever taken. Rebuild it from the live ones.
-            self._deadlines = [(x.deadline, x.lease_id) for x in self._leases.values()]
-            heapq.heapify(self._deadlines)
-        else:
-            heapq.heappush(self._deadlines, (deadline, lid))
-        return lid
-
-    def _lease(self, lease_id: int, write: bool) -> _Lease:
-        lease = self._leases.get(lease_id)
-        if lease is None or lease.write != write:
-            kind = "write reservation" if write else "read lease"
-            raise KeyError(f"{kind} {lease_id} is unknown or expired: reserve the block again")
-        return lease
-
     def _expire(self) -> int:
-        now = self._clock()
         n = 0
-        while self._deadlines and self._deadlines[0][0] <= now:
-            _, lid = heapq.heappop(self._deadlines)
-            lease = self._leases.get(lid)
-            if lease is not None and lease.deadline <= now:
-                self._end_lease(lease)
-                self.leases_expired += 1
-                n += 1
+        for lease in self._leases.due():
+            self._end_lease(lease)
+            self.leases_expired += 1
+            n += 1
         return n
 
-    def _end_lease(self, lease: _Lease) -> None:
+    def _end_lease(self, lease: Lease) -> None:
         if lease.write:
             self._drop_reservation(lease)
         else:
             self._end_read(lease)
 
-    def _end_read(self, lease: _Lease) -> None:
-        del self._leases[lease.lease_id]
-        e = self._entries.get(lease.block_hash)
+    def _end_read(self, lease: Lease) -> None:
+        self._leases.end(lease.lease_id)
+        e = self.books.entries.get(lease.block_hash)
         if e is not None and e.pins > 0:
             e.pins -= 1
 
-    def _drop_reservation(self, lease: _Lease) -> None:
-        del self._leases[lease.lease_id]
-        e = self._entries.get(lease.block_hash)
+    def _drop_reservation(self, lease: Lease) -> None:
+        self._leases.end(lease.lease_id)
+        e = self.books.entries.get(lease.block_hash)
         if e is not None and not e.committed:
-            del self._entries[lease.block_hash]
-            self._free_slot(e.tier, e.slot)
+            del self.books.entries[lease.block_hash]
+            self.books.free_slot(e.tier, e.slot)
 
-    def _alloc(self, tier: Tier) -> int | None:
-        st = self._tiers[tier]
-        if not st.free and not self._evict_one(tier):
-            return None
-        slot = st.free.pop()
-        st.epochs[slot] += 1
-        return slot
-
-    def _free_slot(self, tier: Tier, slot: int) -> None:
-        st = self._tiers[tier]
-        st.epochs[slot] += 1
-        if st.store is not None:
-            st.store.discard(slot)
-        st.free.append(slot)
-
-    def _evict_one(self, tier: Tier) -> bool:
-        """Free one slot of ``tier`` by demoting or dropping its LRU unpinned block."""
-        st = self._tiers[tier]
-        victim = next((h for h in st.lru if self._entries[h].pins == 0), None)
-        if victim is None:
-            return False
-        e = self._entries[victim]
-        idx = self._order.index(tier)
-        if idx + 1 < len(self._order) and e.hits >= self.config.demote_min_hits:
-            e.pins += 1  # not evictable while we make room below
-            try:
-                ok = self._move(e, self._order[idx + 1])
-            finally:
-                e.pins -= 1
-            if ok:
-                st.counters["demotions"] += 1
-                return True
-        st.counters["evictions"] += 1
-        self._drop(e)
-        return True
-
-    def _move(self, e: _Entry, dest: Tier) -> bool:
-        """Copy a committed block into ``dest`` and free its old slot; False if no room."""
-        src = self._tiers[e.tier]
-        dst = self._tiers[dest]
-        if dst.num_slots == 0:
-            return False
-        slot = self._alloc(dest)
-        if slot is None:
-            return False
-        if src.store is not None and dst.store is not None:
-            buf = np.empty(self.block_bytes, dtype=np.uint8)
-            try:
-                src.store.read_into(e.slot, buf, e.block_hash, e.checksum)
-            except CorruptBlock:
-                self._free_slot(dest, slot)
-                raise
-            dst.store.write(slot, buf, e.block_hash, e.checksum)
-        src.counters["bytes_out"] += self.block_bytes  # the same books without byte stores
-        dst.counters["bytes_in"] += self.block_bytes
-        old_tier, old_slot = e.tier, e.slot
-        del src.lru[e.block_hash]
-        self._free_slot(old_tier, old_slot)
-        e.tier, e.slot = dest, slot
-        dst.lru[e.block_hash] = None
-        self._emit_stored(e.block_hash, dest)
-        self._emit(BlockRemoved, e.block_hash, old_tier)
-        return True
-
-    def _promote(self, e: _Entry) -> None:
-        first = self._order[0]
+    def _promote(self, e: Entry) -> None:
+        first = self.books.order[0]
         e.pins += 1
         try:
-            if self._move(e, first):
-                self._tiers[first].counters["promotions"] += 1
+            if self.books.move(e, first):
+                self.books.tiers[first].counters["promotions"] += 1
         except CorruptBlock as exc:
             e.pins -= 1
             self._corrupt(e.block_hash, str(exc))
@@ -662,49 +482,12 @@ class TieredBlockPool:
         e.pins -= 1
 
     def _corrupt(self, block_hash: BlockHash, why: str) -> None:
-        e = self._entries.get(block_hash)
+        e = self.books.entries.get(block_hash)
         log.warning("dropping corrupt block %s: %s", block_hash.hex()[:16], why)
         if e is None:
             return
-        self._tiers[e.tier].counters["corrupt"] += 1
+        self.books.tiers[e.tier].counters["corrupt"] += 1
         for lease in [x for x in self._leases.values() if x.block_hash == block_hash]:
-            del self._leases[lease.lease_id]
+            self._leases.end(lease.lease_id)
         e.pins = 0
-        self._drop(e)
-
-    def _drop(self, e: _Entry, emit: bool = True) -> None:
-        st = self._tiers[e.tier]
-        st.lru.pop(e.block_hash, None)
-        del self._entries[e.block_hash]
-        self._free_slot(e.tier, e.slot)
-        if emit:
-            self._emit(BlockRemoved, e.block_hash, e.tier)
-
-    def _emit_stored(self, h: BlockHash, tier: Tier) -> None:
-        self._emit(BlockStored, h, tier)
-
-    def _emit(self, cls: type[BlockStored] | type[BlockRemoved], h: BlockHash, tier: Tier) -> None:
-        self._seq += 1
-        c = self.config
-        self._events.append(cls(c.namespace, c.location, tier, h, c.generation, self._seq))
-
-    def _recover(self) -> None:
-        for tier in self._order:
-            st = self._tiers[tier]
-            if st.store is None:
-                continue
-            taken: set[int] = set()
-            for slot, h, checksum in st.store.recover():
-                if slot >= st.num_slots or h in self._entries or len(h) != self.config.hash_size:
-                    st.store.discard(slot)
-                    continue
-                taken.add(slot)
-                st.epochs[slot] += 1
-                self._entries[h] = _Entry(h, tier, slot, checksum, committed=True)
-                st.lru[h] = None
-                self.recovered += 1
-                self._emit_stored(h, tier)
-            if taken:
-                st.free = [slot for slot in st.free if slot not in taken]
-            # torn and corrupt files the store deleted while recovering
-            st.counters["corrupt"] += int(getattr(st.store, "discarded", 0))
+        self.books.drop(e)

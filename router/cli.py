@@ -57,6 +57,9 @@ def register(subparsers: Any) -> None:
     sim.add_argument("--gpu-gb", type=float, default=640.0,
                      help="GPU memory per worker, GB (weights + the KV of the running prompt; "
                      "prompts that do not fit are reported, not replayed)")
+    sim.add_argument("--gpu-cache-tokens", type=_tokens, default=None,
+                     help="each engine's own prefix cache, tokens (every block it computes or "
+                     "loads; default: the KV room next to the weights; 0: none)")
     sim.add_argument("--limit", type=_positive_int, default=None, help="first N requests only")
     agentic = sim.add_argument_group("agentic traces (kv-cache-tester's replay knobs)")
     agentic.add_argument("--users", type=_positive_int, default=None,
@@ -115,6 +118,6 @@ def _sim(args: argparse.Namespace) -> int:
 
 
 def _gateway(args: argparse.Namespace) -> int:
-    from router.gateway import serve_from_args
+    from router.gateway_cli import serve_from_args
 
     return int(serve_from_args(args))

@@ -51,6 +51,9 @@ class ClusterConfig:
     remote_latency_s: float = 0.001
     gpu_bytes: float = 8 * 80e9
     pending_ttl_s: float = 60.0
+    gpu_cache_tokens: int | None = None
+    """Each worker's own prefix cache (vLLM's, in its GPUs): every block it computes or loads
+    stays there, least recently used evicted first. None: ``kv_capacity_tokens``; 0: none."""
     namespace: str = "sim"
     extra: dict[str, str] = field(default_factory=dict, compare=False)
 
@@ -66,6 +69,9 @@ class ClusterConfig:
                     f"{name} must be in [0, {MAX_TOKENS:.0e}] tokens per node, got {value} "
                     f"(--{name.replace('_', '-')})"
                 )
+        if self.gpu_cache_tokens is not None and not 0 <= self.gpu_cache_tokens <= MAX_TOKENS:
+            raise ValueError(f"gpu_cache_tokens must be in [0, {MAX_TOKENS:.0e}], got "
+                             f"{self.gpu_cache_tokens}")
         if self.host_tokens + self.disk_tokens < self.block_tokens:
             raise ValueError("each node needs room for at least one block (--host-tokens)")
         for name in ("params", "prefill_flops", "host_bw", "disk_bw", "net_bw", "gpu_bytes"):
@@ -90,6 +96,11 @@ class ClusterConfig:
     def kv_capacity_tokens(self) -> int:
         """Tokens of KV one worker's GPUs hold next to the weights: the longest prompt it serves."""
         return max(0, int((self.gpu_bytes - 2 * self.params) // self.layout.bytes_per_token))
+
+    @property
+    def gpu_cache_capacity_tokens(self) -> int:
+        """Tokens of each worker's own prefix cache (``gpu_cache_tokens``, default the GPUs' KV room)."""
+        return self.kv_capacity_tokens if self.gpu_cache_tokens is None else self.gpu_cache_tokens
 
     @property
     def max_context_tokens(self) -> int | None:
@@ -127,4 +138,5 @@ class ClusterConfig:
             "model": self.model, "kv_bytes_per_token": self.layout.bytes_per_token,
             "prefill_tokens_per_s": round(pm.tokens_per_s), "net_gbit_s": self.net_bw * 8 / 1e9,
             "kv_capacity_tokens": self.kv_capacity_tokens,
+            "gpu_cache_tokens": self.gpu_cache_capacity_tokens,
         }

@@ -28,7 +28,10 @@ Rules kept here, once:
 - **In-flight load**: what this router sent and has not seen prefilled or finished is added
   on top of each worker's last report (:class:`~router.workers_view.InFlight`).
 - **Cost model**: :meth:`use_cost` assembles it from block geometry, bandwidths and a prefill
-  speed; measured prefill timings (:meth:`observe_prefill`) refit the prefill model.
+  speed; what the workers' reports measured overrides those figures for every front end alike
+  (:meth:`CostInputs.measured`: their median prefill speed and the median seconds a load
+  really waits, read whenever the reports handed to :meth:`candidates` change); measured
+  prefill timings (:meth:`observe_prefill`) refit the prefill model.
 
 Not thread-safe: one core per event loop (policies and pending state are plain objects).
 """
@@ -37,8 +40,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 from kvshare.cost import Bandwidths, CostModel, PrefillModel, PrefillTimings
@@ -80,6 +83,28 @@ class CostInputs:
     prefill_tokens_per_s: float
     sharing: Sharing = Sharing.GLOBAL
 
+    def measured(self, reports: Iterable[WorkerLoad]) -> CostInputs:
+        """These inputs with what the workers measured, where they did: their median reported
+        prefill speed (to 10 tokens/s, so jitter does not rebuild the model) and, as the
+        fixed cost of a load, the median seconds they report a request waits for a load from
+        their node's pool / another node (``local_load_s`` / ``remote_load_s``, to 10 ms; a
+        bandwidth probe sees only the bytes/s, not the setup and engine steps a load takes)."""
+        reports = tuple(reports)
+        tps = round(_median([r.prefill_tokens_per_s for r in reports]), -1)
+        local = round(_median([r.local_load_s for r in reports]), 2)
+        remote = round(_median([r.remote_load_s for r in reports]), 2)
+        bw = self.bandwidths
+        if local or remote:
+            bw = replace(bw, local_latency_s=local or bw.local_latency_s,
+                         remote_latency_s=remote or bw.remote_latency_s)
+        return replace(self, bandwidths=bw, prefill_tokens_per_s=tps or self.prefill_tokens_per_s)
+
+
+def _median(values: list[float]) -> float:
+    """The (upper) median of the positive ``values`` (0 = none known)."""
+    known = sorted(v for v in values if v > 0)
+    return known[len(known) // 2] if known else 0.0
+
 
 class RoutingCore:
     """Hashing, index query, in-flight load, cost model, pending blocks and ranking (module
@@ -100,7 +125,9 @@ class RoutingCore:
             raise ValueError("index_timeout_s and pending_ttl_s must be positive seconds")
         self.index = index
         self.index_timeout_s = index_timeout_s
+        self._base = cost  # the front end's inputs; _inputs: with the reports' measurements
         self._inputs = cost
+        self._reports: tuple[WorkerLoad, ...] = ()
         self._prefill: PrefillModel | None = None  # refitted from measured timings
         self._timings = PrefillTimings(refit_every)
         model = self._model(cost)
@@ -117,8 +144,18 @@ class RoutingCore:
     def cost(self) -> CostModel:
         return self.policy.cost
 
+    @property
+    def cost_inputs(self) -> CostInputs:
+        """What the cost model is assembled from now (the front end's inputs, measured)."""
+        return self._inputs
+
     def use_cost(self, inputs: CostInputs) -> None:
-        """Assemble the cost model from ``inputs`` (kept while they do not change)."""
+        """Assemble the cost model from ``inputs`` and the last reports' measurements
+        (:meth:`CostInputs.measured`; kept while neither changes)."""
+        self._base = inputs
+        self._use(inputs.measured(self._reports))
+
+    def _use(self, inputs: CostInputs) -> None:
         if inputs == self._inputs:
             return
         self._inputs = inputs
@@ -152,14 +189,17 @@ class RoutingCore:
 
     async def query(self, namespace: str, hashes: Sequence[BlockHash]) -> IndexAnswer:
         """The index's match under ``index_timeout_s`` (an in-process index, ``inline``, runs
-        without one); in run form when the index offers ``match_runs_async``."""
+        without one, its ``match_runs`` called directly); in run form when the index offers
+        ``match_runs_async``."""
         index = self.index
         if index is None or not hashes:
             return IndexAnswer(EMPTY_MATCH)
         t = time.perf_counter()
         try:
             if getattr(index, "inline", False):  # in-process: no I/O, no deadline needed
-                match = await self._ask(index, namespace, hashes)
+                runs = getattr(index, "match_runs", None)  # (called as is: no coroutine)
+                match = runs(namespace, hashes) if runs is not None else await self._ask(
+                    index, namespace, hashes)
             else:
                 match = await asyncio.wait_for(self._ask(index, namespace, hashes),
                                                self.index_timeout_s)
@@ -191,6 +231,10 @@ class RoutingCore:
         Candidate object, so the policy's per-candidate work is reused too.
         """
         self.inflight.sweep()
+        reports = tuple(loads.values())
+        if reports != self._reports:  # new reports: what they measured prices the plans
+            self._reports = reports
+            self._use(self._base.measured(reports))
         key = (tuple(infos), self.inflight.loads(infos, loads))
         if key == self._last_key:  # nothing changed (compared by identity first): same list
             return self._last_cands

@@ -161,10 +161,13 @@ class InProcessIndex:
     async def match_async(self, namespace: str, hashes: Sequence[BlockHash]) -> MatchResult:
         return self.match(namespace, hashes)
 
-    async def match_runs_async(self, namespace: str, hashes: Sequence[BlockHash]) -> HolderRuns:
+    def match_runs(self, namespace: str, hashes: Sequence[BlockHash]) -> HolderRuns:
         """The match in run form (:class:`~actors.index.runs.HolderRuns`)."""
         result: HolderRuns = self.index.match_runs(namespace, hashes)
         return result
+
+    async def match_runs_async(self, namespace: str, hashes: Sequence[BlockHash]) -> HolderRuns:
+        return self.match_runs(namespace, hashes)
 
     async def workers_async(self) -> list[WorkerInfo]:
         """The registered workers (as ``IndexClient.workers_async``)."""
@@ -199,7 +202,6 @@ class CacheAwareRouter:
         self.pending = self.core.pending
         self.inflight = self.core.inflight
         self._ids = itertools.count(1)
-        self._children: dict[tuple[str, str, str], tuple[Any, Any]] = {}
         self._down: dict[WorkerId, float] = {}
         self.decisions = 0
         self.fallbacks = 0
@@ -272,7 +274,7 @@ class CacheAwareRouter:
         answer = await core.query(ns, hashes)
         t3 = time.perf_counter()
         if answer.timed:
-            self.metrics.index_latency.observe(answer.index_s)
+            self.metrics.tally.index_latency(answer.index_s)
         infos, loads = await self.workers.snapshot()
         cands = core.candidates(self._usable(infos, exclude), loads)
         req = RouteRequest(ns, hashes, len(ids), tenant.name, request_id or "")
@@ -306,21 +308,11 @@ class CacheAwareRouter:
 
     def _count(self, d: Decision, tenant: Tenant, tokens: int, cached: int, fallback: str,
                dt: float) -> None:
-        m = self.metrics
         self.decisions += 1
-        key = (d.policy, d.reason, tenant.name)
-        children = self._children.get(key)
-        if children is None:  # labels() takes a lock and builds a key: do it once per combination
-            children = self._children[key] = (
-                m.decisions.labels(d.policy, d.reason), m.prompt_tokens.labels(tenant.name))
-        children[0].inc()
-        children[1].inc(tokens)
-        m.cached_tokens.inc(cached)
-        m.ttft_saved.inc(d.est_ttft_saved_s)
-        m.decision_latency.observe(dt)
         if fallback:
             self.fallbacks += 1
-            m.fallbacks.labels(fallback).inc()
+        self.metrics.tally.decision(d.policy, d.reason, tenant.name, tokens, cached,
+                                    d.est_ttft_saved_s, dt, fallback)
 
     # ------------------------------------------------------------------ feedback
     def prefilled(self, request_id: str) -> None:

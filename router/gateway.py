@@ -3,11 +3,12 @@
 Endpoints: ``POST /v1/completions`` and ``POST /v1/chat/completions`` (``stream: true`` is
 passed through as server-sent events), ``POST /v1/route`` (the decision only, for other
 gateways), ``POST /v1/kvshare/lookup|pin|unpin|prefetch`` (admin, :mod:`router.admin_routes`;
-``--address`` only), ``GET /dashboard`` (the live page, :mod:`router.web`), ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (Prometheus text).
+``--address`` only), ``GET /dashboard`` (the live page, :mod:`router.web`), ``GET /v1/models``,
+``GET /health``, ``GET /metrics`` (Prometheus text). ``kvshare gateway``: :mod:`router.gateway_cli`.
 
 The gateway tokenizes once and forwards the body plus ``kvshare: {token_ids, namespace,
 hashes_hex, tenant[, cache_salt]}``, so the worker never re-tokenizes. API keys
-(``Authorization: Bearer KEY``) map to tenants; a tenant's salt roots its block hashes, so one
+(``Authorization: Bearer KEY``, :mod:`router.api_keys`) map to tenants; a tenant's salt roots its block hashes, so one
 tenant can never be routed by, or hit, another's blocks. With no keys configured every request
 is tenant ``default``. Errors are OpenAI-style JSON (``{"error": {message, type, code}}``)
 with 4xx codes for bad input, 401 for a bad key, 502/503 when no worker can answer; never a
@@ -16,15 +17,12 @@ traceback.
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
-import secrets
 import time
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from typing import Any
-from urllib.parse import urlparse
 
 import httpx
 from fastapi import FastAPI, Request
@@ -33,20 +31,21 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvshare.asgi import unless_disconnected
-from kvshare.auth import WorkerAuth, cluster_secret, secret_from_env, tenant_salt
-from kvshare.types import NodeId, WorkerId
+from kvshare.auth import WorkerAuth, cluster_secret
+from kvshare.types import WorkerId
 from kvshare.workers import WorkerInfo
 from router import timing, upstream
 from router.admin_routes import add_admin_routes, checked_body, json_object
 from router.admission import Admission, AdmissionConfig
-from router.embed import CacheAwareRouter, Routed, RouterConfig, Tenant
+from router.api_keys import load_api_keys as load_api_keys  # re-exported: the old home
+from router.api_keys import parse_api_keys as parse_api_keys
+from router.embed import CacheAwareRouter, Routed, Tenant
 from router.forward import forward_body, is_vllm
 from router.limits import BodyLimit, Limits
 from router.policy import NoEligibleWorker
 from router.requests import AdminRequest, ChatRequest, CompletionRequest, RouteRequest, document
 from router.upstream import Failure, Outgoing, Relay, Slot
 from router.web import add_web_routes
-from router.workers_view import IndexWorkers, StaticWorkers
 
 log = logging.getLogger(__name__)
 _FORWARD_HEADERS = ("content-type", "cache-control")
@@ -57,61 +56,6 @@ def error(status: int, message: str, etype: str = "invalid_request_error", code:
     """An OpenAI-style error response."""
     body = {"error": {"message": message, "type": etype, "param": param, "code": code}}
     return JSONResponse(body, status_code=status)
-
-
-def load_api_keys(path: str | None, secret: bytes | None = None) -> dict[str, Tenant]:
-    """``{key: {"tenant": name, "salt": s, "admin": false}}`` from a JSON file; the salt
-    defaults to one derived from the cluster secret and the tenant's name
-    (:func:`kvshare.auth.tenant_salt`), so tenants are isolated unless two share a salt on
-    purpose and no salt can be guessed from a name; only keys with ``"admin": true`` may pin,
-    unpin or prefetch."""
-    if path is None:
-        return {}
-    with open(path, encoding="utf-8") as f:
-        raw = json.load(f)
-    return parse_api_keys(raw, secret)
-
-
-_PROCESS_SECRET = secrets.token_hex(32).encode()  # when no cluster secret is set
-
-
-def parse_api_keys(raw: Any, secret: bytes | None = None) -> dict[str, Tenant]:
-    """See :func:`load_api_keys`; without ``secret`` the cluster's (:func:`kvshare.auth.cluster_secret`)
-    or, failing that, this process's random one (salts then change when it restarts)."""
-    secret = secret or cluster_secret() or _PROCESS_SECRET
-    if not isinstance(raw, Mapping):
-        raise ValueError("API keys must be a JSON object {key: {tenant, salt}}")
-    out = {}
-    for key, spec in raw.items():
-        if isinstance(spec, str):
-            spec = {"tenant": spec}
-        if not isinstance(spec, Mapping) or not isinstance(spec.get("tenant"), str):
-            raise ValueError(f"API key entry for {key[:4]}... needs a 'tenant' name")
-        admin = spec.get("admin", False)
-        if not isinstance(admin, bool):
-            raise ValueError(f"API key entry for {key[:4]}...: 'admin' must be true or false")
-        salt = spec.get("salt")
-        cap = spec.get("max_inflight")
-        if cap is not None and (not isinstance(cap, int) or isinstance(cap, bool) or cap < 1):
-            raise ValueError(f"API key entry for {key[:4]}...: 'max_inflight' must be an int >= 1")
-        out[str(key)] = Tenant(spec["tenant"], str(salt) if salt is not None
-                               else tenant_salt(secret, spec["tenant"]), admin, cap)
-    return out
-
-
-def static_workers(urls: str, namespace: str) -> StaticWorkers:
-    """Workers from ``URL,URL,...``; each URL is its own node unless ``URL#node`` says."""
-    infos = []
-    for i, item in enumerate(u.strip() for u in urls.split(",") if u.strip()):
-        url, _, node = item.partition("#")
-        parsed = urlparse(url)
-        if parsed.scheme not in ("http", "https") or not parsed.netloc:
-            raise ValueError(f"worker URL {url!r} must look like http://host:port")
-        infos.append(WorkerInfo(WorkerId(f"w{i}-{parsed.netloc}"), NodeId(node or parsed.netloc),
-                                (namespace,), url.rstrip("/")))
-    if not infos:
-        raise ValueError("no workers: pass --workers http://host:port,... or --address")
-    return StaticWorkers(infos)
 
 
 def create_app(
@@ -434,70 +378,3 @@ def create_app(
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     return app
-
-
-def serve_from_args(args: argparse.Namespace) -> int:
-    """``kvshare gateway``: static workers (``--workers``) or the cluster's (``--address``)."""
-    import uvicorn
-
-    index: Any = None
-    admin: Any = None
-    if args.address:
-        import ray
-
-        from actors.index.client import IndexClient
-
-        ray.init(address=args.address, log_to_driver=False)
-        from actors.admin import ClusterAdmin
-
-        index = IndexClient.connect()
-        workers: Any = IndexWorkers(index)
-        if getattr(args, "index_replica", False):  # routing reads a local copy (no actor call)
-            from actors.index.replica import IndexReplica
-
-            index = IndexReplica.follow(index)
-        admin = ClusterAdmin()
-    else:
-        workers = static_workers(args.workers, args.namespace)
-    from kvshare.cost import Bandwidths, bytes_per_s
-    from kvshare.transfer.probe import parse_overrides
-
-    measured: dict[str, float] = {}  # bytes/s the cluster's pools probed (--address only)
-    if args.address:
-        from actors.deploy import measured_bandwidths
-
-        measured = measured_bandwidths(wait_s=10.0)
-    gbps = parse_overrides(args.bandwidth) if args.bandwidth else {}  # --bandwidth wins
-    common: dict[str, Any] = {
-        "namespace": args.namespace, "policy": args.policy,
-        "prefill_tokens_per_s": args.prefill_tokens_per_s,
-        "bandwidths": Bandwidths.from_measured({**measured, **bytes_per_s(gbps)}),
-    }
-    tokenizer: Any = None
-    if getattr(args, "vllm_model", None):
-        from kvshare.tokenizer import HFTokenizer
-        from kvshare.vllm.worker import VllmKeys
-
-        vk = VllmKeys.from_model(args.vllm_model, args.block_tokens, args.dtype)
-        cfg = RouterConfig(model_id=vk.identity, layout_fingerprint=vk.layout.fingerprint(),
-                           block_tokens=args.block_tokens,
-                           bytes_per_token=vk.layout.bytes_per_token, **common)
-        tokenizer = HFTokenizer(args.vllm_model)
-    elif args.engine_config:
-        from kvshare.engines.hf import EngineConfig, model_keys
-
-        keys = model_keys(EngineConfig(**json.loads(args.engine_config)))
-        cfg = RouterConfig.from_model_keys(keys, **common)
-        tokenizer = keys.tokenizer
-    else:
-        cfg = RouterConfig(block_tokens=args.block_tokens, model_id=args.model_id,
-                           layout_fingerprint=args.layout_fingerprint, **common)
-    router = CacheAwareRouter(index, workers, cfg, tokenizer)
-    secret = cluster_secret() if args.address else secret_from_env()
-    if secret is None:
-        log.warning("no cluster secret (KVSHARE_CLUSTER_SECRET): tenant salts are this "
-                    "process's own and no worker token is sent")
-    app = create_app(router, load_api_keys(args.api_keys, secret), admin=admin,
-                     worker_auth=WorkerAuth.from_secret(secret))
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
-    return 0

@@ -12,9 +12,9 @@ import math
 import random
 from collections.abc import Sequence
 
-from kvshare.cost import CostModel
-from router.policy import Policy
-from router.sources import Sharing
+from kvshare.cost import CostModel, Source
+from router.policy import Candidate, Policy
+from router.sources import Sharing, SourceMap
 
 
 class PeerRule(Policy):
@@ -23,6 +23,14 @@ class PeerRule(Policy):
     def __init__(self, cost: CostModel, sharing: Sharing = Sharing.GLOBAL, seed: int = 0) -> None:
         super().__init__(cost, sharing)
         self._rng = random.Random(seed)
+
+
+def own_prefix_weight(view: SourceMap, cand: Candidate, tier_weights: Sequence[float]) -> float:
+    """The worker's own consecutive prefix (gpu, host, disk: no remote blocks), each block
+    weighted by its tier's ``tier_weights[source]`` (Dynamo's overlap credits, llm-d's
+    ``LongestPrefixScorer`` weights)."""
+    return sum(tier_weights[src] * n for src, n in view.source_runs(
+        cand.info.worker_id, cand.info.node, Sharing.LOCAL) if src <= Source.LOCAL_DISK)
 
 
 def pick_tie(ties: Sequence[int], rng: random.Random) -> int:

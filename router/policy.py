@@ -310,10 +310,12 @@ class _Rotation:
         self._turn = 0
 
     def pick(self, ties: Sequence[int], cands: Sequence[Candidate]) -> int:
+        self._turn += 1
+        if len(ties) == 1:  # (the common case: nothing to break)
+            return ties[0]
         key = [(cands[i].load.queued_prefill_tokens, cands[i].load.running) for i in ties]
         low = min(key)
         best = [i for i, k in zip(ties, key, strict=True) if k == low]
-        self._turn += 1
         return best[self._turn % len(best)]
 
 

@@ -31,8 +31,8 @@ import math
 import random
 from typing import ClassVar
 
-from kvshare.cost import CostModel, Source
-from router.peer_rule import PeerRule, pick_tie, require_weights
+from kvshare.cost import CostModel
+from router.peer_rule import PeerRule, own_prefix_weight, pick_tie, require_weights
 from router.policy import Candidate, RouteRequest
 from router.sources import Sharing, SourceMap
 
@@ -70,10 +70,7 @@ class DynamoKv(PeerRule):
     def logit(self, request: RouteRequest, view: SourceMap, cand: Candidate) -> float:
         """The worker's cost in blocks (lower is better)."""
         bt = self.cost.block_tokens
-        credit = 0.0
-        for src, n in view.source_runs(cand.info.worker_id, cand.info.node, Sharing.LOCAL):
-            if src <= Source.LOCAL_DISK:
-                credit += self.tier_credit[src] * n
+        credit = own_prefix_weight(view, cand, self.tier_credit)
         raw = (cand.load.queued_prefill_tokens + request.num_tokens) / bt
         decode = cand.active_blocks + len(request.hashes)
         return (self.prefill_load_scale * max(raw - credit, 0.0) + decode

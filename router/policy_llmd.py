@@ -22,8 +22,8 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from kvshare.cost import CostModel, Source
-from router.peer_rule import PeerRule, pick_tie, require_weights
+from kvshare.cost import CostModel
+from router.peer_rule import PeerRule, own_prefix_weight, pick_tie, require_weights
 from router.policy import Candidate, RouteRequest
 from router.sources import Sharing, SourceMap
 
@@ -52,9 +52,7 @@ class LlmdPrecise(PeerRule):
 
     def prefix_score(self, view: SourceMap, cand: Candidate) -> float:
         """Tier-weighted length of the worker's consecutive prefix (``LongestPrefixScorer``)."""
-        w = self.tier_weights
-        return sum(w[src] * n for src, n in view.source_runs(
-            cand.info.worker_id, cand.info.node, Sharing.LOCAL) if src <= Source.LOCAL_DISK)
+        return own_prefix_weight(view, cand, self.tier_weights)
 
     def _select(self, request: RouteRequest, view: SourceMap, cands: list[Candidate]) -> tuple[int, str]:
         raw = [self.prefix_score(view, c) for c in cands]

@@ -49,30 +49,48 @@ class DecisionRecord:
         return asdict(self)
 
 
+_Entry = tuple[str, float, str, Decision, int, str]
+"""A decision as added: request id, wall clock, tenant, decision, prompt tokens, fallback."""
+
+
 class RecentDecisions:
-    """The last ``size`` decisions, newest last, and per-tenant totals of all of them."""
+    """The last ``size`` decisions, newest last, and per-tenant totals of all of them. A
+    decision is kept as it was added; its :class:`DecisionRecord` is made when first read or
+    finished (most decisions are neither: the ring turns over thousands of times a second)."""
 
     def __init__(self, size: int = 50) -> None:
         if size < 1:
             raise ValueError(f"RecentDecisions size must be >= 1, got {size}")
-        self._ring: deque[DecisionRecord] = deque(maxlen=size)
-        self._by_id: dict[str, DecisionRecord] = {}
+        self._ring: deque[_Entry] = deque(maxlen=size)
+        self._by_id: dict[str, _Entry] = {}
+        self._records: dict[int, DecisionRecord] = {}  # id(entry in the ring) -> its record
         self.tenants: dict[str, dict[str, float]] = {}  # since start, all decisions
 
     def add(self, request_id: str, d: Decision, tenant: str, prompt_tokens: int,
             fallback: str = "") -> None:
-        if len(self._ring) == self._ring.maxlen:
-            self._by_id.pop(self._ring[0].request_id, None)
-        rec = DecisionRecord(request_id, time.time(), tenant, str(d.worker), d.policy, d.reason,
-                             prompt_tokens, d.cached_blocks, d.remote_blocks, d.est_ttft_s,
-                             d.est_ttft_saved_s, fallback)
-        self._ring.append(rec)
-        self._by_id[request_id] = rec
-        t = self.tenants.setdefault(tenant, dict.fromkeys(TENANT_FIELDS, 0.0))
+        ring = self._ring
+        if len(ring) == ring.maxlen:
+            self._by_id.pop(ring[0][0], None)
+            self._records.pop(id(ring[0]), None)
+        entry = (request_id, time.time(), tenant, d, prompt_tokens, fallback)
+        ring.append(entry)
+        self._by_id[request_id] = entry
+        t = self.tenants.get(tenant)
+        if t is None:
+            t = self.tenants[tenant] = dict.fromkeys(TENANT_FIELDS, 0.0)
         t["requests"] += 1
         t["prompt_tokens"] += prompt_tokens
         t["cached_blocks"] += d.cached_blocks
         t["est_ttft_saved_s"] += d.est_ttft_saved_s
+
+    def _record(self, entry: _Entry) -> DecisionRecord:
+        rec = self._records.get(id(entry))
+        if rec is None:
+            rid, at, tenant, d, tokens, fallback = entry
+            rec = self._records[id(entry)] = DecisionRecord(
+                rid, at, tenant, str(d.worker), d.policy, d.reason, tokens, d.cached_blocks,
+                d.remote_blocks, d.est_ttft_s, d.est_ttft_saved_s, fallback)
+        return rec
 
     def finish_stream(self, request_id: str, chunk: bytes) -> None:
         """:meth:`finish` from a streamed reply: ``chunk`` holds server-sent events, the
@@ -90,9 +108,10 @@ class RecentDecisions:
     def finish(self, request_id: str, kvshare: Mapping[str, Any]) -> None:
         """Attach the worker's own figures (its reply's ``kvshare`` object); unknown ids and
         malformed values are ignored (the record just stays without them)."""
-        rec = self._by_id.get(request_id)
-        if rec is None:
+        entry = self._by_id.get(request_id)
+        if entry is None:
             return
+        rec = self._record(entry)
         for key in WORKER_FIELDS:
             value = kvshare.get(key)
             if isinstance(value, int | float) and not isinstance(value, bool):
@@ -106,4 +125,5 @@ class RecentDecisions:
 
     def snapshot(self, tenant: str | None = None) -> list[dict[str, Any]]:
         """Newest first; only ``tenant``'s when given (a tenant sees its own requests)."""
-        return [r.to_dict() for r in reversed(self._ring) if tenant is None or r.tenant == tenant]
+        return [self._record(e).to_dict() for e in reversed(self._ring)
+                if tenant is None or e[2] == tenant]

@@ -74,11 +74,6 @@ from router.sources import Sharing
 log = logging.getLogger("ray.serve")
 BANDWIDTH_REFRESH_S = 30.0  # how often measured transport bandwidths are re-read
 
-def _median(values: list[float]) -> float:
-    """The median of the positive ``values`` (0 = none known)."""
-    known = sorted(v for v in values if v > 0)
-    return known[len(known) // 2] if known else 0.0
-
 
 class _Routing(NamedTuple):
     """A request's routing so far: its ranking, passes made, its shortlist."""
@@ -238,23 +233,15 @@ class KVShareRequestRouter(LocalityMixin, MultiplexMixin, RequestRouter):
                 if (w := self._workers.get(self._wid_of(r))) is not None for ns in w.namespaces}
         return next(iter(mine)) if len(mine) == 1 else None
 
-    def _use_cost(self, hashing: WorkerHashing, loads: Mapping[WorkerId, WorkerLoad]) -> None:
-        """The core's cost model from the workers' hashing, their median reported prefill
-        speed (rounded, so jitter does not rebuild it), the measured bandwidths and, as the
-        fixed cost of a load, the median seconds the workers report a request waits for a
-        load from their node's pool / another node (``local_load_s`` / ``remote_load_s``,
-        to 10 ms; a bandwidth probe sees only the bytes/s, not the setup and engine steps)."""
-        tps = _median([ld.prefill_tokens_per_s for ld in loads.values()]) or self.settings.prefill_tokens_per_s
+    def _use_cost(self, hashing: WorkerHashing) -> None:
+        """The core's cost model from the workers' hashing, the measured bandwidths and the
+        settings' prefill speed (the core prices with what the workers' reports measure
+        instead, where they do: :meth:`router.core.CostInputs.measured`)."""
         bpt = hashing.bytes_per_token or self.settings.bytes_per_token or 1
         sharing = Sharing(self.settings.sharing or hashing.sharing)
         measured = {**self._measured, **(self.settings.bandwidths or {})}  # settings win
-        bw = Bandwidths.from_measured(measured)
-        local = round(_median([ld.local_load_s for ld in loads.values()]), 2)
-        remote = round(_median([ld.remote_load_s for ld in loads.values()]), 2)
-        if local or remote:
-            bw = replace(bw, local_latency_s=local or bw.local_latency_s,
-                         remote_latency_s=remote or bw.remote_latency_s)
-        self.core.use_cost(CostInputs(hashing.block_tokens, bpt, bw, round(tps, -1), sharing))
+        self.core.use_cost(CostInputs(hashing.block_tokens, bpt, Bandwidths.from_measured(measured),
+                                      self.settings.prefill_tokens_per_s, sharing))
 
     # ------------------------------------------------------------------ choosing
     async def choose_replicas(
@@ -376,7 +363,7 @@ class KVShareRequestRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         infos = [self._workers.get(w) or WorkerInfo(w, NodeId(r.node_id), (request.namespace,))
                  for w, r in by_worker.items()]
         loads = self._with_queue_lengths(by_worker, reported)
-        self._use_cost(hashing, loads)
+        self._use_cost(hashing)
         ranking = self.core.rank(request, answer, self.core.candidates(infos, loads))
         decision = ranking.decision
         est = {e.worker: e.est_ttft_s for e in ranking.estimates()}

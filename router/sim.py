@@ -14,7 +14,13 @@ Model (see :mod:`router.cluster` for the numbers):
   (``--sharing local``) or on any node (``--sharing global``). It pins the blocks it loads
   (an LRU touch at their holders), reserves slots for the blocks it computes, and commits them
   when prefill ends (events then reach the index). Loaded remote blocks are not copied into
-  the local pool: each block lives where it was computed, so the cluster's capacity adds up.
+  the node's pool: each pooled block lives where it was computed, so the cluster's capacity
+  adds up.
+- Each worker also has its engine's own prefix cache (vLLM's, in its GPUs; ``gpu_cache_tokens``,
+  LRU): every block it computes *or loads* stays there, published as the worker's gpu tier
+  and private to it (:data:`~kvshare.workers.META_GPU_PRIVATE`: no other worker reads it),
+  free to reuse. So the worker that served a conversation's turn holds its whole prompt for
+  the next turn, as a real engine does; the router's pending blocks are that gpu tier.
 - TTFT = queue wait + fetch time + prefill time of the rest (no decode; prefill nodes).
 - Hit rate = cached input tokens / input tokens (the last token of a prompt is always
   computed). ``global_lru`` replays the trace in arrival order through one pool holding the
@@ -36,8 +42,8 @@ from kvshare.events import Event
 from kvshare.match import MatchResult
 from kvshare.pool import TieredBlockPool
 from kvshare.pool_types import PoolConfig, Reserved, TierSpec
-from kvshare.types import BlockHash, NodeId, Tier, WorkerId, node_location
-from kvshare.workers import WorkerInfo, WorkerLoad
+from kvshare.types import BlockHash, NodeId, Tier, WorkerId, node_location, worker_location
+from kvshare.workers import META_GPU_PRIVATE, WorkerInfo, WorkerLoad
 from router.cluster import ClusterConfig
 from router.pending import PendingBlocks
 from router.policy import Candidate, Policy, RouteRequest
@@ -101,13 +107,14 @@ class _Job:
     start: float = 0.0
     end: float = 0.0
     uncached: int = 0
-    pins: list[tuple[int, list[int]]] | None = None
-    reserved: list[int] | None = None
+    pins: list[tuple[TieredBlockPool, list[int]]] | None = None
+    reserved: list[tuple[TieredBlockPool, list[int]]] | None = None
 
 
 class _Worker:
     def __init__(self, i: int, namespace: str) -> None:
-        self.info = WorkerInfo(WorkerId(f"w{i}"), NodeId(f"n{i}"), (namespace,))
+        self.info = WorkerInfo(WorkerId(f"w{i}"), NodeId(f"n{i}"), (namespace,),
+                               meta={META_GPU_PRIVATE: "1"})
         self.queue: deque[_Job] = deque()
         self.running: _Job | None = None
         self.busy_s = 0.0
@@ -170,6 +177,16 @@ class Simulator:
             )
             for w in self.workers
         ]
+        gpu_bytes = config.gpu_cache_capacity_tokens * bpt
+        self.gpus = [  # each engine's own prefix cache (module docstring)
+            TieredBlockPool(
+                PoolConfig(ns, layout, (TierSpec(Tier.GPU, gpu_bytes),),
+                           location=worker_location(w.info.worker_id), lease_ttl_s=_FOREVER),
+                None, clock=self._clock,
+            )
+            for w in self.workers
+        ] if config.gpu_cache_capacity_tokens >= config.block_tokens else None
+        self._private = frozenset(worker_location(w.info.worker_id) for w in self.workers)
         self._node_idx = {node_location(w.info.node): i for i, w in enumerate(self.workers)}
         self._nodes = {w.info.worker_id: w.info.node for w in self.workers}
         self.pending = PendingBlocks(config.pending_ttl_s, clock=self._clock)
@@ -218,7 +235,10 @@ class Simulator:
         d = self.policy.choose(RouteRequest(ns, hashes, req.input_tokens), match, cands, pending)
         wi = int(d.worker[1:])
         w = self.workers[wi]
-        self.pending.add(ns, node_location(w.info.node), hashes, Tier.HOST)
+        if self.gpus is not None:  # the engine will hold every block of it (loaded or computed)
+            self.pending.add(ns, worker_location(w.info.worker_id), hashes, Tier.GPU)
+        else:
+            self.pending.add(ns, node_location(w.info.node), hashes, Tier.HOST)
         plan = d.plan
         cached = plan.cached_tokens if plan is not None else 0
         service = plan.total_s if plan is not None else self.cost.recompute_s(req.input_tokens)
@@ -233,16 +253,15 @@ class Simulator:
         w.running = job
         ns, hashes, total = self.cfg.namespace, job.hashes, job.req.input_tokens
         match = self.index.match(ns, hashes)
-        view = SourceMap(match, self._nodes)
+        view = SourceMap(match, self._nodes, private=self._private)
         srcs = view.sources_for(w.info.worker_id, w.info.node, self.sharing, self.cost.block_fetch_s)
         plan = self.cost.plan(total, srcs)
         holder = f"job{self._jobs}"
         self._jobs += 1
         job.pins = self._pin(match, srcs[: plan.cut], hashes, wi, holder)
-        own = self.pools[wi]
-        res = own.reserve(hashes[plan.cut:], holder)
-        job.reserved = [r.lease_id for r in res if isinstance(r, Reserved)]
-        self.index.apply(own.take_events())
+        job.reserved = [self._reserve(self.pools[wi], hashes[plan.cut:], holder)]
+        if self.gpus is not None:  # the engine keeps what it loads and computes
+            job.reserved.append(self._reserve(self.gpus[wi], hashes, holder))
         c = plan.cached_tokens
         job.uncached = total - c
         prefill_s = self.true_prefill.time(total - c, c)
@@ -250,14 +269,20 @@ class Simulator:
         self._record(job, plan, srcs[: plan.cut], prefill_s)
         heapq.heappush(self._events, (job.end, self._jobs, wi))
 
+    def _reserve(self, pool: TieredBlockPool, hashes: Sequence[BlockHash], holder: str
+                 ) -> tuple[TieredBlockPool, list[int]]:
+        res = pool.reserve(hashes, holder)
+        self.index.apply(pool.take_events())
+        return pool, [r.lease_id for r in res if isinstance(r, Reserved)]
+
     def _pin(
         self, match: MatchResult, srcs: Sequence[Source], hashes: Sequence[BlockHash], wi: int,
         holder: str,
-    ) -> list[tuple[int, list[int]]]:
-        per_pool: dict[int, list[BlockHash]] = {}
+    ) -> list[tuple[TieredBlockPool, list[int]]]:
+        per_pool: dict[int, list[BlockHash]] = {}  # -1: the worker's own gpu cache
         for i, src in enumerate(srcs):
             if not src.remote:
-                per_pool.setdefault(wi, []).append(hashes[i])
+                per_pool.setdefault(-1 if src == Source.LOCAL_GPU else wi, []).append(hashes[i])
                 continue
             tier_rank = src - Source.REMOTE_GPU
             for loc, m in match.locations.items():
@@ -268,20 +293,25 @@ class Simulator:
                     break
         out = []
         for pi, hs in per_pool.items():
-            leases = self.pools[pi].pin(hs, holder)
-            out.append((pi, [lease.lease_id for lease in leases if lease is not None]))
+            pool = self.pools[pi] if pi >= 0 else self._gpu(wi)
+            leases = pool.pin(hs, holder)
+            out.append((pool, [lease.lease_id for lease in leases if lease is not None]))
         return out
+
+    def _gpu(self, wi: int) -> TieredBlockPool:
+        assert self.gpus is not None, "a gpu source without a gpu cache"
+        return self.gpus[wi]
 
     def _complete(self, wi: int) -> None:
         w = self.workers[wi]
         job = w.running
         assert job is not None
-        own = self.pools[wi]
-        if job.reserved:
-            own.commit(job.reserved)
-        for pi, leases in job.pins or []:
-            self.pools[pi].unpin(leases)
-        self.index.apply(own.take_events())
+        for pool, leases in job.pins or []:
+            pool.unpin(leases)
+        for pool, leases in job.reserved or []:
+            if leases:
+                pool.commit(leases)
+            self.index.apply(pool.take_events())
         span = job.end - job.start
         w.busy_s += span
         if span > 0 and job.uncached > 0:
@@ -322,11 +352,12 @@ def global_lru(
     requests: Sequence[TraceRequest], config: ClusterConfig, capacity_tokens: int | None = None,
     progress: Callable[[int], None] | None = None,
 ) -> float:
-    """Hit rate of one LRU pool with the whole cluster's capacity, in arrival order (requests
-    that do not fit a worker are left out, as the replay leaves them out)."""
+    """Hit rate of one LRU pool with the whole cluster's capacity (node pools and engines'
+    own caches), in arrival order (requests that do not fit a worker are left out, as the
+    replay leaves them out)."""
     layout = config.layout
     cap = capacity_tokens if capacity_tokens is not None else config.workers * (
-        config.host_tokens + config.disk_tokens)
+        config.host_tokens + config.disk_tokens + config.gpu_cache_capacity_tokens)
     pool = TieredBlockPool(
         PoolConfig("lru", layout, (TierSpec(Tier.HOST, cap * layout.bytes_per_token),),
                    lease_ttl_s=_FOREVER),

@@ -44,7 +44,7 @@ def run_sim(args: argparse.Namespace) -> int:
     cfg = ClusterConfig(
         workers=args.workers, host_tokens=args.host_tokens, disk_tokens=args.disk_tokens,
         block_tokens=trace.block_tokens, model=args.model, net_bw=args.net_gbps * 1e9 / 8,
-        gpu_bytes=args.gpu_gb * 1e9,
+        gpu_bytes=args.gpu_gb * 1e9, gpu_cache_tokens=args.gpu_cache_tokens,
     )
     _fit_notes(trace, cfg)
     names = list(POLICIES) if args.policy == "all" else [args.policy]

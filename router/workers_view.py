@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import bisect
 import logging
 import math
@@ -70,8 +71,9 @@ class IndexWorkers:
         now = time.monotonic()
         if now - self._at >= self.refresh_s:
             try:
-                infos = await self.client.workers_async()
-                loads = await self.client.loads_async()
+                # both at once: a refresh waits for one index round trip, not two
+                infos, loads = await asyncio.gather(self.client.workers_async(),
+                                                    self.client.loads_async())
             except Exception as exc:  # the index is a hint: keep the workers we knew
                 self._at = now
                 self.failures += 1
@@ -93,6 +95,10 @@ class InFlight:
     The other way round too: prefill work that drained (first token, or done) within
     ``drain_window_s`` after a worker's last report is taken off that report's queued tokens
     (the report is stale: it still counts it).
+
+    :meth:`loads` keeps each worker's answer until that worker's requests or drains change,
+    its report is another object, or a drain leaves the window; a router deciding thousands
+    of times a second thus recomputes only the worker it last sent to, not all of them.
     """
 
     def __init__(self, clock: Callable[[], float] = time.time, max_age_s: float = 600.0,
@@ -101,11 +107,15 @@ class InFlight:
         self.max_age_s = max_age_s
         self.drain_window_s = drain_window_s
         self._reqs: dict[str, tuple[WorkerId, int, int, float]] = {}  # rid -> (w, tokens, blocks, t)
+        self._per: dict[WorkerId, dict[str, tuple[int, int, float]]] = {}  # the same, by worker
         self._oldest = math.inf  # <= every request's time: sweep has nothing to do before it ages
         self._drained: dict[WorkerId, _Drains] = {}
         # rid -> the tokens the worker's own report counts for it until its first token (the
         # whole prompt: a worker queues a request's tokens before it knows its cache hit)
         self._counted: dict[str, int] = {}
+        # worker -> (the report, :meth:`loads`' answer from it, the time of the first drain it
+        # counts: the answer changes once that leaves the window)
+        self._memo: dict[WorkerId, tuple[WorkerLoad, tuple[WorkerLoad, int], float]] = {}
 
     def __len__(self) -> int:
         return len(self._reqs)
@@ -116,21 +126,42 @@ class InFlight:
         (default ``prefill_tokens``) are what the worker's reports count for this request
         until then, and what its drain takes off a stale report."""
         at = self._clock()
+        old = self._reqs.get(rid)
+        if old is not None:  # re-placed (Serve's expect, then routed): off the old worker
+            self._unlist(rid, old[0])
         self._reqs[rid] = (worker, prefill_tokens, blocks, at)
+        self._list(rid, worker, (prefill_tokens, blocks, at))
         self._counted[rid] = prefill_tokens if counted_tokens is None else counted_tokens
         if at < self._oldest:
             self._oldest = at
+
+    def _list(self, rid: str, worker: WorkerId, row: tuple[int, int, float]) -> None:
+        mine = self._per.get(worker)
+        if mine is None:
+            mine = self._per[worker] = {}
+        mine[rid] = row
+        self._memo.pop(worker, None)
+
+    def _unlist(self, rid: str, worker: WorkerId) -> None:
+        mine = self._per.get(worker)
+        if mine is not None:
+            mine.pop(rid, None)
+            if not mine:
+                del self._per[worker]
+        self._memo.pop(worker, None)
 
     def prefilled(self, rid: str) -> None:
         r = self._reqs.get(rid)
         if r is not None:
             self._drain(r[0], self._counted.pop(rid, r[1]))
             self._reqs[rid] = (r[0], 0, r[2], r[3])
+            self._list(rid, r[0], (0, r[2], r[3]))
 
     def done(self, rid: str) -> None:
         r = self._reqs.pop(rid, None)
         counted = self._counted.pop(rid, None)
         if r is not None:
+            self._unlist(rid, r[0])
             self._drain(r[0], r[1] if counted is None else counted)
 
     def _drain(self, worker: WorkerId, tokens: int) -> None:
@@ -140,17 +171,24 @@ class InFlight:
         rows = self._drained.get(worker)
         if rows is None:
             rows = self._drained[worker] = _Drains()
-        rows.add(now, tokens, now - self.drain_window_s)
+        rows.add(now, tokens, now - self.drain_window_s)  # (its callers dropped the memo)
 
-    def _fresh(self, report: WorkerLoad) -> WorkerLoad:
-        """``report`` less the prefill work that drained after it was taken."""
+    def _fresh(self, report: WorkerLoad, now: float) -> tuple[WorkerLoad, float]:
+        """``report`` less the prefill work that drained after it was taken; and the time of
+        the first drain counted (inf: none)."""
         rows = self._drained.get(report.worker_id)
         if rows is None:
-            return report
-        gone = rows.since(max(report.ts, self._clock() - self.drain_window_s))
+            return report, math.inf
+        gone, first = rows.since(max(report.ts, now - self.drain_window_s))
         if not gone:
-            return report
-        return report.with_queue(max(0, report.queued_prefill_tokens - gone), report.running)
+            return report, first
+        return report.with_queue(max(0, report.queued_prefill_tokens - gone), report.running), first
+
+    def _reindex(self) -> None:
+        self._per = {}
+        for rid, (w, t, b, at) in self._reqs.items():
+            self._per.setdefault(w, {})[rid] = (t, b, at)
+        self._memo.clear()
 
     def keep_only(self, workers: Collection[WorkerId]) -> None:
         """Forget the requests of every worker not in ``workers`` (removed or dead)."""
@@ -158,6 +196,7 @@ class InFlight:
         self._counted = {rid: n for rid, n in self._counted.items() if rid in self._reqs}
         self._drained = {w: rows for w, rows in self._drained.items() if w in workers}
         self._oldest = min((r[3] for r in self._reqs.values()), default=math.inf)
+        self._reindex()
 
     def drop(self, worker: WorkerId) -> None:
         """Forget ``worker``'s requests (it died)."""
@@ -175,63 +214,64 @@ class InFlight:
             del self._reqs[rid]
             self._counted.pop(rid, None)
         self._oldest = min((r[3] for r in self._reqs.values()), default=math.inf)
+        self._reindex()
 
     def loads(
         self, infos: Sequence[WorkerInfo], reports: Mapping[WorkerId, WorkerLoad]
     ) -> list[tuple[WorkerLoad, int]]:
-        """:meth:`load` of every worker in ``infos`` (one pass over the requests)."""
-        if self._drained:
-            reports = {w: self._fresh(r) if w in self._drained else r for w, r in reports.items()}
+        """:meth:`load` of every worker in ``infos`` (kept per worker: class docstring)."""
+        now = self._clock()
+        memo, window = self._memo, self.drain_window_s
         get = reports.get
-        if not self._reqs:
-            return [
-                (r, 0) if (r := get(i.worker_id)) is not None else self.load(i.worker_id, None)
-                for i in infos
-            ]
-        per: dict[WorkerId, list[tuple[int, int, float]]] = {}
-        for w, t, b, at in self._reqs.values():
-            row = per.get(w)
-            if row is None:
-                per[w] = [(t, b, at)]
-            else:
-                row.append((t, b, at))
         out: list[tuple[WorkerLoad, int]] = []
         for info in infos:
             wid = info.worker_id
-            report, mine = get(wid), per.get(wid)
-            if mine is None or report is None:
-                out.append((report, 0) if mine is None and report is not None
-                           else self.load(wid, report))
+            report = get(wid)
+            m = memo.get(wid)
+            if m is not None and m[0] is report and now - window < m[2]:
+                out.append(m[1])
                 continue
-            tokens = running = blocks = 0
-            for t, b, at in mine:
-                blocks += b
-                if at > report.ts:
-                    tokens += t
-                    running += 1
-            if running:  # else the report itself (same values)
-                report = report.with_queue(report.queued_prefill_tokens + tokens,
-                                           report.running + running)
-            out.append((report, blocks))
+            if report is None:  # a worker that never reported: nothing to keep
+                out.append(self.load(wid, None))
+                continue
+            fresh, first = self._fresh(report, now)
+            got = (fresh, 0)
+            mine = self._per.get(wid)
+            if mine is not None:
+                tokens = running = blocks = 0
+                for t, b, at in mine.values():
+                    blocks += b
+                    if at > report.ts:
+                        tokens += t
+                        running += 1
+                if running:
+                    fresh = fresh.with_queue(fresh.queued_prefill_tokens + tokens,
+                                             fresh.running + running)
+                got = (fresh, blocks)
+            memo[wid] = (report, got, first)
+            out.append(got)
+        if len(memo) > 2 * len(infos) + 64:  # workers come and go: forget the departed
+            live = {i.worker_id for i in infos}
+            self._memo = {w: m for w, m in memo.items() if w in live}
         return out
 
     def load(self, worker: WorkerId, report: WorkerLoad | None) -> tuple[WorkerLoad, int]:
         """The report plus this router's in-flight work sent after it; and active blocks."""
-        if report is not None and self._drained:
-            report = self._fresh(report)
-        if not self._reqs and report is not None:
+        now = self._clock()
+        if report is not None:
+            report = self._fresh(report, now)[0]
+        mine = self._per.get(worker)
+        if mine is None and report is not None:
             return report, 0
         since = report.ts if report is not None else -1e18
         tokens = running = blocks = 0
-        for w, t, b, at in self._reqs.values():
-            if w != worker:
-                continue
+        for t, b, at in (mine or {}).values():
             blocks += b
             if at > since:
                 tokens += t
                 running += 1
         if report is None:
-            return WorkerLoad(worker, tokens, running, 0.0, self._clock()), blocks
+            return WorkerLoad(worker, tokens, running, 0.0, now), blocks
         return report.with_queue(report.queued_prefill_tokens + tokens,
                                  report.running + running), blocks
 
@@ -256,9 +296,10 @@ class _Drains:
                 self.base = self.sums[cut - 1]
                 del self.times[:cut], self.sums[:cut]
 
-    def since(self, t: float) -> int:
-        """Tokens drained strictly after ``t``."""
+    def since(self, t: float) -> tuple[int, float]:
+        """Tokens drained strictly after ``t``, and when the first of them drained (inf:
+        none did)."""
         if not self.times or self.times[-1] <= t:
-            return 0
+            return 0, math.inf
         i = bisect.bisect_right(self.times, t)
-        return self.sums[-1] - (self.sums[i - 1] if i else self.base)
+        return self.sums[-1] - (self.sums[i - 1] if i else self.base), self.times[i]

@@ -167,3 +167,32 @@ def test_only_sha256_without_extra_keys_goes_native(monkeypatch: pytest.MonkeyPa
     assert block_hashes(ROOT, tokens, 16, [b"lora:1", None, None]) == with_extra
     with pytest.raises(AssertionError, match="native path taken"):
         block_hashes(ROOT, tokens, 16)
+
+
+def test_one_pass_packing_hashes_as_packing_first(chain: object) -> None:
+    """``sha256_chain_u32`` (lists of ids: packed and hashed block by block) gives the bytes of
+    ``sha256_chain`` over ``pack_u32`` on random prompts of every length and id size, and refuses
+    what ``pack_u32`` refuses, in a trailing partial block too; ``block_hashes`` then names it."""
+    import random
+
+    rng = random.Random(12)
+    fused, packed, pack = (getattr(chain, n) for n in ("sha256_chain_u32", "sha256_chain", "pack_u32"))
+    tail = b"\x00\x00\x00\x00"
+    for bt in (1, 3, 16, 256):
+        for n in (0, bt - 1, bt, 5 * bt + 2, 40 * bt):
+            for hi in (300, 2**31, 2**32):
+                ids = [rng.randrange(hi) for _ in range(n)]
+                for form in (ids, tuple(ids)):
+                    assert fused(bytes(ROOT), form, bt, tail) == packed(bytes(ROOT), pack(ids), 4 * bt, tail)
+    for bad in (-1, 2**32, 1.5, "a", None):
+        for at in (0, 17, 40):  # a full block, the last full one, the partial tail
+            ids = list(range(41))
+            ids[at] = bad  # type: ignore[call-overload]
+            with pytest.raises((OverflowError, TypeError)):
+                fused(bytes(ROOT), ids, 20, tail)
+            with pytest.raises(ValueError, match="token id|integers"):
+                block_hashes(ROOT, ids, 20)
+    with pytest.raises(ValueError, match="parent must be 32 bytes"):
+        fused(b"short", [1, 2], 1, tail)
+    with pytest.raises(ValueError, match="block_tokens must be positive"):
+        fused(bytes(ROOT), [1, 2], 0, tail)

@@ -218,11 +218,15 @@ def test_serve_counts_a_ranked_request_before_serve_places_it() -> None:
     assert queued[1][other] == len(long_ids) + 2 * BT * 2
 
 
+@pytest.mark.parametrize("front", ["serve", "embed"])
 @pytest.mark.parametrize("remote_load_s", [0.0, 1.0])
-def test_serve_prices_a_remote_load_at_what_the_workers_measured(remote_load_s: float) -> None:
+def test_both_front_ends_price_a_remote_load_at_what_the_workers_measured(
+        remote_load_s: float, front: str) -> None:
     """A prompt held in node n0's pool, n0's worker busy: the idle worker on n1 pulls it from
     n0 while a load is cheap; when the workers report that a load from another node takes
-    1 s (vLLM's connector measures it), recomputing 400 tokens there is cheaper."""
+    1 s (vLLM's connector measures it), recomputing 400 tokens there is cheaper. The Serve
+    router and the gateway's CacheAwareRouter read the reports alike (the core does), and
+    both price prefill at the workers' reported speed, not their configured one."""
     index = GlobalIndex()
     index.declare_namespace(NS, 32)
     meta = {META_ROOT: HASHER.root.hex(), META_BLOCK_TOKENS: str(BT),
@@ -237,17 +241,26 @@ def test_serve_prices_a_remote_load_at_what_the_workers_measured(remote_load_s: 
                  for j, h in enumerate(HASHER.hashes(SYSTEMS[0]))])
 
     async def route() -> Any:
+        if front == "embed":
+            idx = InProcessIndex(index)
+            embed = CacheAwareRouter(idx, IndexWorkers(idx, refresh_s=0.0), RouterConfig(
+                namespace=NS, model_id="m", layout_fingerprint="fp", block_tokens=BT,
+                bytes_per_token=BPT, prefill_tokens_per_s=TPS / 4))
+            routed = await embed.route(token_ids=ids)
+            return routed.decision.worker, routed.decision, embed.core.cost
         serve = KVShareRequestRouter(deployment_id=DEPLOYMENT,
                                      handle_source=DeploymentHandleSource.UNKNOWN)
-        serve.initialize_state(namespace=NS, prefill_tokens_per_s=TPS, workers_refresh_s=0.0)
+        serve.initialize_state(namespace=NS, prefill_tokens_per_s=TPS / 4, workers_refresh_s=0.0)
         serve.use_index(InProcessIndex(index))
         serve.update_replicas(reps)
         shortlist = await serve.choose_replicas(reps, pending_request(0, ids))
-        return shortlist[0][0], serve._last["q0"].ranking.decision, serve.core.cost
+        return (replica_worker_id(shortlist[0][0].replica_id), serve._last["q0"].ranking.decision,
+                serve.core.cost)
 
     chosen, decision, cost = asyncio.run(route())
-    assert chosen is reps[1]
+    assert chosen == replica_worker_id(reps[1].replica_id)
     assert cost.bandwidths.remote_latency_s == (remote_load_s or Bandwidths().remote_latency_s)
+    assert cost.prefill.tokens_per_s == TPS
     assert (decision.remote_blocks == 0) == (remote_load_s > 0), decision
 
 

@@ -19,7 +19,7 @@ from kvshare.types import node_location
 from router.cluster import ClusterConfig
 from router.report import summarize
 from router.sim import Simulator, global_lru, simulate
-from router.trace import TraceHasher, read_trace
+from router.trace import TraceHasher, TraceRequest, read_trace
 
 TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces"
 SYNTH = TRACES / "synthetic_trace.jsonl"
@@ -73,6 +73,32 @@ def test_index_matches_the_pools_after_a_replay() -> None:
     s = summarize(rows, sim.busy_seconds())
     assert 0 < s["hit_rate"] <= global_lru(reqs, cfg) + 0.02
     assert s["ttft_p99_s"] >= s["ttft_p50_s"] > 0
+
+
+@pytest.mark.parametrize("gpu_cache_tokens", [None, 0])
+def test_an_engine_keeps_what_it_loads_for_the_next_turn(gpu_cache_tokens: int | None) -> None:
+    """Each worker's own prefix cache (vLLM's) keeps every block it computed *or loaded*, as a
+    real engine does: a turn served where its prefix was remote leaves the whole prompt there,
+    so the next turn on that worker reads it all from its gpu tier; only that worker (the
+    cache is private). Without the cache (``gpu_cache_tokens=0``) the next turn pulls the
+    same prefix over the network again."""
+    cfg = ClusterConfig(workers=2, gpu_cache_tokens=gpu_cache_tokens)
+    bt = cfg.block_tokens
+
+    def turn(i: int, ids: list[int]) -> TraceRequest:
+        return TraceRequest(i, 10.0 * i, len(ids) * bt, 1, ids)
+
+    reqs = [turn(0, [0, 1, 2, 3]), turn(1, [0, 1, 2, 3, 4, 5]), turn(2, [50]),
+            turn(3, [0, 1, 2, 3, 4, 5, 6, 7])]  # round robin: w0, w1, w0, w1
+    sim = Simulator(cfg, _policy("round_robin", cfg), "global")
+    rows = sim.run(reqs)
+    assert list(rows["worker"]) == ["w0", "w1", "w0", "w1"]
+    assert rows["remote_tokens"][1] == 4 * bt  # turn 1 pulled its prefix from w0's node
+    if gpu_cache_tokens is None:
+        assert (rows["gpu_tokens"][3], rows["remote_tokens"][3]) == (6 * bt, 0)
+        assert rows["gpu_tokens"][1] == 0  # w0's gpu copy is w0's alone
+    else:
+        assert (rows["gpu_tokens"][3], rows["remote_tokens"][3]) == (0, 4 * bt)
 
 
 def test_a_long_replay_keeps_only_its_result_rows() -> None:

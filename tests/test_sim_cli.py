@@ -25,6 +25,7 @@ def _sim(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
 @pytest.mark.parametrize("args", [
     ("--host-tokens", "1e3000"), ("--host-tokens", "inf"), ("--disk-tokens", "nan"),
     ("--limit", "0"), ("--limit", "-5"), ("--block-tokens", "0"), ("--users", "0"),
+    ("--gpu-cache-tokens", "-1"),
 ])
 def test_bad_numbers_are_refused_without_a_traceback(args: tuple[str, str]) -> None:
     proc = _sim(str(DYNAMO), *args, "--no-progress", timeout=60)
@@ -55,3 +56,16 @@ def test_agentic_files_replay_and_unfit_prompts_are_reported() -> None:
     assert cost["unfit"] > 0 and cost["requests"] > 0
     assert "exceed the 67,138 tokens" in proc.stderr
     assert cost["hit_rate"] > 0.5  # conversations reuse their own prefix turn after turn
+
+
+def test_engines_prefix_caches_can_be_sized_or_left_out() -> None:
+    """By default each engine keeps what it computed or loaded (reused from its gpu tier);
+    ``--gpu-cache-tokens 0`` models engines without a prefix cache of their own."""
+    gpu = {}
+    for value in ("0", None):
+        extra = ("--gpu-cache-tokens", value) if value is not None else ()
+        proc = _sim(str(DYNAMO), "--limit", "150", "--policy", "cost", "--workers", "4",
+                    "--json", "--no-progress", *extra)
+        assert proc.returncode == 0, proc.stderr
+        gpu[value] = json.loads(proc.stdout.strip().splitlines()[-1])["policies"]["cost"]["hit_gpu"]
+    assert gpu["0"] == 0 and gpu[None] > 0

@@ -227,6 +227,26 @@ def test_new_blocks_are_saved_and_pages_kept_until_the_save_is_done(model: str) 
     assert sched.kv_cache_manager.block_pool.get_num_free_blocks() > free_before
 
 
+def test_lookup_waits_reach_vllms_scheduler_stats_once_per_lookup(model: str) -> None:
+    """What the connector adds to a request vLLM's own cache may serve: the time it was held
+    for its lookup goes out with vLLM's scheduler stats (to ``/metrics``), once per lookup;
+    a prompt too short for a block is never looked up."""
+    sched = make_scheduler(model)
+    toks = tokens(6, 2 * BLOCK + 3)
+    short = request("r6s", toks[:BLOCK - 1], max_tokens=1)
+    sched.add_request(request("r6", toks, max_tokens=1))
+    sched.add_request(short)
+    out = sched.schedule()
+    assert set(out.num_scheduled_tokens) == {"r6", "r6s"}
+    eco = sched.update_from_output(out, output([sched.requests["r6"], short]))
+    stats = next(iter(eco.values())).scheduler_stats.kv_connector_stats
+    assert stats["lookups_answered"] == 1 and 0 <= stats["lookup_wait_seconds"] < 60
+    out = sched.schedule()
+    eco = sched.update_from_output(out, output([]))
+    later = [e.scheduler_stats for e in eco.values() if e.scheduler_stats is not None]
+    assert all(not (s.kv_connector_stats or {}).get("lookups_answered") for s in later)
+
+
 def test_bad_config_fails_at_start_up_naming_the_fix(model: str, tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"not a multiple of vLLM's --block-size 32.*e\.g\. 32"):
         make_scheduler(model, block_tokens=48)

@@ -14,6 +14,19 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from kvshare.vllm.stats import CounterDelta, KVSharePromMetrics, KVShareStats, byte_counters  # noqa: E402
 
 
+def prometheus() -> tuple[CollectorRegistry, KVSharePromMetrics]:
+    """The connector's metrics on a registry of their own (engine 0 of model "tiny")."""
+    registry = CollectorRegistry()
+
+    def counter(**kw: object) -> Counter:
+        return Counter(registry=registry, **kw)  # type: ignore[arg-type]
+
+    types = {Counter: counter, Gauge: Gauge, Histogram: Histogram}
+    prom = KVSharePromMetrics(SimpleNamespace(kv_transfer_config=None), types,
+                              ["model_name", "engine"], {0: ["tiny", "0"]})
+    return registry, prom
+
+
 def test_deltas_report_only_what_moved_since_the_last_report() -> None:
     delta = CounterDelta()
     client = {"lookups": 3, "bytes_shm": 100, "bytes_stored": 50}
@@ -33,21 +46,14 @@ def test_stats_of_two_workers_sum_and_empty_stats_are_empty() -> None:
 
 
 def test_prometheus_counters_per_transport_and_stored() -> None:
-    registry = CollectorRegistry()
-
-    def counter(**kw: object) -> Counter:
-        return Counter(registry=registry, **kw)  # type: ignore[arg-type]
-
-    types = {Counter: counter, Gauge: Gauge, Histogram: Histogram}
-    cfg = SimpleNamespace(kv_transfer_config=None)
-    prom = KVSharePromMetrics(cfg, types, ["model_name", "engine"], {0: ["tiny", "0"]})
+    registry, prom = prometheus()
     prom.observe({"bytes_shm": 2048, "bytes_nixl": 1024, "bytes_stored": 4096}, 0)
     prom.observe({"bytes_shm": 2048, "lookups": 9}, 0)
     text = generate_latest(registry).decode()
     assert 'vllm:kvshare_loaded_bytes_total{engine="0",model_name="tiny",transport="shm"} 4096.0' in text
     assert 'transport="nixl"} 1024.0' in text
     assert 'vllm:kvshare_stored_bytes_total{engine="0",model_name="tiny"} 4096.0' in text
-    assert "lookups" not in text
+    assert "kvshare_lookups_total{" not in text  # a client counter, not a lookup wait
 
 
 def test_load_waits_become_counters_a_load_report_reads() -> None:
@@ -55,14 +61,7 @@ def test_load_waits_become_counters_a_load_report_reads() -> None:
     from kvshare.vllm.load import MetricsLoad, parse_metrics
     from kvshare.vllm.stats import wait_counters
 
-    registry = CollectorRegistry()
-
-    def counter(**kw: object) -> Counter:
-        return Counter(registry=registry, **kw)  # type: ignore[arg-type]
-
-    types = {Counter: counter, Gauge: Gauge, Histogram: Histogram}
-    prom = KVSharePromMetrics(SimpleNamespace(kv_transfer_config=None), types,
-                              ["model_name", "engine"], {0: ["tiny", "0"]})
+    registry, prom = prometheus()
     worker = {"load_reported_seconds": 9.0, "load_reported_seconds_remote": 3.0,
               "loads_remote": 2, "load_reported_seconds_local": 0.5, "loads_local": 5,
               "load_polls": 40}
@@ -77,3 +76,17 @@ def test_load_waits_become_counters_a_load_report_reads() -> None:
     finally:
         load.close()
     assert report.remote_load_s == 1.5 and report.local_load_s == 0.1
+
+
+def test_lookup_waits_become_their_own_counters() -> None:
+    from kvshare.vllm.stats import lookup_counters
+
+    registry, prom = prometheus()
+    sched = {"lookups": 4, "lookup_pending": 7, "lookup_wait_seconds": 0.25,
+             "lookups_answered": 3}
+    assert lookup_counters(sched) == {"lookup_wait_seconds": 0.25, "lookups_answered": 3.0}
+    prom.observe(lookup_counters(sched), 0)
+    text = generate_latest(registry).decode()
+    assert 'vllm:kvshare_lookup_seconds_total{engine="0",model_name="tiny"} 0.25' in text
+    assert 'vllm:kvshare_lookups_total{engine="0",model_name="tiny"} 3.0' in text
+    assert "pending" not in text

@@ -8,7 +8,7 @@ file holds namespaces with 16- and 32-byte hashes; they are written as Parquet.
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -16,7 +16,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from kvshare.events import EventKind, event_schema
+from kvshare.events import AllCleared, BlockStored, Event, EventKind, event_schema
+from kvshare.types import Tier
 
 SNAPSHOT_SCHEMA = pa.schema(
     [
@@ -33,6 +34,29 @@ _EVENT_COLUMNS = ("kind", "namespace", "location", "tier", "hash", "generation",
 _SCHEMA32 = event_schema(32)
 _SCHEMA16 = event_schema(16)
 _LAST_SCHEMA: list[pa.Schema | None] = [None]  # the last schema seen equal to _SCHEMA32
+
+
+Row = tuple[int, str, str, str, bytes, int, int]  # kind, ns, loc, tier, hash, gen, seq
+
+
+def event_rows(events: Iterable[Event]) -> list[Row]:
+    """Event objects (BlockStored / BlockRemoved / AllCleared) as rows, in order."""
+    rows: list[Row] = []
+    for ev in events:
+        if isinstance(ev, AllCleared):
+            rows.append((EventKind.CLEARED, ev.namespace, ev.location, "", b"",
+                         ev.generation, ev.seq))
+        else:
+            kind = EventKind.STORED if isinstance(ev, BlockStored) else EventKind.REMOVED
+            rows.append((kind, ev.namespace, ev.location, Tier(ev.tier).value,
+                         ev.block_hash, ev.generation, ev.seq))
+    return rows
+
+
+def hash_width(batch: pa.RecordBatch) -> int:
+    """Bytes per block hash of an event batch (32 unless its hash column is fixed-size)."""
+    t = batch.schema.field("hash").type
+    return int(t.byte_width) if pa.types.is_fixed_size_binary(t) else 32
 
 
 def check_event_batch(batch: Any) -> pa.RecordBatch:

@@ -4,13 +4,10 @@ Per namespace ``hash -> holder state`` (an interned ``{location: tier}``, see
 :mod:`actors.index.holders`) plus a reverse map ``location -> hashes`` so a dead location goes at
 once. Rules (DESIGN.md, "Index and events"):
 
-- **Generations** are issued here (:meth:`new_generation`), increase per location (and across
-  index restarts: they never go below the wall clock in ms). Events of a generation older than
-  the location's current one, or of a generation that was dropped, are ignored. A newer
-  generation replaces the location's entries (its pool restarted and republishes).
-- **Sequence numbers** are tracked per ``(namespace, location, generation)``; events at or
-  below the last applied seq are duplicates and ignored; a gap marks ``(namespace, location)``
-  for resync (the publisher then sends :meth:`replace_inventory`).
+- **Generations** and **sequence numbers** (:mod:`actors.index.fencing`): events of a stale
+  generation, and duplicates, are ignored; a newer generation replaces the location's entries;
+  a gap in the seqs marks ``(namespace, location)`` for resync (the publisher then sends
+  :meth:`replace_inventory`).
 - ``BlockRemoved(tier)`` removes a holder only if its recorded tier is that tier (a demotion is
   ``Stored(new)`` then ``Removed(old)``).
 
@@ -20,7 +17,6 @@ Not thread-safe: one actor thread owns it. Reads are :meth:`lookup` and the fast
 
 from __future__ import annotations
 
-import functools
 import time
 import uuid
 from collections.abc import Callable, Iterable, Sequence
@@ -30,11 +26,14 @@ import numpy as np
 import pyarrow as pa
 
 from actors.index.arrow_io import (
+    Row,
     StoredGroup,
     all_stored_one_tier,
     check_event_batch,
     column_np,
     columns_of,
+    event_rows,
+    hash_width,
     inventory_rows,
     packed_hashes,
     single_group,
@@ -42,12 +41,13 @@ from actors.index.arrow_io import (
     validate_events,
 )
 from actors.index.feed import FeedReply, IndexFeed
+from actors.index.fencing import Fencing, check_location
 from actors.index.holders import TIER_BY_NAME, TIERS, HolderStates
 from actors.index.registry import WorkerRegistry
 from actors.index.runs import HolderRuns, Runs, from_runs
 from actors.index.table import BlockTable
 from actors.index.wire import decode_queries, decode_query, encode_answers, encode_runs
-from kvshare.events import AllCleared, BlockStored, Event, EventKind
+from kvshare.events import Event, EventKind
 from kvshare.match import MatchResult
 from kvshare.pool_types import check_namespace
 from kvshare.types import (
@@ -62,8 +62,6 @@ from kvshare.types import (
 )
 from kvshare.types import worker_location as worker_loc
 from kvshare.workers import WorkerInfo, WorkerLoad
-
-Row = tuple[int, str, str, str, bytes, int, int]  # kind, ns, loc, tier, hash, gen, seq
 
 
 class PublishAck(NamedTuple):
@@ -84,14 +82,11 @@ class GlobalIndex:
         self.epoch = uuid.uuid4().hex[:12]
         self._s = HolderStates()
         self._ns: dict[str, BlockTable] = {}
-        self._gen: dict[str, int] = {}
-        self._floor: dict[str, int] = {}  # events of generations <= floor are ignored
-        self._seq: dict[tuple[str, str, int], int] = {}
-        self._resync: set[tuple[str, str]] = set()
         self.registry = WorkerRegistry(worker_ttl_s, clock)
         self.counters = dict.fromkeys(
             ("applied", "stale", "duplicate", "gaps", "replaced", "dropped_locations"), 0
         )
+        self.fences = Fencing(self.counters, self._drop_entries)
         self.feed: IndexFeed | None = None  # on once a replica follows (feed_since)
 
     # ------------------------------------------------------------------ namespaces
@@ -133,25 +128,14 @@ class GlobalIndex:
     # ------------------------------------------------------------------ generations
     def new_generation(self, location: str) -> int:
         """A fresh generation for ``location``; its older entries are dropped now."""
-        parse_location(location)
-        gen = max(self._gen.get(location, 0), self._floor.get(location, 0)) + 1
-        gen = max(gen, int(time.time() * 1000))
-        self.fence(location, gen)
-        return gen
+        return self.fences.new_generation(location)
 
     def generation(self, location: str) -> int | None:
-        return self._gen.get(location)
+        return self.fences.gen.get(location)
 
     def fence(self, location: str, generation: int) -> bool:
         """Adopt ``generation`` for ``location`` if it is the newest; False if it is stale."""
-        cur = self._gen.get(location)
-        if generation <= self._floor.get(location, -1) or (cur is not None and generation < cur):
-            return False
-        if cur is None or generation > cur:
-            if cur is not None:
-                self._drop_entries(location)
-            self._gen[location] = generation
-        return True
+        return self.fences.fence(location, generation)
 
     # ------------------------------------------------------------------ events
     def apply_arrow(
@@ -166,17 +150,17 @@ class GlobalIndex:
         fast = stored_group(batch)
         if fast is not None and fast.tier in TIER_BY_NAME:
             ns = self._ns.get(fast.namespace)
-            if ns is None or ns.hash_size == _hash_width(batch):
+            if ns is None or ns.hash_size == hash_width(batch):
                 return self._apply_stored(batch, fast, seq_range)
         group = single_group(batch)
         validate_events(batch, group)
         names = [group[0]] if group is not None else batch.column(1).unique().to_pylist()
         for name in names:
             ns = self._ns.get(str(name))
-            if ns is not None and ns.hash_size != _hash_width(batch):
+            if ns is not None and ns.hash_size != hash_width(batch):
                 raise ValueError(
                     f"namespace {name!r} block hashes are {ns.hash_size} bytes, the batch's "
-                    f"are {_hash_width(batch)}"
+                    f"are {hash_width(batch)}"
                 )
         applied0, stale0 = self.counters["applied"], self.counters["stale"]
         resync: set[tuple[str, str]] = set()
@@ -200,16 +184,7 @@ class GlobalIndex:
         """Apply event objects (BlockStored / BlockRemoved / AllCleared) in order."""
         applied0, stale0 = self.counters["applied"], self.counters["stale"]
         resync: set[tuple[str, str]] = set()
-        rows: list[Row] = []
-        for ev in events:
-            if isinstance(ev, AllCleared):
-                rows.append((EventKind.CLEARED, ev.namespace, ev.location, "", b"",
-                             ev.generation, ev.seq))
-            else:
-                kind = EventKind.STORED if isinstance(ev, BlockStored) else EventKind.REMOVED
-                rows.append((kind, ev.namespace, ev.location, Tier(ev.tier).value,
-                             ev.block_hash, ev.generation, ev.seq))
-        self._apply_rows(rows, resync)
+        self._apply_rows(event_rows(events), resync)
         return self._ack(applied0, stale0, resync)
 
     def _ack(self, applied0: int, stale0: int, resync: set[tuple[str, str]]) -> PublishAck:
@@ -217,28 +192,7 @@ class GlobalIndex:
                           self.counters["stale"] - stale0, tuple(sorted(resync)))
 
     def needs_resync(self, namespace: str, location: str) -> bool:
-        return (namespace, location) in self._resync
-
-    def _admit(self, ns: str, loc: str, gen: int, first: int, last: int, n: int,
-               resync: set[tuple[str, str]]) -> int:
-        """Generation and sequence check of a run of ``n`` events with seqs first..last.
-
-        Returns the seq floor (events at or below it are duplicates) or -1 if the run is
-        stale. A run that does not start right after the last applied seq is a gap.
-        """
-        if not self.fence(loc, gen):
-            self.counters["stale"] += n
-            return -1
-        key = (ns, loc, gen)
-        prev = self._seq.get(key)
-        if first > (1 if prev is None else prev + 1):
-            self._resync.add((ns, loc))
-            self.counters["gaps"] += 1
-        if (ns, loc) in self._resync:
-            resync.add((ns, loc))
-        if prev is None or last > prev:
-            self._seq[key] = last
-        return 0 if prev is None else prev
+        return (namespace, location) in self.fences.resync
 
     def _apply_stored(self, batch: pa.RecordBatch, g: StoredGroup,
                       seq_range: tuple[int, int] | None) -> PublishAck:
@@ -246,15 +200,14 @@ class GlobalIndex:
         applied0, stale0 = self.counters["applied"], self.counters["stale"]
         resync: set[tuple[str, str]] = set()
         ns_name, loc = g.namespace, g.location
-        _check_location(loc)
+        check_location(loc)
         if ns_name not in self._ns:
-            self.declare_namespace(ns_name, _hash_width(batch))
+            self.declare_namespace(ns_name, hash_width(batch))
         seqs, n = g.seqs, batch.num_rows
         first, last = seq_range if seq_range is not None else (int(seqs[0]), int(seqs[-1]))
         if seq_range is None and not g.consecutive:
-            self._resync.add((ns_name, loc))
-            self.counters["gaps"] += 1
-        floor = self._admit(ns_name, loc, g.generation, first, last, n, resync)
+            self.fences.gap(ns_name, loc)
+        floor = self.fences.admit(ns_name, loc, g.generation, first, last, n, resync)
         if floor >= 0:
             if (first if g.consecutive and seq_range is None else int(seqs.min())) <= floor:
                 keep = seqs > floor
@@ -271,14 +224,13 @@ class GlobalIndex:
         ns_name, loc, gen = group
         parse_location(loc)
         if ns_name not in self._ns:
-            self.declare_namespace(ns_name, _hash_width(batch))
+            self.declare_namespace(ns_name, hash_width(batch))
         seqs = column_np(batch, "seq")
         n = len(seqs)
         first, last = seq_range if seq_range is not None else (int(seqs[0]), int(seqs[-1]))
         if seq_range is None and n > 1 and not (np.diff(seqs) == 1).all():
-            self._resync.add((ns_name, loc))
-            self.counters["gaps"] += 1
-        floor = self._admit(ns_name, loc, gen, first, last, n, resync)
+            self.fences.gap(ns_name, loc)
+        floor = self.fences.admit(ns_name, loc, gen, first, last, n, resync)
         if floor < 0 or n == 0:
             return
         if int(seqs.min()) <= floor:
@@ -306,7 +258,7 @@ class GlobalIndex:
         for kind, ns_name, loc, tier, h, gen, seq in rows:
             if ns_name not in self._ns:
                 self.declare_namespace(ns_name, len(h) if h else 32)
-            floor = self._admit(ns_name, loc, gen, seq, seq, 1, resync)
+            floor = self.fences.admit(ns_name, loc, gen, seq, seq, 1, resync)
             if floor < 0:
                 continue
             if seq <= floor:
@@ -347,9 +299,9 @@ class GlobalIndex:
             raise ValueError(f"an inventory covers exactly one namespace, got {sorted(names)}")
         ns_name = names.pop()
         if ns_name not in self._ns:
-            self.declare_namespace(ns_name, _hash_width(batch))
+            self.declare_namespace(ns_name, hash_width(batch))
         ns = self._ns[ns_name]
-        if rows and ns.hash_size != _hash_width(batch):
+        if rows and ns.hash_size != hash_width(batch):
             raise ValueError(f"namespace {ns_name!r} block hashes are {ns.hash_size} bytes")
         if not {t for _, t, _ in rows} <= TIER_BY_NAME.keys():
             raise ValueError("inventory rows need a tier: gpu, host or disk")
@@ -363,10 +315,7 @@ class GlobalIndex:
             by_tier.setdefault(tier, []).append(h)
         for tier, hashes in by_tier.items():
             ns.store_many(lid, TIER_BY_NAME[tier], hashes)
-        for key in [k for k in self._seq if k[0] == ns_name and k[1] == location]:
-            del self._seq[key]
-        self._seq[(ns_name, location, generation)] = seq
-        self._resync.discard((ns_name, location))
+        self.fences.restart(ns_name, location, generation, seq)
         self.counters["replaced"] += 1
         return True
 
@@ -377,16 +326,10 @@ class GlobalIndex:
         With ``up_to_generation`` nothing happens if the location already has a newer
         generation (it restarted meanwhile). Later events of the dropped generation are ignored.
         """
-        cur = self._gen.get(location)
-        if up_to_generation is not None and cur is not None and cur > up_to_generation:
+        if self.fences.newer_than(location, up_to_generation):
             return 0
         n = self._drop_entries(location)
-        top = max(cur or 0, up_to_generation or 0)
-        self._floor[location] = max(self._floor.get(location, 0), top)
-        self._gen.pop(location, None)
-        for key in [k for k in self._seq if k[1] == location]:
-            del self._seq[key]
-        self._resync = {k for k in self._resync if k[1] != location}
+        self.fences.forget(location, up_to_generation)
         self.counters["dropped_locations"] += 1
         return n
 
@@ -492,10 +435,10 @@ class GlobalIndex:
             "epoch": self.epoch,
             "namespaces": self.namespaces(),
             "locations": self.locations(),
-            "generations": dict(self._gen),
+            "generations": dict(self.fences.gen),
             "holder_states": len(self._s),
             "workers": len(self.registry.workers()),
-            "pending_resync": sorted(self._resync),
+            "pending_resync": sorted(self.fences.resync),
             **self.counters,
         }
 
@@ -517,13 +460,7 @@ class GlobalIndex:
         """The whole map as store deltas, current at the returned cursor."""
         reply = self.feed_since(-1)  # turns the feed on; the cursor is now
         names = self._s.loc_names
-        deltas: list[Any] = []
-        for ns in self._ns.values():
-            groups: dict[tuple[int, int], list[bytes]] = {}
-            for h, lid, code in ns.entries():
-                groups.setdefault((lid, code), []).append(h)
-            deltas.extend(("S", ns.name, names[lid], code, b"".join(hs))
-                          for (lid, code), hs in groups.items())
+        deltas = [d for ns in self._ns.values() for d in ns.store_deltas(names)]
         return reply._replace(deltas=deltas)
 
     def _hash_sizes(self) -> dict[str, int]:
@@ -538,9 +475,8 @@ class GlobalIndex:
         for ns in self._ns.values():
             for h, lid, code in ns.entries():
                 loc = names[lid]
-                gen = self._gen.get(loc, 0)
-                entries.append((ns.name, loc, TIERS[code].value, h, gen,
-                                self._seq.get((ns.name, loc, gen), 0)))
+                gen, seq = self.fences.last_seq(ns.name, loc)
+                entries.append((ns.name, loc, TIERS[code].value, h, gen, seq))
         return snapshot_table(entries)
 
     def load_snapshot(self, table: pa.Table) -> int:
@@ -550,20 +486,9 @@ class GlobalIndex:
         n = 0
         for (ns_name, loc, gen, seq), batch in inventory_groups(table):
             if ns_name not in self._ns:
-                self.declare_namespace(ns_name, _hash_width(batch))
+                self.declare_namespace(ns_name, hash_width(batch))
             if self.replace_inventory(loc, gen, batch, seq, namespace=ns_name):
                 n += batch.num_rows
-                self._resync.add((ns_name, loc))  # still ask the owner to confirm
+                self.fences.resync.add((ns_name, loc))  # still ask the owner to confirm
         return n
 
-
-@functools.lru_cache(maxsize=4096)
-def _check_location(location: str) -> None:
-    """:func:`~kvshare.types.parse_location` (ValueError if malformed), remembered for the
-    locations that passed."""
-    parse_location(location)
-
-
-def _hash_width(batch: pa.RecordBatch) -> int:
-    t = batch.schema.field("hash").type
-    return int(t.byte_width) if pa.types.is_fixed_size_binary(t) else 32

@@ -132,6 +132,14 @@ class BlockTable:
             for lid, code in items[s]:
                 yield h, lid, code
 
+    def store_deltas(self, loc_names: Sequence[str]) -> list[Delta]:
+        """Every holding as store deltas, one per (location, tier) (a replica's snapshot)."""
+        groups: dict[tuple[int, int], list[bytes]] = {}
+        for h, lid, code in self.entries():
+            groups.setdefault((lid, code), []).append(h)
+        return [("S", self.name, loc_names[lid], code, b"".join(hs))
+                for (lid, code), hs in groups.items()]
+
     def block_counts(self) -> dict[int, int]:
         """Blocks per location id."""
         out: dict[int, int] = {}

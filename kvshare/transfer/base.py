@@ -24,9 +24,9 @@ import itertools
 import logging
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, NamedTuple, Protocol, TypeVar
 
 from kvshare.tiers.base import ByteArray
 from kvshare.transfer.wire import BlockControl, Reply, SourceGone
@@ -205,6 +205,26 @@ def finish_quietly(control: BlockControl, holder: str, lease_ids: Sequence[int])
     except (TimeoutError, SourceGone) as exc:
         log.debug("finish(%s): %s", holder, exc)
         return []
+
+
+class Closeable(Protocol):
+    def close(self) -> None: ...
+
+
+class ClosingGroup(Protocol):
+    """A mapping of open things (``dict[str, HostSlab]`` and the like)."""
+
+    def values(self) -> Iterable[Closeable]: ...
+
+    def clear(self) -> None: ...
+
+
+def close_all(*groups: ClosingGroup) -> None:
+    """Close every value of each mapping in turn and empty it (a cache of open slabs, agents)."""
+    for group in groups:
+        for item in group.values():
+            item.close()
+        group.clear()
 
 
 def holder_name(prefix: str, transfer_id: int) -> str:

@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from kvshare.client_types import REMOTE_SOURCES, SOURCE_SHM
 from kvshare.match import MatchResult
 from kvshare.tiers.base import ByteArray
 from kvshare.transfer.base import (
@@ -42,8 +43,7 @@ from kvshare.workers import IndexQuery
 log = logging.getLogger(__name__)
 
 RETRY_OVER_OBJSTORE = frozenset({NIXL_UNAVAILABLE, TRANSFER_ERROR})
-LOCAL_ORDER = ("shm", "nixl", "objstore")
-REMOTE_ORDER = ("nixl", "objstore")
+LOCAL_ORDER = (SOURCE_SHM, *REMOTE_SOURCES)
 
 
 @dataclass(frozen=True)
@@ -89,7 +89,7 @@ class PeerFetcher:
     def choose(self, location: Location) -> list[str]:
         """Transports that can reach ``location``, fastest first."""
         local = location == self.location
-        order = LOCAL_ORDER if local else REMOTE_ORDER
+        order = LOCAL_ORDER if local else REMOTE_SOURCES
         names = [n for n in order if n in self.transports]
         if not self.bandwidth:
             return names

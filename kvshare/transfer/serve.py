@@ -17,7 +17,7 @@ from typing import Any
 
 from kvshare.pool import TieredBlockPool
 from kvshare.tiers.base import ByteArray
-from kvshare.transfer.base import Transport, TransportUnavailable
+from kvshare.transfer.base import Transport, TransportUnavailable, close_all
 from kvshare.transfer.estimate import BandwidthEstimator
 from kvshare.transfer.probe import (
     PROBE_BLOCKS,
@@ -166,12 +166,7 @@ class TransferService:
         return self.bandwidths.as_dict()
 
     def close(self) -> None:
-        for t in self._pullers.values():
-            t.close()
-        self._pullers.clear()
-        for src in self._sources.values():
-            src.close()
-        self._sources.clear()
+        close_all(self._pullers, self._sources)
         if self._probe_pool is not None:  # ours alone: unmap and unlink its slab
             self._probe_pool.close()
             self._probe_pool = None

@@ -27,6 +27,7 @@ from kvshare.transfer.base import (
     TransferResult,
     Transport,
     call,
+    close_all,
     finish_quietly,
     lease_ttl,
 )
@@ -182,12 +183,7 @@ class ShmTransport(Transport):
         return transfer.result  # shared-memory batches complete inside submit
 
     def close(self) -> None:
-        for slab in self._slabs.values():
-            slab.close()
-        self._slabs.clear()
-        for ep in self._epochs.values():
-            ep.close()
-        self._epochs.clear()
+        close_all(self._slabs, self._epochs)
 
 
 def _copy_or_release(control: BlockControl, holder: str, copy: SlotCopy, slab: HostSlab,

@@ -15,7 +15,8 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import numpy as np
 
@@ -40,6 +41,8 @@ from kvshare.transfer.verify import PinnedSlot, SlotVerifier
 from kvshare.types import BlockHash, Tier
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 FINISHED_MEMORY = 4096  # holders remembered as finished (a late prepare for them pins nothing)
 
@@ -106,8 +109,28 @@ class BlockSource:
         """The NIXL agent exposing the slab (None when NIXL is off or failed to start)."""
         return self._nixl
 
-    def _nixl_fields(self) -> tuple[str, str]:
-        return (self._nixl.name if self._nixl is not None else "", self.nixl_error)
+    # ------------------------------------------------------------------ holders
+    def _take(self, holder: str, take: Callable[[], T]) -> T | None:
+        """``take()`` (pins or reservations for ``holder``) under the lock, or None when
+        ``holder`` already finished: its transfer ended, nobody would end new leases."""
+        with self._lock:
+            return None if holder in self._finished else take()
+
+    def _too_late(self, hashes: Sequence[BlockHash]) -> wire.SlotReply:
+        return wire.SlotReply(self.generation, (DEADLINE,) * len(hashes))
+
+    def _end_holder(self, holder: str) -> None:
+        """End every lease of ``holder`` and remember it finished (under the lock)."""
+        self.pool.release_holder(holder)
+        self._finished[holder] = None
+        while len(self._finished) > FINISHED_MEMORY:
+            self._finished.popitem(last=False)
+
+    def _slot_reply(self, blocks: list[wire.SourceBlock | str]) -> wire.SlotReply:
+        """A prepare's reply: per block a slot or a reason, with the slab and NIXL agent."""
+        agent = self._nixl.name if self._nixl is not None else ""
+        return wire.SlotReply(self.generation, tuple(blocks), self.slab_info(), agent,
+                              self.nixl_error)
 
     # ------------------------------------------------------------------ reads
     def prepare_read(
@@ -119,11 +142,11 @@ class BlockSource:
         ``finish`` with their lease ids waits for that and reports a slot whose bytes do not
         match as an invalid lease (and drops its block): see :mod:`kvshare.transfer.verify`.
         """
-        with self._lock:
-            if holder in self._finished:
-                return wire.SlotReply(self.generation, (DEADLINE,) * len(hashes))
-            known = [h in self.pool for h in hashes]
-            leases = self.pool.pin(hashes, holder, ttl_s, promote=True)
+        taken = self._take(holder, lambda: ([h in self.pool for h in hashes],
+                                            self.pool.pin(hashes, holder, ttl_s, promote=True)))
+        if taken is None:
+            return self._too_late(hashes)
+        known, leases = taken
         blocks: list[wire.SourceBlock | str] = []
         for was, lease in zip(known, leases, strict=True):
             if lease is None:
@@ -139,8 +162,7 @@ class BlockSource:
                 for h, b in zip(hashes, blocks, strict=True) if isinstance(b, wire.SourceBlock)])
         # the reader copies these slots itself (shm mapping, NIXL): they leave the slab now
         self.pool.note_read(Tier.HOST, sum(isinstance(b, wire.SourceBlock) for b in blocks))
-        agent, err = self._nixl_fields()
-        return wire.SlotReply(self.generation, tuple(blocks), self.slab_info(), agent, err)
+        return self._slot_reply(blocks)
 
     def push_read(
         self, hashes: Sequence[BlockHash], holder: str, ttl_s: float, request: wire.PushRequest
@@ -191,10 +213,7 @@ class BlockSource:
             self._verifier.forget(holder)
         with self._lock:
             alive = self.pool.leases_alive(lease_ids)
-            self.pool.release_holder(holder)
-            self._finished[holder] = None
-            while len(self._finished) > FINISHED_MEMORY:
-                self._finished.popitem(last=False)
+            self._end_holder(holder)
         if verdict is None:
             return alive
         corrupt = [s.block_hash for s in verdict.values() if not s.ok]
@@ -237,10 +256,9 @@ class BlockSource:
         self, hashes: Sequence[BlockHash], holder: str, ttl_s: float
     ) -> wire.SlotReply:
         """Reserve a host slot per new hash for ``holder`` (``"present"`` if already held)."""
-        with self._lock:
-            if holder in self._finished:
-                return wire.SlotReply(self.generation, (DEADLINE,) * len(hashes))
-            res = self.pool.reserve(hashes, holder, ttl_s)
+        res = self._take(holder, lambda: self.pool.reserve(hashes, holder, ttl_s))
+        if res is None:
+            return self._too_late(hashes)
         slots: list[wire.SourceBlock | str] = []
         for r in res:
             if isinstance(r, Reserved):
@@ -256,8 +274,7 @@ class BlockSource:
             else:
                 assert isinstance(r, NoSpace)
                 slots.append(NO_SPACE)
-        agent, err = self._nixl_fields()
-        return wire.SlotReply(self.generation, tuple(slots), self.slab_info(), agent, err)
+        return self._slot_reply(slots)
 
     def commit_write(
         self, holder: str, lease_ids: Sequence[int], checksums: Sequence[int]
@@ -267,8 +284,7 @@ class BlockSource:
             alive = self.pool.leases_alive(lease_ids)
             keep = [(lid, ck) for lid, ck, ok in zip(lease_ids, checksums, alive, strict=True) if ok]
             done = self.pool.commit([k[0] for k in keep], [k[1] for k in keep]) if keep else []
-            self.pool.release_holder(holder)
-            self._finished[holder] = None
+            self._end_holder(holder)
             return done
 
     def write_blocks(

@@ -39,6 +39,7 @@ from kvshare.vllm.stats import (
     KVSharePromMetrics,
     KVShareStats,
     byte_counters,
+    lookup_counters,
     wait_counters,
 )
 from kvshare.vllm.worker_side import WorkerSide
@@ -181,12 +182,15 @@ class KVShareConnector(KVConnectorBase_V1):
 
     # ------------------------------------------------------------------ stats (kvshare.vllm.stats)
     def get_kv_connector_stats(self) -> KVShareStats | None:
-        """Worker role: bytes loaded per transport and stored, and load waits, since the last
-        call."""
-        if self._worker is None:
-            return None  # the scheduler role moves no KV
-        moved = self._moved.take({**byte_counters(self._client.counters),
-                                  **wait_counters(self._worker.counters)})
+        """Since the last call: worker role, bytes loaded per transport and stored, and load
+        waits; scheduler role, lookup waits."""
+        if self._sched is not None:
+            moved = self._moved.take(lookup_counters(self._sched.counters))
+        elif self._worker is not None:
+            moved = self._moved.take({**byte_counters(self._client.counters),
+                                      **wait_counters(self._worker.counters)})
+        else:
+            return None
         return KVShareStats(data=moved) if moved else None
 
     @classmethod

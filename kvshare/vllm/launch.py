@@ -27,7 +27,10 @@ class VllmSpec:
     """One vLLM server. ``events_dir``: where the events/replay ipc sockets live.
     ``kv_cache_gb``: ``VLLM_CPU_KVCACHE_SPACE``; ``num_blocks``: cap on vLLM's KV pages
     (``--num-gpu-blocks-override``, small values force evictions); ``kv_transfer_config``:
-    the KV connector's ``--kv-transfer-config`` (None: no connector)."""
+    the KV connector's ``--kv-transfer-config`` (None: no connector); ``cpus``: the CPU cores
+    the server (API process and EngineCore) runs on, one OpenMP thread per core (empty: any
+    core, OpenMP's default thread count): an engine per device, as on a GPU host, so engines
+    sharing a machine do not fight over the same cores."""
 
     model: str
     port: int
@@ -41,10 +44,13 @@ class VllmSpec:
     kv_transfer_config: Mapping[str, Any] | None = None
     extra_args: tuple[str, ...] = ()
     env: Mapping[str, str] = field(default_factory=dict)
+    cpus: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size % 32:
             raise ValueError(f"block_size must be a multiple of 32 on vLLM-CPU, got {self.block_size}")
+        if any(c < 0 for c in self.cpus):
+            raise ValueError(f"cpus must be core numbers >= 0, got {self.cpus}")
         if not os.path.isdir(self.model):
             raise ValueError(f"model {self.model!r} is not a local model directory")
 
@@ -83,6 +89,8 @@ class VllmSpec:
         env.update({"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": f"{self.kv_cache_gb:g}",
                     "VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_SERVER_DEV_MODE": "1",
                     "TOKENIZERS_PARALLELISM": "false"})
+        if self.cpus:
+            env["OMP_NUM_THREADS"] = str(len(self.cpus))
         env.update(self.env)
         return env
 
@@ -96,10 +104,16 @@ class VllmProcess:
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> VllmProcess:
+        usable = os.sched_getaffinity(0)
+        if not set(self.spec.cpus) <= usable:
+            raise ValueError(f"cpus {sorted(set(self.spec.cpus) - usable)} are not usable on "
+                             f"this node (it may run on {sorted(usable)})")
         os.makedirs(self.spec.events_dir, exist_ok=True)
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(self.spec.argv(), env=self.spec.environ(), stdout=log,
                                          stderr=subprocess.STDOUT, start_new_session=True)
+        if self.spec.cpus:  # before the server spawns its EngineCore: children inherit it
+            os.sched_setaffinity(self.proc.pid, self.spec.cpus)
         return self
 
     def wait_ready(self, timeout_s: float = 300.0) -> None:

@@ -40,6 +40,9 @@ MAX_LOADS = 2
 """Load attempts per request (a preempted request may load again once)."""
 LOCAL_TRANSPORTS = (SOURCE_SHM, SOURCE_LOCAL)
 """Transports that never leave this node (candidates for a load inside the forward pass)."""
+LOOKUP_WAIT = "lookup_wait_seconds"
+LOOKUPS_ANSWERED = "lookups_answered"
+"""Counters: seconds requests were held for their lookups, and how many lookups answered."""
 
 
 @dataclass
@@ -55,6 +58,7 @@ class _Req:
     loads: int = 0  # load attempts; a failed one is never retried (no load/fail loops)
     failed: bool = False
     sync: bool = False  # the load in flight completes inside the step's forward pass
+    asked_at: float = 0.0  # when vLLM first asked for this lookup (0: not waiting on one)
 
 
 class SchedulerSide:
@@ -106,6 +110,7 @@ class SchedulerSide:
             return 0, False
         if st.lookup is None:
             self._count("lookups")
+            st.asked_at = time.perf_counter()
             st.lookup = self._lookups.submit(self._lookup, request.prompt_token_ids, st.hashes)
         try:
             plan = st.lookup.result(timeout=self.lookup_wait_s)
@@ -117,6 +122,7 @@ class SchedulerSide:
             self._count("lookup_errors")
             plan = Plan(self.client.namespace, len(st.hashes) * self.block_tokens,
                         self.block_tokens, tuple(st.hashes), 0, (), f"lookup failed: {exc}")
+        self._answered(st)
         st.saved_upto = max(st.saved_upto, plan.available_blocks)
         if "unavailable" in plan.reason:
             self._count("index_unavailable")
@@ -128,6 +134,16 @@ class SchedulerSide:
         st.hit_tokens = hit
         st.sync = self._sync(plan, hit, hit - num_computed)
         return hit - num_computed, not st.sync
+
+    def _answered(self, st: _Req) -> None:
+        """Count how long the request was held for its lookup (first ask to answer: the
+        steps vLLM kept it waiting), once per lookup."""
+        if st.asked_at:
+            with self._lock:
+                self.counters[LOOKUP_WAIT] = (self.counters.get(LOOKUP_WAIT, 0.0)
+                                              + time.perf_counter() - st.asked_at)
+                self.counters[LOOKUPS_ANSWERED] = self.counters.get(LOOKUPS_ANSWERED, 0) + 1
+            st.asked_at = 0.0
 
     def _sync(self, plan: Plan, hit: int, num_external: int) -> bool:
         """Whether the load completes inside the step's forward pass: every block from this

@@ -12,7 +12,11 @@ server's ``/metrics``, next to vLLM's own:
 - ``vllm:kvshare_load_seconds_total{where}`` and ``vllm:kvshare_loads_total{where}``: how long
   requests waited for their loads (submitted until vLLM was told they are done) and how
   many, ``where`` = ``local`` (this node's pool) or ``remote`` (a block from another node):
-  what a router needs to price a load (:mod:`kvshare.vllm.load`).
+  what a router needs to price a load (:mod:`kvshare.vllm.load`);
+- ``vllm:kvshare_lookup_seconds_total`` and ``vllm:kvshare_lookups_total`` (scheduler role):
+  how long requests were held for the connector's lookup (vLLM first asked until it had the
+  answer) and how many lookups answered: what the connector adds to a request that vLLM's own
+  prefix cache serves.
 
 Names start with ``vllm:`` as vLLM's own connector metrics do, so vLLM's re-registration
 (``unregister_vllm_metrics``, once per engine in a process) clears them too.
@@ -30,11 +34,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorStats,
 )
 
+from kvshare.vllm.scheduler_side import LOOKUP_WAIT, LOOKUPS_ANSWERED
+
 STORED = "bytes_stored"
 
 
 WAITS = ("local", "remote")
 _WAIT_KEYS = tuple(f"{p}{w}" for w in WAITS for p in ("load_reported_seconds_", "loads_"))
+LOOKUP_KEYS = (LOOKUP_WAIT, LOOKUPS_ANSWERED)
 
 
 def byte_counters(counters: Mapping[str, float]) -> dict[str, float]:
@@ -47,6 +54,11 @@ def wait_counters(counters: Mapping[str, float]) -> dict[str, float]:
     """The load waits of a :class:`~kvshare.vllm.worker_side.WorkerSide`'s counters
     (``load_reported_seconds_<where>``, ``loads_<where>``)."""
     return {k: float(counters[k]) for k in _WAIT_KEYS if k in counters}
+
+
+def lookup_counters(counters: Mapping[str, float]) -> dict[str, float]:
+    """The lookup waits of a :class:`~kvshare.vllm.scheduler_side.SchedulerSide`'s counters."""
+    return {k: float(counters[k]) for k in LOOKUP_KEYS if k in counters}
 
 
 class CounterDelta:
@@ -88,22 +100,25 @@ class KVSharePromMetrics(KVConnectorPromMetrics):
     def __init__(self, vllm_config: Any, metric_types: dict[type, type],
                  labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
-        self.loaded = cast(Counter, self._counter_cls(
-            name="vllm:kvshare_loaded_bytes",
-            documentation="KV bytes the kvshare connector loaded into vLLM's cache, per transport.",
-            labelnames=[*labelnames, "transport"]))
-        self.stored = cast(Counter, self._counter_cls(
-            name="vllm:kvshare_stored_bytes",
-            documentation="KV bytes the kvshare connector saved to this node's pool.",
-            labelnames=labelnames))
-        self.load_seconds = cast(Counter, self._counter_cls(
-            name="vllm:kvshare_load_seconds",
-            documentation="Seconds requests waited for kvshare loads, from this node's pool "
-                          "(local) or with blocks from another node (remote).",
-            labelnames=[*labelnames, "where"]))
-        self.loads = cast(Counter, self._counter_cls(
-            name="vllm:kvshare_loads", documentation="kvshare loads completed, local or remote.",
-            labelnames=[*labelnames, "where"]))
+
+        def counter(name: str, documentation: str, *labels: str) -> Counter:
+            """``vllm:kvshare_<name>``, labelled by engine and ``labels``."""
+            return cast(Counter, self._counter_cls(name=f"vllm:kvshare_{name}",
+                                                   documentation=documentation,
+                                                   labelnames=[*labelnames, *labels]))
+
+        self.loaded = counter(
+            "loaded_bytes", "KV bytes the kvshare connector loaded into vLLM's cache, per "
+            "transport.", "transport")
+        self.stored = counter(
+            "stored_bytes", "KV bytes the kvshare connector saved to this node's pool.")
+        self.load_seconds = counter(
+            "load_seconds", "Seconds requests waited for kvshare loads, from this node's pool "
+            "(local) or with blocks from another node (remote).", "where")
+        self.loads = counter("loads", "kvshare loads completed, local or remote.", "where")
+        self.lookup_seconds = counter(
+            "lookup_seconds", "Seconds requests were held for kvshare lookups.")
+        self.lookups = counter("lookups", "kvshare lookups answered.")
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         labels = self.per_engine_labelvalues[engine_idx]
@@ -114,6 +129,10 @@ class KVSharePromMetrics(KVConnectorPromMetrics):
                 self.load_seconds.labels(*labels, key.rsplit("_", 1)[1]).inc(value)
             elif key.startswith("loads_"):
                 self.loads.labels(*labels, key.removeprefix("loads_")).inc(value)
+            elif key == LOOKUP_KEYS[0]:
+                self.lookup_seconds.labels(*labels).inc(value)
+            elif key == LOOKUP_KEYS[1]:
+                self.lookups.labels(*labels).inc(value)
             elif not key.startswith("bytes_"):
                 continue
             elif key == STORED:

@@ -30,16 +30,13 @@ from typing import Any
 
 import torch
 
-from kvshare.client_types import KVClient, LoadResult, Plan, StoreResult
+from kvshare.client_types import REMOTE_SOURCES, KVClient, LoadResult, Plan, StoreResult
 from kvshare.types import BlockHash
 from kvshare.vllm.config import ModelKeys
 from kvshare.vllm.metadata import KVShareMetadata, LoadSpec
 from kvshare.vllm.paged import PagedRequestKV, PageViews
 
 log = logging.getLogger(__name__)
-
-REMOTE_TRANSPORTS = frozenset({"nixl", "objstore"})
-"""Transports that bring a block from another node (a load using one counts as ``remote``)."""
 
 IDLE_WAIT_S = 0.01
 """How long a step with no forward pass waits for a pending load (it returns as soon as one
@@ -188,7 +185,7 @@ class WorkerSide:
         try:
             res = fut.result()
             good = res.loaded_blocks
-            if any(o.transport in REMOTE_TRANSPORTS for o in res.outcomes):
+            if any(o.transport in REMOTE_SOURCES for o in res.outcomes):
                 where = "remote"
             self._count("load_seconds", res.seconds)
             for o in res.failed:

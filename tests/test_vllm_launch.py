@@ -1,0 +1,62 @@
+"""A vLLM server pinned to its cores (``VllmSpec.cpus``): the server and what it spawns run
+on those cores with one OpenMP thread each; a core the node does not have is refused before
+anything starts. The process is a stand-in for ``vllm.entrypoints.openai.api_server`` that
+reports what it was given (the launch wiring is what is under test, not vLLM)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from kvshare.vllm.launch import VllmProcess, VllmSpec
+from tests.vllm_helpers import wait_for
+
+CHILD = "import os, sys; open(sys.argv[1], 'w').write(str(sorted(os.sched_getaffinity(0))))"
+REPORT = f"""
+import os, subprocess, sys, time
+if __name__ == "__main__":
+    out = sys.argv[1]
+    subprocess.run([sys.executable, "-c", {CHILD!r}, out + ".child"], check=True)
+    open(out + ".tmp", "w").write(" ".join(map(str, sorted(os.sched_getaffinity(0))))
+                                  + " omp=" + os.environ.get("OMP_NUM_THREADS", ""))
+    os.replace(out + ".tmp", out)
+    time.sleep(60)
+"""
+
+
+@dataclass(frozen=True)
+class ReportingSpec(VllmSpec):
+    """The server's command replaced by :data:`REPORT` (writes to ``<events_dir>/report``)."""
+
+    def argv(self) -> list[str]:
+        return [sys.executable, "-c", REPORT, os.path.join(self.events_dir, "report")]
+
+
+def test_a_pinned_server_and_its_children_run_on_its_cores_one_thread_each(tmp_path: Path) -> None:
+    core = max(os.sched_getaffinity(0))
+    spec = ReportingSpec(model=str(tmp_path), port=1, events_dir=str(tmp_path), cpus=(core,))
+    proc = VllmProcess(spec).start()
+    try:
+        report = tmp_path / "report"
+        wait_for(lambda: report.exists() and report.read_text(), timeout_s=60)
+        assert report.read_text() == f"{core} omp=1"
+        assert (tmp_path / "report.child").read_text() == str([core])  # spawned later: inherits
+    finally:
+        proc.stop(timeout_s=5)
+
+
+def test_cores_that_do_not_exist_are_refused_before_anything_starts(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="cpus must be core numbers"):
+        ReportingSpec(model=str(tmp_path), port=1, events_dir=str(tmp_path), cpus=(-1,))
+    missing = max(os.sched_getaffinity(0)) + 1000
+    proc = VllmProcess(ReportingSpec(model=str(tmp_path), port=1, events_dir=str(tmp_path),
+                                     cpus=(missing,)))
+    with pytest.raises(ValueError, match=f"cpus \\[{missing}\\] are not usable on this node"):
+        proc.start()
+    assert proc.proc is None and not (tmp_path / "report").exists()
+    unpinned = ReportingSpec(model=str(tmp_path), port=1, events_dir=str(tmp_path))
+    assert unpinned.environ().get("OMP_NUM_THREADS") == os.environ.get("OMP_NUM_THREADS")
