@@ -44,6 +44,21 @@ static void chain_loop(const unsigned char *parent, const unsigned char *data, P
     }
 }
 
+/* ValueError (-1) unless the parent is one sha256 digest and ``size`` (named ``size_name``) > 0. */
+static int check_chain_args(Py_ssize_t parent_len, const char *size_name, Py_ssize_t size)
+{
+    if (parent_len != DIGEST) {
+        PyErr_Format(PyExc_ValueError, "parent must be %d bytes (a sha256 digest), got %zd",
+                     DIGEST, parent_len);
+        return -1;
+    }
+    if (size <= 0) {
+        PyErr_Format(PyExc_ValueError, "%s must be positive, got %zd", size_name, size);
+        return -1;
+    }
+    return 0;
+}
+
 static PyObject *sha256_chain(PyObject *self, PyObject *args)
 {
     const char *parent;
@@ -55,15 +70,8 @@ static PyObject *sha256_chain(PyObject *self, PyObject *args)
         return NULL;
     PyObject *result = NULL;
     unsigned char *out = NULL;
-    if (parent_len != DIGEST) {
-        PyErr_Format(PyExc_ValueError, "parent must be %d bytes (a sha256 digest), got %zd",
-                     DIGEST, parent_len);
+    if (check_chain_args(parent_len, "block_bytes", block_bytes) < 0)
         goto done;
-    }
-    if (block_bytes <= 0) {
-        PyErr_Format(PyExc_ValueError, "block_bytes must be positive, got %zd", block_bytes);
-        goto done;
-    }
     Py_ssize_t n_blocks = data.len / block_bytes;
     result = PyList_New(n_blocks);
     if (result == NULL || n_blocks == 0)
@@ -196,15 +204,8 @@ static PyObject *sha256_chain_u32(PyObject *self, PyObject *args)
         return NULL;
     PyObject *result = NULL, *fast = NULL;
     unsigned char *buf = NULL;
-    if (parent_len != DIGEST) {
-        PyErr_Format(PyExc_ValueError, "parent must be %d bytes (a sha256 digest), got %zd",
-                     DIGEST, parent_len);
+    if (check_chain_args(parent_len, "block_tokens", block_tokens) < 0)
         goto done;
-    }
-    if (block_tokens <= 0) {
-        PyErr_Format(PyExc_ValueError, "block_tokens must be positive, got %zd", block_tokens);
-        goto done;
-    }
     fast = PySequence_Fast(seq, "token ids must be a list or tuple of ints");
     if (fast == NULL)
         goto done;
