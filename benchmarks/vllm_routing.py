@@ -311,6 +311,8 @@ def summary(name: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
             "ttft_p50_s": round(float(np.percentile(t, 50)), 4),
             "ttft_p99_s": round(float(np.percentile(t, 99)), 4),
             "engine_ttft_p50_s": round(float(np.percentile(engine, 50)), 4),
+            # TTFT outside the engine: routing, Serve's placement, the replica, the handle
+            "outside_engine_p50_s": round(float(np.percentile(t - engine, 50)), 4),
             "ttft_p50_per_run_s": [round(float(np.percentile([r["ttft_s"] for r in run["records"]],
                                                               50)), 4) for run in runs],
             "completed_per_s": round(len(t) / sum(run["wall_s"] for run in runs), 3),
@@ -335,6 +337,11 @@ def main() -> int:
                          "so a load change on the machine does not fall on one router")
     ap.add_argument("--records", default="",
                     help="write every request's record (JSON lines: router, run, worker, TTFT...)")
+    ap.add_argument("--kvshare-kwargs", type=json.loads,
+                    default={"index_replica": True, "loads_refresh_s": 0.1},
+                    help="kvshare router's request_router_kwargs (JSON); default: its own copy "
+                         "of the index and load reports read in the background, as KVAwareRouter "
+                         "keeps its tracker in process ('{}': an index call per request)")
     ap.add_argument("--log-decisions", action="store_true",
                     help="log every kvshare decision (estimates per replica) to stderr")
     ap.add_argument("--no-connector", dest="connector", action="store_false",
@@ -401,8 +408,8 @@ def main() -> int:
                     for url in endpoints:  # every router starts cold: no vLLM cache, empty pools
                         httpx.post(f"{url}/reset_prefix_cache", timeout=60).raise_for_status()
                     admin.clear(NS)
-                    kwargs = ({"namespace": NS, "log_decisions": args.log_decisions}
-                              if name == "kvshare" else {})
+                    kwargs = ({"namespace": NS, "log_decisions": args.log_decisions,
+                               **args.kvshare_kwargs} if name == "kvshare" else {})
                     app = vllm_app(ROUTERS[name], len(infos), NS, router_kwargs=kwargs,
                                    replica_resources={"vllm_slot": 1})
                     handle = serve.run(app, name=name, route_prefix=None)
@@ -438,6 +445,7 @@ def main() -> int:
                                        for n, r in results.items()},
                            "repeats": args.repeats,
                            "connector": args.connector, "cores_per_server": args.cores_per_server,
+                           "kvshare_kwargs": args.kvshare_kwargs,
                            "total_s": round(time.perf_counter() - t_start, 1)}
     if "kvshare" in results and peers:
         best = min(peers, key=lambda r: r["ttft_p50_s"])

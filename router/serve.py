@@ -40,6 +40,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import weakref
 from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any, NamedTuple
@@ -98,6 +99,9 @@ class KVShareRequestRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         self._workers: dict[WorkerId, WorkerInfo] = {}
         self._workers_at = -1e9
         self._loads: dict[WorkerId, WorkerLoad] = {}
+        self._loads_at = -1e9
+        self._loads_task: asyncio.Task[None] | None = None
+        self._replica: Any = None  # settings.index_replica: the router's copy of the index
         self._hashing: dict[str, WorkerHashing] = {}
         st = self.settings
         self.core = RoutingCore(
@@ -169,6 +173,11 @@ class KVShareRequestRouter(LocalityMixin, MultiplexMixin, RequestRouter):
             client.timeout_s = max(1.0, self.settings.index_timeout_s)
             client.loads()  # warm the connection to the index actor (first calls are slow)
             client.timeout_s = self.settings.index_timeout_s
+            if self.settings.index_replica:
+                from actors.index.replica import IndexReplica
+
+                self._replica = IndexReplica.follow(client, poll_s=self.settings.replica_poll_s)
+                weakref.finalize(self, self._replica.close)  # a deleted router stops polling
             return client
 
         self._connect_task = self._event_loop.create_task(asyncio.to_thread(connect))
@@ -184,7 +193,7 @@ class KVShareRequestRouter(LocalityMixin, MultiplexMixin, RequestRouter):
             return None
         try:
             self._client = await asyncio.wait_for(asyncio.shield(task), self.settings.index_timeout_s)
-            self.core.index = self._client
+            self.core.index = self._replica or self._client
             self._connect_task = None
         except TimeoutError:
             return None
@@ -304,13 +313,31 @@ class KVShareRequestRouter(LocalityMixin, MultiplexMixin, RequestRouter):
                            answer, loads, hashing, pr)
 
     async def _fresh_loads(self, client: Any, deadline: float) -> dict[WorkerId, WorkerLoad]:
-        """The workers' load reports by ``deadline`` (the last ones read, if late or down)."""
+        """The workers' load reports by ``deadline`` (the last ones read, if late or down);
+        with ``loads_refresh_s``, the latest read, refreshed in the background."""
+        every = self.settings.loads_refresh_s
+        if every and self._loads:
+            if time.monotonic() - self._loads_at >= every and self._loads_task is None:
+                task = asyncio.get_running_loop().create_task(self._read_loads(client))
+                task.add_done_callback(self._loads_read)
+                self._loads_task = task
+            return self._loads
         try:
             remaining = max(0.001, deadline - asyncio.get_running_loop().time())
-            self._loads = dict(await asyncio.wait_for(client.loads_async(), remaining))
+            await asyncio.wait_for(self._read_loads(client), remaining)
         except (TimeoutError, RayError):
             pass
         return self._loads
+
+    async def _read_loads(self, client: Any) -> None:
+        self._loads = dict(await client.loads_async())
+        self._loads_at = time.monotonic()
+
+    def _loads_read(self, task: asyncio.Task[None]) -> None:
+        """A background read ended; a failed one keeps the last reports (and is retried)."""
+        self._loads_task = None
+        if not task.cancelled() and task.exception() is not None:
+            log.info("kvshare load reports unavailable: %s", task.exception())
 
     def _repass(
         self, replicas: list[RunningReplica], pr: PendingRequest

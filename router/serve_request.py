@@ -64,6 +64,12 @@ class ServeRouterSettings:
     ``spill_ratio``/``spill_after_passes``: on a request's first routing passes, replicas
     estimated more than ``spill_ratio`` slower than the best are held back; from pass
     ``spill_after_passes`` on (Serve backs off between passes) every replica is offered.
+    ``index_replica``: keep a copy of the index in the router's process
+    (:class:`~actors.index.replica.IndexReplica`, polling the shards' change streams every
+    ``replica_poll_s``), as Dynamo's KV router and Serve LLM's ``KVAwareRouter`` keep theirs:
+    a decision then waits on no index call. ``loads_refresh_s`` > 0: the workers' load
+    reports are read in the background at most that often and a decision uses the latest
+    read (0: read for every request, within ``index_timeout_s``).
     """
 
     namespace: str = ""
@@ -80,6 +86,9 @@ class ServeRouterSettings:
     bytes_per_token: int = 0
     bandwidths: Mapping[str, float] | None = None
     log_decisions: bool = False
+    index_replica: bool = False
+    replica_poll_s: float = 0.02
+    loads_refresh_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.index_timeout_s <= 0 or self.pending_ttl_s <= 0:
@@ -88,6 +97,8 @@ class ServeRouterSettings:
             raise ValueError("spill_after_passes must be >= 1 and spill_ratio >= 0")
         if self.prefill_tokens_per_s <= 0:
             raise ValueError("prefill_tokens_per_s must be positive")
+        if self.replica_poll_s <= 0 or self.loads_refresh_s < 0:
+            raise ValueError("replica_poll_s must be positive and loads_refresh_s >= 0 seconds")
         if self.sharing:
             Sharing(self.sharing)  # ValueError naming the bad value
 

@@ -112,11 +112,12 @@ class _Job:
 
 
 class _Worker:
-    def __init__(self, i: int, namespace: str) -> None:
+    def __init__(self, i: int, namespace: str, kv_blocks: int) -> None:
         self.info = WorkerInfo(WorkerId(f"w{i}"), NodeId(f"n{i}"), (namespace,),
                                meta={META_GPU_PRIVATE: "1"})
         self.queue: deque[_Job] = deque()
         self.running: _Job | None = None
+        self.kv_blocks = kv_blocks  # blocks of KV its GPUs hold next to the weights
         self.busy_s = 0.0
         self.tps = 0.0  # measured prefill tokens/s (EWMA), 0 = not measured yet
 
@@ -127,7 +128,9 @@ class _Worker:
         planned when routed, plus the rest of the running one); ``prefill_tokens_per_s``: the
         rate at which the worker expects to drain them (its own plans), else its measured
         average rate, so ``queued / rate`` is the worker's own estimate of its queue wait;
-        ``running``: requests queued or running; ``waiting``: queued ones.
+        ``running``: requests queued or running; ``waiting``: queued ones; ``kv_usage``: the
+        share of its GPUs' KV room its requests in flight take (capped at 1), as vLLM's
+        ``kv_cache_usage_perc`` reads once it has admitted its backlog into the running batch.
         """
         queued = sum(j.est_uncached for j in self.queue)
         drain = sum(j.est_service for j in self.queue)
@@ -141,7 +144,9 @@ class _Worker:
             active += len(r.hashes)
         rate = queued / drain if queued > 0 and drain > 0 else self.tps
         n = len(self.queue) + (r is not None)
-        return WorkerLoad(self.info.worker_id, queued, n, rate, now, len(self.queue)), active
+        usage = min(1.0, active / self.kv_blocks) if self.kv_blocks > 0 else 0.0
+        return WorkerLoad(self.info.worker_id, queued, n, rate, now, len(self.queue),
+                          kv_usage=usage), active
 
 
 class Simulator:
@@ -168,7 +173,8 @@ class Simulator:
         tiers = [TierSpec(Tier.HOST, config.host_tokens * bpt)]
         if config.disk_tokens:
             tiers.append(TierSpec(Tier.DISK, config.disk_tokens * bpt))
-        self.workers = [_Worker(i, ns) for i in range(config.workers)]
+        kv_blocks = config.kv_capacity_tokens // config.block_tokens
+        self.workers = [_Worker(i, ns, kv_blocks) for i in range(config.workers)]
         self.pools = [
             TieredBlockPool(
                 PoolConfig(ns, layout, tuple(tiers), location=node_location(w.info.node),

@@ -264,6 +264,35 @@ def test_both_front_ends_price_a_remote_load_at_what_the_workers_measured(
     assert (decision.remote_blocks == 0) == (remote_load_s > 0), decision
 
 
+@pytest.mark.parametrize("loads_refresh_s", [0.0, 60.0])
+def test_serve_reads_load_reports_per_request_or_in_the_background(loads_refresh_s: float) -> None:
+    """By default every decision reads the workers' load reports; with ``loads_refresh_s``
+    only the first waits for them and later decisions use the latest read (a read is started
+    in the background once it is that old), so a decision makes no call for them."""
+    reps = replicas(2)
+
+    class Counting(InProcessIndex):
+        reads = 0
+
+        async def loads_async(self) -> dict[WorkerId, WorkerLoad]:
+            Counting.reads += 1
+            return await super().loads_async()
+
+    async def stream() -> list[Any]:
+        serve = KVShareRequestRouter(deployment_id=DEPLOYMENT,
+                                     handle_source=DeploymentHandleSource.UNKNOWN)
+        serve.initialize_state(namespace=NS, prefill_tokens_per_s=TPS, workers_refresh_s=0.0,
+                               loads_refresh_s=loads_refresh_s)
+        serve.use_index(Counting(cluster(reps)))
+        serve.update_replicas(reps)
+        return [(await serve.choose_replicas(reps, pending_request(i, ids)))[0][0]
+                for i, ids in enumerate(STREAM[:5])]
+
+    chosen = asyncio.run(stream())
+    assert len(chosen) == 5
+    assert Counting.reads == (5 if loads_refresh_s == 0 else 1)
+
+
 # ------------------------------------------------------------------ the core's own rules
 class SlowIndex:
     """Answers after the deadline (a real coroutine), or says it is unavailable."""

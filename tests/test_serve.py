@@ -65,6 +65,8 @@ def test_router_settings_reject_unknown_kwargs_and_bad_values() -> None:
     with pytest.raises(ValueError):
         ServeRouterSettings.from_kwargs({"sharing": "everywhere"})
     assert ServeRouterSettings.from_kwargs({"policy": "cost"}).policy == "cost"
+    with pytest.raises(ValueError, match="replica_poll_s"):
+        ServeRouterSettings.from_kwargs({"loads_refresh_s": -1})
 
 
 # ---------------------------------------------------------------------- the cluster
@@ -83,6 +85,9 @@ def apps(ray_cluster: Any) -> Iterator[dict[str, str]]:
     common = {"engine": ENGINE, "sharing": "local", "replica_cpus": 0.5, "num_replicas": 2}
     # This machine runs everyone's tests on 2 cores (load average 15-40): a generous deadline.
     slow_ok = {"index_timeout_s": 2.0, "log_decisions": True}
+    # the kvshare app routes on its own copy of the index, load reports read in the background
+    # (the per-request index path: test_vllm_cluster's Serve test, test_router_core)
+    slow_ok |= {"index_replica": True, "loads_refresh_s": 0.1}
     serve.run_many([
         RunTarget(build_app(router="kvshare", namespace="serve-kv", router_kwargs=slow_ok,
                             **common), "kv", "/kv"),

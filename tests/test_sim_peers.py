@@ -125,3 +125,41 @@ def test_a_bad_peer_option_names_the_rule_and_makes_no_policy(name: str, bad: di
         make_policy(name, _cost(), **bad)
     with pytest.raises(TypeError, match="typo_weight"):
         make_policy(name, _cost(), typo_weight=1.0)
+
+
+def test_llmd_kv_utilization_lets_idle_pods_tie_a_lone_holder_whose_kv_is_full() -> None:
+    """llm-d's guide also weighs the kv-cache-utilization scorer (1.0): a lone holder of the
+    prefix whose KV is full and whose queue is deepest scores 2 + 0 + 0, the same as an idle
+    pod's 0 + 1 + 1, so the max-score picker spreads them at random; with KV room left the
+    holder still wins (2 + 0.5 + 0 > 2)."""
+    p = make_policy("llmd_precise", _cost())
+    match = _held({node_location("n0"): (8, Tier.HOST)})
+
+    def hot(usage: float) -> list[Candidate]:
+        c0 = _cand(0, running=6)
+        return [Candidate(c0.info, WorkerLoad(c0.info.worker_id, 0, 6, kv_usage=usage)),
+                _cand(1, running=1), _cand(2, running=1)]
+
+    assert {p.choose(REQ, match, hot(0.5)).worker for _ in range(20)} == {"w0"}
+    assert {p.choose(REQ, match, hot(1.0)).worker for _ in range(60)} == {"w0", "w1", "w2"}
+
+
+def test_llmd_spreads_a_shared_prefix_burst_once_the_holders_kv_fills() -> None:
+    """A burst of prompts sharing their first block on 4 modelled workers whose KV holds ~16
+    prompts: llm-d's rule sends them to the holder until its KV is full, then spreads them
+    (it used to send every one to the first worker, whatever the cluster size)."""
+    from dataclasses import replace
+
+    from router.cluster import ClusterConfig
+    from router.sim import simulate
+    from router.trace import TraceRequest
+
+    base = ClusterConfig(workers=4)
+    prompt = 8 * base.block_tokens
+    cfg = replace(base, gpu_bytes=2 * base.params + 16 * prompt * base.layout.bytes_per_token)
+    burst = [TraceRequest(i, 0.001 * i, prompt, 1, [0, *range(1 + 7 * i, 8 + 7 * i)])
+             for i in range(60)]
+    rows = simulate(burst, cfg, ["llmd_precise"], reference=False).rows["llmd_precise"]
+    shares = sorted((list(rows["worker"]).count(f"w{i}") for i in range(4)), reverse=True)
+    assert sum(shares) == 60
+    assert shares[0] < 60 and shares[1] > 0

@@ -247,6 +247,34 @@ def test_lookup_waits_reach_vllms_scheduler_stats_once_per_lookup(model: str) ->
     assert all(not (s.kv_connector_stats or {}).get("lookups_answered") for s in later)
 
 
+def test_a_turn_vllm_holds_but_part_of_a_block_waits_on_no_lookup(model: str) -> None:
+    """The next turn of a conversation this engine served: vLLM's own cache holds all but
+    part of one block of it, so the cluster could add less than a block and the request is
+    scheduled at once, without a lookup (the blocks vLLM holds are not saved again); a turn
+    that adds more than a block still looks the rest up."""
+    sched = make_scheduler(model)
+    first = tokens(7, BLOCK + 40)  # vLLM caches its 3 full pages (96 tokens)
+    req = request("t0", first, max_tokens=1)
+    sched.add_request(req)
+    out = sched.schedule()
+    sched.update_from_output(out, output([req]))
+    out = sched.schedule()
+    sched.update_from_output(out, output([], finished_sending={"t0"}))
+    lookups = sched.connector.counters.get("lookups", 0)
+    nxt = request("t1", first + tokens(8, 40))  # 2 full blocks: at most 32 more tokens
+    sched.add_request(nxt)
+    out = sched.schedule()
+    assert out.num_scheduled_tokens == {"t1": len(first) + 40 - 3 * PAGE}  # vLLM's hit
+    counters = sched.connector.counters
+    assert counters.get("lookups", 0) == lookups and counters["lookups_skipped"] == 1
+    assert [s.start_block for s in out.kv_connector_metadata.saves] == [1]  # block 0: vLLM's
+    sched.update_from_output(out, output([nxt]))
+    longer = request("t2", first + tokens(9, 2 * BLOCK))  # 4 blocks: 160 tokens beyond vLLM's
+    sched.add_request(longer)
+    sched.schedule()
+    assert sched.connector.counters["lookups"] == lookups + 1
+
+
 def test_bad_config_fails_at_start_up_naming_the_fix(model: str, tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"not a multiple of vLLM's --block-size 32.*e\.g\. 32"):
         make_scheduler(model, block_tokens=48)

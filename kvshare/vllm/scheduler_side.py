@@ -10,7 +10,8 @@ just before that step's forward pass (no engine steps spent waiting for the load
 
 Per request: its full blocks' hashes (namespace root from the model keys and the request's
 ``cache_salt``); what the cluster holds beyond vLLM's own prefix hit, cut by the cost model
-(:class:`kvshare.client.KVShareClient.lookup`); then, step by step, which new full blocks to
+(:class:`kvshare.client.KVShareClient.lookup`), unless that hit leaves the cluster less than
+one block to add (then no lookup: vLLM's own hits wait on nothing); then, step by step, which new full blocks to
 save (blocks the cluster did not hold at lookup, or whose load failed and were recomputed,
 once the forward pass has computed them).
 A request that had a save issued keeps its pages after it finishes until the workers report
@@ -107,6 +108,15 @@ class SchedulerSide:
         """``get_num_new_matched_tokens``: tokens beyond ``num_computed`` the cluster brings."""
         st = self._state(request)
         if st is None or not st.hashes or st.failed or st.loads >= MAX_LOADS:
+            return 0, False
+        most = min(len(st.hashes) * self.block_tokens, int(request.num_tokens) - 1)
+        if st.lookup is None and most - num_computed < self.block_tokens:
+            # vLLM's own cache holds all but part of one block (a turn of a conversation this
+            # engine served): the cluster can add less than a block, not worth a wait on the
+            # index. The blocks vLLM holds were stored when this engine computed (or loaded)
+            # them, so they are not saved again.
+            self._count("lookups_skipped")
+            st.saved_upto = max(st.saved_upto, num_computed // self.block_tokens)
             return 0, False
         if st.lookup is None:
             self._count("lookups")
