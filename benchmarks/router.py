@@ -10,6 +10,12 @@ Measures, in one run:
   ``replica_p99_ms`` (targets >= 20,000/s, p99 <= 1 ms), after checking that the replica
   answers every prompt as the actor does.
 The index holds 16 nodes' worth of blocks of prompts that share system-prompt prefixes.
+A timed decision is what the gateway does per request: ``route`` on the prompt's token ids
+(hash its 32 blocks, the index's match, the worker list and loads with this router's
+in-flight work, the pending blocks' match, every worker scored by the policy, the pending
+blocks and in-flight work recorded at the chosen worker, metrics, the recent-decisions record)
+and ``finished`` when done; the 400 prompts are cycled, so their token ids are cold in cache.
+The replica leg also prints the score stage's parts (``replica_score_parts_us``).
 Last line: one JSON object with ``decisions_per_s``, ``actor_decisions_per_s``,
 ``p99_decision_ms`` (targets: >= 5,000/s in-process; p99 <= 5 ms through the actor).
 """

@@ -7,7 +7,8 @@ block through ``nixl`` (default UCX transports: cma here, the stand-in for RDMA)
 reader on node A pulls through ``shm`` (shared memory is same-node only). The NIXL case runs again with a second pool/reader pair started with ``UCX_TLS=tcp,self`` (what
 hosts without RDMA get). Each figure is the median of 5 timed batches (3 for objstore) after one warm-up, with
 checksums verified as in production. Baseline: plain numpy copy of the same 256 MiB in the
-reader. Second baseline, raw NIXL (``benchmarks/raw_nixl.py``): two plain processes, one READ
+reader. The pool checks every block NIXL reads against its checksum while the READ runs (the
+default); ``nixl_end_to_end`` is the reader checking what arrived instead. Second baseline, raw NIXL (``benchmarks/raw_nixl.py``): two plain processes, one READ
 of the same 256 MiB in 16 MiB blocks from a tmpfs mapping like the pool's slab, nothing of
 kvshare around it (``nixl_vs_raw_same_memory`` = kvshare's nixl / raw). Then the pools' own
 probes (the ``transfer_measure`` the watcher runs: node A probes itself for shm, node B probes
@@ -35,6 +36,7 @@ import ray
 from actors.local_cluster import local_cluster
 from benchmarks.raw_nixl import RawNixl
 from kvshare.layout import KVLayout
+from kvshare.tiers.host import shm_huge_pages
 from kvshare.transfer.local import make_local_pool
 from kvshare.transfer.probe import PROBE_NAMESPACE
 from kvshare.transfer.serve import TransferEndpoints, TransferService
@@ -66,6 +68,14 @@ class PoolHost(TransferEndpoints):
 
     def ready(self) -> bool:
         return True
+
+    def slab_huge_page_bytes(self) -> int:
+        """Bytes of the pools' slabs backed by 2 MiB pages in this process."""
+        total = 0
+        for bb in LAYOUTS:
+            slab = self.transfer.source(f"bench{bb // MiB}m").slab
+            total += slab.huge_page_bytes() if slab is not None else 0
+        return total
 
     def shutdown(self) -> None:
         pools = [self.transfer.source(f"bench{bb // MiB}m").pool for bb in LAYOUTS]
@@ -105,6 +115,8 @@ class Reader:
 
             self.transports["nixl"] = NixlTransport(agent)
             self.transports["nixl"].register(self.dest)
+            self.transports["nixl_end_to_end"] = NixlTransport(agent + "-e2e", end_to_end=True)
+            self.transports["nixl_end_to_end"].register(self.dest)
             from kvshare.transfer.nixl_push import NixlPushTransport
 
             self.transports["nixl_push"] = NixlPushTransport(agent + "-push")
@@ -149,10 +161,11 @@ def main() -> None:
         memcpy = ray.get(b.memcpy.remote())
         print(f"memcpy (node B, 256 MiB): {memcpy:.2f} GB/s", flush=True)
         for bb in LAYOUTS:
-            for name, reader in (("shm", a), ("nixl", b), ("nixl_push", b), ("objstore", b)):
+            for name, reader in (("shm", a), ("nixl", b), ("nixl_end_to_end", b), ("nixl_push", b),
+                                 ("objstore", b)):
                 gbps = ray.get(reader.pull.remote(name, bb))
                 out.setdefault(name, {})[bb] = gbps
-                print(f"{name:9s} {bb // MiB:2d} MiB blocks: {gbps:6.2f} GB/s "
+                print(f"{name:15s} {bb // MiB:2d} MiB blocks: {gbps:6.2f} GB/s "
                       f"({gbps / memcpy:.2f}x memcpy)", flush=True)
         published = ray.get(host.transfer_measure.remote(PROBE_NAMESPACE, {"bench-a": host}))
         prober = ray.remote(num_cpus=0)(ProbeHost).options(resources={"bench_b": 1}).remote("bench-b")
@@ -166,12 +179,15 @@ def main() -> None:
             raw = 0.0
             for _ in range(3):
                 raw = max(raw, raw_nixl.read_gbps())
-                out["nixl"][16 * MiB] = max(out["nixl"][16 * MiB],
-                                            ray.get(b.pull.remote("nixl", 16 * MiB)))
+                for name in ("nixl", "nixl_end_to_end"):
+                    out[name][16 * MiB] = max(out[name][16 * MiB],
+                                              ray.get(b.pull.remote(name, 16 * MiB)))
         finally:
             raw_nixl.close()
         print(f"raw NIXL READ, two plain processes, tmpfs source, 16 MiB blocks: {raw:6.2f} GB/s "
-              f"(kvshare nixl, interleaved with it: {out['nixl'][16 * MiB]:6.2f} GB/s)", flush=True)
+              f"(kvshare nixl, interleaved with it: {out['nixl'][16 * MiB]:6.2f} GB/s; checked by "
+              f"the reader instead: {out['nixl_end_to_end'][16 * MiB]:6.2f} GB/s)", flush=True)
+        huge = ray.get(host.slab_huge_page_bytes.remote())
         again = ray.get(b.memcpy.remote())
         print(f"memcpy again: {again:.2f} GB/s (baseline = the faster of the two)", flush=True)
         memcpy = max(memcpy, again)
@@ -203,6 +219,7 @@ def main() -> None:
         "objstore_GBps": round(out["objstore"][big], 3),
         "nixl_vs_memcpy": round(out["nixl"][big] / memcpy, 3),
         "nixl_vs_objstore": round(out["nixl"][big] / out["objstore"][big], 3),
+        "nixl_end_to_end_GBps": round(out["nixl_end_to_end"][big], 3),
         "nixl_push_GBps": round(out["nixl_push"][big], 3),
         "nixl_push_vs_memcpy": round(out["nixl_push"][big] / memcpy, 3),
         "raw_nixl_GBps": round(raw, 3),
@@ -214,7 +231,9 @@ def main() -> None:
                                        for k in ("shm", "nixl", "objstore")), 3),
         "probe_vs_measured_each": {k: round(published.get(k, 0.0) / out[k][big], 3)
                                    for k in ("shm", "nixl", "objstore")},
-        "shmem_huge_pages": _shmem_thp(),
+        "nixl_end_to_end_vs_raw": round(out["nixl_end_to_end"][big] / raw, 3),
+        "shm_huge_pages": shm_huge_pages(),
+        "slab_huge_page_MiB": huge // MiB,
     }
     print(f"targets: shm >= 0.8x memcpy: {result['shm_GBps'] / memcpy:.2f}x; "
           f"nixl >= 0.4x memcpy: {result['nixl_vs_memcpy']:.2f}x; "
@@ -222,24 +241,16 @@ def main() -> None:
           f"nixl_push (pool WRITEs into the reader): {result['nixl_push_vs_memcpy']:.2f}x memcpy",
           flush=True)
     print(f"note: NIXL here reads over UCX cma (process_vm_readv), which pins the source pages "
-          f"on every transfer; the pool slab lives in /dev/shm (tmpfs) and this host's shmem "
-          f"huge pages are '{_shmem_thp()}', so it pins 4 KiB pages (RDMA NICs register the slab "
-          "once instead). nixl_push makes the pool the initiator: cma then pins the reader's "
+          f"on every transfer; the pool slab lives in /dev/shm (tmpfs), whose huge pages are "
+          f"'{shm_huge_pages()}' here ({huge // MiB} MiB of the slabs on 2 MiB pages), so it pins "
+          "4 KiB pages unless /dev/shm is mounted with huge=within_size or huge=advise (RDMA "
+          "NICs register the slab once instead). nixl_push makes the pool the initiator: cma then pins the reader's "
           "(anonymous, huge-page) buffer and copies the slab by plain copy. The reader's buffer "
           "is 2 MiB-aligned (aligned_empty): an unaligned one halves both.", flush=True)
     print(f"targets: nixl >= 0.8x raw NIXL on the same memory: "
           f"{result['nixl_vs_raw_same_memory']:.2f}x; probe_vs_measured >= 0.5: "
           f"{result['probe_vs_measured']:.2f} ({result['probe_vs_measured_each']})", flush=True)
     print(json.dumps(result))
-
-
-def _shmem_thp() -> str:
-    try:
-        with open("/sys/kernel/mm/transparent_hugepage/shmem_enabled") as f:
-            text = f.read()
-        return text[text.index("[") + 1 : text.index("]")]
-    except (OSError, ValueError):
-        return "unknown"
 
 
 if __name__ == "__main__":

@@ -320,6 +320,37 @@ def summary(name: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
             "servers": [run["servers"] for run in runs]}
 
 
+def report(runs: dict[str, list[dict[str, Any]]], args: argparse.Namespace, t_start: float
+           ) -> dict[str, Any]:
+    """Print the per-router table; return the benchmark's last line (ratios vs the best peer)."""
+    results = {n: summary(n, rs) for n, rs in runs.items() if rs}
+    print(f"{'router':9} {'vLLM hit':>8} {'pool hit':>8} {'p50':>7} {'p99':>7} {'req/s':>6} workers")
+    for r in results.values():
+        pool = r["hit_node_pool"] + r["hit_other_nodes"] + r["hit_unspecified"]
+        print(f"{r['router']:9} {r['hit_vllm']:8.3f} {pool:8.3f} "
+              f"{r['ttft_p50_s']:6.3f}s {r['ttft_p99_s']:6.3f}s {r['completed_per_s']:6.3f} "
+              f"{r['per_worker']}")
+    peers = [r for n, r in results.items() if n != "kvshare"]
+    out: dict[str, Any] = {"routers": {n: {k: v for k, v in r.items()
+                                           if k not in ("router", "servers")}
+                                       for n, r in results.items()},
+                           "repeats": args.repeats,
+                           "connector": args.connector, "cores_per_server": args.cores_per_server,
+                           "kvshare_kwargs": args.kvshare_kwargs,
+                           "total_s": round(time.perf_counter() - t_start, 1)}
+    if "kvshare" in results and peers:
+        best = min(peers, key=lambda r: r["ttft_p50_s"])
+        kv = results["kvshare"]
+        out["best_peer"] = best["router"]
+        out["ttft_p50_vs_best_peer"] = round(best["ttft_p50_s"] / kv["ttft_p50_s"], 3)
+        out["throughput_vs_best_peer"] = round(kv["completed_per_s"] / best["completed_per_s"], 3)
+        per_run = [min(p["ttft_p50_per_run_s"][i] for p in peers) / kv["ttft_p50_per_run_s"][i]
+                   for i in range(args.repeats)]
+        out["ttft_p50_vs_best_peer_per_run"] = [round(r, 3) for r in per_run]
+        out["ttft_p50_vs_best_peer_median_of_runs"] = round(float(np.median(per_run)), 3)
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--replicas", type=int, default=2)
@@ -432,32 +463,8 @@ def main() -> int:
             stop_workers()
             if records is not None:
                 records.close()
-    results = {n: summary(n, rs) for n, rs in runs.items() if rs}
-    print(f"{'router':9} {'vLLM hit':>8} {'pool hit':>8} {'p50':>7} {'p99':>7} {'req/s':>6} workers")
-    for r in results.values():
-        pool = r["hit_node_pool"] + r["hit_other_nodes"] + r["hit_unspecified"]
-        print(f"{r['router']:9} {r['hit_vllm']:8.3f} {pool:8.3f} "
-              f"{r['ttft_p50_s']:6.3f}s {r['ttft_p99_s']:6.3f}s {r['completed_per_s']:6.3f} "
-              f"{r['per_worker']}")
-    peers = [r for n, r in results.items() if n != "kvshare"]
-    out: dict[str, Any] = {"routers": {n: {k: v for k, v in r.items()
-                                           if k not in ("router", "servers")}
-                                       for n, r in results.items()},
-                           "repeats": args.repeats,
-                           "connector": args.connector, "cores_per_server": args.cores_per_server,
-                           "kvshare_kwargs": args.kvshare_kwargs,
-                           "total_s": round(time.perf_counter() - t_start, 1)}
-    if "kvshare" in results and peers:
-        best = min(peers, key=lambda r: r["ttft_p50_s"])
-        kv = results["kvshare"]
-        out["best_peer"] = best["router"]
-        out["ttft_p50_vs_best_peer"] = round(best["ttft_p50_s"] / kv["ttft_p50_s"], 3)
-        out["throughput_vs_best_peer"] = round(kv["completed_per_s"] / best["completed_per_s"], 3)
-        per_run = [min(p["ttft_p50_per_run_s"][i] for p in peers) / kv["ttft_p50_per_run_s"][i]
-                   for i in range(args.repeats)]
-        out["ttft_p50_vs_best_peer_per_run"] = [round(r, 3) for r in per_run]
-        out["ttft_p50_vs_best_peer_median_of_runs"] = round(float(np.median(per_run)), 3)
-    print(json.dumps(out))
+        # printed before the cluster goes: an error in its teardown cannot lose the results
+        print(json.dumps(report(runs, args, t_start)))
     return 0
 
 

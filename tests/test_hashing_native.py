@@ -175,6 +175,9 @@ def test_one_pass_packing_hashes_as_packing_first(chain: object) -> None:
     what ``pack_u32`` refuses, in a trailing partial block too; ``block_hashes`` then names it."""
     import random
 
+    if not hasattr(chain, "sha256_chain_u32"):  # hashing falls back to pack + chain meanwhile
+        pytest.skip("kvshare._chain was built before sha256_chain_u32: rebuild it with "
+                    "`.venv/bin/pip install --no-deps -e .`")
     rng = random.Random(12)
     fused, packed, pack = (getattr(chain, n) for n in ("sha256_chain_u32", "sha256_chain", "pack_u32"))
     tail = b"\x00\x00\x00\x00"

@@ -97,6 +97,32 @@ def remove_stale_segments(namespace: str, node: str, keep: str | None = None) ->
     return removed
 
 
+def shm_huge_pages() -> str:
+    """How ``/dev/shm`` hands out transparent huge pages: its tmpfs ``huge=`` mount option
+    (``never`` when not set), or the system-wide ``shmem_enabled`` when that is ``force`` or
+    ``deny`` (they override every mount). The slab asks for huge pages (``MADV_HUGEPAGE``), so
+    ``advise``, ``within_size`` or ``always`` give them: a user enables them with
+    ``mount -o remount,huge=within_size /dev/shm`` (or ``huge=advise``; in /etc/fstab to keep)."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/shmem_enabled") as f:
+            text = f.read()
+        system = text[text.index("[") + 1 : text.index("]")]
+    except (OSError, ValueError):
+        system = ""
+    if system in ("force", "deny"):
+        return system
+    try:
+        with open("/proc/mounts") as f:
+            for line in f:
+                fields = line.split()
+                if len(fields) >= 4 and fields[1] == SHM_DIR:
+                    opts = dict(o.partition("=")[::2] for o in fields[3].split(","))
+                    return opts.get("huge", "never")
+    except OSError:
+        pass
+    return "unknown"
+
+
 def shm_free_bytes() -> int:
     """Free bytes in ``/dev/shm`` (containers often give it only 64 MiB)."""
     st = os.statvfs(SHM_DIR)
@@ -162,8 +188,8 @@ class HostSlab(TierStore):
             num_slots, slot_bytes
         )
         if create:
-            # Huge pages cut TLB misses on 2 MiB block copies; shm gets them only where the
-            # kernel allows (transparent_hugepage/shmem_enabled = advise or within_size).
+            # Huge pages cut TLB misses on 2 MiB block copies and the page pinning of NIXL's
+            # reads; /dev/shm gets them only where its mount allows (see shm_huge_pages).
             with contextlib.suppress(AttributeError, OSError):
                 self._mm.madvise(mmap.MADV_HUGEPAGE)
             self.array.reshape(-1)[::_PAGE] = 0  # pre-touch: page faults now, not per store
@@ -185,6 +211,28 @@ class HostSlab(TierStore):
                     t.data_ptr(), t.numel(), 0)
         except Exception as exc:  # pinning is an optimisation only
             log.warning("could not pin host slab with CUDA: %s", exc)
+
+    def huge_page_bytes(self) -> int:
+        """Bytes of this process's slab mapping backed by 2 MiB pages (from /proc/self/smaps;
+        0 where unknown). See :func:`shm_huge_pages` for what enables them."""
+        if self.array.size == 0:
+            return 0
+        addr = int(self.array.ctypes.data)
+        inside = False
+        try:
+            with open("/proc/self/smaps") as f:
+                for line in f:
+                    head = line.split(maxsplit=1)[0]
+                    if "-" in head and not head.endswith(":"):
+                        lo, hi = (int(x, 16) for x in head.split("-"))
+                        inside = lo <= addr < hi
+                    elif inside and head in ("ShmemPmdMapped:", "FilePmdMapped:"):
+                        kib = int(line.split()[1])
+                        if kib:
+                            return kib * 1024
+        except (OSError, ValueError):
+            pass
+        return 0
 
     def view(self, slot: int) -> ByteArray:
         """The slot's bytes, writable, zero-copy."""

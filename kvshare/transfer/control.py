@@ -39,8 +39,10 @@ class LocalControl:
     def nixl_info(self) -> Reply[NixlPeerInfo | None]:
         return Ready(self.source.nixl_info())
 
-    def prepare_read(self, hashes: Sequence[BlockHash], holder: str, ttl_s: float) -> Reply[SlotReply]:
-        return Ready(self.source.prepare_read(hashes, holder, ttl_s))
+    def prepare_read(
+        self, hashes: Sequence[BlockHash], holder: str, ttl_s: float, verify: bool = False
+    ) -> Reply[SlotReply]:
+        return Ready(self.source.prepare_read(hashes, holder, ttl_s, verify))
 
     def finish(self, holder: str, lease_ids: Sequence[int]) -> Reply[list[bool]]:
         return Ready(self.source.finish(holder, lease_ids))
@@ -123,8 +125,10 @@ class ActorControl:
     def nixl_info(self) -> Reply[NixlPeerInfo | None]:
         return self._call("nixl_info")  # type: ignore[no-any-return]
 
-    def prepare_read(self, hashes: Sequence[BlockHash], holder: str, ttl_s: float) -> Reply[SlotReply]:
-        return self._call("prepare_read", list(hashes), holder, ttl_s)  # type: ignore[no-any-return]
+    def prepare_read(
+        self, hashes: Sequence[BlockHash], holder: str, ttl_s: float, verify: bool = False
+    ) -> Reply[SlotReply]:
+        return self._call("prepare_read", list(hashes), holder, ttl_s, verify)  # type: ignore[no-any-return]
 
     def finish(self, holder: str, lease_ids: Sequence[int]) -> Reply[list[bool]]:
         return self._call("finish", holder, list(lease_ids))  # type: ignore[no-any-return]

@@ -3,8 +3,12 @@
 The pulling process (a worker, or a pool fetching for its node) owns one agent and registers
 its destination memory once per buffer (cached, LRU-bounded). For each batch it asks the
 source pool to pin the blocks (one control message), posts ONE transfer with batched
-descriptor lists, polls ``check_xfer_state`` until done or the deadline (then cancels),
-verifies every block's checksum, and ends the pins (one control message). Remote agent
+descriptor lists, polls ``check_xfer_state`` until done or the deadline (then cancels), and
+ends the pins (one control message). Integrity: by default the pool checksums the pinned
+slots while the transfer runs and the ``finish`` reply says which were intact
+(:mod:`kvshare.transfer.verify`: no second pass over the bytes on the reader's critical
+path); with ``end_to_end=True`` the reader checksums what arrived instead and sends the
+``finish`` without waiting for its reply. Remote agent
 metadata is cached per source agent name ``{namespace}/{node}/{generation}``; when a source's
 generation changes the old agent is removed with ``remove_remote_agent``. Connections are
 reused across batches.
@@ -23,6 +27,7 @@ from kvshare.tiers.base import ByteArray, block_checksum
 from kvshare.transfer.base import (
     CORRUPT,
     DEADLINE,
+    FINISH_WAIT_S,
     NIXL_UNAVAILABLE,
     SOURCE_DEAD,
     TRANSFER_ERROR,
@@ -87,14 +92,18 @@ def _failure(control: BlockControl, holder: str, what: str) -> str:
 class NixlTransport(Transport):
     """A NIXL agent named ``name`` that pulls blocks from (or pushes into) pools' host slabs.
 
+    ``verify``: every block read is checked against its checksum, by the holding pool while
+    the transfer runs (the default) or, with ``end_to_end``, by this reader after it arrived
+    (one more pass over the bytes here, which also covers the wire and this host's memory).
     Raises :class:`TransportUnavailable` (reason ``nixl_unavailable``) if NIXL cannot start.
     """
 
     name = "nixl"
 
-    def __init__(self, name: str, *, verify: bool = True) -> None:
+    def __init__(self, name: str, *, verify: bool = True, end_to_end: bool = False) -> None:
         self.agent_name = name
         self.verify = verify
+        self.end_to_end = end_to_end
         self.agent = make_agent(name)
         self._regions: OrderedDict[tuple[int, int], tuple[np.ndarray, Any]] = OrderedDict()
         self._peers: dict[str, tuple[str, NixlPeerInfo]] = {}  # agent name -> (remote, info)
@@ -126,6 +135,14 @@ class NixlTransport(Transport):
             if len(self._regions) <= MAX_REGIONS:
                 break
             self.agent.deregister_memory(self._regions.pop(old)[1])
+
+    def _covered(self, start: int, end: int) -> bool:
+        """Whether one registered region holds all of ``[start, end)``."""
+        return any(base <= start and end <= base + size for base, size in self._regions)
+
+    @property
+    def _source_verifies(self) -> bool:
+        return self.verify and not self.end_to_end
 
     def _peer(self, control: BlockControl, agent: str, timeout: float) -> tuple[str, NixlPeerInfo]:
         cached = self._peers.get(agent)
@@ -186,7 +203,8 @@ class NixlTransport(Transport):
     ) -> Transfer:
         try:
             if t.op == "read":
-                prep = call(control.prepare_read(t.hashes, t.holder, lease_ttl(deadline_s)), t.remaining)
+                prep = call(control.prepare_read(t.hashes, t.holder, lease_ttl(deadline_s),
+                                                 self._source_verifies), t.remaining)
                 entries, agent = prep.blocks, prep.nixl_agent
             else:
                 prepw = call(control.prepare_write(t.hashes, t.holder, lease_ttl(deadline_s)), t.remaining)
@@ -219,12 +237,14 @@ class NixlTransport(Transport):
                 )
             if t.op == "write":
                 t.state["sums"] = [block_checksum(bufs[i]) for i in moving]
-            keep: set[tuple[int, int]] = set()
-            for i in moving:
-                self._ensure_registered(bufs[i], keep)
+            addrs = [int(bufs[i].ctypes.data) for i in moving]
+            if not self._covered(min(addrs), max(addrs) + size):
+                keep: set[tuple[int, int]] = set()
+                for i in moving:
+                    self._ensure_registered(bufs[i], keep)
             slots = [entries[i].slot for i in moving]  # type: ignore[union-attr]
             rdesc = xfer_descs([info.base_addr + s * size for s in slots], size)
-            ldesc = xfer_descs([int(bufs[i].ctypes.data) for i in moving], size)
+            ldesc = xfer_descs(addrs, size)
             handle = self.agent.initialize_xfer(
                 "READ" if t.op == "read" else "WRITE",
                 self.agent.get_xfer_descs(ldesc, "DRAM"),
@@ -278,17 +298,19 @@ class NixlTransport(Transport):
         bufs: list[ByteArray] = t.state["bufs"]
         bad: list[BlockHash] = []
         lease_ids = [entries[i].lease_id for i in t.state["moving"]]
-        if t.op == "read":
+        control: BlockControl = t.state["control"]
+        if t.op == "read" and self._source_verifies:
+            self._source_verdict(t, lease_ids)
+        elif t.op == "read":
+            control.finish(t.holder, [])  # the pins end; nothing to wait for
             for i in t.state["moving"]:
                 if self.verify and block_checksum(bufs[i]) != entries[i].checksum:
                     outcome[i] = CORRUPT
                     bad.append(t.hashes[i])
                 else:
                     outcome[i] = ""
-            control: BlockControl = t.state["control"]
             if bad:
                 control.report_corrupt(bad)
-            finish_quietly(control, t.holder, [])
         else:
             try:
                 done = set(call(t.state["control"].commit_write(t.holder, lease_ids, t.state["sums"]), 5.0))
@@ -297,6 +319,21 @@ class NixlTransport(Transport):
             for i in t.state["moving"]:
                 outcome[i] = "" if t.hashes[i] in done else SOURCE_DEAD
         return self._result(t)
+
+    def _source_verdict(self, t: Transfer, lease_ids: list[int]) -> None:
+        """End the pins and learn from the pool which slots passed their checksum (an invalid
+        lease: the slot failed, and the pool dropped the block; or the lease ended early)."""
+        outcome: dict[int, str] = t.state["outcome"]
+        gone = ""
+        try:
+            valid = call(t.state["control"].finish(t.holder, lease_ids),
+                         max(t.remaining, 0.0) + FINISH_WAIT_S)
+        except TimeoutError:
+            valid, gone = [], DEADLINE
+        except SourceGone:
+            valid, gone = [], SOURCE_DEAD
+        for k, i in enumerate(t.state["moving"]):
+            outcome[i] = gone if k >= len(valid) else "" if valid[k] else CORRUPT
 
     def _end(self, t: Transfer, reason: str | None) -> Transfer:
         """Stop the transfer: blocks still moving miss with ``reason``; leases end."""

@@ -184,9 +184,10 @@ class TransferEndpoints:
         return self.transfer.source(namespace).nixl_info()
 
     def transfer_prepare_read(
-        self, namespace: str, hashes: Sequence[BlockHash], holder: str, ttl_s: float
+        self, namespace: str, hashes: Sequence[BlockHash], holder: str, ttl_s: float,
+        verify: bool = False,
     ) -> SlotReply:
-        return self.transfer.leasing(namespace, holder).prepare_read(hashes, holder, ttl_s)
+        return self.transfer.leasing(namespace, holder).prepare_read(hashes, holder, ttl_s, verify)
 
     def transfer_push_read(
         self, namespace: str, hashes: Sequence[BlockHash], holder: str, ttl_s: float,

@@ -37,6 +37,7 @@ from kvshare.transfer.base import (
 from kvshare.transfer.epochs import SharedEpochs, epochs_name
 from kvshare.transfer.nixl_agent import NixlSource
 from kvshare.transfer.probe import probe_hashes, seed_probe_blocks
+from kvshare.transfer.verify import PinnedSlot, SlotVerifier
 from kvshare.types import BlockHash, Tier
 
 log = logging.getLogger(__name__)
@@ -71,6 +72,7 @@ class BlockSource:
         # running (threaded actors): remember finished holders so that nothing stays pinned.
         self._lock = threading.Lock()
         self._finished: OrderedDict[str, None] = OrderedDict()
+        self._verifier = SlotVerifier(self.slab) if self.slab is not None else None
         if nixl and self.slab is not None:
             try:
                 self._nixl = NixlSource(self.agent_name, self.slab)
@@ -132,9 +134,14 @@ class BlockSource:
 
     # ------------------------------------------------------------------ reads
     def prepare_read(
-        self, hashes: Sequence[BlockHash], holder: str, ttl_s: float
+        self, hashes: Sequence[BlockHash], holder: str, ttl_s: float, verify: bool = False
     ) -> wire.SlotReply:
-        """Pin ``hashes`` in the host slab for ``holder``; a miss says missing or corrupt."""
+        """Pin ``hashes`` in the host slab for ``holder``; a miss says missing or corrupt.
+
+        With ``verify`` the pinned slots are checksummed in the background from now on, and
+        ``finish`` with their lease ids waits for that and reports a slot whose bytes do not
+        match as an invalid lease (and drops its block): see :mod:`kvshare.transfer.verify`.
+        """
         taken = self._take(holder, lambda: ([h in self.pool for h in hashes],
                                             self.pool.pin(hashes, holder, ttl_s, promote=True)))
         if taken is None:
@@ -149,6 +156,10 @@ class BlockSource:
                 blocks.append(NO_SPACE)
             else:
                 blocks.append(wire.SourceBlock(lease.lease_id, lease.slot, lease.epoch, lease.checksum))
+        if verify and self._verifier is not None:
+            self._verifier.start(holder, [
+                PinnedSlot(b.lease_id, h, b.slot, b.checksum)
+                for h, b in zip(hashes, blocks, strict=True) if isinstance(b, wire.SourceBlock)])
         # the reader copies these slots itself (shm mapping, NIXL): they leave the slab now
         self.pool.note_read(Tier.HOST, sum(isinstance(b, wire.SourceBlock) for b in blocks))
         return self._slot_reply(blocks)
@@ -189,11 +200,26 @@ class BlockSource:
         return wire.SlotReply(prep.generation, tuple(blocks))
 
     def finish(self, holder: str, lease_ids: Sequence[int]) -> list[bool]:
-        """Report which of ``lease_ids`` were still valid, then end every lease of ``holder``."""
+        """Report which of ``lease_ids`` were still valid, then end every lease of ``holder``.
+
+        For a ``prepare_read(verify=True)`` a lease is valid only if its slot also passed the
+        checksum (waited for here, at most ``verify.WAIT_S``); blocks that failed are dropped.
+        Without lease ids the checksums are not waited for.
+        """
+        verdict = None
+        if self._verifier is not None and lease_ids:
+            verdict = self._verifier.verdict(holder)
+        elif self._verifier is not None:
+            self._verifier.forget(holder)
         with self._lock:
             alive = self.pool.leases_alive(lease_ids)
             self._end_holder(holder)
+        if verdict is None:
             return alive
+        corrupt = [s.block_hash for s in verdict.values() if not s.ok]
+        if corrupt:
+            self.report_corrupt(corrupt)
+        return [a and lid in verdict and verdict[lid].ok for a, lid in zip(alive, lease_ids, strict=True)]
 
     def read_blocks(self, hashes: Sequence[BlockHash]) -> wire.BlockBatch:
         """Copy the held blocks out (object-store path); disk blocks are verified on read."""
@@ -304,6 +330,8 @@ class BlockSource:
         return probe_hashes(self.node, n, self.pool.config.hash_size)
 
     def close(self) -> None:
+        if self._verifier is not None:
+            self._verifier.close()
         if self._nixl is not None:
             self._nixl.close()
             self._nixl = None

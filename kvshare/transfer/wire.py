@@ -155,7 +155,9 @@ class BlockControl(Protocol):
 
     Leases are taken under ``holder``; ``finish`` ends every lease of ``holder`` and reports,
     for the given read leases, whether each was still valid (lease alive, slot epoch unchanged),
-    which is the shared-memory reader's epoch re-check.
+    which is the shared-memory reader's epoch re-check. ``prepare_read(verify=True)`` also has
+    the pool checksum the pinned slots while the reader moves them; ``finish`` then counts a
+    slot that failed as invalid (the NIXL reader's integrity check, :mod:`kvshare.transfer.verify`).
     """
 
     def slab_info(self) -> Reply[SlabInfo | None]: ...
@@ -163,7 +165,7 @@ class BlockControl(Protocol):
     def nixl_info(self) -> Reply[NixlPeerInfo | None]: ...
 
     def prepare_read(
-        self, hashes: Sequence[BlockHash], holder: str, ttl_s: float
+        self, hashes: Sequence[BlockHash], holder: str, ttl_s: float, verify: bool = False
     ) -> Reply[SlotReply]: ...
 
     def finish(self, holder: str, lease_ids: Sequence[int]) -> Reply[list[bool]]: ...
