@@ -410,6 +410,7 @@ def main() -> int:
     from actors import admin
     from actors.local_cluster import local_cluster
     from actors.vllm_workers import stop_workers
+    from kvshare.vllm.launch import reset_prefix_cache
     from router.serve_vllm import vllm_app
 
     runs: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
@@ -437,7 +438,8 @@ def main() -> int:
             for rep in range(args.repeats):
                 for name in names if rep % 2 == 0 else names[::-1]:
                     for url in endpoints:  # every router starts cold: no vLLM cache, empty pools
-                        httpx.post(f"{url}/reset_prefix_cache", timeout=60).raise_for_status()
+                        if not reset_prefix_cache(url):  # refused while a save holds pages
+                            raise RuntimeError(f"{url} would not drop its prefix cache")
                     admin.clear(NS)
                     kwargs = ({"namespace": NS, "log_decisions": args.log_decisions,
                                **args.kvshare_kwargs} if name == "kvshare" else {})

@@ -99,19 +99,14 @@ def evict_before(turn: int, infos: list[dict[str, Any]]) -> Callable[[int], None
     """Before ``turn``, every server drops its own prefix cache (``/reset_prefix_cache``), as
     vLLM does under memory pressure: from then on prefixes come from the pools (this node's
     over ``shm``, another node's over ``nixl``) through the connector."""
-    import httpx
+    from kvshare.vllm.launch import reset_prefix_cache
 
     def hook(t: int) -> None:
         if t != turn:
             return
         for info in infos:
-            for _ in range(50):  # refused while pages are held (a save in flight): retry
-                r = httpx.post(f"{info['endpoint']}/reset_prefix_cache", timeout=60)
-                if r.status_code == 200 and r.json().get("success"):
-                    break
-                time.sleep(0.1)
-            else:
-                print(f"  (could not reset {info['worker_id']}'s prefix cache: {r.text})")
+            if not reset_prefix_cache(info["endpoint"], timeout_s=5.0):
+                print(f"  (could not reset {info['worker_id']}'s prefix cache)")
         print(f"  -- before turn {turn}: both vLLM servers drop their own prefix caches", flush=True)
 
     return hook

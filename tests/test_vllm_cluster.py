@@ -20,6 +20,7 @@ pytest.importorskip("vllm")
 
 from kvshare.breakdown import GATEWAY_STAGES  # noqa: E402
 from kvshare.types import Tier  # noqa: E402
+from kvshare.vllm.launch import reset_prefix_cache  # noqa: E402
 from tests.vllm_helpers import free_port, tiny_model, wait_for  # noqa: E402
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
@@ -178,7 +179,7 @@ def test_a_prompt_only_in_a_pool_goes_where_loading_is_cheapest_and_is_loaded(
     pool = f"node:{a['node']}"
     wait_for(lambda: held(index, hashes, pool, Tier.HOST))  # the connector stored it
     for info in cluster["infos"]:  # empty every vLLM's own cache; a step publishes the reset
-        httpx.post(f"{info['endpoint']}/reset_prefix_cache", timeout=60).raise_for_status()
+        assert reset_prefix_cache(info["endpoint"]), info  # refused while a save holds pages
         httpx.post(f"{info['endpoint']}/v1/completions", timeout=120,
                    json={"model": cluster["model"], "prompt": [7, 8, 9], "max_tokens": 1})
     for info in cluster["infos"]:

@@ -166,3 +166,20 @@ class VllmProcess:
             os.killpg(self.proc.pid, sig)
         except ProcessLookupError:
             pass
+
+
+def reset_prefix_cache(endpoint: str, timeout_s: float = 60.0, every_s: float = 0.1) -> bool:
+    """Drop a running vLLM server's own prefix cache (``POST /reset_prefix_cache``).
+
+    vLLM refuses (``{"success": false}``) while pages are still held, e.g. by a request whose
+    connector save is in flight; this retries until it succeeds or ``timeout_s`` passes.
+    Returns whether the cache was dropped. vLLM publishes the clear with its next step.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        r = httpx.post(f"{endpoint}/reset_prefix_cache", timeout=timeout_s)
+        if r.status_code == 200 and r.json().get("success"):
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(every_s)
