@@ -235,19 +235,7 @@ class InFlight:
                 out.append(self.load(wid, None))
                 continue
             fresh, first = self._fresh(report, now)
-            got = (fresh, 0)
-            mine = self._per.get(wid)
-            if mine is not None:
-                tokens = running = blocks = 0
-                for t, b, at in mine.values():
-                    blocks += b
-                    if at > report.ts:
-                        tokens += t
-                        running += 1
-                if running:
-                    fresh = fresh.with_queue(fresh.queued_prefill_tokens + tokens,
-                                             fresh.running + running)
-                got = (fresh, blocks)
+            got = self._with_mine(wid, fresh, now)
             memo[wid] = (report, got, first)
             out.append(got)
         if len(memo) > 2 * len(infos) + 64:  # workers come and go: forget the departed
@@ -258,8 +246,13 @@ class InFlight:
     def load(self, worker: WorkerId, report: WorkerLoad | None) -> tuple[WorkerLoad, int]:
         """The report plus this router's in-flight work sent after it; and active blocks."""
         now = self._clock()
-        if report is not None:
-            report = self._fresh(report, now)[0]
+        return self._with_mine(worker, None if report is None else self._fresh(report, now)[0],
+                               now)
+
+    def _with_mine(self, worker: WorkerId, report: WorkerLoad | None, now: float
+                   ) -> tuple[WorkerLoad, int]:
+        """``report`` (already freshened) plus this router's requests sent after it; and the
+        worker's active blocks."""
         mine = self._per.get(worker)
         if mine is None and report is not None:
             return report, 0
@@ -272,6 +265,8 @@ class InFlight:
                 running += 1
         if report is None:
             return WorkerLoad(worker, tokens, running, 0.0, now), blocks
+        if not running:
+            return report, blocks
         return report.with_queue(report.queued_prefill_tokens + tokens,
                                  report.running + running), blocks
 
