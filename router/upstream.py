@@ -5,14 +5,18 @@ every failure is retried on another worker (routed again, excluding those tried;
 advisory, so the other worker recomputes and answers the same): a refused or dropped
 connection (the worker is marked down), a worker that died before answering or before its
 first streamed chunk, a 5xx, and a 429 (its queue is full). At most ``max_tries`` workers are
-tried. What comes back is an :class:`Answer` (a non-streaming body read whole, or a stream
-whose first chunk has arrived) or a :class:`Failure` with the status the gateway answers:
-429 with ``Retry-After`` when every worker tried was full, 502 when none could answer, 504
-when the request's deadline passed first.
+tried. A request a fault displaced (its worker died or failed) is not bounced when the workers
+left are full: it waits for a queue slot on them (backing off up to their ``Retry-After``,
+within its deadline), as it would have waited in the dead worker's queue. What comes back is
+an :class:`Answer` (a non-streaming body read whole, or a stream whose first chunk has
+arrived) or a :class:`Failure` with the status the gateway answers: 429 with ``Retry-After``
+when every worker tried was full (backpressure on a request no fault touched), 502 when none
+could answer, 504 when the request's deadline passed first.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
@@ -26,6 +30,7 @@ from router.embed import CacheAwareRouter, Routed
 from router.policy import NoEligibleWorker
 
 DEADLINE_GRACE_S = 2.0  # the worker ends at the deadline itself; the gateway waits this longer
+FIRST_WAIT_S = 0.05  # a displaced request's first wait for a full worker; it doubles up to Retry-After
 
 
 @dataclass
@@ -68,8 +73,10 @@ async def send(http: httpx.AsyncClient, router: CacheAwareRouter, routed: Routed
                out: Outgoing, max_tries: int = 3) -> Answer | Failure:
     """See the module docstring. Each failed try is finished in the router (its in-flight load
     released) and counted in ``router.metrics.upstream``."""
-    tried: list[WorkerId] = []
-    full: list[tuple[WorkerId, int]] = []  # workers that answered 429, and their Retry-After
+    tried: list[WorkerId] = []  # every try, in order (a full worker once per try)
+    failed: list[WorkerId] = []  # workers that failed (down, dropped, 5xx): not tried again
+    full: dict[WorkerId, int] = {}  # workers that answered 429 since the last wait: Retry-After
+    wait_s = FIRST_WAIT_S
     last = ""
     while True:
         d = routed.decision
@@ -96,20 +103,36 @@ async def send(http: httpx.AsyncClient, router: CacheAwareRouter, routed: Routed
         if reason == "unreachable":
             router.mark_down(d.worker)  # refused the connection: avoid it for a while
         if reason == "429":
-            full.append((d.worker, retry_after))
+            full[d.worker] = retry_after
+        else:
+            failed.append(d.worker)
         last = reason
         try:
-            if len(tried) >= max_tries:
+            if len(failed) + len(full) >= max_tries:
                 raise NoEligibleWorker("tries exhausted")
             routed = await router.route(token_ids=routed.token_ids, tenant=routed.tenant,
-                                        exclude=tried)
+                                        exclude=[*failed, *full])
+            continue
         except NoEligibleWorker:
-            if full and len(full) == len(tried):
-                return Failure(429, f"every worker tried is at its queue limit ({sorted(tried)}): "
-                                    "retry shortly", "workers_busy",
-                               max(r for _, r in full), tuple(tried))
-            return Failure(502, f"no worker could answer (tried {sorted(tried)}, last: {last})",
-                           "worker_unreachable", tried=tuple(tried))
+            pass
+        if full and failed:  # displaced by a fault: wait for a slot on the full ones
+            pause = min(wait_s, max(full.values()), out.deadline - time.monotonic())
+            if pause > 0:
+                await asyncio.sleep(pause)
+                wait_s *= 2
+                full.clear()
+                try:
+                    routed = await router.route(token_ids=routed.token_ids,
+                                                tenant=routed.tenant, exclude=failed)
+                    continue
+                except NoEligibleWorker:
+                    pass
+        if full and not failed:
+            return Failure(429, f"every worker tried is at its queue limit ({sorted(full)}): "
+                                "retry shortly", "workers_busy", max(full.values()),
+                           tuple(tried))
+        return Failure(502, f"no worker could answer (tried {sorted(set(tried))}, last: {last})",
+                       "worker_unreachable", tried=tuple(tried))
 
 
 async def _try(http: httpx.AsyncClient, routed: Routed, out: Outgoing,

@@ -384,6 +384,33 @@ def test_a_worker_killed_with_requests_queued_is_retried_on_another(env: dict[st
         victim.kill()
 
 
+def test_a_request_a_dead_worker_displaced_waits_for_a_full_one(env: dict[str, Any]) -> None:
+    """The one live worker is full when the dead one refuses: the request waits for its slot
+    (it would have waited in the dead worker's queue) instead of a 502."""
+    survivor = WorkerProcess("lone", env["script"], max_pending=1)
+    victim = WorkerProcess("gone", env["script"], max_pending=1)
+    victim.kill()  # refuses connections from now on; the gateway does not know yet
+    gw = gateway_for([victim, survivor])
+    held = OpenStream(survivor.url, "none", LONG)
+    try:
+        held.first_event()  # the survivor's only slot is taken
+        answer: list[httpx.Response] = []
+        asker = threading.Thread(target=lambda: answer.append(post(
+            gw.url, "k-b", {"model": NS, "prompt": [5, 6, 7, 8], "max_tokens": 4})))
+        asker.start()
+        asker.join(timeout=1.0)
+        assert not answer, f"answered while the only live worker was full: {answer[0].text}"
+        held.close()  # the slot frees; the waiting request takes it
+        asker.join(timeout=120)
+        assert answer and answer[0].status_code == 200, answer and answer[0].text
+        assert answer[0].headers["x-kvshare-worker"] == "lone"
+        assert int(answer[0].headers["x-kvshare-tries"]) >= 3  # gone, lone full, lone again
+    finally:
+        held.close()
+        gw.stop()
+        survivor.kill()
+
+
 def _swallow(call: Any) -> None:
     try:
         call()
