@@ -23,6 +23,7 @@ already differ by hash root, so one tenant never matches another's blocks.
 from __future__ import annotations
 
 import math
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -32,6 +33,7 @@ from typing import Any, ClassVar
 from kvshare.cost import CostModel, CutPlan
 from kvshare.types import BlockHash, NodeId, WorkerId, worker_location
 from kvshare.workers import META_GPU_PRIVATE, WorkerInfo, WorkerLoad
+from router.ready import ReadyBlocks
 from router.sources import Match, Sharing, SourceMap, SourceRuns
 
 
@@ -198,6 +200,7 @@ class Policy(ABC):
     def __init__(self, cost: CostModel, sharing: Sharing = Sharing.GLOBAL) -> None:
         self.cost = cost
         self.sharing = Sharing(sharing)
+        self.clock: Callable[[], float] = time.monotonic  # the simulator sets its own
         self._last: tuple[Sequence[Candidate], str, str] | None = None
         self._last_out: tuple[list[Candidate], dict[WorkerId, NodeId]] = ([], {})
         self._private: frozenset[str] = frozenset()  # their gpu tier: theirs only (SourceMap)
@@ -362,6 +365,10 @@ class CostPolicy(Policy):
     behind, the cheaper plan (a local copy over a remote one, a cached prefix over a
     recompute) wins over a shorter queue, since total work then decides everyone's wait. The
     decision's ``est_ttft_s`` stays the TTFT estimate (queue wait + plan).
+
+    Under global sharing a worker's plan also counts the blocks this policy's earlier
+    decisions are creating on other workers that will be stored before it starts (its queue
+    wait outlasts their job's estimate): it will pull them (:class:`~router.ready.ReadyBlocks`).
     """
 
     name = "cost"
@@ -373,6 +380,7 @@ class CostPolicy(Policy):
         self.tie_s = tie_s
         self._plans: dict[WorkerId, CutPlan] = {}
         self._rotate = _Rotation()
+        self._ready = ReadyBlocks()
 
     def _select(self, request: RouteRequest, view: SourceMap, cands: list[Candidate]) -> tuple[int, str]:
         plans: dict[WorkerId, CutPlan] = {}
@@ -381,7 +389,10 @@ class CostPolicy(Policy):
         cost, tie = self.cost, self.tie_s
         fetch = cost.block_fetch_s
         n = request.num_tokens
-        c_max = cost.cached_tokens(view.combined, n)
+        ns, hashes, now = request.namespace, request.hashes, self.clock()
+        ready = self._ready if self._ready and self.sharing is Sharing.GLOBAL else None
+        reach = view.combined + (ready.run_from(ns, hashes, view.combined) if ready else 0)
+        c_max = cost.cached_tokens(reach, n)
         floor = cost.prefill.time(n - c_max, c_max)  # no plan beats this (free fetch)
         queues, order = self.queues(cands)
         work = 1.0 + min([c.load.waiting for c in cands])  # what a second of plan costs
@@ -397,6 +408,8 @@ class CostPolicy(Policy):
                 i = order[pos]
                 info = cands[i].info
                 runs = view.source_runs(info.worker_id, info.node, self.sharing, fetch)
+                if ready is not None:
+                    runs = ready.extend(runs, ns, hashes, info.worker_id, now + q)
                 group.append((self._bound(n, runs), pos, i, runs))
                 pos += 1
             group.sort()
@@ -434,6 +447,14 @@ class CostPolicy(Policy):
 
     def plan_for(self, request: RouteRequest, view: SourceMap, cand: Candidate) -> CutPlan:
         return self._plans.get(cand.info.worker_id) or super().plan_for(request, view, cand)
+
+    def observe(self, request: RouteRequest, decision: Decision) -> None:
+        """Record the blocks the chosen worker computes and when they will be stored."""
+        plan = decision.plan
+        if plan is not None and self.sharing is Sharing.GLOBAL:
+            now = self.clock()
+            self._ready.add(request.namespace, decision.worker, request.hashes[plan.cut:],
+                            now + decision.est_ttft_s, now)
 
     def _planned(self) -> dict[WorkerId, CutPlan]:
         return self._plans

@@ -161,6 +161,7 @@ class Simulator:
     ) -> None:
         self.cfg = config
         self.policy = policy
+        policy.clock = self._clock  # policies that keep time (ReadyBlocks) keep the sim's
         self.sharing = Sharing(sharing)
         self.cost = policy.cost
         self.true_prefill: PrefillModel = config.worker_prefill()

@@ -1,0 +1,81 @@
+"""When the blocks the router's own decisions create can be pulled by other workers.
+
+A worker stores the blocks it computes in its node's pool when its prefill ends (kvshare
+workers save what they compute; the index learns of them then). Until then
+:class:`~router.pending.PendingBlocks` counts them only for the worker creating them. But a
+worker whose queue outlasts that prefill starts after the blocks exist: it will pull them
+from the creator's node (a remote host copy) instead of recomputing them. :class:`ReadyBlocks`
+remembers, per block, the worker creating it and the estimated end of that job (the
+decision's TTFT estimate), so the cost policy prices that worker's plan as it will run.
+Only blocks a job computes are recorded (the ones it loads are already held elsewhere).
+Not thread-safe: one instance per policy.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+from kvshare.cost import Source
+from kvshare.types import BlockHash, WorkerId
+from router.sources import SourceRuns
+
+_REMOTE_HOST = int(Source.REMOTE_HOST)
+
+
+class ReadyBlocks:
+    """``(namespace, hash) -> (creating worker, time it is stored)``; an entry goes once that
+    time has passed (the index holds the block then) or past ``max_entries``."""
+
+    def __init__(self, max_entries: int = 1_000_000) -> None:
+        self._max = max_entries
+        self._at: OrderedDict[tuple[str, BlockHash], tuple[WorkerId, float]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._at)
+
+    def add(self, namespace: str, worker: WorkerId, hashes: Sequence[BlockHash],
+            ready_s: float, now: float) -> None:
+        """``worker`` stores ``hashes`` at ``ready_s`` (an earlier creator's time is kept)."""
+        at = self._at
+        while at:  # roughly in time order: drop the stored ones from the front
+            _, (_, t) = next(iter(at.items()))
+            if t > now:
+                break
+            at.popitem(last=False)
+        value = (worker, ready_s)
+        for h in hashes:
+            key = (namespace, h)
+            old = at.get(key)
+            if old is None or old[1] > ready_s:
+                at[key] = value
+                at.move_to_end(key)
+        while len(at) > self._max:
+            at.popitem(last=False)
+
+    def run_from(self, namespace: str, hashes: Sequence[BlockHash], start: int) -> int:
+        """Blocks from ``start`` on that some decision is creating (an upper bound of any
+        :meth:`extend`'s reach past ``start``)."""
+        at, k = self._at, start
+        while k < len(hashes) and (namespace, hashes[k]) in at:
+            k += 1
+        return k - start
+
+    def extend(self, runs: SourceRuns, namespace: str, hashes: Sequence[BlockHash],
+               worker: WorkerId, start_s: float) -> SourceRuns:
+        """``worker``'s runs (its view of the index and pending blocks) followed by the blocks
+        other workers will have stored by ``start_s``, when it starts: remote host copies."""
+        if not self._at:
+            return runs
+        covered = sum(n for _, n in runs)
+        at, k = self._at, covered
+        while k < len(hashes):
+            entry = at.get((namespace, hashes[k]))
+            if entry is None or entry[0] == worker or entry[1] > start_s:
+                break
+            k += 1
+        if k == covered:
+            return runs
+        if runs and runs[-1][0] == _REMOTE_HOST:
+            return (*runs[:-1], (_REMOTE_HOST, runs[-1][1] + k - covered))
+        return (*runs, (_REMOTE_HOST, k - covered))
