@@ -15,7 +15,8 @@ server's ``/metrics``, next to vLLM's own:
   what a router needs to price a load (:mod:`kvshare.vllm.load`);
 - ``vllm:kvshare_lookup_seconds_total`` and ``vllm:kvshare_lookups_total`` (scheduler role):
   how long requests were held for the connector's lookup (vLLM first asked until it had the
-  answer) and how many lookups answered: what the connector adds to a request that vLLM's own
+  answer, or gave up on it: :mod:`kvshare.vllm.lookup`) and how many holds ended: what the
+  connector adds to a request that vLLM's own
   prefix cache serves.
 
 Names start with ``vllm:`` as vLLM's own connector metrics do, so vLLM's re-registration
