@@ -27,7 +27,10 @@ Hit rates are fractions of all prompt tokens, from the servers' own counters
 prefix cache; with the kvshare connector (on unless ``--no-connector``), ``host``/``disk`` is
 this node's pool and ``p2p`` another node's. Pools are cleared between routers too.
 Per server and run: requests, computed tokens, vLLM's mean queue/prefill/decode seconds and
-``lookup_s``, the mean seconds a request was held for the connector's lookup.
+``lookup_s``, the mean seconds a request was held for the connector's lookup,
+``lookup_index_s`` the mean seconds its index call took (the rest: waiting for the engine's
+next step) and ``lookups_abandoned``, holds the connector gave up as costing more than they
+could save.
 
 Noise: a discarded warm-up run comes first (``--warmup-turns``); routers alternate order across
 ``--repeats``; ``--cores-per-server K`` pins server i to its own K cores, one OpenMP thread
@@ -249,7 +252,12 @@ async def run_router(name: str, handle: Any, convs: list[list[Turn]], args: argp
                                                    - d.get(f"{url}|vllm:external_prefix_cache_hits_total", 0.0)),
                             **stages(d, f"{url}|"),
                             "lookup_s": _mean(d, f"{url}|vllm:kvshare_lookup_seconds_total",
-                                              f"{url}|vllm:kvshare_lookups_total")}
+                                              f"{url}|vllm:kvshare_lookups_total"),
+                            "lookup_index_s": _mean(
+                                d, f"{url}|vllm:kvshare_lookup_index_seconds_total",
+                                f"{url}|vllm:kvshare_lookups_started_total"),
+                            "lookups_abandoned": int(
+                                d.get(f"{url}|vllm:kvshare_lookups_abandoned_total", 0.0))}
                      for url in endpoints}
     return out
 
