@@ -15,7 +15,8 @@ setup(
     ext_modules=[
         Extension(
             "kvshare._chain",
-            sources=["kvshare/_chain.c"],
+            sources=["kvshare/_chain.c", "kvshare/_chain_memo.c"],
+            depends=["kvshare/_u32.h"],
             libraries=["crypto"],
             extra_compile_args=["-O2"],
             optional=True,
