@@ -10,7 +10,7 @@ export NIXL_LOG_LEVEL := WARN
 
 .PHONY: demo demo-reference test lint install bench-install browser clean
 
-$(STAMP): pyproject.toml setup.py $(wildcard kvshare/*.c)
+$(STAMP): pyproject.toml setup.py $(wildcard kvshare/*.c) $(wildcard kvshare/*.h)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	# torch first, pinned, so pip takes the CPU wheel on disk instead of a CUDA build

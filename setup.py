@@ -2,7 +2,8 @@
 
 ``kvshare._chain`` runs the sha256 block-hash chain loop in C with OpenSSL's libcrypto;
 ``kvshare._copy`` copies pool blocks with non-temporal stores; ``kvshare._statemap`` is the
-block index's hash table (block hash -> holder state). All are ``optional``: where no
+block index's hash table (block hash -> holder state); ``kvshare._hashq`` checksums NIXL
+reads in a native thread while they land. All are ``optional``: where no
 compiler (or no OpenSSL headers) is found, the build prints a warning, installs without them and
 ``kvshare.hashing`` / ``kvshare.tiers.base.copy_block`` / the index table use their pure-Python/numpy paths (same
 results, slower).
@@ -14,7 +15,8 @@ setup(
     ext_modules=[
         Extension(
             "kvshare._chain",
-            sources=["kvshare/_chain.c"],
+            sources=["kvshare/_chain.c", "kvshare/_chain_memo.c"],
+            depends=["kvshare/_u32.h"],
             libraries=["crypto"],
             extra_compile_args=["-O2"],
             optional=True,
@@ -23,6 +25,13 @@ setup(
             "kvshare._statemap",
             sources=["kvshare/_statemap.c"],
             extra_compile_args=["-O2"],
+            optional=True,
+        ),
+        Extension(
+            "kvshare._hashq",
+            sources=["kvshare/_hashq.c"],
+            extra_compile_args=["-O2"],
+            libraries=["dl", "pthread"],
             optional=True,
         ),
         Extension(

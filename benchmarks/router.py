@@ -14,7 +14,10 @@ A timed decision is what the gateway does per request: ``route`` on the prompt's
 (hash its 32 blocks, the index's match, the worker list and loads with this router's
 in-flight work, the pending blocks' match, every worker scored by the policy, the pending
 blocks and in-flight work recorded at the chosen worker, metrics, the recent-decisions record)
-and ``finished`` when done; the 400 prompts are cycled, so their token ids are cold in cache.
+and ``finished`` when done. Every decision gets a new prompt (:class:`Traffic`): a system
+prompt the index holds + a tail never seen before, fresh int objects, cold in cache. The
+router keeps its verified hash memo (``RouterConfig.hash_memo_blocks``), which can save only
+the system prompts' blocks; the replica leg is run again without it (``replica_no_memo_*``).
 The replica leg also prints the score stage's parts (``replica_score_parts_us``).
 Last line: one JSON object with ``decisions_per_s``, ``actor_decisions_per_s``,
 ``p99_decision_ms`` (targets: >= 5,000/s in-process; p99 <= 5 ms through the actor).
@@ -50,23 +53,44 @@ BT = 256
 N_PROMPTS = 400
 
 
-def prompts(rng: random.Random) -> list[list[int]]:
-    """Prompts of 8k tokens: one of 20 system prompts (2k-6k tokens) + a unique tail."""
+def prompts(rng: random.Random) -> tuple[list[list[int]], list[list[int]]]:
+    """20 system prompts (2k-6k tokens) and prompts of 8k tokens: a system prompt + a unique tail."""
     systems = [[rng.randrange(32000) for _ in range(rng.choice((2048, 4096, 6144)))] for _ in range(20)]
     out = []
     for _ in range(N_PROMPTS):
         head = rng.choice(systems)
         out.append(head + [rng.randrange(32000) for _ in range(TOKENS - len(head))])
-    return out
+    return systems, out
 
 
-def make_router(index: object, policy: str) -> CacheAwareRouter:
+class Traffic:
+    """Decision prompts as a gateway sees them: one of the 20 system prompts (the index holds
+    them, from the filled prompts) + a tail of new ids, never seen before, per decision; every
+    prompt a fresh list of fresh int objects (as a JSON body or a tokenizer gives them), made
+    in batches of 500 (~150 MB, so their ids are cold in cache when routed) outside the timed
+    decisions. A hash memo can save only the system prompt's blocks (8-24 of 32)."""
+
+    def __init__(self, seed: int, systems: list[list[int]]) -> None:
+        self.rng = np.random.default_rng(seed)
+        self.heads = [np.asarray(h, dtype=np.int64) for h in systems]
+
+    def batch(self, n: int) -> list[list[int]]:
+        out = []
+        for _ in range(n):
+            head = self.heads[int(self.rng.integers(len(self.heads)))]
+            tail = self.rng.integers(0, 32000, TOKENS - len(head))
+            out.append(np.concatenate([head, tail]).tolist())
+        return out
+
+
+def make_router(index: object, policy: str, memo: bool = True) -> CacheAwareRouter:
     infos = [WorkerInfo(WorkerId(f"w{i}"), NodeId(f"n{i}"), (NS,), f"http://w{i}") for i in range(WORKERS)]
     ws = StaticWorkers(infos)
     for i, info in enumerate(infos):
         ws.report(WorkerLoad(info.worker_id, 1000 * (i % 5), i % 3, 8000.0, time.time()))
+    extra = {} if memo or not MEMO_OPTION else {"hash_memo_blocks": 0}
     cfg = RouterConfig(namespace=NS, model_id="bench", block_tokens=BT, policy=policy,
-                       index_timeout_s=0.25)
+                       index_timeout_s=0.25, **extra)
     return CacheAwareRouter(index, ws, cfg)  # type: ignore[arg-type]
 
 
@@ -86,29 +110,39 @@ def fill(apply: object, router: CacheAwareRouter, reqs: list[list[int]], rng: ra
     return n
 
 
+MEMO_OPTION = "hash_memo_blocks" in RouterConfig.__dataclass_fields__  # (older code: none)
+BATCH = 500
 CPU_RATES: dict[str, float] = {}
 STAGES_US: dict[str, dict[str, float]] = {}  # per tag: median microseconds per decision stage
 
 
-async def sequential(router: CacheAwareRouter, reqs: list[list[int]], n: int,
+async def sequential(router: CacheAwareRouter, traffic: Traffic, n: int,
                      tag: str = "") -> tuple[float, list[float]]:
+    """``n`` decisions one after another on new prompts; decisions/s over the time spent
+    deciding (making the prompts is not timed)."""
     lat = []
     stages: dict[str, list[float]] = {}
-    t0, c0 = time.perf_counter(), time.process_time()
-    for i in range(n):
-        t = time.perf_counter()
-        r = await router.route(token_ids=reqs[i % len(reqs)])
-        router.finished(r.request_id)
-        lat.append(time.perf_counter() - t)
-        for k, v in r.timings.items():
-            stages.setdefault(k, []).append(v)
+    wall = cpu = 0.0
+    for start in range(0, n, BATCH):
+        reqs = traffic.batch(min(BATCH, n - start))
+        t0, c0 = time.perf_counter(), time.process_time()
+        for ids in reqs:
+            t = time.perf_counter()
+            r = await router.route(token_ids=ids)
+            router.finished(r.request_id)
+            lat.append(time.perf_counter() - t)
+            for k, v in r.timings.items():
+                stages.setdefault(k, []).append(v)
+        wall += time.perf_counter() - t0
+        cpu += time.process_time() - c0
+        del reqs
     if tag:  # decisions per CPU second of this process: what an idle core would give
-        CPU_RATES[tag] = n / max(1e-9, time.process_time() - c0)
+        CPU_RATES[tag] = n / max(1e-9, cpu)
         STAGES_US[tag] = {k: round(float(np.median(v)) * 1e6, 1) for k, v in stages.items()}
-    return n / (time.perf_counter() - t0), lat
+    return n / wall, lat
 
 
-def parts(router: CacheAwareRouter, reqs: list[list[int]], n: int) -> dict[str, float]:
+def parts(router: CacheAwareRouter, traffic: Traffic, n: int) -> dict[str, float]:
     """Median microseconds of the score stage's parts over ``n`` more decisions, each part
     timed by a wrapper (adds ~0.2 us to each): worker list and in-flight load (candidates),
     the pending blocks' match and recording, the per-request source view, the policy's
@@ -133,7 +167,7 @@ def parts(router: CacheAwareRouter, reqs: list[list[int]], n: int) -> dict[str, 
         saved.append((owner, name, vars(owner).get(name), name in vars(owner)))
         setattr(owner, name, wrapper)
     try:
-        asyncio.run(sequential(router, reqs, n))
+        asyncio.run(sequential(router, traffic, n))
     finally:
         for owner, name, original, had in saved:
             if had:
@@ -143,8 +177,9 @@ def parts(router: CacheAwareRouter, reqs: list[list[int]], n: int) -> dict[str, 
     return {k: round(float(np.median(v)) * 1e6, 1) for k, v in times.items()}
 
 
-async def concurrent(router: CacheAwareRouter, reqs: list[list[int]], n: int, inflight: int) -> float:
+async def concurrent(router: CacheAwareRouter, traffic: Traffic, n: int, inflight: int) -> float:
     sem = asyncio.Semaphore(inflight)
+    reqs = traffic.batch(min(n, BATCH))  # (cycled: memory stays ~150 MB)
 
     async def one(i: int) -> None:
         async with sem:
@@ -162,16 +197,17 @@ def ms(xs: list[float], q: float) -> float:
 
 def main() -> None:
     rng = random.Random(0)
-    reqs = prompts(rng)
+    systems, reqs = prompts(rng)
+    traffic = Traffic(2, systems)
     # warm the hash path once so both runs measure the same steady state
     base = make_router(None, "round_robin")
-    base_rate, _ = asyncio.run(sequential(base, reqs, 2000, "baseline"))
+    base_rate, _ = asyncio.run(sequential(base, traffic, 2000, "baseline"))
 
     index = GlobalIndex()
     index.declare_namespace(NS)
     local = make_router(InProcessIndex(index), "cost")
     blocks = fill(index.apply, local, reqs, random.Random(1))
-    local_rate, local_lat = asyncio.run(sequential(local, reqs, 3000, "local"))
+    local_rate, local_lat = asyncio.run(sequential(local, traffic, 3000, "local"))
     print(f"index: {blocks} blocks on {WORKERS} nodes; prompts {TOKENS} tokens, block {BT}")
     print(f"baseline round_robin (no index):   {base_rate:8.0f} decisions/s")
     print(f"cost, in-process GlobalIndex:      {local_rate:8.0f} decisions/s  "
@@ -192,9 +228,9 @@ def main() -> None:
         client.declare_namespace(NS)
         remote = make_router(client, "cost")
         fill(lambda evs: ray.get(actor.apply.remote(evs)), remote, reqs, random.Random(1))
-        asyncio.run(sequential(remote, reqs, 200))  # warm-up (connections, first calls)
-        seq_rate, lat = asyncio.run(sequential(remote, reqs, 1500))
-        actor_rate = asyncio.run(concurrent(remote, reqs, 3000, 32))
+        asyncio.run(sequential(remote, traffic, 200))  # warm-up (connections, first calls)
+        seq_rate, lat = asyncio.run(sequential(remote, traffic, 1500))
+        actor_rate = asyncio.run(concurrent(remote, traffic, 3000, 32))
         from actors.index.replica import IndexReplica
 
         replica = IndexReplica.follow(client, poll_s=0.01)
@@ -207,9 +243,13 @@ def main() -> None:
                 time.sleep(0.05)
             agree = sum(replica.match(NS, h) == client.match(NS, h) for h in hashes)
             near = make_router(replica, "cost")
-            asyncio.run(sequential(near, reqs, 300))  # warm-up
-            rep_rate, rep_lat = asyncio.run(sequential(near, reqs, 3000, "replica"))
-            rep_parts = parts(near, reqs, 1500)
+            asyncio.run(sequential(near, traffic, 300))  # warm-up
+            rep_rate, rep_lat = asyncio.run(sequential(near, traffic, 3000, "replica"))
+            rep_parts = parts(near, traffic, 1500)
+            bare = make_router(replica, "cost", memo=False)  # every block hashed
+            asyncio.run(sequential(bare, traffic, 300))  # warm-up
+            bare_rate, bare_lat = asyncio.run(sequential(bare, traffic, 3000, "replica_no_memo"))
+            memo = near.hasher.memo.stats() if getattr(near.hasher, "memo", None) else None
         finally:
             replica.close()
     finally:
@@ -224,6 +264,9 @@ def main() -> None:
           f"p50 {ms(rep_lat, 50):.3f} ms  p99 {ms(rep_lat, 99):.3f} ms ({rep_rate / seq_rate:.1f}x "
           f"the actor path; {CPU_RATES['replica']:.0f}/CPU-s); the replica answers {agree}/"
           f"{len(hashes)} prompts as the actor does; fallbacks {near.fallbacks}")
+    print(f"the same without the hash memo:    {bare_rate:8.0f} decisions/s sequential  "
+          f"p50 {ms(bare_lat, 50):.3f} ms  p99 {ms(bare_lat, 99):.3f} ms "
+          f"({CPU_RATES['replica_no_memo']:.0f}/CPU-s); memo {memo}")
     print(f"median microseconds per stage of a decision on the replica: {STAGES_US['replica']} "
           "(score: worker list, in-flight load, pending blocks, the policy's ranking)")
     print(f"median microseconds of the score stage's parts (timed one by one): {rep_parts}")
@@ -233,6 +276,11 @@ def main() -> None:
         "replica_agrees": agree,
         "replica_decisions_per_cpu_s": round(CPU_RATES["replica"], 1),
         "replica_stage_us": STAGES_US["replica"],
+        "replica_no_memo_decisions_per_s": round(bare_rate, 1),
+        "replica_no_memo_p99_ms": round(ms(bare_lat, 99), 3),
+        "replica_no_memo_decisions_per_cpu_s": round(CPU_RATES["replica_no_memo"], 1),
+        "replica_no_memo_stage_us": STAGES_US["replica_no_memo"],
+        "hash_memo": memo,
         "replica_score_parts_us": rep_parts,
         "decisions_per_s": round(local_rate, 1),
         "actor_decisions_per_s": round(actor_rate, 1),

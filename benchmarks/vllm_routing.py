@@ -27,7 +27,10 @@ Hit rates are fractions of all prompt tokens, from the servers' own counters
 prefix cache; with the kvshare connector (on unless ``--no-connector``), ``host``/``disk`` is
 this node's pool and ``p2p`` another node's. Pools are cleared between routers too.
 Per server and run: requests, computed tokens, vLLM's mean queue/prefill/decode seconds and
-``lookup_s``, the mean seconds a request was held for the connector's lookup.
+``lookup_s``, the mean seconds a request was held for the connector's lookup,
+``lookup_index_s`` the mean seconds its index call took (the rest: waiting for the engine's
+next step) and ``lookups_abandoned``, holds the connector gave up as costing more than they
+could save.
 
 Noise: a discarded warm-up run comes first (``--warmup-turns``); routers alternate order across
 ``--repeats``; ``--cores-per-server K`` pins server i to its own K cores, one OpenMP thread
@@ -155,10 +158,13 @@ def stages(d: dict[str, float], prefix: str = "") -> dict[str, float]:
 
 
 async def drive(handle: Any, convs: list[list[Turn]], max_tokens: int,
-                tracker: Any) -> dict[str, Any]:
+                tracker: Any, timeout_s: float = 120.0) -> dict[str, Any]:
     """Every conversation's turns in order (think time between), all conversations at once;
     one record per request: when it was sent, its TTFT end to end and at the replica (the
-    engine alone), the worker that served it and the tokens its cache supplied."""
+    engine alone), the worker that served it and the tokens its cache supplied. A request
+    not answered within ``timeout_s`` is cancelled and counted failed (a router that loses a
+    request must not stall the run: Serve LLM's KVAwareRouter was seen to, when Dynamo's
+    selection service refused a retried request's second reservation)."""
     from router.serve_vllm import ServeCompletion
 
     records: list[dict[str, Any]] = []
@@ -173,22 +179,27 @@ async def drive(handle: Any, convs: list[list[Turn]], max_tokens: int,
         req = ServeCompletion(turn.text, turn.ids, max_tokens)
         gen = handle.options(stream=True).remote(req, request_token_ids=turn.ids)
         try:
-            async for piece in gen:
-                if "ttft_s" not in rec:
-                    rec["ttft_s"] = round(time.perf_counter() - t0, 4)
-                    rec["worker"] = piece["worker"]
-                    rec["engine_ttft_s"] = round(piece.get("upstream_ttft_s", 0.0), 4)
-                    if tracker is not None:
-                        await tracker.on_prefill_complete(gen.request_id)
-                if piece.get("usage"):
-                    rec["cached_tokens"] = piece["usage"]["cached_tokens"]
+            async with asyncio.timeout(timeout_s):
+                await read(gen, rec, t0)
             records.append(rec)
         except Exception as exc:  # counted: a failed request is not a completed one
             failed += 1
+            gen.cancel()
             print(f"request failed: {exc!r}"[:300], file=sys.stderr)
         finally:
             if tracker is not None:
                 await tracker.on_request_completed(gen.request_id)
+
+    async def read(gen: Any, rec: dict[str, Any], t0: float) -> None:
+        async for piece in gen:
+            if "ttft_s" not in rec:
+                rec["ttft_s"] = round(time.perf_counter() - t0, 4)
+                rec["worker"] = piece["worker"]
+                rec["engine_ttft_s"] = round(piece.get("upstream_ttft_s", 0.0), 4)
+                if tracker is not None:
+                    await tracker.on_prefill_complete(gen.request_id)
+            if piece.get("usage"):
+                rec["cached_tokens"] = piece["usage"]["cached_tokens"]
 
     async def conversation(turns: list[Turn]) -> None:
         for k, turn in enumerate(turns):
@@ -249,7 +260,12 @@ async def run_router(name: str, handle: Any, convs: list[list[Turn]], args: argp
                                                    - d.get(f"{url}|vllm:external_prefix_cache_hits_total", 0.0)),
                             **stages(d, f"{url}|"),
                             "lookup_s": _mean(d, f"{url}|vllm:kvshare_lookup_seconds_total",
-                                              f"{url}|vllm:kvshare_lookups_total")}
+                                              f"{url}|vllm:kvshare_lookups_total"),
+                            "lookup_index_s": _mean(
+                                d, f"{url}|vllm:kvshare_lookup_index_seconds_total",
+                                f"{url}|vllm:kvshare_lookups_started_total"),
+                            "lookups_abandoned": int(
+                                d.get(f"{url}|vllm:kvshare_lookups_abandoned_total", 0.0))}
                      for url in endpoints}
     return out
 

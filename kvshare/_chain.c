@@ -3,6 +3,8 @@
  * sha256_chain(parent, data, block_bytes, tail) -> list[bytes]
  * pack_u32(ids) -> bytes (a list of token ids as little-endian u32, range-checked)
  * sha256_chain_u32(parent, ids, block_tokens, tail) -> list[bytes] (both in one pass)
+ * ChainMemo(block_tokens, capacity_blocks, tail).chain(parent, ids): sha256_chain_u32 with a
+ *     verified memo of recent blocks (_chain_memo.c)
  *
  *     h_{-1} = parent
  *     h_i    = SHA256(h_{i-1} || data[i*block_bytes:(i+1)*block_bytes] || tail)
@@ -22,6 +24,8 @@
 #include <Python.h>
 #include <openssl/sha.h>
 #include <string.h>
+
+#include "_u32.h"
 
 #define DIGEST 32
 #define GIL_MINSIZE 2048
@@ -104,59 +108,6 @@ done:
     PyBuffer_Release(&data);
     PyBuffer_Release(&tail);
     return result;
-}
-
-/* A non-negative int that fits one internal digit, read without a call; 0 if it does not. */
-static inline int small_nonneg(PyObject *v, unsigned long *x)
-{
-#if PY_VERSION_HEX >= 0x030C0000
-    if (!PyUnstable_Long_IsCompact((PyLongObject *)v))
-        return 0;
-    Py_ssize_t value = PyUnstable_Long_CompactValue((PyLongObject *)v);
-    if (value < 0)
-        return 0;
-    *x = (unsigned long)value;
-    return 1;
-#else
-    Py_ssize_t size = Py_SIZE(v);
-    if (size == 0) {
-        *x = 0;
-        return 1;
-    }
-    if (size != 1)
-        return 0;
-    *x = (unsigned long)((PyLongObject *)v)->ob_digit[0];
-    return 1;
-#endif
-}
-
-/* One token id as u32: 0 on success; -1 with OverflowError for an id outside [0, 2**32) or
- * TypeError for a non-integer. */
-static inline int read_u32(PyObject *v, unsigned char *dst)
-{
-    unsigned long x;
-    if (PyLong_CheckExact(v) && small_nonneg(v, &x)) {
-        /* one machine word: read in place (the common case, ~2x faster) */
-    } else if (PyLong_Check(v)) {
-        x = PyLong_AsUnsignedLong(v);
-    } else {
-        PyObject *idx = PyNumber_Index(v);
-        if (idx == NULL)
-            return -1;
-        x = PyLong_AsUnsignedLong(idx);
-        Py_DECREF(idx);
-    }
-    if (x == (unsigned long)-1 && PyErr_Occurred())
-        return -1;
-    if (x > 0xFFFFFFFFUL) {
-        PyErr_Format(PyExc_OverflowError, "token id %lu does not fit in u32", x);
-        return -1;
-    }
-    dst[0] = (unsigned char)x;
-    dst[1] = (unsigned char)(x >> 8);
-    dst[2] = (unsigned char)(x >> 16);
-    dst[3] = (unsigned char)(x >> 24);
-    return 0;
 }
 
 /* pack_u32(ids) -> bytes: a list or tuple of ints (anything with __index__) as little-endian
@@ -276,4 +227,12 @@ static struct PyModuleDef module = {
     NULL, NULL, NULL, NULL,
 };
 
-PyMODINIT_FUNC PyInit__chain(void) { return PyModule_Create(&module); }
+int chain_memo_add_type(PyObject *module); /* _chain_memo.c */
+
+PyMODINIT_FUNC PyInit__chain(void)
+{
+    PyObject *m = PyModule_Create(&module);
+    if (m != NULL && chain_memo_add_type(m) < 0)
+        Py_CLEAR(m);
+    return m;
+}

@@ -14,3 +14,16 @@ def sha256_chain_u32(parent: bytes, ids: list[int] | tuple[int, ...], block_toke
                      tail: bytes) -> list[bytes]:
     """``sha256_chain(parent, pack_u32(ids), 4 * block_tokens, tail)`` in one pass (GIL held);
     every id is checked, with ``pack_u32``'s refusals."""
+
+class ChainMemo:
+    """``sha256_chain_u32`` with a verified memo of up to ``capacity_blocks`` recent blocks: a
+    block whose parent digest and packed ids equal a kept block's (compared byte for byte) takes
+    its digest; every id is still read and checked. ``fingerprint_bits`` < 64 weakens the set
+    index on purpose (tests)."""
+
+    def __init__(self, block_tokens: int, capacity_blocks: int, tail: bytes,
+                 fingerprint_bits: int = 64) -> None: ...
+    def chain(self, parent: bytes, ids: list[int] | tuple[int, ...]) -> list[bytes]: ...
+    def clear(self) -> None: ...
+    def stats(self) -> dict[str, int]:
+        """``hits``, ``misses`` (blocks), ``blocks`` kept now, ``capacity``."""

@@ -8,6 +8,12 @@ and :func:`~kvshare.hashing.block_hashes` itself, so all of them hash a prompt t
     hasher.hashes(tokens)                                  # the default tenant's chain
     hasher.hashes(tokens, salt="acme")                     # tenant "acme": another root
 
+``memo_blocks`` > 0 keeps a verified memo of that many recent blocks (sha256 lists of ids
+only, where the C extension is built: :class:`kvshare._chain.ChainMemo`): a block whose parent
+hash and ids equal a kept block's, byte for byte, takes its digest instead of rehashing it,
+so a conversation's next turn or a shared system prompt costs reading the ids, not sha256.
+The hashes are the same with or without it (every id is still read and checked).
+
 A hasher built from a root alone (:meth:`from_root`: a worker or router that was handed a
 root, not the model's identity) hashes under that root and refuses any explicit salt with a
 ValueError instead of silently hashing under the wrong root.
@@ -16,11 +22,19 @@ ValueError instead of silently hashing under the wrong root.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import cast
 
 import numpy as np
 import numpy.typing as npt
 
-from kvshare.hashing import DEFAULT_HASH_FN, HashFn, block_hashes, namespace_root
+from kvshare.hashing import (
+    DEFAULT_HASH_FN,
+    FUSED_MAX_TOKENS,
+    HashFn,
+    block_hashes,
+    chain_memo,
+    namespace_root,
+)
 from kvshare.layout import KVLayout
 from kvshare.types import BlockHash
 
@@ -43,6 +57,7 @@ class Hasher:
         salt: str = "",
         fn: HashFn = DEFAULT_HASH_FN,
         root: BlockHash | None = None,
+        memo_blocks: int = 0,
     ) -> None:
         if block_tokens <= 0:
             raise ValueError(f"block_tokens must be positive, got {block_tokens}")
@@ -59,6 +74,8 @@ class Hasher:
                              f"{self.fn.digest_size}: pass the hash function it was made with")
         self.root: BlockHash = root if root is not None else self.root_for(salt)
         """The root of the default salt (given, or made from the identity)."""
+        self.memo = chain_memo(self.fn, block_tokens, memo_blocks)
+        """The verified block memo (None: off, or not available for this hash function)."""
 
     @classmethod
     def for_layout(cls, model_id: str, layout: KVLayout, salt: str = "",
@@ -97,5 +114,13 @@ class Hasher:
         """Hashes of the full blocks of ``tokens`` under tenant ``salt``'s root (None: the
         default salt); ``extra_keys``/``parent`` as in :func:`~kvshare.hashing.block_hashes`.
         ValueError for token ids outside [0, 2**32) or an unknown salt of a root-only hasher."""
+        memo = self.memo
+        if (memo is not None and extra_keys is None and isinstance(tokens, list | tuple)
+                and len(tokens) <= FUSED_MAX_TOKENS):
+            try:
+                head = parent if parent is not None else self.root_for(salt)
+                return cast(list[BlockHash], memo.chain(head, tokens))
+            except (OverflowError, TypeError):
+                pass  # block_hashes below names the offending id
         return block_hashes(self.root_for(salt), tokens, self.block_tokens, extra_keys,
                             fn=self.fn, parent=parent)

@@ -80,6 +80,19 @@ def _hasher(fn: HashFn) -> Callable[[bytes], Any]:
     raise ValueError(f"unknown hash function {fn!r}; choose one of {[f.value for f in HashFn]}")
 
 
+def chain_memo(fn: HashFn, block_tokens: int, capacity_blocks: int) -> _chain.ChainMemo | None:
+    """A verified memo of ``capacity_blocks`` recent blocks for sha256 chains of
+    ``block_tokens`` ids (:class:`kvshare._chain.ChainMemo`, its ``chain(parent, ids)`` gives
+    :func:`block_hashes`' bytes); None when ``capacity_blocks`` is 0, ``fn`` is not sha256 or
+    the C extension is not built. ValueError for a negative capacity."""
+    if capacity_blocks < 0:
+        raise ValueError(f"memo capacity must be >= 0 blocks, got {capacity_blocks}")
+    memo_type = getattr(_chain, "ChainMemo", None)  # (a stale build may lack it)
+    if not capacity_blocks or fn is not HashFn.SHA256 or memo_type is None:
+        return None
+    return cast("_chain.ChainMemo", memo_type(block_tokens, max(capacity_blocks, 4), _field(b"")))
+
+
 def _digest_fn(fn: HashFn) -> Callable[[bytes], bytes]:
     cls = _hasher(fn)
     return lambda data: cls(data).digest()

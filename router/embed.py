@@ -84,6 +84,10 @@ class RouterConfig:
     prefill_tokens_per_s: float = 5_000.0
     bandwidths: Bandwidths = field(default_factory=Bandwidths)
     refit_every: int = 32
+    hash_memo_blocks: int = 8192
+    """Recent blocks whose hashes the router keeps, verified (a next turn or a shared system
+    prompt is not rehashed: :class:`~kvshare.hasher.Hasher`); ~(4 x block_tokens + 120) bytes
+    each; 0 turns it off. Decisions are the same either way."""
 
     def __post_init__(self) -> None:
         check_namespace(self.namespace)
@@ -91,6 +95,8 @@ class RouterConfig:
             raise ValueError("block_tokens must be positive")
         if self.index_timeout_s <= 0 or self.pending_ttl_s <= 0:
             raise ValueError("index_timeout_s and pending_ttl_s must be positive seconds")
+        if self.hash_memo_blocks < 0:
+            raise ValueError("hash_memo_blocks must be >= 0 (0: no memo)")
 
     @classmethod
     def from_model_keys(cls, keys: Any, **options: Any) -> RouterConfig:
@@ -194,7 +200,8 @@ class CacheAwareRouter:
         self.workers = workers
         self.tokenizer: Tokenizer = tokenizer or ByteTokenizer()
         self.metrics = metrics or RouterMetrics()
-        self.hasher = Hasher(cfg.model_id, cfg.layout_fingerprint, cfg.block_tokens, fn=cfg.hash_fn)
+        self.hasher = Hasher(cfg.model_id, cfg.layout_fingerprint, cfg.block_tokens, fn=cfg.hash_fn,
+                             memo_blocks=cfg.hash_memo_blocks)
         self.core = RoutingCore(
             index, cfg.cost_inputs(), policy=cfg.policy, policy_options=cfg.policy_options,
             index_timeout_s=cfg.index_timeout_s, pending_ttl_s=cfg.pending_ttl_s,

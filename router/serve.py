@@ -41,7 +41,7 @@ import asyncio
 import logging
 import time
 import weakref
-from collections.abc import Mapping
+from collections.abc import Coroutine, Mapping
 from dataclasses import replace
 from typing import Any, NamedTuple
 
@@ -98,6 +98,7 @@ class KVShareRequestRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         self._next_connect = 0.0
         self._workers: dict[WorkerId, WorkerInfo] = {}
         self._workers_at = -1e9
+        self._workers_task: asyncio.Task[None] | None = None
         self._loads: dict[WorkerId, WorkerLoad] = {}
         self._loads_at = -1e9
         self._loads_task: asyncio.Task[None] | None = None
@@ -205,12 +206,23 @@ class KVShareRequestRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         return self._client
 
     async def _refresh_workers(self, client: Any) -> None:
+        """The workers' registrations. Read in a request's path only while a replica's worker
+        is unknown (at most every 0.25 s); once every replica's is known, re-read in the
+        background every ``workers_refresh_s``, so a decision waits on no registry call."""
         now = time.monotonic()
-        known = all(self._wid_of(r) in self._workers for r in self._replica_id_set)
         age = now - self._workers_at
-        if age < (self.settings.workers_refresh_s if known else 0.25):
+        if all(self._wid_of(r) in self._workers for r in self._replica_id_set):
+            if age >= self.settings.workers_refresh_s and self._workers_task is None:
+                self._workers_at = now  # a failed read is retried a period later
+                self._workers_task = self._in_background(
+                    self._read_workers(client), "_workers_task", "worker registrations")
             return
+        if age >= 0.25:
+            await self._read_workers(client)
+
+    async def _read_workers(self, client: Any) -> None:
         infos = await client.workers_async()
+        now = time.monotonic()
         self._workers = {w.worker_id: w for w in infos}
         self._workers_at = now
         for w in infos:
@@ -219,6 +231,19 @@ class KVShareRequestRouter(LocalityMixin, MultiplexMixin, RequestRouter):
                     self._hashing[ns] = h
         if self._refresh_bandwidth and now - self._bw_at > BANDWIDTH_REFRESH_S and self._bw_task is None:
             self._bw_task = asyncio.get_running_loop().create_task(self._refresh_bandwidths())
+
+    def _in_background(self, read: Coroutine[Any, Any, None], slot: str, what: str
+                       ) -> asyncio.Task[None]:
+        """``read`` as a task that empties attribute ``slot`` when it ends; a failed read
+        keeps what the last one read (and is retried)."""
+        def ended(task: asyncio.Task[None]) -> None:
+            setattr(self, slot, None)
+            if not task.cancelled() and task.exception() is not None:
+                log.info("kvshare %s unavailable: %s", what, task.exception())
+
+        task = asyncio.get_running_loop().create_task(read)
+        task.add_done_callback(ended)
+        return task
 
     async def _refresh_bandwidths(self) -> None:
         """The transports' measured bytes/s (the pools probe them at start), off the loop."""
@@ -318,9 +343,8 @@ class KVShareRequestRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         every = self.settings.loads_refresh_s
         if every and self._loads:
             if time.monotonic() - self._loads_at >= every and self._loads_task is None:
-                task = asyncio.get_running_loop().create_task(self._read_loads(client))
-                task.add_done_callback(self._loads_read)
-                self._loads_task = task
+                self._loads_task = self._in_background(
+                    self._read_loads(client), "_loads_task", "load reports")
             return self._loads
         try:
             remaining = max(0.001, deadline - asyncio.get_running_loop().time())
@@ -332,12 +356,6 @@ class KVShareRequestRouter(LocalityMixin, MultiplexMixin, RequestRouter):
     async def _read_loads(self, client: Any) -> None:
         self._loads = dict(await client.loads_async())
         self._loads_at = time.monotonic()
-
-    def _loads_read(self, task: asyncio.Task[None]) -> None:
-        """A background read ended; a failed one keeps the last reports (and is retried)."""
-        self._loads_task = None
-        if not task.cancelled() and task.exception() is not None:
-            log.info("kvshare load reports unavailable: %s", task.exception())
 
     def _repass(
         self, replicas: list[RunningReplica], pr: PendingRequest

@@ -349,8 +349,10 @@ def indexed_at(node: str, tag: str, n: int, timeout_s: float = 30.0) -> None:
         time.sleep(0.05)
 
 
-def wait_probed(timeout_s: float = 60.0) -> list[dict[str, Any]]:
-    """The alive nodes' status entries once each shows shm, nixl and objstore above 0."""
+def wait_probed(timeout_s: float = 180.0) -> list[dict[str, Any]]:
+    """The alive nodes' status entries once each shows shm, nixl and objstore above 0 (the
+    probes warm up and repeat in the background: at load ~30 two nodes were still at 0 after
+    60 s, so the bound is generous; a quiet machine passes in seconds)."""
     from actors.deploy import status
 
     deadline = time.monotonic() + timeout_s

@@ -1,6 +1,7 @@
-"""Who checks a NIXL read's bytes: the holding pool while the transfer runs (default), or the
-reader after they arrived (``end_to_end``). Either way a rotten slot is a ``corrupt`` miss,
-the pool drops the block, and nothing stays pinned or pending. In one process, real NIXL."""
+"""Who checks a NIXL read's bytes: the holding pool while the transfer runs, or the reader as
+they land (``end_to_end``; the default where ``kvshare._hashq`` is built). Either way a rotten
+slot is a ``corrupt`` miss, the pool drops the block, and nothing stays pinned or pending. In
+one process, real NIXL."""
 
 from __future__ import annotations
 
@@ -13,12 +14,13 @@ import pytest
 from kvshare.layout import KVLayout
 from kvshare.tiers.base import block_checksum
 from kvshare.tiers.host import HostSlab
+from kvshare.transfer import nixl
 from kvshare.transfer.base import CORRUPT, Transport
 from kvshare.transfer.control import LocalControl
 from kvshare.transfer.local import make_local_source
 from kvshare.transfer.nixl import NixlTransport
 from kvshare.transfer.source import BlockSource
-from kvshare.transfer.verify import PinnedSlot, SlotVerifier
+from kvshare.transfer.verify import LANDING_CHECKS, LandingCheck, PinnedSlot, SlotVerifier
 from kvshare.types import BlockHash, Tier
 
 LAYOUT = KVLayout(1, 1, 8, "fp32", 64)  # 4 KiB blocks
@@ -43,10 +45,13 @@ def source() -> Iterator[BlockSource]:
     src.pool.close()
 
 
-@pytest.fixture(scope="module", params=["at_source", "end_to_end"])
+MODES = {"at_source": False, "end_to_end": True, "default": None}
+
+
+@pytest.fixture(scope="module", params=list(MODES))
 def reader(request: pytest.FixtureRequest) -> Iterator[Transport]:
-    t = NixlTransport(f"uv{os.getpid()}/reader/{request.param}",
-                      end_to_end=request.param == "end_to_end")
+    t = NixlTransport(f"uv{os.getpid()}/reader/{request.param}", end_to_end=MODES[request.param])
+    t.victim = 100 + list(MODES).index(request.param)  # type: ignore[attr-defined]
     yield t
     t.close()
 
@@ -61,7 +66,7 @@ def rot(src: BlockSource, block: BlockHash) -> None:
 
 
 def test_rotten_slot_is_a_corrupt_miss_and_dropped(source: BlockSource, reader: Transport) -> None:
-    victim = h(100 + int(getattr(reader, "end_to_end", False)))
+    victim = h(reader.victim)  # type: ignore[attr-defined]
     assert source.pool.put(victim, payload(5))
     rot(source, victim)
     dest = np.zeros((3, B), np.uint8)
@@ -101,3 +106,55 @@ def test_verifier_names_the_failed_lease_and_forgets_abandoned_holders() -> None
         v.close()
     finally:
         slab.close()
+
+
+def test_default_reader_checks_blocks_as_they_land() -> None:
+    """Where the native thread is built, the default NixlTransport checks on the reader."""
+    t = NixlTransport(f"uv{os.getpid()}/reader/mode")
+    try:
+        assert t.end_to_end == LANDING_CHECKS
+    finally:
+        t.close()
+
+
+def test_rot_in_one_of_many_groups_is_the_only_miss(
+    source: BlockSource, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A read in several transfers (2 blocks each), hashed group by group as they land."""
+    if not LANDING_CHECKS:
+        pytest.skip("kvshare._hashq is not built: reads are checked by the pool")
+    monkeypatch.setattr(nixl, "GROUP_BYTES", 2 * B)
+    t = NixlTransport(f"uv{os.getpid()}/reader/groups", end_to_end=True)
+    try:
+        keys = [h(200 + i) for i in range(7)]
+        for i, k in enumerate(keys):
+            assert source.pool.put(k, payload(20 + i))
+        rot(source, keys[3])
+        dest = np.zeros((7, B), np.uint8)
+        res = t.read(LocalControl(source), keys, list(dest))
+        assert res.misses() == {keys[3]: CORRUPT}
+        assert all(np.array_equal(dest[i], payload(20 + i)) for i in range(7) if i != 3)
+        assert keys[3] not in source.pool and source.pool.stats()["active_leases"] == 0
+    finally:
+        t.close()
+
+
+def test_landing_check_sums_equal_block_checksums() -> None:
+    if not LANDING_CHECKS:
+        pytest.skip("kvshare._hashq is not built")
+    bufs = [payload(i) for i in range(5)] + [np.zeros(0, np.uint8)]
+    check = LandingCheck(len(bufs))
+    for i in (2, 0, 1, 5, 4, 3):
+        check.landed(i, bufs[i])
+    assert check.sums(10.0) == {i: block_checksum(b) for i, b in enumerate(bufs)}
+    closed = LandingCheck(1)
+    closed.close()
+    with pytest.raises(AssertionError):
+        closed.landed(0, bufs[0])
+    from kvshare import _hashq
+
+    q = _hashq.HashQueue(1)
+    q.push(int(bufs[0].ctypes.data), B)
+    with pytest.raises(ValueError, match="capacity"):
+        q.push(int(bufs[1].ctypes.data), B)
+    q.close()

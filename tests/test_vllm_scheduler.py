@@ -10,7 +10,9 @@ delay-free runs in seconds.
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
+import threading
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -57,7 +59,7 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 
 
 def make_scheduler(model: str, block_tokens: int = BLOCK, extra: dict[str, Any] | None = None,
-                   **overrides: Any) -> Any:
+                   budget: int = 1024, **overrides: Any) -> Any:
     from vllm.config import (
         CacheConfig,
         DeviceConfig,
@@ -73,7 +75,7 @@ def make_scheduler(model: str, block_tokens: int = BLOCK, extra: dict[str, Any] 
     mc = ModelConfig(model=model, dtype="float32", seed=0, hf_overrides=overrides)
     vc = VllmConfig(
         model_config=mc,
-        scheduler_config=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=1024,
+        scheduler_config=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=budget,
                                          max_model_len=1024, enable_chunked_prefill=True,
                                          is_encoder_decoder=False),
         cache_config=CacheConfig(block_size=PAGE, enable_prefix_caching=True),
@@ -275,6 +277,100 @@ def test_a_turn_vllm_holds_but_part_of_a_block_waits_on_no_lookup(model: str) ->
     assert sched.connector.counters["lookups"] == lookups + 1
 
 
+class GatedIndex:
+    """The test's client, except that lookups of the prompts in ``gated`` wait for ``open``
+    (an index that answers late); everything else goes to the client."""
+
+    def __init__(self, client: Any) -> None:
+        self.client = client
+        self.gated: set[tuple[int, ...]] = set()
+        self.open = threading.Event()
+
+    def lookup(self, tokens: Any, hashes: Any = None) -> Any:
+        if tuple(tokens) in self.gated:
+            self.open.wait(30)
+        return self.client.lookup(tokens, hashes)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.client, name)
+
+
+def gate(sched: Any) -> GatedIndex:
+    side = sched.connector._sched
+    side.client = GatedIndex(side.client)
+    return side.client  # type: ignore[no-any-return]
+
+
+def schedule_until(sched: Any, cond: Callable[[Any], bool], steps: int = 200) -> Any:
+    """Schedule (empty model outputs) until ``cond(scheduler_output)``; bounded."""
+    for _ in range(steps):
+        out = sched.schedule()
+        if cond(out):
+            return out
+        sched.update_from_output(out, output([]))
+        time.sleep(0.01)
+    raise AssertionError(f"not scheduled within {steps} steps")
+
+
+def test_a_slow_lookup_does_not_hold_the_lookups_behind_it(model: str) -> None:
+    """Lookups run concurrently: a request whose index answer is late waits alone, the next
+    cold request is looked up, loaded and scheduled meanwhile."""
+    sched = make_scheduler(model, extra={"price_lookups": False})
+    index = gate(sched)
+    slow, fast = tokens(10), tokens(11)
+    seed_pool(sched, fast)
+    index.gated.add(tuple(slow))
+    try:
+        sched.add_request(request("slow", slow))
+        sched.add_request(request("fast", fast))
+        out = schedule_until(sched, lambda o: "fast" in o.num_scheduled_tokens)
+        assert out.num_scheduled_tokens == {"fast": len(fast) - 4 * BLOCK}  # loaded, not computed
+        assert "slow" not in out.num_scheduled_tokens  # unpriced: still held for its lookup
+    finally:
+        index.open.set()
+    out = schedule_until(sched, lambda o: "slow" in o.num_scheduled_tokens)
+    assert sched.connector.counters.get("lookups_abandoned", 0) == 0
+
+
+def test_a_lookup_held_longer_than_it_could_save_becomes_a_miss(model: str) -> None:
+    """Once the engine's speed is measured, a request is held for its lookup no longer than
+    the prefill the lookup could save: then it is computed as a miss (no error), and the late
+    answer still spares the cluster the blocks it held (not stored again)."""
+    sched = make_scheduler(model, budget=256)
+    index = gate(sched)
+    warm = request("w", tokens(12, BLOCK - 1), max_tokens=3)  # busy steps: speed measured
+    sched.add_request(warm)
+    for _ in range(3):
+        out = sched.schedule()
+        sched.update_from_output(out, output([warm]))
+    assert sched.connector._sched.lookups.speed.tokens_per_s > 0
+    toks = tokens(13, 8 * BLOCK + 5)
+    seed_pool(sched, toks)  # the cluster holds its 8 blocks, but answers late
+    index.gated.add(tuple(toks))
+    try:
+        sched.add_request(request("late", toks))
+        out = schedule_until(sched, lambda o: "late" in o.num_scheduled_tokens)
+        assert out.num_scheduled_tokens["late"] == 256  # computing from token 0: a miss
+        counters = sched.connector.counters
+        assert counters["lookups_abandoned"] == 1 and not counters.get("lookup_errors")
+        assert [s.start_block for s in out.kv_connector_metadata.saves] == [0]
+    finally:
+        index.open.set()
+    side = sched.connector._sched
+    st = side._reqs["late"]
+    deadline = time.monotonic() + 30
+    while st.late is not None and not st.late.done() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    saves = []
+    for _ in range(3):  # the rest of the prompt (chunks of 256 tokens)
+        req = sched.requests["late"]
+        sched.update_from_output(out, output([req] if out.num_scheduled_tokens else []))
+        out = sched.schedule()
+        saves += out.kv_connector_metadata.saves
+    assert saves == []  # blocks 4-7 were in the cluster: the late answer said so
+    assert side.counters["lookups"] == 1  # abandoned for good: never looked up again
+
+
 def test_bad_config_fails_at_start_up_naming_the_fix(model: str, tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"not a multiple of vLLM's --block-size 32.*e\.g\. 32"):
         make_scheduler(model, block_tokens=48)
@@ -284,3 +380,17 @@ def test_bad_config_fails_at_start_up_naming_the_fix(model: str, tmp_path: Path)
         from kvshare.vllm.config import ConnectorSettings
 
         ConnectorSettings.from_extra({"namespace": "t", "blocktokens": 64})
+
+
+def test_step_speed_counts_busy_steps_only() -> None:
+    """Tokens per second over steps that continue a request; an idle gap between bursts (no
+    request in common) is not read as a slow engine."""
+    from kvshare.vllm.lookup import StepSpeed
+
+    speed = StepSpeed(alpha=1.0)
+    assert speed.seconds_for(100) is None  # unmeasured
+    speed.step({"a": 500}, now=0.0)
+    speed.step({"a": 1}, now=0.5)  # a's 500 tokens took 0.5 s
+    assert speed.tokens_per_s == 1000
+    speed.step({"b": 300}, now=60.0)  # idle for a minute, then a new request
+    assert speed.tokens_per_s == 1000 and speed.seconds_for(250) == 0.25

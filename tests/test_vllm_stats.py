@@ -83,10 +83,15 @@ def test_lookup_waits_become_their_own_counters() -> None:
 
     registry, prom = prometheus()
     sched = {"lookups": 4, "lookup_pending": 7, "lookup_wait_seconds": 0.25,
-             "lookups_answered": 3}
-    assert lookup_counters(sched) == {"lookup_wait_seconds": 0.25, "lookups_answered": 3.0}
+             "lookups_answered": 3, "lookup_seconds": 0.125, "lookups_abandoned": 1}
+    assert lookup_counters(sched) == {"lookup_wait_seconds": 0.25, "lookups_answered": 3.0,
+                                      "lookup_seconds": 0.125, "lookups": 4.0,
+                                      "lookups_abandoned": 1.0}
     prom.observe(lookup_counters(sched), 0)
     text = generate_latest(registry).decode()
     assert 'vllm:kvshare_lookup_seconds_total{engine="0",model_name="tiny"} 0.25' in text
     assert 'vllm:kvshare_lookups_total{engine="0",model_name="tiny"} 3.0' in text
+    assert 'vllm:kvshare_lookup_index_seconds_total{engine="0",model_name="tiny"} 0.125' in text
+    assert 'vllm:kvshare_lookups_started_total{engine="0",model_name="tiny"} 4.0' in text
+    assert 'vllm:kvshare_lookups_abandoned_total{engine="0",model_name="tiny"} 1.0' in text
     assert "pending" not in text

@@ -4,11 +4,12 @@ The pulling process (a worker, or a pool fetching for its node) owns one agent a
 its destination memory once per buffer (cached, LRU-bounded). For each batch it asks the
 source pool to pin the blocks (one control message), posts ONE transfer with batched
 descriptor lists, polls ``check_xfer_state`` until done or the deadline (then cancels), and
-ends the pins (one control message). Integrity: by default the pool checksums the pinned
-slots while the transfer runs and the ``finish`` reply says which were intact
-(:mod:`kvshare.transfer.verify`: no second pass over the bytes on the reader's critical
-path); with ``end_to_end=True`` the reader checksums what arrived instead and sends the
-``finish`` without waiting for its reply. Remote agent
+ends the pins (one control message). Integrity (:mod:`kvshare.transfer.verify`): by default
+the reader checksums what arrived, group by group (about ``GROUP_BYTES`` per transfer) in a
+native thread while the next group copies, and sends the ``finish`` without waiting for its
+reply; where that thread is not built (or with ``end_to_end=False``) the pool checksums the
+pinned slots while one transfer runs and the ``finish`` reply says which were intact.
+Remote agent
 metadata is cached per source agent name ``{namespace}/{node}/{generation}``; when a source's
 generation changes the old agent is removed with ``remove_remote_agent``. Connections are
 reused across batches.
@@ -40,6 +41,7 @@ from kvshare.transfer.base import (
     lease_ttl,
 )
 from kvshare.transfer.nixl_agent import dram_reg, make_agent, xfer_descs
+from kvshare.transfer.verify import LANDING_CHECKS, LandingCheck
 from kvshare.transfer.wire import (
     PRESENT,
     BlockControl,
@@ -52,6 +54,10 @@ from kvshare.types import BlockHash
 log = logging.getLogger(__name__)
 
 MAX_REGIONS = 16
+GROUP_BYTES = 16 * 1024 * 1024
+"""A read checked on landing moves in transfers of about this many bytes: each group is hashed
+(cache-warm) while the next one copies. Measured (cma, 256 MiB): 16 transfers cost ~1% against
+one, 64 about 5%."""
 
 
 HUGE_PAGE = 2 * 1024 * 1024
@@ -92,18 +98,20 @@ def _failure(control: BlockControl, holder: str, what: str) -> str:
 class NixlTransport(Transport):
     """A NIXL agent named ``name`` that pulls blocks from (or pushes into) pools' host slabs.
 
-    ``verify``: every block read is checked against its checksum, by the holding pool while
-    the transfer runs (the default) or, with ``end_to_end``, by this reader after it arrived
-    (one more pass over the bytes here, which also covers the wire and this host's memory).
+    ``verify``: every block read is checked against its checksum. ``end_to_end`` says who
+    checks: this reader, as the blocks land (True; hashing in a native thread where
+    ``verify.LANDING_CHECKS``, else after the whole read), or the holding pool while the
+    transfer runs (False). The default (None) is the reader where ``LANDING_CHECKS`` (it also
+    covers the wire and this host's memory, and costs about one group's hash), else the pool.
     Raises :class:`TransportUnavailable` (reason ``nixl_unavailable``) if NIXL cannot start.
     """
 
     name = "nixl"
 
-    def __init__(self, name: str, *, verify: bool = True, end_to_end: bool = False) -> None:
+    def __init__(self, name: str, *, verify: bool = True, end_to_end: bool | None = None) -> None:
         self.agent_name = name
         self.verify = verify
-        self.end_to_end = end_to_end
+        self.end_to_end = LANDING_CHECKS if end_to_end is None else end_to_end
         self.agent = make_agent(name)
         self._regions: OrderedDict[tuple[int, int], tuple[np.ndarray, Any]] = OrderedDict()
         self._peers: dict[str, tuple[str, NixlPeerInfo]] = {}  # agent name -> (remote, info)
@@ -187,7 +195,7 @@ class NixlTransport(Transport):
         bufs: Sequence[ByteArray], deadline_s: float,
     ) -> Transfer:
         t = self.new_transfer(op, hashes, bufs, deadline_s, self.agent_name)
-        t.state.update(control=control, bufs=list(bufs), handle=None, outcome={})
+        t.state.update(control=control, bufs=list(bufs), handles=[], outcome={}, check=None)
         if not hashes:
             t.finish([], 0)
             return t
@@ -242,17 +250,14 @@ class NixlTransport(Transport):
                 keep: set[tuple[int, int]] = set()
                 for i in moving:
                     self._ensure_registered(bufs[i], keep)
-            slots = [entries[i].slot for i in moving]  # type: ignore[union-attr]
-            rdesc = xfer_descs([info.base_addr + s * size for s in slots], size)
-            ldesc = xfer_descs(addrs, size)
-            handle = self.agent.initialize_xfer(
-                "READ" if t.op == "read" else "WRITE",
-                self.agent.get_xfer_descs(ldesc, "DRAM"),
-                self.agent.get_xfer_descs(rdesc, "DRAM"),
-                remote,
-            )
-            t.state["handle"] = handle
-            t.state["status"] = self.agent.transfer(handle)
+            remotes = [info.base_addr + entries[i].slot * size for i in moving]  # type: ignore[union-attr]
+            per = len(moving)
+            if t.op == "read" and self.verify and self.end_to_end and LANDING_CHECKS:
+                t.state["check"] = LandingCheck(len(moving))
+                per = max(1, GROUP_BYTES // size)
+            for lo in range(0, len(moving), per):
+                self._post(t, remote, moving[lo : lo + per], addrs[lo : lo + per],
+                           remotes[lo : lo + per], size)
         except TimeoutError:
             return self._end(t, DEADLINE)
         except SourceGone:
@@ -266,15 +271,42 @@ class NixlTransport(Transport):
             return self._end(t, _failure(control, t.holder, f"{type(exc).__name__} {exc}"))
         return t
 
+    def _post(self, t: Transfer, remote: str, group: list[int], addrs: list[int],
+              remotes: list[int], size: int) -> None:
+        """Post one transfer of the blocks ``group`` (indices into the batch)."""
+        handle = self.agent.initialize_xfer(
+            "READ" if t.op == "read" else "WRITE",
+            self.agent.get_xfer_descs(xfer_descs(addrs, size), "DRAM"),
+            self.agent.get_xfer_descs(xfer_descs(remotes, size), "DRAM"),
+            remote,
+        )
+        t.state["handles"].append([handle, "PROC", group])
+        self._advance(t, t.state["handles"][-1], self.agent.transfer(handle))
+
+    def _advance(self, t: Transfer, entry: list[Any], status: str) -> None:
+        """Record a transfer's status; a group that just landed goes to the landing check."""
+        entry[1] = status
+        check: LandingCheck | None = t.state["check"]
+        if status == "DONE" and check is not None:
+            bufs: list[ByteArray] = t.state["bufs"]
+            for i in entry[2]:
+                check.landed(i, bufs[i])
+
+    def _status(self, t: Transfer) -> str:
+        """DONE when every transfer is done, PROC while some still run, else a failure."""
+        for entry in t.state["handles"]:
+            if entry[1] == "PROC":
+                self._advance(t, entry, self.agent.check_xfer_state(entry[0]))
+        states = {entry[1] for entry in t.state["handles"]}
+        bad = states - {"DONE", "PROC"}
+        return str(next(iter(bad))) if bad else "PROC" if "PROC" in states else "DONE"
+
     def poll(self, transfer: Transfer) -> TransferResult | None:
         t = transfer
         if t.result is not None:
             return t.result
-        handle = t.state["handle"]
-        status = t.state["status"]
         try:
-            if status == "PROC":
-                status = t.state["status"] = self.agent.check_xfer_state(handle)
+            status = self._status(t)
         except Exception as exc:
             self._end(t, _failure(t.state["control"], t.holder, f"{type(exc).__name__} {exc}"))
             return t.result
@@ -303,8 +335,16 @@ class NixlTransport(Transport):
             self._source_verdict(t, lease_ids)
         elif t.op == "read":
             control.finish(t.holder, [])  # the pins end; nothing to wait for
+            check: LandingCheck | None = t.state["check"]
+            sums = check.sums(max(t.remaining, 0.0) + FINISH_WAIT_S) if check is not None else None
+            if check is not None and sums is None:  # not hashed in time: not known intact
+                sums = {}
             for i in t.state["moving"]:
-                if self.verify and block_checksum(bufs[i]) != entries[i].checksum:
+                got = sums.get(i) if sums is not None else (
+                    block_checksum(bufs[i]) if self.verify else entries[i].checksum)
+                if got is None:
+                    outcome[i] = DEADLINE
+                elif got != entries[i].checksum:
                     outcome[i] = CORRUPT
                     bad.append(t.hashes[i])
                 else:
@@ -338,6 +378,9 @@ class NixlTransport(Transport):
     def _end(self, t: Transfer, reason: str | None) -> Transfer:
         """Stop the transfer: blocks still moving miss with ``reason``; leases end."""
         self._release(t)
+        check: LandingCheck | None = t.state.get("check")
+        if check is not None:
+            check.close()
         outcome: dict[int, str] = t.state["outcome"]
         if reason is not None:
             for i in range(len(t.hashes)):
@@ -347,14 +390,12 @@ class NixlTransport(Transport):
         return t
 
     def _release(self, t: Transfer) -> None:
-        handle = t.state.get("handle")
-        if handle is None:
-            return
-        t.state["handle"] = None
-        try:
-            self.agent.release_xfer_handle(handle)
-        except Exception as exc:  # could not cancel: keep the handle out of reuse
-            log.warning("nixl transfer %d could not be released: %s", t.transfer_id, exc)
+        handles, t.state["handles"] = t.state.get("handles", []), []
+        for handle, _, _ in handles:
+            try:
+                self.agent.release_xfer_handle(handle)
+            except Exception as exc:  # could not cancel: keep the handle out of reuse
+                log.warning("nixl transfer %d could not be released: %s", t.transfer_id, exc)
 
     def _result(self, t: Transfer) -> TransferResult:
         outcome: dict[int, str] = t.state["outcome"]

@@ -16,7 +16,10 @@
 - ``sync_local_mib`` (default 256): a load wholly from this node's pool (shared memory) of at
   most this many MiB completes inside the step that computes the request's suffix, before its
   forward pass (that step waits for the copy, ~a memcpy of the prefix's KV); larger loads and
-  loads from other nodes are asynchronous. 0: every load asynchronous.
+  loads from other nodes are asynchronous. 0: every load asynchronous;
+- ``lookup_threads`` (default 4): index lookups in flight at once; ``price_lookups`` (default
+  true): a request is held for its lookup only as long as the prefill the lookup could save
+  (:mod:`kvshare.vllm.lookup`), false: up to ``index_timeout_s``.
 
 Keys (:func:`model_keys`): the namespace root hashes the model identity (config, weight
 manifest and sampled weight bytes, tokenizer files; :func:`kvshare.identity.
@@ -55,6 +58,8 @@ class ConnectorSettings:
     store_deadline_s: float = 10.0
     index_timeout_s: float = 2.0
     sync_local_mib: float = 256.0
+    lookup_threads: int = 4
+    price_lookups: bool = True
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorSettings:
@@ -83,6 +88,8 @@ class ConnectorSettings:
                 store_deadline_s=float(data.get("store_deadline_s", 10.0)),
                 index_timeout_s=float(data.get("index_timeout_s", 2.0)),
                 sync_local_mib=float(data.get("sync_local_mib", 256.0)),
+                lookup_threads=int(data.get("lookup_threads", 4)),
+                price_lookups=_as_bool(data.get("price_lookups", True)),
             )
         except (TypeError, ValueError) as exc:
             raise ValueError(f"KVShareConnector: bad kv_connector_extra_config value: {exc}") from exc
@@ -93,6 +100,8 @@ class ConnectorSettings:
         if not s.sync_local_mib >= 0:
             raise ValueError(f'KVShareConnector: "sync_local_mib" must be >= 0 (0: every load '
                              f'asynchronous), got {s.sync_local_mib}')
+        if s.lookup_threads < 1:
+            raise ValueError(f'KVShareConnector: "lookup_threads" must be >= 1, got {s.lookup_threads}')
         if s.block_tokens <= 0:
             raise ValueError(f'KVShareConnector: "block_tokens" must be positive, got {s.block_tokens}')
         return s

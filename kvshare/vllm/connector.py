@@ -32,6 +32,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvshare.types import BlockHash
 from kvshare.vllm.config import ConnectorSettings, ModelKeys, model_keys
+from kvshare.vllm.lookup import Lookups
 from kvshare.vllm.metadata import KVShareMetadata
 from kvshare.vllm.scheduler_side import SchedulerSide
 from kvshare.vllm.stats import (
@@ -153,8 +154,10 @@ class KVShareConnector(KVConnectorBase_V1):
         self._sched: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
-            self._sched = SchedulerSide(client, self.keys, page, save=self.settings.save,
-                                        sync_local_bytes=int(self.settings.sync_local_mib * 2**20))
+            st = self.settings
+            self._sched = SchedulerSide(client, self.keys, page, save=st.save,
+                                        sync_local_bytes=int(st.sync_local_mib * 2**20),
+                                        lookups=Lookups(st.lookup_threads, priced=st.price_lookups))
             _SIDES.append(self._sched)
         else:
             from vllm.distributed.parallel_state import (

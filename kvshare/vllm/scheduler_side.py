@@ -1,8 +1,10 @@
 """The scheduler half of the connector: find cached blocks, plan loads and saves.
 
-Runs in vLLM's EngineCore process and never waits on the network: a prompt's lookup runs on a
-background thread (``get_num_new_matched_tokens`` answers None, "ask again", while it runs,
-after waiting at most ``lookup_wait_s``). Loads over the network are asynchronous (the
+Runs in vLLM's EngineCore process and never waits on the network: a prompt's lookup runs on one
+of the lookup threads (``get_num_new_matched_tokens`` answers None, "ask again", while it runs,
+after waiting at most ``lookup_wait_s``), and a request is held for it only while the lookup
+could still save more than the wait costs (:mod:`kvshare.vllm.lookup`; past that it is
+scheduled as a miss). Loads over the network are asynchronous (the
 request waits in ``WAITING_FOR_REMOTE_KVS`` while the workers copy, other requests keep
 running); a load wholly from this node's pool of at most ``sync_local_bytes`` is synchronous:
 vLLM schedules the request's suffix at once and the workers copy the prefix from shared memory
@@ -24,7 +26,7 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -33,6 +35,7 @@ from kvshare.client_types import SOURCE_LOCAL, SOURCE_SHM, KVClient, Plan
 from kvshare.hashing import block_hashes
 from kvshare.types import BlockHash
 from kvshare.vllm.config import ModelKeys
+from kvshare.vllm.lookup import Lookups
 from kvshare.vllm.metadata import KVShareMetadata, LoadSpec, SaveSpec
 
 log = logging.getLogger(__name__)
@@ -60,13 +63,15 @@ class _Req:
     failed: bool = False
     sync: bool = False  # the load in flight completes inside the step's forward pass
     asked_at: float = 0.0  # when vLLM first asked for this lookup (0: not waiting on one)
+    late: Future[Plan] | None = None  # an abandoned lookup: its answer only marks held blocks
 
 
 class SchedulerSide:
     """Plain class behind KVShareConnector's scheduler-role methods (no vLLM imports)."""
 
     def __init__(self, client: KVClient, keys: ModelKeys, page_tokens: int, *, save: bool = True,
-                 lookup_wait_s: float = 0.02, sync_local_bytes: int = 0) -> None:
+                 lookup_wait_s: float = 0.02, sync_local_bytes: int = 0,
+                 lookups: Lookups | None = None) -> None:
         self.client = client
         self.keys = keys
         self.block_tokens = keys.layout.block_tokens
@@ -77,7 +82,7 @@ class SchedulerSide:
         self._reqs: dict[str, _Req] = {}
         self._loads: list[LoadSpec] = []
         self._sending: set[str] = set()
-        self._lookups = ThreadPoolExecutor(1, thread_name_prefix="kvshare-lookup")
+        self.lookups = lookups or Lookups()
         self._lock = threading.Lock()
         self.counters: dict[str, float] = {}
 
@@ -121,12 +126,19 @@ class SchedulerSide:
         if st.lookup is None:
             self._count("lookups")
             st.asked_at = time.perf_counter()
-            st.lookup = self._lookups.submit(self._lookup, request.prompt_token_ids, st.hashes)
+            st.lookup = self.lookups.submit(self._lookup, request.prompt_token_ids, st.hashes)
         try:
             plan = st.lookup.result(timeout=self.lookup_wait_s)
         except FutureTimeout:
-            self._count("lookup_pending")
-            return None, False  # vLLM asks again next step: the scheduler does not wait
+            if self.lookups.worth_waiting(time.perf_counter() - st.asked_at, most - num_computed):
+                self._count("lookup_pending")
+                return None, False  # vLLM asks again next step: the scheduler does not wait
+            # held as long as the lookup could save: a miss now beats a hit later
+            self._count("lookups_abandoned")
+            self._answered(st)
+            st.late, st.lookup = st.lookup, None
+            st.loads = MAX_LOADS  # no second lookup for this request
+            return 0, False
         except Exception as exc:  # index or pools unreachable: a miss
             log.warning("kvshare lookup failed for %s: %s", request.request_id, exc)
             self._count("lookup_errors")
@@ -249,6 +261,7 @@ class SchedulerSide:
         """This step's loads and saves. ``scheduled``: tokens scheduled per request id;
         ``page_ids_of(req_id)``: the request's pages in token order."""
         self._count("steps")
+        self.lookups.step(scheduled)
         meta = KVShareMetadata(loads=self._loads, busy=bool(scheduled),
                                preempted=tuple(preempted))
         self._loads = []
@@ -262,6 +275,7 @@ class SchedulerSide:
             st = self._reqs.get(rid)
             if st is None:
                 continue
+            self._late_answer(st)
             req = st.request
             done = min(int(req.num_computed_tokens) + int(n), len(req.all_token_ids))
             full = done // self.block_tokens
@@ -281,6 +295,16 @@ class SchedulerSide:
             self._count("save_blocks", full - meta.saves[-1].start_block)
         return meta
 
+    def _late_answer(self, st: _Req) -> None:
+        """An abandoned lookup that has answered: the blocks the cluster held are not
+        stored again (an unanswered or failed one: every new block is saved)."""
+        late = st.late
+        if late is None or not late.done():
+            return
+        st.late = None
+        if not late.cancelled() and late.exception() is None:
+            st.saved_upto = max(st.saved_upto, late.result().available_blocks)
+
     def request_finished(self, request: Any) -> bool:
         """True when a save was issued for the request: vLLM keeps its pages until the
         workers report it in ``finished_sending``."""
@@ -292,4 +316,4 @@ class SchedulerSide:
         return False
 
     def close(self) -> None:
-        self._lookups.shutdown(wait=False, cancel_futures=True)
+        self.lookups.close()

@@ -15,8 +15,13 @@ server's ``/metrics``, next to vLLM's own:
   what a router needs to price a load (:mod:`kvshare.vllm.load`);
 - ``vllm:kvshare_lookup_seconds_total`` and ``vllm:kvshare_lookups_total`` (scheduler role):
   how long requests were held for the connector's lookup (vLLM first asked until it had the
-  answer) and how many lookups answered: what the connector adds to a request that vLLM's own
-  prefix cache serves.
+  answer, or gave up on it: :mod:`kvshare.vllm.lookup`) and how many holds ended: what the
+  connector adds to a request that vLLM's own
+  prefix cache serves; ``vllm:kvshare_lookup_index_seconds_total`` /
+  ``vllm:kvshare_lookups_started_total``: the seconds lookups spent in the index call and how
+  many started (a hold longer than its index call waited for the engine's next step), and
+  ``vllm:kvshare_lookups_abandoned_total``: holds given up as costing more than they could
+  save.
 
 Names start with ``vllm:`` as vLLM's own connector metrics do, so vLLM's re-registration
 (``unregister_vllm_metrics``, once per engine in a process) clears them too.
@@ -41,7 +46,7 @@ STORED = "bytes_stored"
 
 WAITS = ("local", "remote")
 _WAIT_KEYS = tuple(f"{p}{w}" for w in WAITS for p in ("load_reported_seconds_", "loads_"))
-LOOKUP_KEYS = (LOOKUP_WAIT, LOOKUPS_ANSWERED)
+LOOKUP_KEYS = (LOOKUP_WAIT, LOOKUPS_ANSWERED, "lookup_seconds", "lookups", "lookups_abandoned")
 
 
 def byte_counters(counters: Mapping[str, float]) -> dict[str, float]:
@@ -119,6 +124,14 @@ class KVSharePromMetrics(KVConnectorPromMetrics):
         self.lookup_seconds = counter(
             "lookup_seconds", "Seconds requests were held for kvshare lookups.")
         self.lookups = counter("lookups", "kvshare lookups answered.")
+        self._lookup_extra = {
+            "lookup_seconds": counter("lookup_index_seconds",
+                                      "Seconds kvshare lookups spent in the index call."),
+            "lookups": counter("lookups_started", "kvshare lookups started."),
+            "lookups_abandoned": counter(
+                "lookups_abandoned", "kvshare lookup holds given up (could save less than "
+                "they cost): scheduled as misses."),
+        }
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         labels = self.per_engine_labelvalues[engine_idx]
@@ -133,6 +146,8 @@ class KVSharePromMetrics(KVConnectorPromMetrics):
                 self.lookup_seconds.labels(*labels).inc(value)
             elif key == LOOKUP_KEYS[1]:
                 self.lookups.labels(*labels).inc(value)
+            elif key in self._lookup_extra:
+                self._lookup_extra[key].labels(*labels).inc(value)
             elif not key.startswith("bytes_"):
                 continue
             elif key == STORED:
