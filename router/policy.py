@@ -409,7 +409,7 @@ class CostPolicy(Policy):
                 info = cands[i].info
                 runs = view.source_runs(info.worker_id, info.node, self.sharing, fetch)
                 if ready is not None:
-                    runs = ready.extend(runs, ns, hashes, info.worker_id, now + q)
+                    runs = ready.extend(runs, ns, hashes, info.worker_id, now, now + q)
                 group.append((self._bound(n, runs), pos, i, runs))
                 pos += 1
             group.sort()

@@ -62,16 +62,18 @@ class ReadyBlocks:
         return k - start
 
     def extend(self, runs: SourceRuns, namespace: str, hashes: Sequence[BlockHash],
-               worker: WorkerId, start_s: float) -> SourceRuns:
+               worker: WorkerId, now: float, start_s: float) -> SourceRuns:
         """``worker``'s runs (its view of the index and pending blocks) followed by the blocks
-        other workers will have stored by ``start_s``, when it starts: remote host copies."""
+        other workers will store after ``now`` and by ``start_s``, when it starts: remote host
+        copies (once their time has passed the index is the truth: a block it does not show
+        was not stored)."""
         if not self._at:
             return runs
         covered = sum(n for _, n in runs)
         at, k = self._at, covered
         while k < len(hashes):
             entry = at.get((namespace, hashes[k]))
-            if entry is None or entry[0] == worker or entry[1] > start_s:
+            if entry is None or entry[0] == worker or not now < entry[1] <= start_s:
                 break
             k += 1
         if k == covered:

@@ -49,10 +49,11 @@ def test_ready_blocks_extend_only_past_the_creators_finish_and_never_for_the_cre
     ready = ReadyBlocks()
     ready.add(NS, WorkerId("w0"), HASHES[2:6], ready_s=1.0, now=0.0)
     runs = ((int(Source.LOCAL_HOST), 2),)
-    assert ready.extend(runs, NS, HASHES, WorkerId("w1"), 0.5) == runs  # not stored yet
-    assert ready.extend(runs, NS, HASHES, WorkerId("w0"), 2.0) == runs  # its own: pending's job
-    assert ready.extend(runs, NS, HASHES, WorkerId("w1"), 1.0) == (
+    assert ready.extend(runs, NS, HASHES, WorkerId("w1"), 0.0, 0.5) == runs  # not stored yet
+    assert ready.extend(runs, NS, HASHES, WorkerId("w0"), 0.0, 2.0) == runs  # its own: pending's job
+    assert ready.extend(runs, NS, HASHES, WorkerId("w1"), 0.0, 1.0) == (
         *runs, (int(Source.REMOTE_HOST), 4))
     assert ready.run_from(NS, HASHES, 2) == 4
+    assert ready.extend(runs, NS, HASHES, WorkerId("w1"), 1.0, 2.0) == runs  # index's word now
     ready.add(NS, WorkerId("w1"), HASHES[6:], ready_s=3.0, now=1.5)  # w0's are stored: dropped
     assert len(ready) == 2
