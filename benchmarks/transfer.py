@@ -7,9 +7,9 @@ block through ``nixl`` (default UCX transports: cma here, the stand-in for RDMA)
 reader on node A pulls through ``shm`` (shared memory is same-node only). The NIXL case runs again with a second pool/reader pair started with ``UCX_TLS=tcp,self`` (what
 hosts without RDMA get). Each figure is the median of 5 timed batches (3 for objstore) after one warm-up, with
 checksums verified as in production. Baseline: plain numpy copy of the same 256 MiB in the
-reader. ``nixl`` is the default ``NixlTransport``: the reader checks every block against its
-checksum as it lands (a native thread hashes each ~16 MiB group while the next copies);
-``nixl_pool_check`` has the holding pool check the pinned slots while one READ runs instead.
+reader. ``nixl`` is the default ``NixlTransport``: the holding pool checks the pinned slots
+against their checksums while one READ runs; ``nixl_end_to_end`` has the reader check every
+block as it lands instead (a native thread hashes each ~16 MiB group while the next copies).
 Second baseline, raw NIXL (``benchmarks/raw_nixl.py``): two plain processes, one READ
 of the same 256 MiB in 16 MiB blocks from a tmpfs mapping like the pool's slab, nothing of
 kvshare around it, no checksum (``nixl_vs_raw_same_memory`` = kvshare's default nixl / raw,
@@ -119,8 +119,8 @@ class Reader:
 
             self.transports["nixl"] = NixlTransport(agent)
             self.transports["nixl"].register(self.dest)
-            self.transports["nixl_pool_check"] = NixlTransport(agent + "-pc", end_to_end=False)
-            self.transports["nixl_pool_check"].register(self.dest)
+            self.transports["nixl_end_to_end"] = NixlTransport(agent + "-e2e", end_to_end=True)
+            self.transports["nixl_end_to_end"].register(self.dest)
             from kvshare.transfer.nixl_push import NixlPushTransport
 
             self.transports["nixl_push"] = NixlPushTransport(agent + "-push")
@@ -165,7 +165,7 @@ def main() -> None:
         memcpy = ray.get(b.memcpy.remote())
         print(f"memcpy (node B, 256 MiB): {memcpy:.2f} GB/s", flush=True)
         for bb in LAYOUTS:
-            for name, reader in (("shm", a), ("nixl", b), ("nixl_pool_check", b), ("nixl_push", b),
+            for name, reader in (("shm", a), ("nixl", b), ("nixl_end_to_end", b), ("nixl_push", b),
                                  ("objstore", b)):
                 gbps = ray.get(reader.pull.remote(name, bb))
                 out.setdefault(name, {})[bb] = gbps
@@ -180,19 +180,19 @@ def main() -> None:
               + ", ".join(f"{k}={v:.2f}" for k, v in sorted(published.items())), flush=True)
         raw_nixl = RawNixl(TOTAL, 16 * MiB, REPEATS)
         try:  # interleaved with kvshare's nixl on the same bytes, best of 3 each (noisy host)
-            runs: dict[str, list[float]] = {"raw": [], "nixl": [], "nixl_pool_check": []}
+            runs: dict[str, list[float]] = {"raw": [], "nixl": [], "nixl_end_to_end": []}
             for _ in range(3):
                 runs["raw"].append(raw_nixl.read_gbps())
-                for name in ("nixl", "nixl_pool_check"):
+                for name in ("nixl", "nixl_end_to_end"):
                     runs[name].append(ray.get(b.pull.remote(name, 16 * MiB)))
         finally:
             raw_nixl.close()
         raw = max(runs["raw"])
-        for name in ("nixl", "nixl_pool_check"):
+        for name in ("nixl", "nixl_end_to_end"):
             out[name][16 * MiB] = max(runs[name])
         print(f"raw NIXL READ, two plain processes, tmpfs source, 16 MiB blocks: {raw:6.2f} GB/s "
               f"(kvshare nixl, interleaved with it: {out['nixl'][16 * MiB]:6.2f} GB/s; checked by "
-              f"the pool instead: {out['nixl_pool_check'][16 * MiB]:6.2f} GB/s; runs "
+              f"the reader instead: {out['nixl_end_to_end'][16 * MiB]:6.2f} GB/s; runs "
               + ", ".join(f"{k} {[round(x, 2) for x in v]}" for k, v in runs.items()) + ")",
               flush=True)
         huge = ray.get(host.slab_huge_page_bytes.remote())
@@ -227,7 +227,7 @@ def main() -> None:
         "objstore_GBps": round(out["objstore"][big], 3),
         "nixl_vs_memcpy": round(out["nixl"][big] / memcpy, 3),
         "nixl_vs_objstore": round(out["nixl"][big] / out["objstore"][big], 3),
-        "nixl_pool_check_GBps": round(out["nixl_pool_check"][big], 3),
+        "nixl_end_to_end_GBps": round(out["nixl_end_to_end"][big], 3),
         "nixl_push_GBps": round(out["nixl_push"][big], 3),
         "nixl_push_vs_memcpy": round(out["nixl_push"][big] / memcpy, 3),
         "raw_nixl_GBps": round(raw, 3),
@@ -239,7 +239,7 @@ def main() -> None:
                                        for k in ("shm", "nixl", "objstore")), 3),
         "probe_vs_measured_each": {k: round(published.get(k, 0.0) / out[k][big], 3)
                                    for k in ("shm", "nixl", "objstore")},
-        "nixl_pool_check_vs_raw": round(out["nixl_pool_check"][big] / raw, 3),
+        "nixl_end_to_end_vs_raw": round(out["nixl_end_to_end"][big] / raw, 3),
         "nixl_landing_checks": LANDING_CHECKS,
         "shm_huge_pages": shm_huge_pages(),
         "slab_huge_page_MiB": huge // MiB,

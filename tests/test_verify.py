@@ -1,5 +1,5 @@
-"""Who checks a NIXL read's bytes: the holding pool while the transfer runs, or the reader as
-they land (``end_to_end``; the default where ``kvshare._hashq`` is built). Either way a rotten
+"""Who checks a NIXL read's bytes: the holding pool while the transfer runs (default), or the
+reader as they land (``end_to_end``, hashed in a native thread where ``kvshare._hashq`` is built). Either way a rotten
 slot is a ``corrupt`` miss, the pool drops the block, and nothing stays pinned or pending. In
 one process, real NIXL."""
 
@@ -45,7 +45,7 @@ def source() -> Iterator[BlockSource]:
     src.pool.close()
 
 
-MODES = {"at_source": False, "end_to_end": True, "default": None}
+MODES = {"at_source": False, "end_to_end": True}
 
 
 @pytest.fixture(scope="module", params=list(MODES))
@@ -106,15 +106,6 @@ def test_verifier_names_the_failed_lease_and_forgets_abandoned_holders() -> None
         v.close()
     finally:
         slab.close()
-
-
-def test_default_reader_checks_blocks_as_they_land() -> None:
-    """Where the native thread is built, the default NixlTransport checks on the reader."""
-    t = NixlTransport(f"uv{os.getpid()}/reader/mode")
-    try:
-        assert t.end_to_end == LANDING_CHECKS
-    finally:
-        t.close()
 
 
 def test_rot_in_one_of_many_groups_is_the_only_miss(

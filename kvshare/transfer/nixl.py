@@ -5,10 +5,10 @@ its destination memory once per buffer (cached, LRU-bounded). For each batch it 
 source pool to pin the blocks (one control message), posts ONE transfer with batched
 descriptor lists, polls ``check_xfer_state`` until done or the deadline (then cancels), and
 ends the pins (one control message). Integrity (:mod:`kvshare.transfer.verify`): by default
-the reader checksums what arrived, group by group (about ``GROUP_BYTES`` per transfer) in a
-native thread while the next group copies, and sends the ``finish`` without waiting for its
-reply; where that thread is not built (or with ``end_to_end=False``) the pool checksums the
-pinned slots while one transfer runs and the ``finish`` reply says which were intact.
+the pool checksums the pinned slots while one transfer runs and the ``finish`` reply says
+which were intact; with ``end_to_end=True`` the reader checksums what arrived, group by group
+(about ``GROUP_BYTES`` per transfer) in a native thread while the next group copies (where
+``kvshare._hashq`` is built), and sends the ``finish`` without waiting for its reply.
 Remote agent
 metadata is cached per source agent name ``{namespace}/{node}/{generation}``; when a source's
 generation changes the old agent is removed with ``remove_remote_agent``. Connections are
@@ -99,19 +99,19 @@ class NixlTransport(Transport):
     """A NIXL agent named ``name`` that pulls blocks from (or pushes into) pools' host slabs.
 
     ``verify``: every block read is checked against its checksum. ``end_to_end`` says who
-    checks: this reader, as the blocks land (True; hashing in a native thread where
-    ``verify.LANDING_CHECKS``, else after the whole read), or the holding pool while the
-    transfer runs (False). The default (None) is the reader where ``LANDING_CHECKS`` (it also
-    covers the wire and this host's memory, and costs about one group's hash), else the pool.
+    checks: the holding pool while the transfer runs (False, the default: measured the
+    fastest), or this reader as the blocks land (True; hashing in a native thread where
+    ``verify.LANDING_CHECKS``, else after the whole read), which also covers the wire and this
+    host's memory.
     Raises :class:`TransportUnavailable` (reason ``nixl_unavailable``) if NIXL cannot start.
     """
 
     name = "nixl"
 
-    def __init__(self, name: str, *, verify: bool = True, end_to_end: bool | None = None) -> None:
+    def __init__(self, name: str, *, verify: bool = True, end_to_end: bool = False) -> None:
         self.agent_name = name
         self.verify = verify
-        self.end_to_end = LANDING_CHECKS if end_to_end is None else end_to_end
+        self.end_to_end = end_to_end
         self.agent = make_agent(name)
         self._regions: OrderedDict[tuple[int, int], tuple[np.ndarray, Any]] = OrderedDict()
         self._peers: dict[str, tuple[str, NixlPeerInfo]] = {}  # agent name -> (remote, info)
