@@ -25,39 +25,71 @@ _REMOTE_HOST = int(Source.REMOTE_HOST)
 
 class ReadyBlocks:
     """``(namespace, hash) -> (creating worker, time it is stored)``; an entry goes once that
-    time has passed (the index holds the block then) or past ``max_entries``."""
+    time has passed (the index holds the block then) or past ``max_entries``.
+
+    Stored per namespace (one ordered map keyed by the hash bytes: recording a decision
+    allocates no key tuple per block, which would live until the block is stored and trigger
+    the garbage collector every few decisions); the entries keep one order across namespaces
+    (the order they were recorded in), by which they are dropped."""
 
     def __init__(self, max_entries: int = 1_000_000) -> None:
         self._max = max_entries
-        self._at: OrderedDict[tuple[str, BlockHash], tuple[WorkerId, float]] = OrderedDict()
+        # per namespace: hash -> (worker, ready_s, the number of the add call that recorded it)
+        self._at: dict[str, OrderedDict[BlockHash, tuple[WorkerId, float, int]]] = {}
+        self._size = 0
+        self._calls = 0
 
     def __len__(self) -> int:
-        return len(self._at)
+        return self._size
 
     def add(self, namespace: str, worker: WorkerId, hashes: Sequence[BlockHash],
             ready_s: float, now: float) -> None:
         """``worker`` stores ``hashes`` at ``ready_s`` (an earlier creator's time is kept)."""
-        at = self._at
-        while at:  # roughly in time order: drop the stored ones from the front
-            _, (_, t) = next(iter(at.items()))
+        while self._size:  # roughly in time order: drop the stored ones from the front
+            first, (_, t, _) = self._oldest()
             if t > now:
                 break
-            at.popitem(last=False)
-        value = (worker, ready_s)
+            first.popitem(last=False)
+            self._size -= 1
+        at = self._at.get(namespace)
+        if at is None:
+            at = self._at[namespace] = OrderedDict()
+        before = len(at)
+        self._calls += 1
+        value = (worker, ready_s, self._calls)
+        get, refresh = at.get, at.move_to_end
         for h in hashes:
-            key = (namespace, h)
-            old = at.get(key)
-            if old is None or old[1] > ready_s:
-                at[key] = value
-                at.move_to_end(key)
-        while len(at) > self._max:
-            at.popitem(last=False)
+            old = get(h)
+            if old is None:
+                at[h] = value
+            elif old[1] > ready_s:
+                at[h] = value
+                refresh(h)
+        self._size += len(at) - before
+        while self._size > self._max:
+            self._oldest()[0].popitem(last=False)
+            self._size -= 1
+
+    def _oldest(self) -> tuple[OrderedDict[BlockHash, tuple[WorkerId, float, int]],
+                               tuple[WorkerId, float, int]]:
+        """The namespace map whose first entry was recorded first (there is one), and that entry."""
+        best: tuple[OrderedDict[BlockHash, tuple[WorkerId, float, int]],
+                    tuple[WorkerId, float, int]] | None = None
+        for at in self._at.values():
+            if at:
+                entry = next(iter(at.values()))
+                if best is None or entry[2] < best[1][2]:
+                    best = (at, entry)
+        assert best is not None
+        return best
 
     def run_from(self, namespace: str, hashes: Sequence[BlockHash], start: int) -> int:
         """Blocks from ``start`` on that some decision is creating (an upper bound of any
         :meth:`extend`'s reach past ``start``)."""
-        at, k = self._at, start
-        while k < len(hashes) and (namespace, hashes[k]) in at:
+        at, k = self._at.get(namespace), start
+        if at is None:
+            return 0
+        while k < len(hashes) and hashes[k] in at:
             k += 1
         return k - start
 
@@ -67,12 +99,13 @@ class ReadyBlocks:
         other workers will store after ``now`` and by ``start_s``, when it starts: remote host
         copies (once their time has passed the index is the truth: a block it does not show
         was not stored)."""
-        if not self._at:
+        at = self._at.get(namespace) if self._size else None
+        if not at:
             return runs
         covered = sum(n for _, n in runs)
-        at, k = self._at, covered
+        k = covered
         while k < len(hashes):
-            entry = at.get((namespace, hashes[k]))
+            entry = at.get(hashes[k])
             if entry is None or entry[0] == worker or not now < entry[1] <= start_s:
                 break
             k += 1
