@@ -168,6 +168,18 @@ class PendingBlocks:
     def _expire(self, now: float) -> None:
         # Entries are refreshed by move_to_end, so the oldest expiry is first in order only
         # approximately; drop expired holders from the front until a live one is found.
+        if len(self._ns) == 1:  # (one namespace: its map's order is the order)
+            (entries,) = self._ns.values()
+            while entries:
+                h, (holders, call) = next(iter(entries.items()))
+                live = {loc: v for loc, v in holders.items() if v[1] > now}
+                if live:
+                    if len(live) != len(holders):
+                        entries[h] = (live, call)
+                    return
+                del entries[h]
+                self._size -= 1
+            return
         while self._size:
             h, entries, (holders, call) = self._oldest()
             live = {loc: v for loc, v in holders.items() if v[1] > now}

@@ -45,6 +45,13 @@ class ReadyBlocks:
     def add(self, namespace: str, worker: WorkerId, hashes: Sequence[BlockHash],
             ready_s: float, now: float) -> None:
         """``worker`` stores ``hashes`` at ``ready_s`` (an earlier creator's time is kept)."""
+        maps = self._at
+        if len(maps) == 1:  # (one namespace: its map's order is the order)
+            (only,) = maps.values()
+            before = len(only)
+            while only and next(iter(only.values()))[1] <= now:
+                only.popitem(last=False)
+            self._size -= before - len(only)
         while self._size:  # roughly in time order: drop the stored ones from the front
             first, (_, t, _) = self._oldest()
             if t > now:

@@ -88,6 +88,7 @@ def test_shared_holder_maps_answer_as_the_in_place_ones() -> None:
             return now[0]
 
         cap = rng.choice((12, 40, 1000))
+        names = "a" if trial % 2 else "ab"  # one namespace (its own path) or two
         fast, ref = PendingBlocks(5.0, clock, cap), InPlace(5.0, clock, cap)
         pool = [BlockHash(bytes([trial, i]) * 16) for i in range(30)]
         locs = [Location(f"worker:w{i}") for i in range(5)]
@@ -97,7 +98,7 @@ def test_shared_holder_maps_answer_as_the_in_place_ones() -> None:
             hashes = pool[start:start + rng.randrange(1, 12)]
             if rng.random() < 0.3:  # a prompt that diverges after a shared prefix
                 hashes = hashes[:3] + rng.sample(pool, 4)
-            ns, loc, tier = rng.choice("ab"), rng.choice(locs), rng.choice((Tier.GPU, Tier.HOST))
+            ns, loc, tier = rng.choice(names), rng.choice(locs), rng.choice((Tier.GPU, Tier.HOST))
             fast.add(ns, loc, hashes, tier)
             ref.add(ns, loc, hashes, tier)
             for _ in range(3):

@@ -80,15 +80,18 @@ def test_per_namespace_storage_answers_and_drops_as_the_reference() -> None:
     rng = random.Random(5)
     for trial in range(60):
         cap = rng.choice((6, 25, 1_000_000))
+        names = "a" if trial % 2 else "ab"  # one namespace (its own path) or two
         fast, ref = ReadyBlocks(cap), Reference(cap)
         pool = [BlockHash(bytes([trial, i]) * 16) for i in range(24)]
         workers = [WorkerId(f"w{i}") for i in range(4)]
         now = 0.0
         for _ in range(80):
             now += rng.choice((0.0, 0.05, 0.3, 1.0))
-            ns, w = rng.choice("ab"), rng.choice(workers)
+            ns, w = rng.choice(names), rng.choice(workers)
             start = rng.randrange(len(pool))
             hashes = pool[start:start + rng.randrange(0, 10)]
+            if rng.random() < 0.2:  # a hash twice in one call
+                hashes = hashes + hashes[:2]
             ready_s = now + rng.choice((0.0, 0.1, 0.5, 2.0))
             fast.add(ns, w, hashes, ready_s, now)
             ref.add(ns, w, hashes, ready_s, now)
