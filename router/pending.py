@@ -9,6 +9,7 @@ Not thread-safe: one instance per router event loop.
 
 from __future__ import annotations
 
+import math
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -49,6 +50,9 @@ class PendingBlocks:
         self._ns: dict[str, OrderedDict[BlockHash, _Entry]] = {}
         self._size = 0
         self._calls = 0
+        # the front entry's holder map when _expire last stopped there (one namespace) and
+        # its first expiry: until then that entry stays whole and _expire has nothing to do
+        self._front: tuple[_Holders | None, float] = (None, -math.inf)
 
     def __len__(self) -> int:
         return self._size
@@ -172,10 +176,13 @@ class PendingBlocks:
             (entries,) = self._ns.values()
             while entries:
                 h, (holders, call) = next(iter(entries.items()))
+                if holders is self._front[0] and now < self._front[1]:
+                    return  # the same front map as last time, none of its holders expired yet
                 live = {loc: v for loc, v in holders.items() if v[1] > now}
                 if live:
                     if len(live) != len(holders):
                         entries[h] = (live, call)
+                    self._front = (live, min(v[1] for v in live.values()))
                     return
                 del entries[h]
                 self._size -= 1

@@ -207,6 +207,7 @@ class SourceMap:
                 if r < row[j]:
                     row[j] = r
         self._index_ranks = index_ranks
+        self._index_locs: set[str] = set().union(*index_ranks)  # every location holding any
         self._pending_ranks = ranks
         self._best1, self._best1_node, self._best2 = best1, best1_node, best2
         self._holder_nodes = {nd for nd in best1_node if nd is not None}
@@ -215,11 +216,10 @@ class SourceMap:
     def _own(self, loc: str) -> list[int] | None:
         """``loc``'s own rank per segment (its index holding, else _NONE, lowered by its
         pending blocks); None if it holds nothing in either."""
-        index = self._index_ranks
         mine = self._pending_ranks.get(loc) if self._pending_ranks else None
-        if not any(loc in d for d in index):
+        if loc not in self._index_locs:
             return mine
-        row = [d.get(loc, _NONE) for d in index]
+        row = [d.get(loc, _NONE) for d in self._index_ranks]
         if mine is not None:
             row = [min(a, b) for a, b in zip(row, mine, strict=True)]
         return row
