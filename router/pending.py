@@ -9,7 +9,6 @@ Not thread-safe: one instance per router event loop.
 
 from __future__ import annotations
 
-import math
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -22,9 +21,10 @@ from kvshare.types import BlockHash, Location, Tier
 _RANK = {t: t.rank for t in Tier}
 _Holders = dict[Location, tuple[Tier, float]]
 """A block's pending holders and (tier, expiry); shared between blocks, never changed in place."""
-_Entry = tuple[_Holders, int]
-"""What a block's key maps to: its holders and the number of the ``add`` call that last
-refreshed it (the order of entries across namespaces); shared like the holder map."""
+_Entry = tuple[_Holders, int, float]
+"""What a block's key maps to: its holders, the number of the ``add`` call that last
+refreshed it (the order of entries across namespaces) and the earliest of the holders'
+expiries (before it, none has expired); shared like the holder map."""
 
 
 class PendingBlocks:
@@ -50,9 +50,6 @@ class PendingBlocks:
         self._ns: dict[str, OrderedDict[BlockHash, _Entry]] = {}
         self._size = 0
         self._calls = 0
-        # the front entry's holder map when _expire last stopped there (one namespace) and
-        # its first expiry: until then that entry stays whole and _expire has nothing to do
-        self._front: tuple[_Holders | None, float] = (None, -math.inf)
 
     def __len__(self) -> int:
         return self._size
@@ -74,7 +71,7 @@ class PendingBlocks:
         # Holder maps are shared between keys and never changed in place: the keys of one call
         # that had the same holders get one new map, so a prompt's blocks usually share one
         # object and _live_runs reads it once (compared by identity).
-        fresh = ({location: value}, call)
+        fresh = ({location: value}, call, value[1])
         grown: dict[int, tuple[_Holders, _Entry]] = {}  # id(old map) -> (old map, new entry)
         for h in hashes:
             old = get(h)
@@ -85,7 +82,8 @@ class PendingBlocks:
             holders = old[0]
             done = grown.get(id(holders))
             if done is None or done[0] is not holders:  # (the old map is kept alive in grown)
-                done = grown[id(holders)] = (holders, ({**holders, location: value}, call))
+                done = grown[id(holders)] = (
+                    holders, ({**holders, location: value}, call, min(old[2], value[1])))
             entries[h] = done[1]
         self._size += len(entries) - before
         while self._size > self._max:
@@ -175,24 +173,23 @@ class PendingBlocks:
         if len(self._ns) == 1:  # (one namespace: its map's order is the order)
             (entries,) = self._ns.values()
             while entries:
-                h, (holders, call) = next(iter(entries.items()))
-                if holders is self._front[0] and now < self._front[1]:
-                    return  # the same front map as last time, none of its holders expired yet
+                h, (holders, call, first) = next(iter(entries.items()))
+                if now < first:
+                    return  # none of its holders has expired: it stays whole
                 live = {loc: v for loc, v in holders.items() if v[1] > now}
                 if live:
-                    if len(live) != len(holders):
-                        entries[h] = (live, call)
-                    self._front = (live, min(v[1] for v in live.values()))
+                    entries[h] = (live, call, min([v[1] for v in live.values()]))
                     return
                 del entries[h]
                 self._size -= 1
             return
         while self._size:
-            h, entries, (holders, call) = self._oldest()
+            h, entries, (holders, call, first) = self._oldest()
+            if now < first:
+                return
             live = {loc: v for loc, v in holders.items() if v[1] > now}
             if live:
-                if len(live) != len(holders):
-                    entries[h] = (live, call)
+                entries[h] = (live, call, min([v[1] for v in live.values()]))
                 return
             del entries[h]
             self._size -= 1
