@@ -59,7 +59,7 @@ def local_cluster(
     # Ray's Cluster records the head's address in the default Ray temp dir (/tmp/ray, or under
     # RAY_TMPDIR) whatever temp_dir it is given, and fails if that folder does not exist yet:
     # a fresh machine that never ran Ray (`make demo` first) has none.
-    os.makedirs(get_default_ray_temp_dir(), exist_ok=True)
+    os.makedirs(get_default_ray_temp_dir(), exist_ok=True)  # type: ignore[no-untyped-call]
     temp_dir = tempfile.mkdtemp(prefix=temp_prefix)
     cluster = Cluster(initialize_head=True, head_node_args={
         "num_cpus": head_cpus, "object_store_memory": head_store_mib * MiB,

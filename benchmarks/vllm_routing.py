@@ -181,6 +181,7 @@ async def drive(handle: Any, convs: list[list[Turn]], max_tokens: int,
         try:
             async with asyncio.timeout(timeout_s):
                 await read(gen, rec, t0)
+            rec["done_s"] = round(time.perf_counter() - start, 3)
             records.append(rec)
         except Exception as exc:  # counted: a failed request is not a completed one
             failed += 1
