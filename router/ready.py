@@ -63,28 +63,34 @@ class ReadyBlocks:
         return k - start
 
     def extend(self, runs: SourceRuns, namespace: str, hashes: Sequence[BlockHash],
-               worker: WorkerId, now: float, start_s: float) -> SourceRuns:
+               worker: WorkerId, now: float, start_s: float) -> tuple[SourceRuns, float]:
         """``worker``'s runs (its view of the index and pending blocks) followed by the blocks
-        decisions are creating that it will hold or reach when it starts, at ``start_s``:
+        decisions are creating that it will hold or reach when it starts, at ``start_s``, and
+        the time it can start at the earliest for that view (``start_s`` or later):
 
         - its own (an earlier job of its queue computes them; its engine keeps them), as
-          local gpu blocks: a FIFO worker starts after its earlier jobs end, however long its
-          queue (pending blocks say so only for their TTL, which an overloaded queue outlasts);
+          local gpu blocks, starting no earlier than the latest of those jobs' ends (a FIFO
+          worker starts after its earlier jobs, however long its queue; pending blocks say
+          so only for their TTL, which an overloaded queue outlasts, and a load report that
+          does not count the job yet must not make them look free now);
         - other workers' stored after ``now`` and by ``start_s``, as remote host copies.
 
         An entry whose time has passed is the index's word (a block it does not show was not
         stored)."""
         if not self._at:
-            return runs
+            return runs, start_s
         covered = sum(n for _, n in runs)
         at, k = self._at, covered
         out = list(runs)
+        begin = start_s
         while k < len(hashes):
             entry = at.get((namespace, hashes[k]))
             if entry is None or not now < entry[1]:
                 break
             if entry[0] == worker:
                 src = _LOCAL_GPU
+                if entry[1] > begin:
+                    begin = entry[1]
             elif entry[1] <= start_s:
                 src = _REMOTE_HOST
             else:
@@ -94,4 +100,4 @@ class ReadyBlocks:
             else:
                 out.append((src, 1))
             k += 1
-        return runs if k == covered else tuple(out)
+        return (runs, start_s) if k == covered else (tuple(out), begin)

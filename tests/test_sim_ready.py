@@ -49,15 +49,17 @@ def test_ready_blocks_extend_past_the_creators_finish_and_for_the_creator_its_ow
     ready = ReadyBlocks()
     ready.add(NS, WorkerId("w0"), HASHES[2:6], ready_s=1.0, now=0.0)
     runs = ((int(Source.LOCAL_HOST), 2),)
-    assert ready.extend(runs, NS, HASHES, WorkerId("w1"), 0.0, 0.5) == runs  # not stored yet
-    # the creator starts after its own earlier job: it holds them (its engine keeps them)
-    assert ready.extend(runs, NS, HASHES, WorkerId("w0"), 0.0, 2.0) == (
-        *runs, (int(Source.LOCAL_GPU), 4))
+    assert ready.extend(runs, NS, HASHES, WorkerId("w1"), 0.0, 0.5) == (runs, 0.5)  # not yet
+    # the creator starts after its own earlier job: it holds them (its engine keeps them),
+    # and not before that job ends, whatever its load report says
+    own = (*runs, (int(Source.LOCAL_GPU), 4))
+    assert ready.extend(runs, NS, HASHES, WorkerId("w0"), 0.0, 2.0) == (own, 2.0)
+    assert ready.extend(runs, NS, HASHES, WorkerId("w0"), 0.0, 0.2) == (own, 1.0)
     assert ready.extend(runs, NS, HASHES, WorkerId("w1"), 0.0, 1.0) == (
-        *runs, (int(Source.REMOTE_HOST), 4))
+        (*runs, (int(Source.REMOTE_HOST), 4)), 1.0)
     assert ready.run_from(NS, HASHES, 2) == 4
-    assert ready.extend(runs, NS, HASHES, WorkerId("w1"), 1.0, 2.0) == runs  # index's word now
-    assert ready.extend(runs, NS, HASHES, WorkerId("w0"), 1.0, 2.0) == runs
+    assert ready.extend(runs, NS, HASHES, WorkerId("w1"), 1.0, 2.0) == (runs, 2.0)  # index's
+    assert ready.extend(runs, NS, HASHES, WorkerId("w0"), 1.0, 2.0) == (runs, 2.0)
     ready.add(NS, WorkerId("w1"), HASHES[6:], ready_s=3.0, now=1.5)  # w0's are stored: dropped
     assert len(ready) == 2
 
