@@ -10,12 +10,14 @@ every raylet, and removes the cluster's temporary directory (its session logs).
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import tempfile
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 import ray
+from ray._common.utils import get_default_ray_temp_dir
 from ray.cluster_utils import Cluster
 
 from actors.deploy import shutdown
@@ -54,6 +56,10 @@ def local_cluster(
     if len(labels) != nodes:
         raise ValueError(f"resources has {len(labels)} entries for {nodes} nodes: give one per node")
     use_local_ray_defaults()
+    # Ray's Cluster records the head's address in the default Ray temp dir (/tmp/ray, or under
+    # RAY_TMPDIR) whatever temp_dir it is given, and fails if that folder does not exist yet:
+    # a fresh machine that never ran Ray (`make demo` first) has none.
+    os.makedirs(get_default_ray_temp_dir(), exist_ok=True)  # type: ignore[no-untyped-call]
     temp_dir = tempfile.mkdtemp(prefix=temp_prefix)
     cluster = Cluster(initialize_head=True, head_node_args={
         "num_cpus": head_cpus, "object_store_memory": head_store_mib * MiB,
