@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 import time
@@ -43,7 +44,9 @@ from router.sim import simulate  # noqa: E402
 from router.trace import Trace, TraceRequest, read_trace  # noqa: E402
 from router.trace_conversations import ConversationShape, conversation_rows, write_jsonl  # noqa: E402
 
-TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces"
+TRACES = Path(os.environ.get("KVSHARE_TRACES",
+                           Path(__file__).resolve().parents[2] / "shared" / "traces"))
+"""The shared traces: ../shared/traces beside the checkout, or ``$KVSHARE_TRACES``."""
 WORKERS = (4, 10, 32)
 HOST_TOKENS = (3_000_000, 10_000_000)
 

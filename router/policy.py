@@ -396,7 +396,9 @@ class CostPolicy(Policy):
 
     Under global sharing a worker's plan also counts the blocks this policy's earlier
     decisions are creating on other workers that will be stored before it starts (its queue
-    wait outlasts their job's estimate): it will pull them (:class:`~router.ready.ReadyBlocks`).
+    wait outlasts their job's estimate): it will pull them (:class:`~router.ready.ReadyBlocks`);
+    the creator's own plan counts them as its local gpu blocks, with its wait at least until
+    their job's estimated end (it cannot start before).
     """
 
     name = "cost"
@@ -436,19 +438,21 @@ class CostPolicy(Policy):
                 i = order[pos]
                 info = cands[i].info
                 runs = view.source_runs(info.worker_id, info.node, self.sharing, fetch)
+                wait = q
                 if ready is not None:
-                    runs = ready.extend(runs, ns, hashes, info.worker_id, now, now + q)
-                group.append((self._bound(n, runs), pos, i, runs))
+                    runs, start = ready.extend(runs, ns, hashes, info.worker_id, now, now + q)
+                    wait = start - now
+                group.append((wait + work * self._bound(n, runs), pos, i, runs, wait))
                 pos += 1
             group.sort()
-            for bound, _, i, runs in group:
-                if q + work * bound > best + tie:
+            for low, _, i, runs, wait in group:
+                if low > best + tie:
                     break  # exact pruning: its plan (and the rest's) cannot win or tie
                 plan = by_runs.get(runs)
                 if plan is None:
                     plan = by_runs[runs] = cost.plan_runs(n, runs)
                 plans[cands[i].info.worker_id] = plan
-                ests[i] = q + work * plan.total_s
+                ests[i] = wait + work * plan.total_s
                 best = min(best, ests[i])
         best = min(ests)
         # Near-ties (e.g. a new prefix on idle workers) rotate, so new blocks spread over nodes.

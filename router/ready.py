@@ -21,6 +21,7 @@ from kvshare.types import BlockHash, WorkerId
 from router.sources import SourceRuns
 
 _REMOTE_HOST = int(Source.REMOTE_HOST)
+_LOCAL_GPU = int(Source.LOCAL_GPU)
 
 
 class ReadyBlocks:
@@ -101,23 +102,42 @@ class ReadyBlocks:
         return k - start
 
     def extend(self, runs: SourceRuns, namespace: str, hashes: Sequence[BlockHash],
-               worker: WorkerId, now: float, start_s: float) -> SourceRuns:
+               worker: WorkerId, now: float, start_s: float) -> tuple[SourceRuns, float]:
         """``worker``'s runs (its view of the index and pending blocks) followed by the blocks
-        other workers will store after ``now`` and by ``start_s``, when it starts: remote host
-        copies (once their time has passed the index is the truth: a block it does not show
-        was not stored)."""
+        decisions are creating that it will hold or reach when it starts, at ``start_s``, and
+        the time it can start at the earliest for that view (``start_s`` or later):
+
+        - its own (an earlier job of its queue computes them; its engine keeps them), as
+          local gpu blocks, starting no earlier than the latest of those jobs' ends (a FIFO
+          worker starts after its earlier jobs, however long its queue; pending blocks say
+          so only for their TTL, which an overloaded queue outlasts, and a load report that
+          does not count the job yet must not make them look free now);
+        - other workers' stored after ``now`` and by ``start_s``, as remote host copies.
+
+        An entry whose time has passed is the index's word (a block it does not show was not
+        stored)."""
         at = self._at.get(namespace) if self._size else None
         if not at:
-            return runs
+            return runs, start_s
         covered = sum(n for _, n in runs)
         k = covered
+        out = list(runs)
+        begin = start_s
         while k < len(hashes):
             entry = at.get(hashes[k])
-            if entry is None or entry[0] == worker or not now < entry[1] <= start_s:
+            if entry is None or not now < entry[1]:
                 break
+            if entry[0] == worker:
+                src = _LOCAL_GPU
+                if entry[1] > begin:
+                    begin = entry[1]
+            elif entry[1] <= start_s:
+                src = _REMOTE_HOST
+            else:
+                break
+            if out and out[-1][0] == src:
+                out[-1] = (src, out[-1][1] + 1)
+            else:
+                out.append((src, 1))
             k += 1
-        if k == covered:
-            return runs
-        if runs and runs[-1][0] == _REMOTE_HOST:
-            return (*runs[:-1], (_REMOTE_HOST, runs[-1][1] + k - covered))
-        return (*runs, (_REMOTE_HOST, k - covered))
+        return (runs, start_s) if k == covered else (tuple(out), begin)

@@ -13,6 +13,8 @@ from kvshare.types import BlockHash, WorkerId
 from router.ready import _REMOTE_HOST, ReadyBlocks
 from router.sources import SourceRuns
 
+_LOCAL_GPU_REF = 0  # Source.LOCAL_GPU
+
 
 class Reference:
     """The first ReadyBlocks."""
@@ -49,21 +51,32 @@ class Reference:
         return k - start
 
     def extend(self, runs: SourceRuns, namespace: str, hashes: Sequence[BlockHash],
-               worker: WorkerId, now: float, start_s: float) -> SourceRuns:
+               worker: WorkerId, now: float, start_s: float) -> tuple[SourceRuns, float]:
+        """ReadyBlocks.extend over the first storage."""
         if not self._at:
-            return runs
+            return runs, start_s
         covered = sum(n for _, n in runs)
         at, k = self._at, covered
+        out = list(runs)
+        begin = start_s
         while k < len(hashes):
             entry = at.get((namespace, hashes[k]))
-            if entry is None or entry[0] == worker or not now < entry[1] <= start_s:
+            if entry is None or not now < entry[1]:
                 break
+            if entry[0] == worker:
+                src = _LOCAL_GPU_REF
+                if entry[1] > begin:
+                    begin = entry[1]
+            elif entry[1] <= start_s:
+                src = _REMOTE_HOST
+            else:
+                break
+            if out and out[-1][0] == src:
+                out[-1] = (src, out[-1][1] + 1)
+            else:
+                out.append((src, 1))
             k += 1
-        if k == covered:
-            return runs
-        if runs and runs[-1][0] == _REMOTE_HOST:
-            return (*runs[:-1], (_REMOTE_HOST, runs[-1][1] + k - covered))
-        return (*runs, (_REMOTE_HOST, k - covered))
+        return (runs, start_s) if k == covered else (tuple(out), begin)
 
     def held(self) -> list[tuple[str, BlockHash, WorkerId, float]]:
         return [(ns, h, w, t) for (ns, h), (w, t) in self._at.items()]

@@ -45,15 +45,38 @@ def test_without_global_sharing_nobody_pulls_another_nodes_blocks() -> None:
     assert route_twice("local")[0] == "w2"
 
 
-def test_ready_blocks_extend_only_past_the_creators_finish_and_never_for_the_creator() -> None:
+def test_ready_blocks_extend_past_the_creators_finish_and_for_the_creator_its_own() -> None:
     ready = ReadyBlocks()
     ready.add(NS, WorkerId("w0"), HASHES[2:6], ready_s=1.0, now=0.0)
     runs = ((int(Source.LOCAL_HOST), 2),)
-    assert ready.extend(runs, NS, HASHES, WorkerId("w1"), 0.0, 0.5) == runs  # not stored yet
-    assert ready.extend(runs, NS, HASHES, WorkerId("w0"), 0.0, 2.0) == runs  # its own: pending's job
+    assert ready.extend(runs, NS, HASHES, WorkerId("w1"), 0.0, 0.5) == (runs, 0.5)  # not yet
+    # the creator starts after its own earlier job: it holds them (its engine keeps them),
+    # and not before that job ends, whatever its load report says
+    own = (*runs, (int(Source.LOCAL_GPU), 4))
+    assert ready.extend(runs, NS, HASHES, WorkerId("w0"), 0.0, 2.0) == (own, 2.0)
+    assert ready.extend(runs, NS, HASHES, WorkerId("w0"), 0.0, 0.2) == (own, 1.0)
     assert ready.extend(runs, NS, HASHES, WorkerId("w1"), 0.0, 1.0) == (
-        *runs, (int(Source.REMOTE_HOST), 4))
+        (*runs, (int(Source.REMOTE_HOST), 4)), 1.0)
     assert ready.run_from(NS, HASHES, 2) == 4
-    assert ready.extend(runs, NS, HASHES, WorkerId("w1"), 1.0, 2.0) == runs  # index's word now
+    assert ready.extend(runs, NS, HASHES, WorkerId("w1"), 1.0, 2.0) == (runs, 2.0)  # index's
+    assert ready.extend(runs, NS, HASHES, WorkerId("w0"), 1.0, 2.0) == (runs, 2.0)
     ready.add(NS, WorkerId("w1"), HASHES[6:], ready_s=3.0, now=1.5)  # w0's are stored: dropped
     assert len(ready) == 2
+
+
+def test_a_queue_longer_than_the_pending_ttl_still_counts_its_own_jobs_blocks() -> None:
+    """Overload: w0 (100 s behind) takes a new prompt; its job ends at ~100.1 s, past any
+    pending blocks' TTL (the caller passes none). At t=0.5 a repeat finds w0 101 s behind and
+    w1 100.95 s behind (it would start after w0 stored the blocks and pull all 8 remotely,
+    0.1 s). It goes behind its creator, which will hold every block then (101.001 s against
+    101.054 s); before, w0 was priced recomputing the prompt (101.128 s) and w1 pulled it."""
+    now = [0.0]
+    policy = make_policy("cost", CostModel(PrefillModel(1e-3, 0.0), Bandwidths(), 16, 10**7),
+                         "global")
+    policy.clock = lambda: now[0]
+    req = RouteRequest(NS, HASHES, 128)
+    assert policy.choose(req, EMPTY_MATCH, cands(100_000, 200_000)).worker == "w0"
+    now[0] = 0.5
+    second = policy.choose(req, EMPTY_MATCH, cands(101_000, 100_950))
+    assert (second.worker, second.reason, second.cached_blocks) == ("w0", "cache_local", 8)
+    assert second.remote_blocks == 0
