@@ -28,13 +28,13 @@ dict, as Serve LLM's routers read them)::
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from router.serve_request import FRONTS_WORKER
+from router.sse_stream import stream_events
 
 KVSHARE_ROUTER = "router.serve:KVShareRequestRouter"
 
@@ -100,32 +100,26 @@ class VllmReplica:
         The first piece also carries ``upstream_ttft_s`` (seconds from this replica's call to
         the server's first token: the engine's queue and prefill, without Serve's routing);
         the server's usage (``prompt_tokens``, ``cached_tokens``) comes as a last piece with
-        empty ``text`` and ``usage`` set."""
+        empty ``text`` and ``usage`` set. A connection the server dropped before answering is
+        retried once (:func:`~router.sse_stream.stream_events`)."""
         body = {**dict(request.extra), "model": self.worker.meta.get("model"),
                 "prompt": list(request.prompt_token_ids), "max_tokens": request.max_tokens,
                 "stream": True, "stream_options": {"include_usage": True}}
         wid = str(self.worker.worker_id)
         t0 = time.perf_counter()
         first = True
-        async with self.http.stream("POST", f"{self.worker.endpoint}/v1/completions",
-                                    json=body) as resp:
-            if resp.status_code != 200:
-                detail = (await resp.aread()).decode("utf-8", "replace")[:500]
-                raise RuntimeError(f"vLLM worker {wid} answered {resp.status_code}: {detail}")
-            async for line in resp.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                data = json.loads(line[6:])
-                for choice in data.get("choices") or []:
-                    piece = {"worker": wid, "text": choice.get("text", ""),
-                             "finish_reason": choice.get("finish_reason")}
-                    if first:
-                        piece["upstream_ttft_s"] = time.perf_counter() - t0
-                        first = False
-                    yield piece
-                if data.get("usage"):
-                    yield {"worker": wid, "text": "", "finish_reason": None,
-                           "usage": _usage(data["usage"])}
+        async for data in stream_events(self.http, f"{self.worker.endpoint}/v1/completions",
+                                        body, what=f"vLLM worker {wid}"):
+            for choice in data.get("choices") or []:
+                piece = {"worker": wid, "text": choice.get("text", ""),
+                         "finish_reason": choice.get("finish_reason")}
+                if first:
+                    piece["upstream_ttft_s"] = time.perf_counter() - t0
+                    first = False
+                yield piece
+            if data.get("usage"):
+                yield {"worker": wid, "text": "", "finish_reason": None,
+                       "usage": _usage(data["usage"])}
 
 
 def _usage(usage: Mapping[str, Any]) -> dict[str, int]:
