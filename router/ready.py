@@ -7,7 +7,8 @@ worker whose queue outlasts that prefill starts after the blocks exist: it will 
 from the creator's node (a remote host copy) instead of recomputing them. :class:`ReadyBlocks`
 remembers, per block, the worker creating it and the estimated end of that job (the
 decision's TTFT estimate), so the cost policy prices that worker's plan as it will run.
-Only blocks a job computes are recorded (the ones it loads are already held elsewhere).
+A job's loaded blocks are recorded for its own worker only (its engine keeps every block it
+computes or loads, but only computed ones go to its node's pool for others to pull).
 Not thread-safe: one instance per policy.
 """
 
@@ -25,31 +26,34 @@ _LOCAL_GPU = int(Source.LOCAL_GPU)
 
 
 class ReadyBlocks:
-    """``(namespace, hash) -> (creating worker, time it is stored)``; an entry goes once that
-    time has passed (the index holds the block then) or past ``max_entries``."""
+    """``(namespace, hash) -> (creating worker, time it is stored, whether others can pull
+    it)``; an entry goes once that time has passed (the index holds the block then) or past
+    ``max_entries``."""
 
     def __init__(self, max_entries: int = 1_000_000) -> None:
         self._max = max_entries
-        self._at: OrderedDict[tuple[str, BlockHash], tuple[WorkerId, float]] = OrderedDict()
+        self._at: OrderedDict[tuple[str, BlockHash], tuple[WorkerId, float, bool]] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._at)
 
     def add(self, namespace: str, worker: WorkerId, hashes: Sequence[BlockHash],
-            ready_s: float, now: float) -> None:
-        """``worker`` stores ``hashes`` at ``ready_s`` (an earlier creator's time is kept)."""
+            ready_s: float, now: float, stored_from: int = 0) -> None:
+        """``worker`` holds ``hashes`` at ``ready_s`` (an earlier creator's time is kept):
+        ``hashes[stored_from:]`` (the ones it computes) in its node's pool, the rest (the ones
+        it loads) in its engine's own cache only."""
         at = self._at
         while at:  # roughly in time order: drop the stored ones from the front
-            _, (_, t) = next(iter(at.items()))
+            _, (_, t, _) = next(iter(at.items()))
             if t > now:
                 break
             at.popitem(last=False)
-        value = (worker, ready_s)
-        for h in hashes:
+        own, value = (worker, ready_s, False), (worker, ready_s, True)
+        for i, h in enumerate(hashes):
             key = (namespace, h)
             old = at.get(key)
             if old is None or old[1] > ready_s:
-                at[key] = value
+                at[key] = value if i >= stored_from else own
                 at.move_to_end(key)
         while len(at) > self._max:
             at.popitem(last=False)
@@ -91,7 +95,7 @@ class ReadyBlocks:
                 src = _LOCAL_GPU
                 if entry[1] > begin:
                     begin = entry[1]
-            elif entry[1] <= start_s:
+            elif entry[2] and entry[1] <= start_s:
                 src = _REMOTE_HOST
             else:
                 break
