@@ -176,6 +176,7 @@ static PyObject *sha256_chain_u32(PyObject *self, PyObject *args)
     for (Py_ssize_t b = 0; b < n_blocks; b++) {
         PyObject **ids = items + b * block_tokens;
         for (Py_ssize_t j = 0; j < block_tokens; j++) {
+            prefetch_id(items, b * block_tokens + j, n);
             if (read_u32(ids[j], buf + 4 * j) < 0) {
                 Py_CLEAR(result);
                 goto done;

@@ -204,6 +204,7 @@ static PyObject *memo_chain(ChainMemo *self, PyObject *args)
     for (Py_ssize_t b = 0; b < n_blocks; b++) {
         PyObject **ids = items + b * bt;
         for (Py_ssize_t j = 0; j < bt; j++) {
+            prefetch_id(items, b * bt + j, n);
             if (read_u32(ids[j], self->buf + 4 * j) < 0)
                 goto fail;
         }

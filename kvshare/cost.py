@@ -203,6 +203,9 @@ class Bandwidths:
         )
 
 
+_FIRST_REMOTE = Source.REMOTE_GPU
+
+
 @dataclass(frozen=True)
 class CutPlan:
     """A chosen cut point and its estimated cost."""
@@ -219,7 +222,7 @@ class CutPlan:
 
     @property
     def remote_blocks(self) -> int:
-        return sum(v for s, v in self.sources.items() if s.remote)
+        return sum([v for s, v in self.sources.items() if s >= _FIRST_REMOTE])  # (Source.remote)
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from itertools import repeat
 from typing import Any
 
 from actors.index.runs import HolderRuns
@@ -22,10 +21,20 @@ from kvshare.types import BlockHash, Location, Tier
 _RANK = {t: t.rank for t in Tier}
 _Holders = dict[Location, tuple[Tier, float]]
 """A block's pending holders and (tier, expiry); shared between blocks, never changed in place."""
+_Entry = tuple[_Holders, int, float]
+"""What a block's key maps to: its holders, the number of the ``add`` call that last
+refreshed it (the order of entries across namespaces) and the earliest of the holders'
+expiries (before it, none has expired); shared like the holder map."""
 
 
 class PendingBlocks:
-    """``(namespace, hash) -> {location: (tier, expiry)}`` with a TTL."""
+    """``(namespace, hash) -> {location: (tier, expiry)}`` with a TTL.
+
+    Stored per namespace (one ordered map keyed by the hash bytes, so recording a prompt
+    allocates no key tuple per block: such tuples live for the TTL and would trigger the
+    garbage collector every few decisions); the entries keep one order across namespaces
+    (oldest refreshed first), by which they expire and past ``max_entries`` are evicted.
+    """
 
     def __init__(
         self,
@@ -38,10 +47,12 @@ class PendingBlocks:
         self.ttl_s = ttl_s
         self._clock = clock
         self._max = max_entries
-        self._entries: OrderedDict[tuple[str, BlockHash], _Holders] = OrderedDict()
+        self._ns: dict[str, OrderedDict[BlockHash, _Entry]] = {}
+        self._size = 0
+        self._calls = 0
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return self._size
 
     def add(
         self, namespace: str, location: Location, hashes: Sequence[BlockHash], tier: Tier = Tier.GPU
@@ -50,25 +61,34 @@ class PendingBlocks:
         now = self._clock()
         self._expire(now)
         value = (tier, now + self.ttl_s)  # one shared (immutable) value for the whole call
-        entries = self._entries
+        entries = self._ns.get(namespace)
+        if entries is None:
+            entries = self._ns[namespace] = OrderedDict()
+        before = len(entries)
+        self._calls += 1
+        call = self._calls
         get, refresh = entries.get, entries.move_to_end
         # Holder maps are shared between keys and never changed in place: the keys of one call
         # that had the same holders get one new map, so a prompt's blocks usually share one
         # object and _live_runs reads it once (compared by identity).
-        fresh = {location: value}
-        grown: dict[int, tuple[_Holders, _Holders]] = {}  # id(old map) -> (old map, new map)
-        for key in zip(repeat(namespace), hashes):
-            holders = get(key)
-            if holders is None:
-                entries[key] = fresh
+        fresh = ({location: value}, call, value[1])
+        grown: dict[int, tuple[_Holders, _Entry]] = {}  # id(old map) -> (old map, new entry)
+        for h in hashes:
+            old = get(h)
+            if old is None:
+                entries[h] = fresh
                 continue
-            refresh(key)
+            refresh(h)
+            holders = old[0]
             done = grown.get(id(holders))
             if done is None or done[0] is not holders:  # (the old map is kept alive in grown)
-                done = grown[id(holders)] = (holders, {**holders, location: value})
-            entries[key] = done[1]
-        while len(entries) > self._max:
-            entries.popitem(last=False)
+                done = grown[id(holders)] = (
+                    holders, ({**holders, location: value}, call, min(old[2], value[1])))
+            entries[h] = done[1]
+        self._size += len(entries) - before
+        while self._size > self._max:
+            self._oldest()[1].popitem(last=False)
+            self._size -= 1
 
     def match(self, namespace: str, hashes: Sequence[BlockHash]) -> MatchResult:
         """Pending holders of ``hashes`` as a match result (only pending, never the index's).
@@ -105,18 +125,22 @@ class PendingBlocks:
     def _live_runs(self, namespace: str, hashes: Sequence[BlockHash]) -> tuple[int, list[list[Any]]]:
         """Runs ``[start, end, ((location, tier), ...)]`` of consecutive blocks with the same
         live holders, up to the first block nobody is about to hold; and that block's index."""
-        if not self._entries:
+        if not self._size:
             return 0, []
         now = self._clock()
         self._expire(now)
+        entries = self._ns.get(namespace)
+        if not entries:
+            return 0, []
         # A prompt's blocks were mostly added together, so their holder maps are equal and
         # are read once per run.
         runs: list[list[Any]] = []
         prev: _Holders | None = None
         k = 0
-        for pending in map(self._entries.get, zip(repeat(namespace), hashes)):
-            if not pending:
+        for entry in map(entries.get, hashes):
+            if entry is None:
                 break
+            pending = entry[0]
             if pending is not prev and pending != prev:
                 live = tuple([(loc, t) for loc, (t, expiry) in pending.items() if expiry > now])
                 if not live:
@@ -131,17 +155,44 @@ class PendingBlocks:
             k += 1
         return k, runs
 
+    def _oldest(self) -> tuple[BlockHash, OrderedDict[BlockHash, _Entry], _Entry]:
+        """The entry refreshed longest ago (over every namespace; there is one): its hash,
+        its namespace's map and its value."""
+        best: tuple[BlockHash, OrderedDict[BlockHash, _Entry], _Entry] | None = None
+        for entries in self._ns.values():
+            if entries:
+                h, entry = next(iter(entries.items()))
+                if best is None or entry[1] < best[2][1]:
+                    best = (h, entries, entry)
+        assert best is not None
+        return best
+
     def _expire(self, now: float) -> None:
         # Entries are refreshed by move_to_end, so the oldest expiry is first in order only
         # approximately; drop expired holders from the front until a live one is found.
-        while self._entries:
-            key, holders = next(iter(self._entries.items()))
+        if len(self._ns) == 1:  # (one namespace: its map's order is the order)
+            (entries,) = self._ns.values()
+            while entries:
+                h, (holders, call, first) = next(iter(entries.items()))
+                if now < first:
+                    return  # none of its holders has expired: it stays whole
+                live = {loc: v for loc, v in holders.items() if v[1] > now}
+                if live:
+                    entries[h] = (live, call, min([v[1] for v in live.values()]))
+                    return
+                del entries[h]
+                self._size -= 1
+            return
+        while self._size:
+            h, entries, (holders, call, first) = self._oldest()
+            if now < first:
+                return
             live = {loc: v for loc, v in holders.items() if v[1] > now}
             if live:
-                if len(live) != len(holders):
-                    self._entries[key] = live
+                entries[h] = (live, call, min([v[1] for v in live.values()]))
                 return
-            del self._entries[key]
+            del entries[h]
+            self._size -= 1
 
 
 Row = tuple[Tier | None, ...]

@@ -203,6 +203,10 @@ class Policy(ABC):
         self.clock: Callable[[], float] = time.monotonic  # the simulator sets its own
         self._last: tuple[Sequence[Candidate], str, str] | None = None
         self._last_out: tuple[list[Candidate], dict[WorkerId, NodeId]] = ([], {})
+        # the workers behind _last_out (by identity) and the positions of the eligible ones
+        # among them (None: all): a new load changes candidates, never who is eligible
+        self._last_infos: list[WorkerInfo] = []
+        self._keep: list[int] | None = None
         self._private: frozenset[str] = frozenset()  # their gpu tier: theirs only (SourceMap)
         self._queues_for: tuple[list[Candidate], CostModel] | None = None
         self._queues: tuple[list[float], list[int]] = ([], [])
@@ -264,12 +268,29 @@ class Policy(ABC):
     ) -> tuple[list[Candidate], dict[WorkerId, NodeId]]:
         """:func:`eligible` and their worker -> node map (kept while the inputs are the same)."""
         last = self._last
-        if (last is not None and last[1] == namespace and last[2] == tenant
-                and len(last[0]) == len(candidates) and all(map(is_, last[0], candidates))):
+        same_request = last is not None and last[1] == namespace and last[2] == tenant
+        if (same_request and last is not None and len(last[0]) == len(candidates)
+                and all(map(is_, last[0], candidates))):
+            return self._last_out
+        infos = [c.info for c in candidates]
+        if (same_request and len(infos) == len(self._last_infos)
+                and all(map(is_, self._last_infos, infos))):
+            # the same workers with other loads: who is eligible, their nodes and private
+            # locations are the same (they depend on the workers alone)
+            keep = self._keep
+            cands = list(candidates) if keep is None else [candidates[i] for i in keep]
+            self._last = (tuple(candidates), namespace, tenant)
+            self._last_out = (cands, self._last_out[1])
             return self._last_out
         cands = eligible(candidates, namespace, tenant)
         self._last = (tuple(candidates), namespace, tenant)
         self._last_out = (cands, {c.info.worker_id: c.info.node for c in cands})
+        self._last_infos = infos
+        if len(cands) == len(candidates):
+            self._keep = None
+        else:
+            kept = {id(c) for c in cands}
+            self._keep = [i for i, c in enumerate(candidates) if id(c) in kept]
         self._private = frozenset(worker_location(c.info.worker_id) for c in cands
                                   if c.info.meta.get(META_GPU_PRIVATE) == "1")
         return self._last_out
@@ -277,10 +298,17 @@ class Policy(ABC):
     def queues(self, cands: list[Candidate]) -> tuple[list[float], list[int]]:
         """Queue wait per candidate and the candidates' indices by increasing wait (kept while
         ``cands`` and the cost model are the same objects)."""
-        if self._queues_for is None or self._queues_for[0] is not cands or self._queues_for[1] is not self.cost:
+        last = self._queues_for
+        if last is not None and last[0] is cands and last[1] is self.cost:
+            return self._queues
+        if last is not None and last[1] is self.cost and len(last[0]) == len(cands):
+            # (a router's next decision: mostly the same candidates, one or two new loads)
+            queue_s, prev, pw = self.queue_s, last[0], self._queues[0]
+            waits = [pw[i] if c is prev[i] else queue_s(c.load) for i, c in enumerate(cands)]
+        else:
             waits = [self.queue_s(c.load) for c in cands]
-            self._queues = (waits, sorted(range(len(cands)), key=waits.__getitem__))
-            self._queues_for = (cands, self.cost)
+        self._queues = (waits, sorted(range(len(cands)), key=waits.__getitem__))
+        self._queues_for = (cands, self.cost)
         return self._queues
 
     def plan_for(self, request: RouteRequest, view: SourceMap, cand: Candidate) -> CutPlan:

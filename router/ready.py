@@ -23,46 +23,90 @@ from router.sources import SourceRuns
 
 _REMOTE_HOST = int(Source.REMOTE_HOST)
 _LOCAL_GPU = int(Source.LOCAL_GPU)
+_Entry = tuple[WorkerId, float, int, bool]
 
 
 class ReadyBlocks:
     """``(namespace, hash) -> (creating worker, time it is stored, whether others can pull
     it)``; an entry goes once that time has passed (the index holds the block then) or past
-    ``max_entries``."""
+    ``max_entries``.
+
+    Stored per namespace (one ordered map keyed by the hash bytes: recording a decision
+    allocates no key tuple per block, which would live until the block is stored and trigger
+    the garbage collector every few decisions); the entries keep one order across namespaces
+    (the order they were recorded in), by which they are dropped."""
 
     def __init__(self, max_entries: int = 1_000_000) -> None:
         self._max = max_entries
-        self._at: OrderedDict[tuple[str, BlockHash], tuple[WorkerId, float, bool]] = OrderedDict()
+        # per namespace: hash -> (worker, ready_s, the number of the add call that recorded it,
+        # whether it goes to the worker's node pool)
+        self._at: dict[str, OrderedDict[BlockHash, _Entry]] = {}
+        self._size = 0
+        self._calls = 0
 
     def __len__(self) -> int:
-        return len(self._at)
+        return self._size
 
     def add(self, namespace: str, worker: WorkerId, hashes: Sequence[BlockHash],
             ready_s: float, now: float, stored_from: int = 0) -> None:
         """``worker`` holds ``hashes`` at ``ready_s`` (an earlier creator's time is kept):
         ``hashes[stored_from:]`` (the ones it computes) in its node's pool, the rest (the ones
         it loads) in its engine's own cache only."""
-        at = self._at
-        while at:  # roughly in time order: drop the stored ones from the front
-            _, (_, t, _) = next(iter(at.items()))
+        maps = self._at
+        if len(maps) == 1:  # (one namespace: its map's order is the order)
+            (only,) = maps.values()
+            before = len(only)
+            while only and next(iter(only.values()))[1] <= now:
+                only.popitem(last=False)
+            self._size -= before - len(only)
+        while self._size:  # roughly in time order: drop the stored ones from the front
+            first, (_, t, _, _) = self._oldest()
             if t > now:
                 break
-            at.popitem(last=False)
-        own, value = (worker, ready_s, False), (worker, ready_s, True)
+            first.popitem(last=False)
+            self._size -= 1
+        at = self._at.get(namespace)
+        if at is None:
+            at = self._at[namespace] = OrderedDict()
+        before = len(at)
+        self._calls += 1
+        value = (worker, ready_s, self._calls, True)
+        own = (worker, ready_s, self._calls, False)
+        get, refresh = at.get, at.move_to_end
         for i, h in enumerate(hashes):
-            key = (namespace, h)
-            old = at.get(key)
-            if old is None or old[1] > ready_s:
-                at[key] = value if i >= stored_from else own
-                at.move_to_end(key)
-        while len(at) > self._max:
-            at.popitem(last=False)
+            if i == stored_from:
+                own = value
+            old = get(h)
+            if old is None:
+                at[h] = own
+            elif old[1] > ready_s:
+                at[h] = own
+                refresh(h)
+        self._size += len(at) - before
+        while self._size > self._max:
+            self._oldest()[0].popitem(last=False)
+            self._size -= 1
+
+    def _oldest(self) -> tuple[OrderedDict[BlockHash, _Entry],
+                               _Entry]:
+        """The namespace map whose first entry was recorded first (there is one), and that entry."""
+        best: tuple[OrderedDict[BlockHash, _Entry],
+                    _Entry] | None = None
+        for at in self._at.values():
+            if at:
+                entry = next(iter(at.values()))
+                if best is None or entry[2] < best[1][2]:
+                    best = (at, entry)
+        assert best is not None
+        return best
 
     def run_from(self, namespace: str, hashes: Sequence[BlockHash], start: int) -> int:
         """Blocks from ``start`` on that some decision is creating (an upper bound of any
         :meth:`extend`'s reach past ``start``)."""
-        at, k = self._at, start
-        while k < len(hashes) and (namespace, hashes[k]) in at:
+        at, k = self._at.get(namespace), start
+        if at is None:
+            return 0
+        while k < len(hashes) and hashes[k] in at:
             k += 1
         return k - start
 
@@ -72,7 +116,7 @@ class ReadyBlocks:
         decisions are creating that it will hold or reach when it starts, at ``start_s``, and
         the time it can start at the earliest for that view (``start_s`` or later):
 
-        - its own (an earlier job of its queue computes them; its engine keeps them), as
+        - its own (an earlier job of its queue computes or loads them; its engine keeps them), as
           local gpu blocks, starting no earlier than the latest of those jobs' ends (a FIFO
           worker starts after its earlier jobs, however long its queue; pending blocks say
           so only for their TTL, which an overloaded queue outlasts, and a load report that
@@ -81,21 +125,22 @@ class ReadyBlocks:
 
         An entry whose time has passed is the index's word (a block it does not show was not
         stored)."""
-        if not self._at:
+        at = self._at.get(namespace) if self._size else None
+        if not at:
             return runs, start_s
         covered = sum(n for _, n in runs)
-        at, k = self._at, covered
+        k = covered
         out = list(runs)
         begin = start_s
         while k < len(hashes):
-            entry = at.get((namespace, hashes[k]))
+            entry = at.get(hashes[k])
             if entry is None or not now < entry[1]:
                 break
             if entry[0] == worker:
                 src = _LOCAL_GPU
                 if entry[1] > begin:
                     begin = entry[1]
-            elif entry[2] and entry[1] <= start_s:
+            elif entry[3] and entry[1] <= start_s:
                 src = _REMOTE_HOST
             else:
                 break

@@ -105,6 +105,48 @@ def _per_segment(runs: Sequence[tuple[Holders, int]], starts: list[int]) -> list
     return out
 
 
+_Bests = tuple[dict[str, int], int, "str | None", int]
+_BESTS: dict[int, tuple[Holders, Mapping[WorkerId, NodeId], frozenset[str], _Bests]] = {}
+_BESTS_MAX = 4096
+
+
+def _bests(holders: Holders, worker_nodes: Mapping[WorkerId, NodeId],
+           private: frozenset[str]) -> _Bests:
+    """One segment's index holders as ``{location: rank}`` (the last one named wins) and the
+    best holder's rank, its node and the best rank on any other node (private locations are
+    nobody's source). Kept per holders object while ``worker_nodes`` and ``private`` are the
+    same objects: the index answers with one cached tuple per holder set (its interned
+    states), so a prompt sharing a system prompt with earlier ones reuses their work."""
+    hit = _BESTS.get(id(holders))
+    if (hit is not None and hit[0] is holders and hit[1] is worker_nodes
+            and hit[2] is private):
+        return hit[3]
+    ranks: dict[str, int] = {}
+    best1, best1_node, best2 = _NONE, None, _NONE
+    nodes: dict[str, str] = {}
+    for loc, r in holders:
+        ranks[loc] = r
+        if r == _NONE or loc in private:
+            continue
+        node = nodes.get(loc)
+        if node is None:
+            node = nodes[loc] = _node_of(loc, worker_nodes)
+        if best1_node == node:
+            if r < best1:
+                best1 = r
+        elif r < best1:
+            best2 = best1
+            best1, best1_node = r, node
+        elif r < best2:
+            best2 = r
+    got = (ranks, best1, best1_node, best2)
+    if isinstance(holders, tuple):  # (a list is built per answer: never seen again)
+        if len(_BESTS) >= _BESTS_MAX:
+            _BESTS.clear()
+        _BESTS[id(holders)] = (holders, worker_nodes, private, got)
+    return got
+
+
 def expand(runs: SourceRuns) -> list[Source]:
     """Runs back to one :class:`Source` per block."""
     out: list[Source] = []
@@ -126,7 +168,10 @@ class SourceMap:
         """``pending``: blocks the router's recent decisions are about to create; they count
         only for the workers at their locations (they cannot be pulled before they exist).
         ``private``: locations (``worker:<id>``) whose blocks only their own worker can use
-        (:data:`~kvshare.workers.META_GPU_PRIVATE`); never a remote source for another."""
+        (:data:`~kvshare.workers.META_GPU_PRIVATE`); never a remote source for another.
+        ``worker_nodes`` and ``private`` must not change in place once passed (per index
+        holders object the bests are kept while they are the same objects: pass a new
+        mapping when workers change, as the policies do)."""
         self.num_blocks = match.num_blocks
         index = holder_runs(match)
         mine = holder_runs(pending) if pending is not None else ()
@@ -142,38 +187,18 @@ class SourceMap:
         n_seg = len(starts)
         self._starts = starts
         self._lens = [e - s for s, e in zip(starts, starts[1:] + [combined], strict=False)]
-        # own ranks per location and segment (index and pending); per segment the best index
-        # holder's rank, its node, and the best rank on any other node
-        ranks: dict[str, list[int]] = {}
+        # per segment: the index's holders as {location: rank} and the best index holder's
+        # rank, its node, and the best rank on any other node (kept per holders object:
+        # _bests); the pending blocks' own ranks per location and segment
+        index_ranks: list[dict[str, int]] = []
         best1 = [_NONE] * n_seg
         best1_node: list[str | None] = [None] * n_seg
         best2 = [_NONE] * n_seg
-        nodes: dict[str, str] = {}
-        prev: Holders | None = None
         for j, holders in enumerate(_per_segment(index, starts)):
-            for loc, r in holders:
-                row = ranks.get(loc)
-                if row is None:
-                    row = ranks[loc] = [_NONE] * n_seg
-                row[j] = r
-            if holders is prev:  # the run of the segment before (cut by pending): same bests
-                best1[j], best1_node[j], best2[j] = best1[j - 1], best1_node[j - 1], best2[j - 1]
-                continue
-            prev = holders
-            for loc, r in holders:
-                if r == _NONE or loc in private:
-                    continue
-                node = nodes.get(loc)
-                if node is None:
-                    node = nodes[loc] = _node_of(loc, worker_nodes)
-                if best1_node[j] == node:
-                    if r < best1[j]:
-                        best1[j] = r
-                elif r < best1[j]:
-                    best2[j] = best1[j]
-                    best1[j], best1_node[j] = r, node
-                elif r < best2[j]:
-                    best2[j] = r
+            got = _bests(holders, worker_nodes, private)
+            index_ranks.append(got[0])
+            best1[j], best1_node[j], best2[j] = got[1], got[2], got[3]
+        ranks: dict[str, list[int]] = {}
         for j, holders in enumerate(_per_segment(mine, starts)):
             for loc, r in holders:
                 row = ranks.get(loc)
@@ -181,10 +206,23 @@ class SourceMap:
                     row = ranks[loc] = [_NONE] * n_seg
                 if r < row[j]:
                     row[j] = r
-        self._ranks = ranks
+        self._index_ranks = index_ranks
+        self._index_locs: set[str] = set().union(*index_ranks)  # every location holding any
+        self._pending_ranks = ranks
         self._best1, self._best1_node, self._best2 = best1, best1_node, best2
         self._holder_nodes = {nd for nd in best1_node if nd is not None}
         self._remote_only: SourceRuns | None = None
+
+    def _own(self, loc: str) -> list[int] | None:
+        """``loc``'s own rank per segment (its index holding, else _NONE, lowered by its
+        pending blocks); None if it holds nothing in either."""
+        mine = self._pending_ranks.get(loc) if self._pending_ranks else None
+        if loc not in self._index_locs:
+            return mine
+        row = [d.get(loc, _NONE) for d in self._index_ranks]
+        if mine is not None:
+            row = [min(a, b) for a, b in zip(row, mine, strict=True)]
+        return row
 
     def source_runs(
         self,
@@ -199,8 +237,8 @@ class SourceMap:
         between a local and a remote copy; without it the faster tier wins, local first.
         Equal views give equal (canonical) runs.
         """
-        own_w = self._ranks.get(_worker_loc(worker)) if self._ranks else None
-        own_n = self._ranks.get(_node_loc(node)) if self._ranks else None
+        own_w = self._own(_worker_loc(worker))
+        own_n = self._own(_node_loc(node))
         remote = sharing is Sharing.GLOBAL
         if own_w is None and own_n is None and (not remote or node not in self._holder_nodes):
             # the common case: this worker holds nothing; every such worker sees the same runs

@@ -128,8 +128,14 @@ def test_router_decisions_are_the_same_with_and_without_the_memo(memo_type: type
     assert routers[0].hasher.memo is None and routers[1].hasher.memo is not None
 
     async def decide(router: CacheAwareRouter, prompts: list[list[int]]) -> list[object]:
+        # one clock per router, stepped per decision: the policy's ready blocks, the pending
+        # blocks and the in-flight load read the time, which must not differ between the two
+        now = [1000.0]
+        core = router.core
+        core.policy.clock = core.pending._clock = core.inflight._clock = lambda: now[0]
         out = []
         for ids in prompts:
+            now[0] += 0.01
             r = await router.route(token_ids=ids)
             out.append((r.hashes, r.decision))
         return out
