@@ -481,12 +481,13 @@ class CostPolicy(Policy):
         return self._plans.get(cand.info.worker_id) or super().plan_for(request, view, cand)
 
     def observe(self, request: RouteRequest, decision: Decision) -> None:
-        """Record the blocks the chosen worker computes and when they will be stored."""
+        """Record the blocks the chosen worker will hold and when: all of them in its engine,
+        the ones it computes also in its node's pool."""
         plan = decision.plan
         if plan is not None and self.sharing is Sharing.GLOBAL:
             now = self.clock()
-            self._ready.add(request.namespace, decision.worker, request.hashes[plan.cut:],
-                            now + decision.est_ttft_s, now)
+            self._ready.add(request.namespace, decision.worker, request.hashes,
+                            now + decision.est_ttft_s, now, stored_from=plan.cut)
 
     def _planned(self) -> dict[WorkerId, CutPlan]:
         return self._plans

@@ -7,7 +7,8 @@ worker whose queue outlasts that prefill starts after the blocks exist: it will 
 from the creator's node (a remote host copy) instead of recomputing them. :class:`ReadyBlocks`
 remembers, per block, the worker creating it and the estimated end of that job (the
 decision's TTFT estimate), so the cost policy prices that worker's plan as it will run.
-Only blocks a job computes are recorded (the ones it loads are already held elsewhere).
+A job's loaded blocks are recorded for its own worker only (its engine keeps every block it
+computes or loads, but only computed ones go to its node's pool for others to pull).
 Not thread-safe: one instance per policy.
 """
 
@@ -22,11 +23,13 @@ from router.sources import SourceRuns
 
 _REMOTE_HOST = int(Source.REMOTE_HOST)
 _LOCAL_GPU = int(Source.LOCAL_GPU)
+_Entry = tuple[WorkerId, float, int, bool]
 
 
 class ReadyBlocks:
-    """``(namespace, hash) -> (creating worker, time it is stored)``; an entry goes once that
-    time has passed (the index holds the block then) or past ``max_entries``.
+    """``(namespace, hash) -> (creating worker, time it is stored, whether others can pull
+    it)``; an entry goes once that time has passed (the index holds the block then) or past
+    ``max_entries``.
 
     Stored per namespace (one ordered map keyed by the hash bytes: recording a decision
     allocates no key tuple per block, which would live until the block is stored and trigger
@@ -35,8 +38,9 @@ class ReadyBlocks:
 
     def __init__(self, max_entries: int = 1_000_000) -> None:
         self._max = max_entries
-        # per namespace: hash -> (worker, ready_s, the number of the add call that recorded it)
-        self._at: dict[str, OrderedDict[BlockHash, tuple[WorkerId, float, int]]] = {}
+        # per namespace: hash -> (worker, ready_s, the number of the add call that recorded it,
+        # whether it goes to the worker's node pool)
+        self._at: dict[str, OrderedDict[BlockHash, _Entry]] = {}
         self._size = 0
         self._calls = 0
 
@@ -44,8 +48,10 @@ class ReadyBlocks:
         return self._size
 
     def add(self, namespace: str, worker: WorkerId, hashes: Sequence[BlockHash],
-            ready_s: float, now: float) -> None:
-        """``worker`` stores ``hashes`` at ``ready_s`` (an earlier creator's time is kept)."""
+            ready_s: float, now: float, stored_from: int = 0) -> None:
+        """``worker`` holds ``hashes`` at ``ready_s`` (an earlier creator's time is kept):
+        ``hashes[stored_from:]`` (the ones it computes) in its node's pool, the rest (the ones
+        it loads) in its engine's own cache only."""
         maps = self._at
         if len(maps) == 1:  # (one namespace: its map's order is the order)
             (only,) = maps.values()
@@ -54,7 +60,7 @@ class ReadyBlocks:
                 only.popitem(last=False)
             self._size -= before - len(only)
         while self._size:  # roughly in time order: drop the stored ones from the front
-            first, (_, t, _) = self._oldest()
+            first, (_, t, _, _) = self._oldest()
             if t > now:
                 break
             first.popitem(last=False)
@@ -64,25 +70,28 @@ class ReadyBlocks:
             at = self._at[namespace] = OrderedDict()
         before = len(at)
         self._calls += 1
-        value = (worker, ready_s, self._calls)
+        value = (worker, ready_s, self._calls, True)
+        own = (worker, ready_s, self._calls, False)
         get, refresh = at.get, at.move_to_end
-        for h in hashes:
+        for i, h in enumerate(hashes):
+            if i == stored_from:
+                own = value
             old = get(h)
             if old is None:
-                at[h] = value
+                at[h] = own
             elif old[1] > ready_s:
-                at[h] = value
+                at[h] = own
                 refresh(h)
         self._size += len(at) - before
         while self._size > self._max:
             self._oldest()[0].popitem(last=False)
             self._size -= 1
 
-    def _oldest(self) -> tuple[OrderedDict[BlockHash, tuple[WorkerId, float, int]],
-                               tuple[WorkerId, float, int]]:
+    def _oldest(self) -> tuple[OrderedDict[BlockHash, _Entry],
+                               _Entry]:
         """The namespace map whose first entry was recorded first (there is one), and that entry."""
-        best: tuple[OrderedDict[BlockHash, tuple[WorkerId, float, int]],
-                    tuple[WorkerId, float, int]] | None = None
+        best: tuple[OrderedDict[BlockHash, _Entry],
+                    _Entry] | None = None
         for at in self._at.values():
             if at:
                 entry = next(iter(at.values()))
@@ -107,7 +116,7 @@ class ReadyBlocks:
         decisions are creating that it will hold or reach when it starts, at ``start_s``, and
         the time it can start at the earliest for that view (``start_s`` or later):
 
-        - its own (an earlier job of its queue computes them; its engine keeps them), as
+        - its own (an earlier job of its queue computes or loads them; its engine keeps them), as
           local gpu blocks, starting no earlier than the latest of those jobs' ends (a FIFO
           worker starts after its earlier jobs, however long its queue; pending blocks say
           so only for their TTL, which an overloaded queue outlasts, and a load report that
@@ -131,7 +140,7 @@ class ReadyBlocks:
                 src = _LOCAL_GPU
                 if entry[1] > begin:
                     begin = entry[1]
-            elif entry[1] <= start_s:
+            elif entry[3] and entry[1] <= start_s:
                 src = _REMOTE_HOST
             else:
                 break

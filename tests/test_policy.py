@@ -242,6 +242,7 @@ def test_an_engines_private_gpu_cache_is_no_source_for_other_workers() -> None:
     d = pol.choose(req, match, [cand(0, queued=60), cand(1)])
     assert (d.worker, d.reason, d.remote_blocks) == ("w1", "cache_remote", 8)
     # vLLM's own prefix cache cannot be read by another worker: w1 would recompute all of it,
-    # so waiting 60 ms for the holder wins
-    d = pol.choose(req, match, [cand(0, queued=60, gpu_private="1"), cand(1)])
+    # so waiting 60 ms for the holder wins (another cluster: a fresh policy, which has not
+    # just sent the prompt to w1, whose engine would then hold it too)
+    d = make_policy("cost", m).choose(req, match, [cand(0, queued=60, gpu_private="1"), cand(1)])
     assert (d.worker, d.reason, d.cached_blocks) == ("w0", "cache_local", 8)

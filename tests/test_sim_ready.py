@@ -80,3 +80,16 @@ def test_a_queue_longer_than_the_pending_ttl_still_counts_its_own_jobs_blocks() 
     second = policy.choose(req, EMPTY_MATCH, cands(101_000, 100_950))
     assert (second.worker, second.reason, second.cached_blocks) == ("w0", "cache_local", 8)
     assert second.remote_blocks == 0
+
+
+def test_blocks_a_job_loads_count_for_its_own_worker_only() -> None:
+    """A job that loads blocks 0-3 and computes 4-7: its engine keeps all 8 (its worker's
+    next request reuses them), but only 4-7 reach its node's pool for another worker."""
+    ready = ReadyBlocks()
+    ready.add(NS, WorkerId("w0"), HASHES, ready_s=1.0, now=0.0, stored_from=4)
+    assert ready.extend((), NS, HASHES, WorkerId("w0"), 0.0, 2.0) == (
+        ((int(Source.LOCAL_GPU), 8),), 2.0)
+    assert ready.extend((), NS, HASHES, WorkerId("w1"), 0.0, 2.0) == ((), 2.0)
+    held = ((int(Source.REMOTE_HOST), 4),)  # blocks 0-3 held elsewhere, in the index
+    assert ready.extend(held, NS, HASHES, WorkerId("w1"), 0.0, 2.0) == (
+        ((int(Source.REMOTE_HOST), 8),), 2.0)
