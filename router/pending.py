@@ -158,6 +158,10 @@ class PendingBlocks:
     def _oldest(self) -> tuple[BlockHash, OrderedDict[BlockHash, _Entry], _Entry]:
         """The entry refreshed longest ago (over every namespace; there is one): its hash,
         its namespace's map and its value."""
+        if len(self._ns) == 1:  # (one namespace: its map's order is the order)
+            (only,) = self._ns.values()
+            h, entry = next(iter(only.items()))
+            return h, only, entry
         best: tuple[BlockHash, OrderedDict[BlockHash, _Entry], _Entry] | None = None
         for entries in self._ns.values():
             if entries:
@@ -170,23 +174,10 @@ class PendingBlocks:
     def _expire(self, now: float) -> None:
         # Entries are refreshed by move_to_end, so the oldest expiry is first in order only
         # approximately; drop expired holders from the front until a live one is found.
-        if len(self._ns) == 1:  # (one namespace: its map's order is the order)
-            (entries,) = self._ns.values()
-            while entries:
-                h, (holders, call, first) = next(iter(entries.items()))
-                if now < first:
-                    return  # none of its holders has expired: it stays whole
-                live = {loc: v for loc, v in holders.items() if v[1] > now}
-                if live:
-                    entries[h] = (live, call, min([v[1] for v in live.values()]))
-                    return
-                del entries[h]
-                self._size -= 1
-            return
         while self._size:
             h, entries, (holders, call, first) = self._oldest()
             if now < first:
-                return
+                return  # none of its holders has expired: it stays whole
             live = {loc: v for loc, v in holders.items() if v[1] > now}
             if live:
                 entries[h] = (live, call, min([v[1] for v in live.values()]))

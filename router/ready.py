@@ -52,13 +52,6 @@ class ReadyBlocks:
         """``worker`` holds ``hashes`` at ``ready_s`` (an earlier creator's time is kept):
         ``hashes[stored_from:]`` (the ones it computes) in its node's pool, the rest (the ones
         it loads) in its engine's own cache only."""
-        maps = self._at
-        if len(maps) == 1:  # (one namespace: its map's order is the order)
-            (only,) = maps.values()
-            before = len(only)
-            while only and next(iter(only.values()))[1] <= now:
-                only.popitem(last=False)
-            self._size -= before - len(only)
         while self._size:  # roughly in time order: drop the stored ones from the front
             first, (_, t, _, _) = self._oldest()
             if t > now:
@@ -90,6 +83,9 @@ class ReadyBlocks:
     def _oldest(self) -> tuple[OrderedDict[BlockHash, _Entry],
                                _Entry]:
         """The namespace map whose first entry was recorded first (there is one), and that entry."""
+        if len(self._at) == 1:  # (one namespace: its map's order is the order)
+            (only,) = self._at.values()
+            return only, next(iter(only.values()))
         best: tuple[OrderedDict[BlockHash, _Entry],
                     _Entry] | None = None
         for at in self._at.values():
