@@ -394,6 +394,16 @@ class CostPolicy(Policy):
     recompute) wins over a shorter queue, since total work then decides everyone's wait. The
     decision's ``est_ttft_s`` stays the TTFT estimate (queue wait + plan).
 
+    That spread assumes the router can steer later requests around the work. It cannot steer
+    the requests bound to a worker (the ones its cache serves best): a worker with
+    ``waiting_i`` queued against the emptiest's ``waiting`` receives about
+    ``(waiting_i - waiting) / queue_i`` of them a second beyond the common rate (Little's law
+    at its queue wait), and each one arriving while the plan runs waits that long again, so
+    with every worker behind the score adds ``(waiting_i - waiting) / queue_i * plan^2``. A
+    long job then costs more at a worker crowded with short ones than at one holding a few
+    long ones, which lowers the mean wait (requests do not queue behind a long prompt they do
+    not share) while queue waits stay close.
+
     Under global sharing a worker's plan also counts the blocks this policy's earlier
     decisions are creating on other workers that will be stored before it starts (its queue
     wait outlasts their job's estimate): it will pull them (:class:`~router.ready.ReadyBlocks`);
@@ -425,7 +435,12 @@ class CostPolicy(Policy):
         c_max = cost.cached_tokens(reach, n)
         floor = cost.prefill.time(n - c_max, c_max)  # no plan beats this (free fetch)
         queues, order = self.queues(cands)
-        work = 1.0 + min([c.load.waiting for c in cands])  # what a second of plan costs
+        waiting = [c.load.waiting for c in cands]
+        fewest = min(waiting)
+        work = 1.0 + fewest  # what a second of plan costs (class docstring)
+        # per candidate: the rate of requests bound to it (0 with a worker idle; class docstring)
+        bound = ([(w - fewest) / q if q > 0 else 0.0 for w, q in zip(waiting, queues, strict=True)]
+                 if fewest else None)
         ests = [math.inf] * len(cands)
         best = math.inf
         pos, end = 0, len(order)
@@ -442,7 +457,9 @@ class CostPolicy(Policy):
                 if ready is not None:
                     runs, start = ready.extend(runs, ns, hashes, info.worker_id, now, now + q)
                     wait = start - now
-                group.append((wait + work * self._bound(n, runs), pos, i, runs, wait))
+                t = self._bound(n, runs)
+                low_s = wait + work * t if bound is None else wait + (work + bound[i] * t) * t
+                group.append((low_s, pos, i, runs, wait))
                 pos += 1
             group.sort()
             for low, _, i, runs, wait in group:
@@ -452,7 +469,8 @@ class CostPolicy(Policy):
                 if plan is None:
                     plan = by_runs[runs] = cost.plan_runs(n, runs)
                 plans[cands[i].info.worker_id] = plan
-                ests[i] = wait + work * plan.total_s
+                t = plan.total_s
+                ests[i] = wait + work * t if bound is None else wait + (work + bound[i] * t) * t
                 best = min(best, ests[i])
         best = min(ests)
         # Near-ties (e.g. a new prefix on idle workers) rotate, so new blocks spread over nodes.
