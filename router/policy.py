@@ -398,11 +398,13 @@ class CostPolicy(Policy):
     the requests bound to a worker (the ones its cache serves best): a worker with
     ``waiting_i`` queued against the emptiest's ``waiting`` receives about
     ``(waiting_i - waiting) / queue_i`` of them a second beyond the common rate (Little's law
-    at its queue wait), and each one arriving while the plan runs waits that long again, so
-    with every worker behind the score adds ``(waiting_i - waiting) / queue_i * plan^2``. A
-    long job then costs more at a worker crowded with short ones than at one holding a few
-    long ones, which lowers the mean wait (requests do not queue behind a long prompt they do
-    not share) while queue waits stay close.
+    at its queue wait), and each one arriving while the plan runs waits for it instead of for
+    a request of that worker's typical size (``queue_i / waiting_i``). So with every worker
+    behind, a plan longer than that typical size adds ``(waiting_i - waiting) / queue_i *
+    (plan - queue_i / waiting_i) * plan``: a long prompt costs more at a worker crowded with
+    short ones than at one holding a few long ones, which lowers the mean wait (short requests
+    stop queuing behind long prompts they do not share); a plan of the worker's typical size
+    adds nothing.
 
     Under global sharing a worker's plan also counts the blocks this policy's earlier
     decisions are creating on other workers that will be stored before it starts (its queue
@@ -438,9 +440,11 @@ class CostPolicy(Policy):
         waiting = [c.load.waiting for c in cands]
         fewest = min(waiting)
         work = 1.0 + fewest  # what a second of plan costs (class docstring)
-        # per candidate: the rate of requests bound to it (0 with a worker idle; class docstring)
-        bound = ([(w - fewest) / q if q > 0 else 0.0 for w, q in zip(waiting, queues, strict=True)]
-                 if fewest else None)
+        bound: list[float] | None = None  # per candidate: the rate of requests bound to it
+        typical: list[float] = []  # and the service time of a request queued there
+        if fewest:  # (none with a worker idle: class docstring)
+            bound = [(w - fewest) / q if q > 0 else 0.0 for w, q in zip(waiting, queues, strict=True)]
+            typical = [q / w if w else 0.0 for w, q in zip(waiting, queues, strict=True)]
         ests = [math.inf] * len(cands)
         best = math.inf
         pos, end = 0, len(order)
@@ -458,7 +462,7 @@ class CostPolicy(Policy):
                     runs, start = ready.extend(runs, ns, hashes, info.worker_id, now, now + q)
                     wait = start - now
                 t = self._bound(n, runs)
-                low_s = wait + work * t if bound is None else wait + (work + bound[i] * t) * t
+                low_s = wait + _work_s(t, work, bound, typical, i)
                 group.append((low_s, pos, i, runs, wait))
                 pos += 1
             group.sort()
@@ -470,7 +474,7 @@ class CostPolicy(Policy):
                     plan = by_runs[runs] = cost.plan_runs(n, runs)
                 plans[cands[i].info.worker_id] = plan
                 t = plan.total_s
-                ests[i] = wait + work * t if bound is None else wait + (work + bound[i] * t) * t
+                ests[i] = wait + _work_s(t, work, bound, typical, i)
                 best = min(best, ests[i])
         best = min(ests)
         # Near-ties (e.g. a new prefix on idle workers) rotate, so new blocks spread over nodes.
@@ -512,6 +516,15 @@ class CostPolicy(Policy):
 
 
 _SHRINK = 1.0 - 1e-9
+
+
+def _work_s(t: float, work: float, bound: list[float] | None, typical: list[float],
+            i: int) -> float:
+    """What ``t`` seconds of plan at candidate ``i`` cost everyone (:class:`CostPolicy`);
+    increasing in ``t``, so a lower bound of ``t`` gives a lower bound of it."""
+    if bound is None:
+        return work * t
+    return (work + bound[i] * max(0.0, t - typical[i])) * t
 
 
 POLICIES: dict[str, Callable[..., Policy]] = {
