@@ -206,6 +206,29 @@ def test_cost_policy_prices_a_plans_work_by_the_requests_waiting() -> None:
     assert (d.worker, d.reason) == ("w1", "load")
 
 
+def test_cost_policy_keeps_a_long_prompt_off_a_worker_crowded_with_short_ones() -> None:
+    m = cost_model(a=1e-3)  # 1 ms a token, nothing cached: a 128-token prompt takes 128 ms
+    pol = make_policy("cost", m, Sharing.LOCAL)
+
+    def load(i: int, queued: int, waiting: int) -> Candidate:
+        c = cand(i)
+        return Candidate(c.info, WorkerLoad(c.info.worker_id, queued, waiting + 1, 0.0, 0.0, waiting))
+
+    # w0: 200 ms of queue in 10 short requests (20 ms each); w1: 300 ms in one long one.
+    # The 9 requests beyond w1's count bound to w0 (45 a second) would each wait 128 ms
+    # instead of ~20 ms behind a long prompt there: it goes to w1, though w0 starts sooner
+    crowded = [load(0, 200, 10), load(1, 300, 1)]
+    d = pol.choose(RouteRequest(NS, HASHES, 128), EMPTY_MATCH, crowded)
+    assert d.worker == "w1"
+    assert d.est_ttft_s == pytest.approx(0.3 + 0.128, rel=1e-3)  # still its own TTFT
+    # a prompt of w0's typical size costs its requests nothing extra: the shorter queue wins
+    d = pol.choose(RouteRequest(NS, HASHES[:1], 16), EMPTY_MATCH, crowded)
+    assert d.worker == "w0"
+    # with a worker idle, later requests can go around it: the lowest TTFT, as before
+    d = pol.choose(RouteRequest(NS, HASHES, 128), EMPTY_MATCH, [load(0, 200, 10), load(1, 300, 0)])
+    assert d.worker == "w0"
+
+
 def test_policies_respect_namespace_and_tenant_restrictions() -> None:
     req = RouteRequest(NS, HASHES, 128, tenant="acme")
     cands = [cand(0, ns=("other",)), cand(1, tenants="globex"), cand(2, tenants="acme,initech")]
