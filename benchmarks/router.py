@@ -73,16 +73,18 @@ class Traffic:
     in batches of 500 (~150 MB, so their ids are cold in cache when routed) outside the timed
     decisions. A hash memo can save only the system prompt's blocks (8-24 of 32)."""
 
-    def __init__(self, seed: int, systems: list[list[int]]) -> None:
+    def __init__(self, seed: int, systems: list[list[int]], packed: bool = False) -> None:
         self.rng = np.random.default_rng(seed)
         self.heads = [np.asarray(h, dtype=np.int64) for h in systems]
+        self.packed = packed  # each prompt a numpy uint32 array instead (same ids)
 
-    def batch(self, n: int) -> list[list[int]]:
+    def batch(self, n: int) -> list[list[int]] | list[np.ndarray]:
         out = []
         for _ in range(n):
             head = self.heads[int(self.rng.integers(len(self.heads)))]
             tail = self.rng.integers(0, 32000, TOKENS - len(head))
-            out.append(np.concatenate([head, tail]).tolist())
+            ids = np.concatenate([head, tail])
+            out.append(ids.astype(np.uint32) if self.packed else ids.tolist())
         return out
 
 
