@@ -183,6 +183,18 @@ def packed_u32(tokens: object) -> memoryview | None:
     return None
 
 
+def fast_ids(tokens: Sequence[int] | npt.NDArray[np.integer] | PackedIds) -> list[int] | PackedIds:
+    """``tokens`` in a form :class:`~kvshare.hasher.Hasher` reads without converting: a list
+    or packed ids (:func:`packed_u32`) as they are (no copy), another numpy integer array
+    packed as ``<u4`` (a tokenizer's int64 ids: ValueError naming an id outside [0, 2**32) or
+    a non-integer dtype, as :func:`tokens_to_u32le` does), anything else as a list."""
+    if type(tokens) is list or packed_u32(tokens) is not None:
+        return cast("list[int] | PackedIds", tokens)
+    if isinstance(tokens, np.ndarray):
+        return np.frombuffer(tokens_to_u32le(tokens), dtype=_U32LE)
+    return list(tokens)
+
+
 def _u32le_buffer(tokens: Sequence[int] | npt.NDArray[np.integer]) -> bytes | memoryview:
     """The little-endian u32 bytes of ``tokens`` as a buffer: ids already packed
     (:func:`packed_u32`) are viewed as they are (no copy), anything else goes through

@@ -182,3 +182,26 @@ def test_router_decisions_are_the_same_with_and_without_the_memo(memo_type: type
     packed = [np.asarray(ids, dtype=np.uint32) for ids in prompts]
     assert asyncio.run(decide(packed_router, packed)) == got[0]  # type: ignore[arg-type]
     assert routers[1].hasher.memo.stats()["hits"] > 0  # type: ignore[union-attr]
+
+
+def test_fast_ids_keeps_lists_and_packed_ids_and_packs_other_arrays() -> None:
+    """A list and packed ids are kept as they are; a tokenizer's int64 array is packed (same
+    hashes), with the conversion's clear errors for ids outside u32 and for a 2-D array."""
+    import array
+
+    import numpy as np
+
+    from kvshare.hashing import fast_ids
+
+    ids = [5, 0, 2**32 - 1, 7] * BT
+    as_list, u32, arr = list(ids), np.asarray(ids, dtype=np.uint32), array.array("I", ids)
+    assert fast_ids(as_list) is as_list and fast_ids(u32) is u32 and fast_ids(arr) is arr
+    assert fast_ids(tuple(ids)) == ids and type(fast_ids(tuple(ids))) is list
+    wide = fast_ids(np.asarray(ids, dtype=np.int64))
+    assert isinstance(wide, np.ndarray) and wide.dtype == np.dtype("<u4")
+    hasher = Hasher("m", "layout", BT, memo_blocks=64)
+    assert hasher.hashes(wide) == hasher.hashes(ids) == block_hashes(hasher.root, ids, BT)
+    with pytest.raises(ValueError, match="-1 is outside"):
+        fast_ids(np.asarray([1, -1], dtype=np.int64))
+    with pytest.raises(ValueError, match="1-D"):
+        fast_ids(np.asarray([ids], dtype=np.int64))
