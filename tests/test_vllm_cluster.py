@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -131,14 +132,28 @@ def test_gateway_routes_a_prompt_to_the_vllm_worker_whose_cache_holds_it(
 def prefill_directly(cluster: dict[str, Any], info: dict[str, Any], router: Any,
                      text: str) -> list[Any]:
     """Send ``text`` straight to one vLLM worker (no router sees it) and wait until its KV
-    events put the prompt's share blocks in the index as that worker's gpu tier."""
+    events put the prompt's share blocks in the index as that worker's gpu tier and every
+    worker reports idle again (``wait_idle``)."""
     ids = router.tokenize(prompt=text)
     r = httpx.post(f"{info['endpoint']}/v1/completions", timeout=120,
                    json={"model": cluster["model"], "prompt": ids, "max_tokens": 1})
     assert r.status_code == 200, r.text
     hashes = router.hasher.hashes(ids)
     wait_for(lambda: held(cluster["index"], hashes, f"worker:{info['worker_id']}", Tier.GPU))
+    wait_idle(cluster, time.time())
     return list(hashes)
+
+
+def wait_idle(cluster: dict[str, Any], since: float) -> None:
+    """Wait until every worker's load report is newer than ``since`` (wall clock) and shows
+    nothing running, waiting or queued: a routing test's precondition, so a report taken while
+    a direct prefill still ran cannot make the holder look busy."""
+    def idle() -> bool:
+        loads = cluster["index"].loads()
+        return all((load := loads.get(i["worker_id"])) is not None and load.ts > since
+                   and load.running == 0 and load.waiting == 0
+                   and load.queued_prefill_tokens == 0 for i in cluster["infos"])
+    wait_for(idle, timeout_s=30, every_s=0.1)
 
 
 def metric(endpoint: str, name: str) -> float:
@@ -185,6 +200,7 @@ def test_a_prompt_only_in_a_pool_goes_where_loading_is_cheapest_and_is_loaded(
     for info in cluster["infos"]:
         wait_for(lambda i=info: held(index, hashes, f"worker:{i['worker_id']}", None))
     assert held(index, hashes, pool, Tier.HOST)
+    wait_idle(cluster, time.time())
     before = metric(a["endpoint"], "vllm:external_prefix_cache_hits_total")
     r = httpx.post(f"{gw.url}/v1/completions", timeout=120,
                    json={"model": NS, "prompt": text, "max_tokens": 1})
@@ -197,8 +213,6 @@ def test_a_prompt_only_in_a_pool_goes_where_loading_is_cheapest_and_is_loaded(
 
 def test_serve_kvshare_router_in_front_of_vllm_replicas(cluster: dict[str, Any],
                                                         gateway: tuple[Gateway, Any]) -> None:
-    import time
-
     from ray import serve
 
     from router.serve_vllm import KVSHARE_ROUTER, ServeCompletion, vllm_app
