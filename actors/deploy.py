@@ -11,6 +11,7 @@ adds namespaces to a running deployment. Other components find the pieces with
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
@@ -32,7 +33,7 @@ from actors.index.keeper import control_plane_placement, start_shard
 from kvshare.auth import cluster_secret
 from kvshare.cost import bytes_per_s
 from kvshare.layout import KVLayout
-from kvshare.tiers.host import SHM_DIR, shm_free_bytes
+from kvshare.tiers.host import SHM_DIR, shm_dir
 
 log = logging.getLogger(__name__)
 
@@ -87,21 +88,27 @@ def namespace_specs(
 
 
 def check_shm(settings: PoolSettings) -> None:
-    """Refuse when the slabs plus Ray's object stores of this machine exceed free /dev/shm."""
+    """Refuse when the slabs plus Ray's object stores of this machine exceed free /dev/shm
+    (or the slabs exceed their own directory's free room, under ``KVSHARE_SHM_DIR``)."""
     me = ray.get_runtime_context().get_node_id()
     nodes = [n for n in ray.nodes() if n["Alive"]]  # type: ignore[no-untyped-call]
     here = next((n["NodeManagerAddress"] for n in nodes if n["NodeID"] == me), None)
     local = [n for n in nodes if n["NodeManagerAddress"] == here]  # this machine's nodes
     store = sum(int(n["Resources"].get("object_store_memory", 0)) for n in local)
     slabs = settings.host_bytes * max(1, len(local))
-    free = shm_free_bytes()
-    if slabs + store > free:
-        raise MemoryError(
-            f"kvshare needs {slabs / GiB:.2f} GiB of host slabs ({len(local)} node(s) x "
-            f"{settings.host_bytes / GiB:.2f} GiB) plus {store / GiB:.2f} GiB of Ray object "
-            f"store in {SHM_DIR}, which has {free / GiB:.2f} GiB free: lower --host-gb or "
-            f"enlarge {SHM_DIR}"
-        )
+    what = (f"{slabs / GiB:.2f} GiB of host slabs ({len(local)} node(s) x "
+            f"{settings.host_bytes / GiB:.2f} GiB)")
+    need = [(what, slabs, shm_dir()), (f"{store / GiB:.2f} GiB of Ray object store", store, SHM_DIR)]
+    if os.path.realpath(need[0][2]) == os.path.realpath(SHM_DIR):  # one room for both
+        need = [(f"{what} plus {need[1][0]}", slabs + store, SHM_DIR)]
+    for label, nbytes, where in need:
+        st = os.statvfs(where)
+        free = st.f_bavail * st.f_frsize
+        if nbytes > free:
+            raise MemoryError(
+                f"kvshare needs {label} in {where}, which has {free / GiB:.2f} GiB free: "
+                f"lower --host-gb or enlarge {where} (hugetlbfs: reserve more pages)"
+            )
 
 
 def deploy(

@@ -18,6 +18,9 @@ and ``finished`` when done. Every decision gets a new prompt (:class:`Traffic`):
 prompt the index holds + a tail never seen before, fresh int objects, cold in cache. The
 router keeps its verified hash memo (``RouterConfig.hash_memo_blocks``), which can save only
 the system prompts' blocks; the replica leg is run again without it (``replica_no_memo_*``).
+The replica leg is run a third time on the same kind of prompts handed over packed (a numpy
+``uint32`` array per prompt, as a gateway that keeps its tokenizer's ids packed would pass them:
+``replica_packed_*``): hashed from their bytes, and no int objects for the collector to walk.
 The replica leg also prints the score stage's parts (``replica_score_parts_us``) and the
 garbage collector's share of its timed decisions (``replica_gc_share``,
 ``replica_gc_us_per_decision``: collections that ran inside them).
@@ -73,16 +76,18 @@ class Traffic:
     in batches of 500 (~150 MB, so their ids are cold in cache when routed) outside the timed
     decisions. A hash memo can save only the system prompt's blocks (8-24 of 32)."""
 
-    def __init__(self, seed: int, systems: list[list[int]]) -> None:
+    def __init__(self, seed: int, systems: list[list[int]], packed: bool = False) -> None:
         self.rng = np.random.default_rng(seed)
         self.heads = [np.asarray(h, dtype=np.int64) for h in systems]
+        self.packed = packed  # each prompt a numpy uint32 array instead (same ids)
 
-    def batch(self, n: int) -> list[list[int]]:
+    def batch(self, n: int) -> list[list[int]] | list[np.ndarray]:
         out = []
         for _ in range(n):
             head = self.heads[int(self.rng.integers(len(self.heads)))]
             tail = self.rng.integers(0, 32000, TOKENS - len(head))
-            out.append(np.concatenate([head, tail]).tolist())
+            ids = np.concatenate([head, tail])
+            out.append(ids.astype(np.uint32) if self.packed else ids.tolist())
         return out
 
 
@@ -279,6 +284,11 @@ def main() -> None:
             asyncio.run(sequential(bare, traffic, 300))  # warm-up
             bare_rate, bare_lat = asyncio.run(sequential(bare, traffic, 3000, "replica_no_memo"))
             memo = near.hasher.memo.stats() if getattr(near.hasher, "memo", None) else None
+            packed = make_router(replica, "cost")  # the same ids, handed over as uint32 arrays
+            packed_traffic = Traffic(3, systems, packed=True)
+            asyncio.run(sequential(packed, packed_traffic, 300))  # warm-up
+            packed_rate, packed_lat = asyncio.run(sequential(packed, packed_traffic, 3000,
+                                                             "replica_packed"))
         finally:
             replica.close()
     finally:
@@ -296,6 +306,10 @@ def main() -> None:
     print(f"the same without the hash memo:    {bare_rate:8.0f} decisions/s sequential  "
           f"p50 {ms(bare_lat, 50):.3f} ms  p99 {ms(bare_lat, 99):.3f} ms "
           f"({CPU_RATES['replica_no_memo']:.0f}/CPU-s); memo {memo}")
+    print(f"the same on packed ids (uint32): {packed_rate:8.0f} decisions/s sequential  "
+          f"p50 {ms(packed_lat, 50):.3f} ms  p99 {ms(packed_lat, 99):.3f} ms "
+          f"({CPU_RATES['replica_packed']:.0f}/CPU-s); stages {STAGES_US['replica_packed']} us; "
+          f"collector {GC_S['replica_packed'] / 3000 * 1e6:.0f} us a decision")
     print(f"median microseconds per stage of a decision on the replica: {STAGES_US['replica']} "
           "(score: worker list, in-flight load, pending blocks, the policy's ranking)")
     print(f"median microseconds of the score stage's parts (timed one by one): {rep_parts}")
@@ -310,6 +324,11 @@ def main() -> None:
         "replica_stage_us": STAGES_US["replica"],
         "replica_gc_share": round(GC_S["replica"] * rep_rate / 3000, 3),
         "replica_gc_us_per_decision": round(GC_S["replica"] / 3000 * 1e6, 1),
+        "replica_packed_decisions_per_s": round(packed_rate, 1),
+        "replica_packed_p99_ms": round(ms(packed_lat, 99), 3),
+        "replica_packed_decisions_per_cpu_s": round(CPU_RATES["replica_packed"], 1),
+        "replica_packed_stage_us": STAGES_US["replica_packed"],
+        "replica_packed_gc_us_per_decision": round(GC_S["replica_packed"] / 3000 * 1e6, 1),
         "replica_no_memo_decisions_per_s": round(bare_rate, 1),
         "replica_no_memo_p99_ms": round(ms(bare_lat, 99), 3),
         "replica_no_memo_decisions_per_cpu_s": round(CPU_RATES["replica_no_memo"], 1),

@@ -128,6 +128,7 @@ class Reader:
         except Exception as exc:
             print(f"nixl unavailable on {node}: {exc}", flush=True)
         self.control = ActorControl
+        self.stages_ms: dict[tuple[str, int], dict[str, float]] = {}
 
     def memcpy(self) -> float:
         times = []
@@ -143,13 +144,24 @@ class Reader:
         hs = hashes(block_bytes)
         dest = list(self.dest.reshape(len(hs), block_bytes))
         times = []
+        stages: list[dict[str, float]] = []
         for _ in range((REPEATS if name != "objstore" else 3) + 1):  # objstore is slow: 3 runs
             t = time.perf_counter()
-            res = tr.read(ctl, hs, dest, deadline_s=60.0)
+            transfer = tr.submit_read(ctl, hs, dest, deadline_s=60.0)
+            res = tr.wait(transfer)
             times.append(time.perf_counter() - t)
             if not res.ok:
                 raise RuntimeError(f"{name} read failed: {res.reasons()}")
+            stages.append(transfer.state.get("stages", {}))
+        self.stages_ms[(name, block_bytes)] = {
+            k: round(statistics.median(s.get(k, 0.0) for s in stages[1:]) * 1e3, 2)
+            for k in stages[-1]}
         return TOTAL / statistics.median(times[1:]) / 1e9
+
+    def stages(self, name: str, block_bytes: int) -> dict[str, float]:
+        """Median milliseconds per stage of the last :meth:`pull` (NIXL legs: see
+        ``benchmarks/nixl_stages.py`` for what each stage holds)."""
+        return self.stages_ms.get((name, block_bytes), {})
 
 
 def main() -> None:
@@ -181,10 +193,12 @@ def main() -> None:
         raw_nixl = RawNixl(TOTAL, 16 * MiB, REPEATS)
         try:  # interleaved with kvshare's nixl on the same bytes, best of 3 each (noisy host)
             runs: dict[str, list[float]] = {"raw": [], "nixl": [], "nixl_end_to_end": []}
+            stage_runs: list[tuple[float, dict[str, float]]] = []
             for _ in range(3):
                 runs["raw"].append(raw_nixl.read_gbps())
                 for name in ("nixl", "nixl_end_to_end"):
                     runs[name].append(ray.get(b.pull.remote(name, 16 * MiB)))
+                stage_runs.append((runs["nixl"][-1], ray.get(b.stages.remote("nixl", 16 * MiB))))
         finally:
             raw_nixl.close()
         raw = max(runs["raw"])
@@ -195,6 +209,9 @@ def main() -> None:
               f"the reader instead: {out['nixl_end_to_end'][16 * MiB]:6.2f} GB/s; runs "
               + ", ".join(f"{k} {[round(x, 2) for x in v]}" for k, v in runs.items()) + ")",
               flush=True)
+        nixl_stages = max(stage_runs)[1]  # of the fastest run, the one reported
+        print(f"kvshare nixl READ stages (ms, median of that run): {nixl_stages}; raw: "
+              f"{TOTAL / raw / 1e6:.2f} ms", flush=True)
         huge = ray.get(host.slab_huge_page_bytes.remote())
         again = ray.get(b.memcpy.remote())
         print(f"memcpy again: {again:.2f} GB/s (baseline = the faster of the two)", flush=True)
@@ -240,6 +257,8 @@ def main() -> None:
         "probe_vs_measured_each": {k: round(published.get(k, 0.0) / out[k][big], 3)
                                    for k in ("shm", "nixl", "objstore")},
         "nixl_end_to_end_vs_raw": round(out["nixl_end_to_end"][big] / raw, 3),
+        "nixl_stages_ms": nixl_stages,
+        "raw_nixl_ms": round(TOTAL / raw / 1e6, 2),
         "nixl_landing_checks": LANDING_CHECKS,
         "shm_huge_pages": shm_huge_pages(),
         "slab_huge_page_MiB": huge // MiB,

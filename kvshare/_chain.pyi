@@ -24,6 +24,9 @@ class ChainMemo:
     def __init__(self, block_tokens: int, capacity_blocks: int, tail: bytes,
                  fingerprint_bits: int = 64) -> None: ...
     def chain(self, parent: bytes, ids: list[int] | tuple[int, ...]) -> list[bytes]: ...
+    def chain_packed(self, parent: bytes, data: Buffer) -> list[bytes]:
+        """``chain`` of ids already packed as little-endian u32 (``4 * n`` bytes, any
+        contiguous buffer); ValueError if its length is not a multiple of 4."""
     def clear(self) -> None: ...
     def stats(self) -> dict[str, int]:
         """``hits``, ``misses`` (blocks), ``blocks`` kept now, ``capacity``."""

@@ -2,6 +2,7 @@
  *
  *     memo = ChainMemo(block_tokens, capacity_blocks, tail)
  *     memo.chain(parent, ids) -> list[bytes]    # == sha256_chain_u32(parent, ids, block_tokens, tail)
+ *     memo.chain_packed(parent, data) -> list[bytes]  # ids already packed: little-endian u32 bytes
  *
  * Each block's digest is sha256(parent || block's ids as u32 || tail), a function of exactly
  * the parent digest and the block's bytes. The memo keeps, for up to ``capacity_blocks`` recent
@@ -226,6 +227,53 @@ fail:
     return NULL;
 }
 
+/* chain_packed(parent, data): chain() of ids already packed as little-endian u32 (any
+ * contiguous bytes-like object of 4 * n bytes: bytes, a numpy uint32 array or array("I") on a
+ * little-endian host); no id to read or check, a packed id is in range by construction. */
+static PyObject *memo_chain_packed(ChainMemo *self, PyObject *args)
+{
+    const char *parent;
+    Py_ssize_t parent_len;
+    Py_buffer data;
+    if (!PyArg_ParseTuple(args, "y#y*:chain_packed", &parent, &parent_len, &data))
+        return NULL;
+    PyObject *result = NULL;
+    if (self->entries == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "ChainMemo was not initialised");
+        goto done;
+    }
+    if (parent_len != DIGEST) {
+        PyErr_Format(PyExc_ValueError, "parent must be %d bytes (a sha256 digest), got %zd",
+                     DIGEST, parent_len);
+        goto done;
+    }
+    if (data.len % 4 != 0) {
+        PyErr_Format(PyExc_ValueError, "packed ids must be 4 bytes each (u32), got %zd bytes",
+                     data.len);
+        goto done;
+    }
+    size_t bb = (size_t)self->block_tokens * 4;
+    Py_ssize_t n_blocks = data.len / (Py_ssize_t)bb;
+    result = PyList_New(n_blocks);
+    if (result == NULL)
+        goto done;
+    unsigned char prev[DIGEST];
+    memcpy(prev, parent, DIGEST);
+    for (Py_ssize_t b = 0; b < n_blocks; b++) {
+        memcpy(self->buf, (const unsigned char *)data.buf + (size_t)b * bb, bb);
+        PyObject *digest = block_digest(self, prev);
+        if (digest == NULL) {
+            Py_CLEAR(result);
+            goto done;
+        }
+        memcpy(prev, PyBytes_AS_STRING(digest), DIGEST);
+        PyList_SET_ITEM(result, b, digest);
+    }
+done:
+    PyBuffer_Release(&data);
+    return result;
+}
+
 static PyObject *memo_clear(ChainMemo *self, PyObject *unused)
 {
     (void)unused;
@@ -251,6 +299,10 @@ static PyMethodDef memo_methods[] = {
      "chain(parent, ids) -> list[bytes]\n\n"
      "sha256_chain_u32(parent, ids, block_tokens, tail), blocks seen before answered from "
      "the memo (after comparing their parent and bytes)."},
+    {"chain_packed", (PyCFunction)memo_chain_packed, METH_VARARGS,
+     "chain_packed(parent, data) -> list[bytes]\n\n"
+     "chain() of ids already packed as little-endian u32 bytes (4 * n bytes, any contiguous "
+     "bytes-like object)."},
     {"clear", (PyCFunction)memo_clear, METH_NOARGS, "Forget every kept block."},
     {"stats", (PyCFunction)memo_stats, METH_NOARGS,
      "{'hits', 'misses', 'blocks' (kept now), 'capacity'}"},

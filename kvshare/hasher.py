@@ -14,6 +14,11 @@ hash and ids equal a kept block's, byte for byte, takes its digest instead of re
 so a conversation's next turn or a shared system prompt costs reading the ids, not sha256.
 The hashes are the same with or without it (every id is still read and checked).
 
+Token ids may come packed (:func:`packed_u32`: a 1-D numpy ``uint32`` array or an
+``array.array("I")``): the memo then reads their bytes as they are, with no Python int to read
+or range-check, and a gateway that keeps a prompt packed holds one buffer instead of thousands
+of int objects for the garbage collector to walk. Same hashes as the same ids in a list.
+
 A hasher built from a root alone (:meth:`from_root`: a worker or router that was handed a
 root, not the model's identity) hashes under that root and refuses any explicit salt with a
 ValueError instead of silently hashing under the wrong root.
@@ -22,7 +27,7 @@ ValueError instead of silently hashing under the wrong root.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import cast
+from typing import TypeAlias, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -31,14 +36,16 @@ from kvshare.hashing import (
     DEFAULT_HASH_FN,
     FUSED_MAX_TOKENS,
     HashFn,
+    PackedIds,
     block_hashes,
     chain_memo,
     namespace_root,
+    packed_u32,
 )
 from kvshare.layout import KVLayout
 from kvshare.types import BlockHash
 
-Tokens = Sequence[int] | npt.NDArray[np.integer]
+Tokens: TypeAlias = "Sequence[int] | npt.NDArray[np.integer] | PackedIds"
 
 
 class Hasher:
@@ -115,6 +122,11 @@ class Hasher:
         default salt); ``extra_keys``/``parent`` as in :func:`~kvshare.hashing.block_hashes`.
         ValueError for token ids outside [0, 2**32) or an unknown salt of a root-only hasher."""
         memo = self.memo
+        if memo is not None and extra_keys is None and not isinstance(tokens, list | tuple):
+            packed = packed_u32(tokens)
+            if packed is not None:
+                head = parent if parent is not None else self.root_for(salt)
+                return cast(list[BlockHash], memo.chain_packed(head, packed))
         if (memo is not None and extra_keys is None and isinstance(tokens, list | tuple)
                 and len(tokens) <= FUSED_MAX_TOKENS):
             try:

@@ -26,7 +26,7 @@ import struct
 import sys
 from collections.abc import Callable, Sequence
 from enum import StrEnum
-from typing import Any, cast
+from typing import Any, TypeAlias, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -165,18 +165,42 @@ def tokens_to_u32le(tokens: Sequence[int] | npt.NDArray[np.integer]) -> bytes:
     return arr.astype("<u4", copy=False).tobytes()
 
 
+PackedIds: TypeAlias = "npt.NDArray[np.uint32] | array.array[int]"
+"""Token ids already packed as little-endian u32 (what :func:`packed_u32` accepts as is)."""
+
+
+def packed_u32(tokens: object) -> memoryview | None:
+    """The bytes of ``tokens`` (no copy) if its memory already is the ids as little-endian u32
+    (:data:`PackedIds`: a 1-D C-contiguous numpy array of dtype ``<u4``, or an ``array.array``
+    of 4-byte unsigned items on a little-endian host), else None."""
+    if isinstance(tokens, np.ndarray):
+        if tokens.ndim == 1 and tokens.dtype == _U32LE and tokens.flags.c_contiguous:
+            return tokens.data
+        return None
+    if (isinstance(tokens, array.array) and tokens.typecode in "IL" and tokens.itemsize == 4
+            and sys.byteorder == "little"):
+        return memoryview(tokens)
+    return None
+
+
+def fast_ids(tokens: Sequence[int] | npt.NDArray[np.integer] | PackedIds) -> list[int] | PackedIds:
+    """``tokens`` in a form :class:`~kvshare.hasher.Hasher` reads without converting: a list
+    or packed ids (:func:`packed_u32`) as they are (no copy), another numpy integer array
+    packed as ``<u4`` (a tokenizer's int64 ids: ValueError naming an id outside [0, 2**32) or
+    a non-integer dtype, as :func:`tokens_to_u32le` does), anything else as a list."""
+    if type(tokens) is list or packed_u32(tokens) is not None:
+        return cast("list[int] | PackedIds", tokens)
+    if isinstance(tokens, np.ndarray):
+        return np.frombuffer(tokens_to_u32le(tokens), dtype=_U32LE)
+    return list(tokens)
+
+
 def _u32le_buffer(tokens: Sequence[int] | npt.NDArray[np.integer]) -> bytes | memoryview:
-    """The little-endian u32 bytes of ``tokens`` as a buffer: a 1-D C-contiguous little-endian
-    uint32 array is viewed as it is (already those bytes: no copy), anything else goes through
+    """The little-endian u32 bytes of ``tokens`` as a buffer: ids already packed
+    (:func:`packed_u32`) are viewed as they are (no copy), anything else goes through
     ``tokens_to_u32le`` (which validates and converts)."""
-    if (
-        isinstance(tokens, np.ndarray)
-        and tokens.ndim == 1
-        and tokens.dtype == _U32LE
-        and tokens.flags.c_contiguous
-    ):
-        return tokens.data
-    return tokens_to_u32le(tokens)
+    packed = packed_u32(tokens)
+    return packed if packed is not None else tokens_to_u32le(tokens)
 
 
 def block_hashes(

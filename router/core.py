@@ -45,7 +45,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from kvshare.cost import Bandwidths, CostModel, PrefillModel, PrefillTimings
-from kvshare.hasher import Hasher
+from kvshare.hasher import Hasher, Tokens
 from kvshare.match import EMPTY_MATCH, MatchResult
 from kvshare.types import BlockHash, Tier, WorkerId, worker_location
 from kvshare.workers import IndexQuery, WorkerInfo, WorkerLoad
@@ -183,9 +183,9 @@ class RoutingCore:
 
     # ------------------------------------------------------------------ inputs
     @staticmethod
-    def hashes(hasher: Hasher, token_ids: Sequence[int], salt: str | None = None) -> list[BlockHash]:
+    def hashes(hasher: Hasher, token_ids: Tokens, salt: str | None = None) -> list[BlockHash]:
         """Block hashes of a prompt (ValueError for ids outside [0, 2**32))."""
-        return hasher.hashes(token_ids, salt)  # a list is packed in one C pass
+        return hasher.hashes(token_ids, salt)  # a list is packed in one C pass, packed ids read as they are
 
     async def query(self, namespace: str, hashes: Sequence[BlockHash]) -> IndexAnswer:
         """The index's match under ``index_timeout_s`` (an in-process index, ``inline``, runs

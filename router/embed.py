@@ -28,7 +28,7 @@ from typing import Any
 from actors.index.runs import HolderRuns
 from kvshare.cost import Bandwidths
 from kvshare.hasher import Hasher
-from kvshare.hashing import DEFAULT_HASH_FN, HashFn
+from kvshare.hashing import DEFAULT_HASH_FN, HashFn, PackedIds, fast_ids
 from kvshare.match import MatchResult
 from kvshare.pool_types import check_namespace
 from kvshare.tokenizer import ByteTokenizer, Tokenizer
@@ -120,7 +120,9 @@ class Routed:
     decision: Decision
     tenant: Tenant
     namespace: str
-    token_ids: list[int]
+    token_ids: list[int] | PackedIds
+    """The prompt's ids as routed: the caller's list, or its packed ids as they were given
+    (:func:`~kvshare.hashing.packed_u32`); :meth:`token_list` is always a list."""
     hashes: list[BlockHash]
     index_s: float
     fallback: str = ""
@@ -130,10 +132,15 @@ class Routed:
     """Seconds of this decision's stages: ``tokenize``, ``hash``, ``index``, ``score``
     (:mod:`kvshare.breakdown`)."""
 
+    def token_list(self) -> list[int]:
+        """:attr:`token_ids` as a list of ints (JSON bodies need one; a list is not copied)."""
+        ids = self.token_ids
+        return ids if isinstance(ids, list) else ids.tolist()
+
     def kvshare_field(self) -> dict[str, Any]:
         """The ``kvshare`` JSON field forwarded to the worker."""
         out: dict[str, Any] = {
-            "token_ids": self.token_ids, "namespace": self.namespace,
+            "token_ids": self.token_list(), "namespace": self.namespace,
             "hashes_hex": [h.hex() for h in self.hashes], "tenant": self.tenant.name,
         }
         if self.tenant.salt:
@@ -245,7 +252,7 @@ class CacheAwareRouter:
     def root(self, tenant: Tenant) -> BlockHash:
         return self.hasher.root_for(tenant.salt)
 
-    def hashes(self, token_ids: Sequence[int], tenant: Tenant) -> list[BlockHash]:
+    def hashes(self, token_ids: Sequence[int] | PackedIds, tenant: Tenant) -> list[BlockHash]:
         return self.core.hashes(self.hasher, token_ids, tenant.salt)
 
     # ------------------------------------------------------------------ routing
@@ -255,7 +262,7 @@ class CacheAwareRouter:
         messages: Sequence[Mapping[str, Any]] | None = None,
         tenant: Tenant | None = None,
         request_id: str | None = None,
-        token_ids: Sequence[int] | None = None,
+        token_ids: Sequence[int] | PackedIds | None = None,
         exclude: Collection[WorkerId] = (),
     ) -> Routed:
         """Decide where a request goes. ValueError for a malformed prompt;
@@ -265,14 +272,19 @@ class CacheAwareRouter:
         connection); workers marked down (:meth:`mark_down`) are avoided while any other
         worker is eligible. ``token_ids``: an already tokenized prompt; a ``list`` is kept
         as :attr:`Routed.token_ids` without a copy (copying 8k ids costs as much as scoring
-        all workers), so do not change it afterwards.
+        all workers), so do not change it afterwards; so are ids already packed as u32 (a
+        numpy ``uint32`` array or ``array.array("I")``, :func:`~kvshare.hashing.packed_u32`),
+        which are hashed from their bytes (no int objects to read, none for the garbage
+        collector to walk while the request is in flight); another numpy integer array (a
+        tokenizer's int64 ids) is packed first (:func:`~kvshare.hashing.fast_ids`).
         """
         t0 = time.perf_counter()
         tenant = tenant or _DEFAULT_TENANT
+        ids: list[int] | PackedIds
         if token_ids is None:
             ids = self.tokenize(prompt, messages)
         else:
-            ids = token_ids if type(token_ids) is list else list(token_ids)
+            ids = token_ids if type(token_ids) is list else fast_ids(token_ids)
         t1 = time.perf_counter()
         hashes = self.hashes(ids, tenant)
         t2 = time.perf_counter()

@@ -44,7 +44,7 @@ def forward_body(body: Mapping[str, Any], routed: Routed, info: WorkerInfo | Non
     if routed.tenant.salt:
         out["cache_salt"] = routed.tenant.salt
     if not chat:
-        out["prompt"] = routed.token_ids
+        out["prompt"] = routed.token_list()
     else:
-        out["kv_transfer_params"] = {"prompt_token_ids": routed.token_ids}
+        out["kv_transfer_params"] = {"prompt_token_ids": routed.token_list()}
     return out

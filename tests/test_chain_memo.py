@@ -65,6 +65,30 @@ def test_memo_hashes_equal_the_plain_chain(memo_type: type, bits: int, capacity:
     assert stats["hits"] > 0 and stats["misses"] > 0 and stats["blocks"] <= stats["capacity"]
 
 
+@pytest.mark.parametrize("bits", [64, 0])
+def test_packed_ids_hash_as_the_same_ids_in_a_list(memo_type: type, bits: int) -> None:
+    """``chain_packed`` on a numpy uint32 array, an ``array("I")`` and their bytes gives the
+    list's chain (sharing one memo with ``chain``, so hits cross the two forms); a buffer whose
+    length is not whole u32 ids is refused."""
+    import array
+
+    import numpy as np
+
+    memo = memo_type(BT, 64, _field(b""), bits)
+    for ids in _conversations(random.Random(11 + bits), 60):
+        want = block_hashes(ROOT, ids, BT)
+        packed = np.asarray(ids, dtype=np.uint32)
+        assert memo.chain_packed(bytes(ROOT), packed) == want
+        assert memo.chain_packed(bytes(ROOT), array.array("I", ids)) == want
+        assert memo.chain_packed(bytes(ROOT), packed.tobytes()) == want
+        assert memo.chain(bytes(ROOT), ids) == want
+    assert memo.stats()["hits"] > 0
+    with pytest.raises(ValueError, match="4 bytes each"):
+        memo.chain_packed(bytes(ROOT), b"\0" * (4 * BT + 1))
+    with pytest.raises(ValueError, match="32 bytes"):
+        memo.chain_packed(b"short", b"\0" * 4 * BT)
+
+
 def test_a_kept_block_is_not_taken_for_another_parent_or_ids(memo_type: type) -> None:
     """With every block in one set, a block with the same ids under another parent, and one
     id off under the same parent, are hashed, not answered from the memo."""
@@ -97,6 +121,8 @@ def test_memo_refuses_bad_ids_as_the_hasher_does(memo_type: type) -> None:
 
 def test_hasher_with_memo_equals_without(memo_type: type) -> None:
     """Every input form and option of ``Hasher.hashes`` gives the same hashes with a memo."""
+    import array
+
     import numpy as np
 
     plain, kept = Hasher("m", "layout", BT), Hasher("m", "layout", BT, memo_blocks=256)
@@ -106,6 +132,11 @@ def test_hasher_with_memo_equals_without(memo_type: type) -> None:
         assert kept.hashes(ids) == plain.hashes(ids)
         assert kept.hashes(ids, salt="acme") == plain.hashes(ids, salt="acme")
         assert kept.hashes(np.asarray(ids, dtype=np.uint32)) == plain.hashes(ids)
+        assert kept.hashes(array.array("I", ids)) == plain.hashes(ids)
+        # not packed as little-endian u32 (big-endian, strided, int64): converted, same hashes
+        assert kept.hashes(np.asarray(ids, dtype=">u4")) == plain.hashes(ids)
+        assert kept.hashes(np.repeat(np.asarray(ids, dtype=np.uint32), 2)[::2]) == plain.hashes(ids)
+        assert kept.hashes(np.asarray(ids, dtype=np.int64)) == plain.hashes(ids)
         parent = plain.hashes(ids[:BT])[0] if len(ids) >= BT else None
         assert kept.hashes(ids[BT:], parent=parent) == plain.hashes(ids[BT:], parent=parent)
         extra = [b"lora"] * (len(ids) // BT)
@@ -143,4 +174,34 @@ def test_router_decisions_are_the_same_with_and_without_the_memo(memo_type: type
     prompts = _conversations(random.Random(3), 60)
     got = [asyncio.run(decide(r, prompts)) for r in routers]
     assert got[0] == got[1]
+    # the same prompts handed over packed (numpy uint32): the same hashes and decisions
+    import numpy as np
+
+    packed_router = CacheAwareRouter(None, StaticWorkers(infos), RouterConfig(
+        namespace="ns", block_tokens=BT, hash_memo_blocks=512))
+    packed = [np.asarray(ids, dtype=np.uint32) for ids in prompts]
+    assert asyncio.run(decide(packed_router, packed)) == got[0]  # type: ignore[arg-type]
     assert routers[1].hasher.memo.stats()["hits"] > 0  # type: ignore[union-attr]
+
+
+def test_fast_ids_keeps_lists_and_packed_ids_and_packs_other_arrays() -> None:
+    """A list and packed ids are kept as they are; a tokenizer's int64 array is packed (same
+    hashes), with the conversion's clear errors for ids outside u32 and for a 2-D array."""
+    import array
+
+    import numpy as np
+
+    from kvshare.hashing import fast_ids
+
+    ids = [5, 0, 2**32 - 1, 7] * BT
+    as_list, u32, arr = list(ids), np.asarray(ids, dtype=np.uint32), array.array("I", ids)
+    assert fast_ids(as_list) is as_list and fast_ids(u32) is u32 and fast_ids(arr) is arr
+    assert fast_ids(tuple(ids)) == ids and type(fast_ids(tuple(ids))) is list
+    wide = fast_ids(np.asarray(ids, dtype=np.int64))
+    assert isinstance(wide, np.ndarray) and wide.dtype == np.dtype("<u4")
+    hasher = Hasher("m", "layout", BT, memo_blocks=64)
+    assert hasher.hashes(wide) == hasher.hashes(ids) == block_hashes(hasher.root, ids, BT)
+    with pytest.raises(ValueError, match="-1 is outside"):
+        fast_ids(np.asarray([1, -1], dtype=np.int64))
+    with pytest.raises(ValueError, match="1-D"):
+        fast_ids(np.asarray([ids], dtype=np.int64))

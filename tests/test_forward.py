@@ -43,3 +43,21 @@ def test_a_clients_salt_and_connector_parameters_never_reach_a_worker() -> None:
     ref = forward_body(body, routed(), REFERENCE, chat=True)
     assert "kv_transfer_params" not in ref and "cache_salt" not in ref
     assert ref["kvshare"]["token_ids"] == IDS
+
+
+def test_packed_token_ids_reach_a_worker_as_a_json_list_of_ints() -> None:
+    """A prompt routed packed (numpy uint32, array("I")) is forwarded as the same list of
+    Python ints a list-routed one is (JSON bodies cannot carry a buffer)."""
+    import array
+    import dataclasses
+    import json
+
+    import numpy as np
+
+    for packed in (np.asarray(IDS, dtype=np.uint32), array.array("I", IDS)):
+        r = dataclasses.replace(routed(), token_ids=packed)
+        assert r.token_list() == IDS and all(type(i) is int for i in r.token_list())
+        for info, chat in ((VLLM, False), (VLLM, True), (REFERENCE, False)):
+            out = json.loads(json.dumps(forward_body({"prompt": "x"}, r, info, chat=chat)))
+            assert out == json.loads(json.dumps(forward_body({"prompt": "x"}, routed(), info,
+                                                             chat=chat)))

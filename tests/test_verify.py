@@ -149,3 +149,16 @@ def test_landing_check_sums_equal_block_checksums() -> None:
     with pytest.raises(ValueError, match="capacity"):
         q.push(int(bufs[1].ctypes.data), B)
     q.close()
+
+
+def test_a_read_records_where_its_time_went(source: BlockSource, reader: Transport) -> None:
+    """Per-stage timings (benchmarks/nixl_stages.py reads them): every stage of a read that
+    moved blocks, each non-negative, together no longer than the read."""
+    dest = np.zeros((4, B), np.uint8)
+    t = reader.submit_read(LocalControl(source), [h(i) for i in range(4)], list(dest), deadline_s=10.0)
+    res = reader.wait(t)
+    assert res.ok
+    stages = t.state["stages"]
+    assert set(stages) == {"control", "prepare", "post", "move", "release", "finish"}
+    assert all(v >= 0 for v in stages.values())
+    assert sum(stages.values()) <= res.seconds + 0.01

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -131,14 +132,28 @@ def test_gateway_routes_a_prompt_to_the_vllm_worker_whose_cache_holds_it(
 def prefill_directly(cluster: dict[str, Any], info: dict[str, Any], router: Any,
                      text: str) -> list[Any]:
     """Send ``text`` straight to one vLLM worker (no router sees it) and wait until its KV
-    events put the prompt's share blocks in the index as that worker's gpu tier."""
+    events put the prompt's share blocks in the index as that worker's gpu tier and every
+    worker reports idle again (``wait_idle``)."""
     ids = router.tokenize(prompt=text)
     r = httpx.post(f"{info['endpoint']}/v1/completions", timeout=120,
                    json={"model": cluster["model"], "prompt": ids, "max_tokens": 1})
     assert r.status_code == 200, r.text
     hashes = router.hasher.hashes(ids)
     wait_for(lambda: held(cluster["index"], hashes, f"worker:{info['worker_id']}", Tier.GPU))
+    wait_idle(cluster, time.time())
     return list(hashes)
+
+
+def wait_idle(cluster: dict[str, Any], since: float) -> None:
+    """Wait until every worker's load report is newer than ``since`` (wall clock) and shows
+    nothing running, waiting or queued: a routing test's precondition, so a report taken while
+    a direct prefill still ran cannot make the holder look busy."""
+    def idle() -> bool:
+        loads = cluster["index"].loads()
+        return all((load := loads.get(i["worker_id"])) is not None and load.ts > since
+                   and load.running == 0 and load.waiting == 0
+                   and load.queued_prefill_tokens == 0 for i in cluster["infos"])
+    wait_for(idle, timeout_s=30, every_s=0.1)
 
 
 def metric(endpoint: str, name: str) -> float:
@@ -185,6 +200,7 @@ def test_a_prompt_only_in_a_pool_goes_where_loading_is_cheapest_and_is_loaded(
     for info in cluster["infos"]:
         wait_for(lambda i=info: held(index, hashes, f"worker:{i['worker_id']}", None))
     assert held(index, hashes, pool, Tier.HOST)
+    wait_idle(cluster, time.time())
     before = metric(a["endpoint"], "vllm:external_prefix_cache_hits_total")
     r = httpx.post(f"{gw.url}/v1/completions", timeout=120,
                    json={"model": NS, "prompt": text, "max_tokens": 1})
@@ -195,10 +211,71 @@ def test_a_prompt_only_in_a_pool_goes_where_loading_is_cheapest_and_is_loaded(
     assert loaded >= (len(hashes) - 1) * BLOCK, loaded  # vLLM loaded it through the connector
 
 
+def chat(gw: Gateway, messages: list[dict[str, str]]) -> tuple[str, int, str]:
+    """One chat turn through the gateway: (answer text, cached prompt tokens, worker)."""
+    r = httpx.post(f"{gw.url}/v1/chat/completions", timeout=120,
+                   json={"model": NS, "messages": messages, "max_tokens": 2})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    cached = (body["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+    return body["choices"][0]["message"]["content"], int(cached), r.headers["x-kvshare-worker"]
+
+
+def back_to_back(seed: int) -> tuple[list[dict[str, str]], list[dict[str, str]]]:
+    """A conversation's first turn (a new system prompt) and its second (the first, the
+    answer, a new question), as a chat client sends them."""
+    first = [{"role": "system", "content": f"Agent {seed} follows these rules closely. " * 60},
+             {"role": "user", "content": "Which file should I open first?"}]
+    second = first + [{"role": "assistant", "content": ""},
+                      {"role": "user", "content": "And after that one?"}]
+    return first, second
+
+
+def shared_blocks_tokens(router: Any, first: list[dict[str, str]],
+                         second: list[dict[str, str]]) -> int:
+    """Tokens of the full share blocks both turns' prompts start with."""
+    a, b = router.tokenize(messages=first), router.tokenize(messages=second)
+    common = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+    return common // BLOCK * BLOCK
+
+
+def test_back_to_back_turn_reuses_the_previous_turn_on_the_same_vllm_worker(
+        cluster: dict[str, Any], gateway: tuple[Gateway, Any]) -> None:
+    gw, router = gateway
+    wait_idle(cluster, time.time())
+    first, second = back_to_back(1)
+    answer, cached, w1 = chat(gw, first)
+    assert cached == 0  # a new system prompt: nothing cached anywhere
+    second[2]["content"] = answer  # sent back at once, no pause
+    _, cached, w2 = chat(gw, second)
+    assert w2 == w1, "the router's pending blocks keep the conversation on its worker"
+    shared = shared_blocks_tokens(router, first, second)
+    assert shared >= 4 * BLOCK and cached >= 0.95 * shared, (cached, shared)
+
+
+def test_back_to_back_turn_on_the_other_vllm_node_loads_the_previous_turn(
+        cluster: dict[str, Any], gateway: tuple[Gateway, Any]) -> None:
+    """Read-after-write across nodes: the blocks the first turn's engine computed are in its
+    node's pool (stored by the connector) and found by the other node's connector the moment
+    the first answer ends."""
+    gw, router = gateway
+    wait_idle(cluster, time.time())
+    first, second = back_to_back(2)
+    answer, _, w1 = chat(gw, first)
+    # the answer ended: its prompt's blocks are already in its node's pool, and indexed there
+    node = next(i["node"] for i in cluster["infos"] if i["worker_id"] == w1)
+    hashes = router.hasher.hashes(router.tokenize(messages=first))
+    assert held(cluster["index"], hashes, f"node:{node}", Tier.HOST)
+    second[2]["content"] = answer
+    router.mark_down(w1, for_s=5.0)  # the first worker refuses: the turn goes to the other
+    _, cached, w2 = chat(gw, second)
+    assert w2 != w1
+    shared = shared_blocks_tokens(router, first, second)
+    assert shared >= 4 * BLOCK and cached >= 0.95 * shared, (cached, shared)
+
+
 def test_serve_kvshare_router_in_front_of_vllm_replicas(cluster: dict[str, Any],
                                                         gateway: tuple[Gateway, Any]) -> None:
-    import time
-
     from ray import serve
 
     from router.serve_vllm import KVSHARE_ROUTER, ServeCompletion, vllm_app

@@ -380,6 +380,8 @@ def test_bad_config_fails_at_start_up_naming_the_fix(model: str, tmp_path: Path)
         from kvshare.vllm.config import ConnectorSettings
 
         ConnectorSettings.from_extra({"namespace": "t", "blocktokens": 64})
+    with pytest.raises(ValueError, match='"sync_save_mib" must be >= 0'):
+        ConnectorSettings.from_extra({"namespace": "t", "sync_save_mib": -1})
 
 
 def test_step_speed_counts_busy_steps_only() -> None:

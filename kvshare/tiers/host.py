@@ -1,7 +1,7 @@
 """Host tier: one pre-allocated, pre-touched slab of fixed slots in POSIX shared memory.
 
-The slab is a file in ``/dev/shm`` named ``kvshare-{namespace}-{node}-{generation}``, created
-with ``os.open`` + ``mmap`` (not ``multiprocessing.shared_memory``, whose resource tracker
+The slab is a file in ``/dev/shm`` (or ``$KVSHARE_SHM_DIR``: :func:`shm_dir`) named
+``kvshare-{namespace}-{node}-{generation}``, created with ``os.open`` + ``mmap`` (not ``multiprocessing.shared_memory``, whose resource tracker
 unlinks a segment when any attached process exits). Other processes on the node attach with
 :meth:`HostSlab.attach` and read or write slots in place; the pool's slot epochs, not
 checksums, guard those reads. With ``name=None`` the slab is anonymous (single process).
@@ -27,9 +27,33 @@ from kvshare.types import BlockHash, Tier
 log = logging.getLogger(__name__)
 
 SHM_DIR = "/dev/shm"
+SHM_DIR_ENV = "KVSHARE_SHM_DIR"
 _PAGE = mmap.PAGESIZE
 _CHUNK = 512 * 1024  # copy-and-hash step: stays in L2 (measured best of 64 KiB..2 MiB)
 _SAFE = re.compile(r"^[A-Za-z0-9._-]+$")
+
+
+def shm_dir() -> str:
+    """The directory of this node's host slabs and their epochs: ``$KVSHARE_SHM_DIR``, else
+    ``/dev/shm``. Point it at a hugetlbfs mount (``mount -t hugetlbfs -o pagesize=2M none
+    /mnt/huge`` with pages reserved in ``vm.nr_hugepages``) or a tmpfs mounted with
+    ``huge=within_size`` to back slabs with 2 MiB pages. Every process of the node that maps
+    slabs (pools, and workers reading over shm) must see the same value: set it where Ray is
+    started. Raises ValueError when it is not a writable directory."""
+    path = os.environ.get(SHM_DIR_ENV) or SHM_DIR
+    if not os.path.isdir(path) or not os.access(path, os.W_OK | os.X_OK):
+        raise ValueError(
+            f"{SHM_DIR_ENV}={path!r} is not a writable directory: point it at a tmpfs or "
+            "hugetlbfs mount, or unset it for /dev/shm"
+        )
+    return path
+
+
+def file_bytes(directory: str, size: int) -> int:
+    """``size`` rounded up to the block size of ``directory``'s file system: hugetlbfs files
+    must be whole huge pages long (its block size is the huge page size; tmpfs: 4 KiB)."""
+    block = max(int(os.statvfs(directory).f_bsize), 1)
+    return -(-size // block) * block
 
 
 def segment_name(namespace: str, node: str, generation: int) -> str:
@@ -50,7 +74,7 @@ def remove_orphan_segments(min_age_s: float = 2.0) -> list[str]:
     """
     removed: list[str] = []
     now = time.time()
-    for path in glob.glob(os.path.join(SHM_DIR, "kvshare-*")):
+    for path in glob.glob(os.path.join(shm_dir(), "kvshare-*")):
         if path.endswith(".epochs"):
             if not os.path.exists(path.removesuffix(".epochs")) and _older(path, now, min_age_s):
                 with contextlib.suppress(FileNotFoundError):
@@ -87,7 +111,7 @@ def remove_stale_segments(namespace: str, node: str, keep: str | None = None) ->
     """Unlink this node's older slabs of ``namespace`` and every orphaned kvshare segment
     (a pool that died, or a cluster torn down without ``kvshare down``, left them)."""
     removed = remove_orphan_segments()
-    for path in glob.glob(os.path.join(SHM_DIR, f"kvshare-{namespace}-{node}-*")):
+    for path in glob.glob(os.path.join(shm_dir(), f"kvshare-{namespace}-{node}-*")):
         name = os.path.basename(path)
         if name == keep or not name.removeprefix(f"kvshare-{namespace}-{node}-").isdigit():
             continue
@@ -98,11 +122,17 @@ def remove_stale_segments(namespace: str, node: str, keep: str | None = None) ->
 
 
 def shm_huge_pages() -> str:
-    """How ``/dev/shm`` hands out transparent huge pages: its tmpfs ``huge=`` mount option
-    (``never`` when not set), or the system-wide ``shmem_enabled`` when that is ``force`` or
-    ``deny`` (they override every mount). The slab asks for huge pages (``MADV_HUGEPAGE``), so
+    """How the slab directory (:func:`shm_dir`) hands out huge pages: ``hugetlbfs`` when it is
+    a hugetlbfs mount (always huge), else its tmpfs ``huge=`` mount option (``never`` when not
+    set), or the system-wide ``shmem_enabled`` when that is ``force`` or ``deny`` (they
+    override every tmpfs mount). The slab asks for huge pages (``MADV_HUGEPAGE``), so
     ``advise``, ``within_size`` or ``always`` give them: a user enables them with
-    ``mount -o remount,huge=within_size /dev/shm`` (or ``huge=advise``; in /etc/fstab to keep)."""
+    ``mount -o remount,huge=within_size /dev/shm`` (or ``huge=advise``; in /etc/fstab to keep),
+    or points ``KVSHARE_SHM_DIR`` at a hugetlbfs mount."""
+    where = os.path.realpath(shm_dir())
+    mount = _mount_of(where)
+    if mount is not None and mount[0] == "hugetlbfs":
+        return "hugetlbfs"
     try:
         with open("/sys/kernel/mm/transparent_hugepage/shmem_enabled") as f:
             text = f.read()
@@ -111,21 +141,35 @@ def shm_huge_pages() -> str:
         system = ""
     if system in ("force", "deny"):
         return system
+    if mount is None or mount[0] != "tmpfs":
+        return "unknown"
+    opts = dict(o.partition("=")[::2] for o in mount[1].split(","))
+    return opts.get("huge", "never")
+
+
+def _mount_of(path: str) -> tuple[str, str] | None:
+    """``(fs type, options)`` of the mount holding ``path`` (the longest mount point that is
+    a prefix of it, per /proc/mounts), or None when unreadable."""
+    best: tuple[int, str, str] | None = None
     try:
         with open("/proc/mounts") as f:
             for line in f:
                 fields = line.split()
-                if len(fields) >= 4 and fields[1] == SHM_DIR:
-                    opts = dict(o.partition("=")[::2] for o in fields[3].split(","))
-                    return opts.get("huge", "never")
+                if len(fields) < 4:
+                    continue
+                point = fields[1]
+                inside = path == point or path.startswith(point.rstrip("/") + "/")
+                if inside and (best is None or len(point) >= best[0]):
+                    best = (len(point), fields[2], fields[3])
     except OSError:
-        pass
-    return "unknown"
+        return None
+    return None if best is None else (best[1], best[2])
 
 
 def shm_free_bytes() -> int:
-    """Free bytes in ``/dev/shm`` (containers often give it only 64 MiB)."""
-    st = os.statvfs(SHM_DIR)
+    """Free bytes in the slab directory (:func:`shm_dir`; containers often give /dev/shm
+    only 64 MiB)."""
+    st = os.statvfs(shm_dir())
     return st.f_bavail * st.f_frsize
 
 
@@ -152,6 +196,7 @@ class HostSlab(TierStore):
         self.slot_bytes = slot_bytes
         self.num_slots = num_slots
         self.name = name
+        self.path: str | None = None  # the slab's file (named slabs)
         self.stream_copies = stream_copies
         self._owner = create and name is not None
         self._lock_fd: int | None = None  # the owner's shared flock marks the slab as alive
@@ -159,32 +204,34 @@ class HostSlab(TierStore):
         if name is None:
             self._mm = mmap.mmap(-1, size)
         else:
-            path = os.path.join(SHM_DIR, name)
+            where = shm_dir()
+            path = self.path = os.path.join(where, name)
+            mapped = file_bytes(where, size)
             if create:
-                if size > shm_free_bytes():
+                if mapped > shm_free_bytes():
                     raise MemoryError(
-                        f"host slab of {size} bytes does not fit in {SHM_DIR} "
-                        f"({shm_free_bytes()} bytes free): lower --host-gb or enlarge /dev/shm"
+                        f"host slab of {size} bytes does not fit in {where} "
+                        f"({shm_free_bytes()} bytes free): lower --host-gb or enlarge {where}"
                     )
                 fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
             else:
                 fd = os.open(path, os.O_RDWR)
             try:
                 if create:
-                    os.ftruncate(fd, size)
-                elif os.fstat(fd).st_size != size:
+                    os.ftruncate(fd, mapped)
+                elif os.fstat(fd).st_size != mapped:
                     raise ValueError(
-                        f"slab {name} is {os.fstat(fd).st_size} bytes, expected {size}: "
+                        f"slab {name} is {os.fstat(fd).st_size} bytes, expected {mapped}: "
                         "the pool was restarted with another size; re-attach"
                     )
-                self._mm = mmap.mmap(fd, size)
+                self._mm = mmap.mmap(fd, mapped)
                 if create:
                     fcntl.flock(fd, fcntl.LOCK_SH)
                     self._lock_fd = fd
             finally:
                 if self._lock_fd is None:
                     os.close(fd)
-        self.array: ByteArray = np.frombuffer(self._mm, dtype=np.uint8).reshape(
+        self.array: ByteArray = np.frombuffer(self._mm, dtype=np.uint8, count=size).reshape(
             num_slots, slot_bytes
         )
         if create:
@@ -276,9 +323,9 @@ class HostSlab(TierStore):
         self.array = np.empty((0, self.slot_bytes), dtype=np.uint8)
         with contextlib.suppress(BufferError):
             self._mm.close()
-        if self._owner and self.name is not None:
+        if self._owner and self.path is not None:
             with contextlib.suppress(FileNotFoundError):
-                os.unlink(os.path.join(SHM_DIR, self.name))
+                os.unlink(self.path)
         if self._lock_fd is not None:
             os.close(self._lock_fd)
             self._lock_fd = None

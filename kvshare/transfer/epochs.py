@@ -2,7 +2,7 @@
 
 The pool bumps a slot's epoch whenever the slot is given to another block (and when it is
 freed). A reader pinned ``(slot, epoch)``; after copying the slot it reads the epoch from
-``/dev/shm/{slab}.epochs`` and keeps the copy only if the epoch is unchanged. Epochs only grow
+``{shm_dir}/{slab}.epochs`` (beside the slab) and keeps the copy only if the epoch is unchanged. Epochs only grow
 (no ABA). Ordering: the pool bumps the epoch before a writer may touch the slot, and the reader
 loads the epoch after its copy; on x86 (TSO) a reader that saw any new bytes therefore sees
 the new epoch.
@@ -18,7 +18,7 @@ import os
 import numpy as np
 import numpy.typing as npt
 
-from kvshare.tiers.host import SHM_DIR
+from kvshare.tiers.host import file_bytes, shm_dir
 
 SUFFIX = ".epochs"
 
@@ -28,30 +28,33 @@ def epochs_name(slab_name: str) -> str:
 
 
 class SharedEpochs:
-    """``num_slots`` int64 epochs in ``/dev/shm/{name}``; the creator owns (and unlinks) it."""
+    """``num_slots`` int64 epochs in ``{shm_dir}/{name}``; the creator owns (and unlinks) it."""
 
     def __init__(self, name: str, num_slots: int, *, create: bool) -> None:
         self.name = name
         self._owner = create
-        path = os.path.join(SHM_DIR, name)
+        where = shm_dir()
+        self.path = os.path.join(where, name)
         size = 8 * num_slots
-        fd = os.open(path, (os.O_CREAT | os.O_TRUNC | os.O_RDWR) if create else os.O_RDONLY, 0o600)
+        mapped = file_bytes(where, size)  # hugetlbfs: whole huge pages
+        fd = os.open(self.path, (os.O_CREAT | os.O_TRUNC | os.O_RDWR) if create else os.O_RDONLY,
+                     0o600)
         try:
             if create:
-                os.ftruncate(fd, size)
-            elif os.fstat(fd).st_size != size:
+                os.ftruncate(fd, mapped)
+            elif os.fstat(fd).st_size != mapped:
                 raise ValueError(f"epochs segment {name} has another size: the pool restarted")
             prot = mmap.PROT_READ | (mmap.PROT_WRITE if create else 0)
-            self._mm = mmap.mmap(fd, size, prot=prot)
+            self._mm = mmap.mmap(fd, mapped, prot=prot)
         finally:
             os.close(fd)
-        self.array: npt.NDArray[np.int64] = np.frombuffer(self._mm, dtype=np.int64)
+        self.array: npt.NDArray[np.int64] = np.frombuffer(self._mm, dtype=np.int64, count=num_slots)
 
     @staticmethod
     def remove_stale(slab_name: str) -> None:
         """Unlink epochs segments of older generations of the same namespace and node."""
         prefix = slab_name.rsplit("-", 1)[0] + "-"
-        for path in glob.glob(os.path.join(SHM_DIR, f"{glob.escape(prefix)}*{SUFFIX}")):
+        for path in glob.glob(os.path.join(shm_dir(), f"{glob.escape(prefix)}*{SUFFIX}")):
             gen = os.path.basename(path)[len(prefix) : -len(SUFFIX)]
             if gen.isdigit() and os.path.basename(path) != epochs_name(slab_name):
                 with contextlib.suppress(FileNotFoundError):
@@ -63,4 +66,4 @@ class SharedEpochs:
             self._mm.close()
         if self._owner:
             with contextlib.suppress(FileNotFoundError):
-                os.unlink(os.path.join(SHM_DIR, self.name))
+                os.unlink(self.path)

@@ -18,6 +18,7 @@ reused across batches.
 from __future__ import annotations
 
 import logging
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
@@ -75,6 +76,15 @@ def aligned_empty(shape: int | tuple[int, ...], align: int = HUGE_PAGE) -> np.nd
     raw = np.empty(nbytes + align, dtype=np.uint8)
     off = (-int(raw.ctypes.data)) % align
     return raw[off : off + nbytes].reshape(dims)
+
+
+def _stage(t: Transfer, name: str) -> None:
+    """Add the time since the last mark to ``t.state["stages"][name]`` (seconds; see
+    :attr:`NixlTransport.stages`)."""
+    now = time.perf_counter()
+    stages: dict[str, float] = t.state["stages"]
+    stages[name] = stages.get(name, 0.0) + now - t.state["mark"]
+    t.state["mark"] = now
 
 
 def _root(a: np.ndarray) -> np.ndarray:
@@ -195,7 +205,8 @@ class NixlTransport(Transport):
         bufs: Sequence[ByteArray], deadline_s: float,
     ) -> Transfer:
         t = self.new_transfer(op, hashes, bufs, deadline_s, self.agent_name)
-        t.state.update(control=control, bufs=list(bufs), handles=[], outcome={}, check=None)
+        t.state.update(control=control, bufs=list(bufs), handles=[], outcome={}, check=None,
+                       stages={}, mark=time.perf_counter())
         if not hashes:
             t.finish([], 0)
             return t
@@ -221,6 +232,7 @@ class NixlTransport(Transport):
             return self._end(t, DEADLINE)
         except SourceGone:
             return self._end(t, SOURCE_DEAD)
+        _stage(t, "control")
         outcome: dict[int, str] = t.state["outcome"]
         moving: list[int] = []
         for i, e in enumerate(entries):
@@ -255,9 +267,11 @@ class NixlTransport(Transport):
             if t.op == "read" and self.verify and self.end_to_end and LANDING_CHECKS:
                 t.state["check"] = LandingCheck(len(moving))
                 per = max(1, GROUP_BYTES // size)
+            _stage(t, "prepare")
             for lo in range(0, len(moving), per):
                 self._post(t, remote, moving[lo : lo + per], addrs[lo : lo + per],
                            remotes[lo : lo + per], size)
+            _stage(t, "post")
         except TimeoutError:
             return self._end(t, DEADLINE)
         except SourceGone:
@@ -314,8 +328,12 @@ class NixlTransport(Transport):
             self._end(t, DEADLINE)
             return t.result
         if status == "DONE":
+            _stage(t, "move")
             self._release(t)
-            return self._done(t)
+            _stage(t, "release")
+            res = self._done(t)
+            _stage(t, "finish")
+            return res
         if status != "PROC":
             self._end(t, _failure(t.state["control"], t.holder, str(status)))
             return t.result

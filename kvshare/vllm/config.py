@@ -17,6 +17,13 @@
   most this many MiB completes inside the step that computes the request's suffix, before its
   forward pass (that step waits for the copy, ~a memcpy of the prefix's KV); larger loads and
   loads from other nodes are asynchronous. 0: every load asynchronous;
+- ``sync_save_mib`` (default 256): a step whose new blocks come to at most this many MiB
+  waits for their store into this node's pool (a copy into shared memory and the commit
+  that publishes them to the index; at most 0.5 s, ``worker_side.SYNC_SAVE_WAIT_S``) before
+  vLLM sees the step's output, so the moment an answer ends its blocks are found by any
+  worker's next lookup (read-after-write: a client's next turn sent at once, to this engine
+  or another node's, reuses them). Larger saves, and a store slower than that, finish in
+  the background. 0: every save in the background;
 - ``lookup_threads`` (default 4): index lookups in flight at once; ``price_lookups`` (default
   true): a request is held for its lookup only as long as the prefill the lookup could save
   (:mod:`kvshare.vllm.lookup`), false: up to ``index_timeout_s``.
@@ -58,6 +65,7 @@ class ConnectorSettings:
     store_deadline_s: float = 10.0
     index_timeout_s: float = 2.0
     sync_local_mib: float = 256.0
+    sync_save_mib: float = 256.0
     lookup_threads: int = 4
     price_lookups: bool = True
 
@@ -88,6 +96,7 @@ class ConnectorSettings:
                 store_deadline_s=float(data.get("store_deadline_s", 10.0)),
                 index_timeout_s=float(data.get("index_timeout_s", 2.0)),
                 sync_local_mib=float(data.get("sync_local_mib", 256.0)),
+                sync_save_mib=float(data.get("sync_save_mib", 256.0)),
                 lookup_threads=int(data.get("lookup_threads", 4)),
                 price_lookups=_as_bool(data.get("price_lookups", True)),
             )
@@ -100,6 +109,9 @@ class ConnectorSettings:
         if not s.sync_local_mib >= 0:
             raise ValueError(f'KVShareConnector: "sync_local_mib" must be >= 0 (0: every load '
                              f'asynchronous), got {s.sync_local_mib}')
+        if not s.sync_save_mib >= 0:
+            raise ValueError(f'KVShareConnector: "sync_save_mib" must be >= 0 (0: every save in '
+                             f'the background), got {s.sync_save_mib}')
         if s.lookup_threads < 1:
             raise ValueError(f'KVShareConnector: "lookup_threads" must be >= 1, got {s.lookup_threads}')
         if s.block_tokens <= 0:

@@ -167,7 +167,8 @@ class KVShareConnector(KVConnectorBase_V1):
 
             self._worker = WorkerSide(client, self.keys, page,
                                       tp_rank=get_tensor_model_parallel_rank(),
-                                      tp_size=get_tensor_model_parallel_world_size())
+                                      tp_size=get_tensor_model_parallel_world_size(),
+                                      sync_save_bytes=int(self.settings.sync_save_mib * 2**20))
             _SIDES.append(self._worker)
 
     def _make_client(self) -> Any:

