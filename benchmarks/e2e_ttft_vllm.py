@@ -37,6 +37,7 @@ import json
 import os
 import random
 import statistics
+import subprocess
 import sys
 import threading
 import time
@@ -151,6 +152,20 @@ def start_gateway(model: str) -> tuple[str, Any, Any]:
     return f"http://127.0.0.1:{port}", server, router
 
 
+def gateway_process(address: str, model: str) -> tuple[str, subprocess.Popen[bytes]]:
+    """``kvshare gateway --vllm-model`` in its own process, as an operator runs it (no GIL
+    shared with the client or the Ray driver)."""
+    from kvshare.engines.server import free_port
+
+    port = free_port()
+    root = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvshare.cli", "gateway", "--address", address, "--namespace", NS,
+         "--vllm-model", model, "--block-tokens", str(BLOCK), "--port", str(port)], env=env)
+    return f"http://127.0.0.1:{port}", proc
+
+
 def full_blocks(router: Any, one: str, other: str) -> int:
     """Tokens in the full share blocks the prompts ``one`` and ``other`` start with."""
     a, b = router.tokenize(prompt=one), router.tokenize(prompt=other)
@@ -159,12 +174,24 @@ def full_blocks(router: Any, one: str, other: str) -> int:
     return common // BLOCK * BLOCK
 
 
+def healthy_workers(url: str) -> int:
+    """Workers the gateway at ``url`` sees (0 while it is not listening yet)."""
+    import httpx
+
+    try:
+        return int(httpx.get(url + "/health").json().get("workers", 0))
+    except httpx.TransportError:
+        return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--prefix", type=int, default=2048, help="prefix tokens (about)")
     ap.add_argument("--repeats", type=int, default=5, help="warm requests per path")
+    ap.add_argument("--gateway-process", action="store_true",
+                    help="run the gateway as its own process (kvshare gateway --address "
+                    "--vllm-model) instead of a thread of this one")
     args = ap.parse_args()
-    import httpx
     import ray
 
     from actors.deploy import deploy
@@ -183,14 +210,21 @@ def main() -> int:
         try:
             infos = start_workers(model, nodes, namespace=NS, block_tokens=BLOCK,
                                   max_model_len=4096, connector=True)
-            url, server, router = start_gateway(model)
+            url, server, router = start_gateway(model)  # its router also tokenizes here
+            proc = None
+            if args.gateway_process:
+                url, proc = gateway_process(cluster.address, model)
             deadline = time.monotonic() + 60
-            while httpx.get(url + "/health").json().get("workers", 0) < 2:
+            while healthy_workers(url) < 2:
                 if time.monotonic() > deadline:
                     raise SystemExit("the gateway did not see both vLLM workers within 60 s")
                 time.sleep(0.2)
             out = measure(args, model, url, router, infos)
+            out["gateway"] = "process" if proc is not None else "thread"
             server.should_exit = True
+            if proc is not None:
+                proc.terminate()
+                proc.wait(timeout=30)
         finally:
             stop_workers()
     out["load_after"] = [round(x, 2) for x in os.getloadavg()]
