@@ -187,7 +187,8 @@ def healthy_workers(url: str) -> int:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--prefix", type=int, default=2048, help="prefix tokens (about)")
-    ap.add_argument("--repeats", type=int, default=5, help="warm requests per path")
+    ap.add_argument("--repeats", type=int, default=12,
+                    help="warm requests per path (single ones spread 2-6x on a shared machine)")
     ap.add_argument("--gateway-process", action="store_true",
                     help="run the gateway as its own process (kvshare gateway --address "
                     "--vllm-model) instead of a thread of this one")
