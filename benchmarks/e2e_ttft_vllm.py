@@ -137,10 +137,9 @@ def start_gateway(model: str) -> tuple[str, Any, Any]:
 
     keys = VllmKeys.from_model(model, BLOCK)
     index = get_index_client()
-    cfg = RouterConfig(namespace=NS, model_id=keys.identity,
-                       layout_fingerprint=keys.layout.fingerprint(), block_tokens=BLOCK,
-                       bytes_per_token=keys.layout.bytes_per_token, policy="cost",
-                       bandwidths=Bandwidths.from_measured(measured_bandwidths(wait_s=20.0)))
+    cfg = RouterConfig.from_model_keys(
+        keys, namespace=NS, policy="cost",
+        bandwidths=Bandwidths.from_measured(measured_bandwidths(wait_s=20.0)))
     router = CacheAwareRouter(index, IndexWorkers(index), cfg, HFTokenizer(model))
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(create_app(router), host="127.0.0.1", port=port,
