@@ -13,7 +13,10 @@ of its node's server); only the deployment's ``request_router_class`` changes:
   ``SelectionService``, fed by each server's ZMQ KV events, needs ``make bench-install``) is
   built in the driver, the process holding the handle, as Serve LLM's ingress does; the
   driver reports prefill done / request done to it as Serve LLM's engine replicas do;
-- ``kvshare``: ``router.serve:KVShareRequestRouter`` (kvshare's ``cost`` policy over the index).
+- ``kvshare``: ``router.serve:KVShareRequestRouter`` (kvshare's ``cost`` policy over the index);
+- ``kvshare_nohint`` (not in the default set): the same router sending no router hint
+  (:mod:`kvshare.vllm.router_hint`), so every request's connector asks the index again: the
+  hint's own effect, same run. Not a peer.
 
 Workload: the first ``--turns`` requests of ``--conversations`` conversations from
 ``../shared/traces/agentic/`` (read in place), concurrent, each turn sent when the previous
@@ -30,7 +33,8 @@ Per server and run: requests, computed tokens, vLLM's mean queue/prefill/decode 
 ``lookup_s``, the mean seconds a request was held for the connector's lookup,
 ``lookup_index_s`` the mean seconds its index call took (the rest: waiting for the engine's
 next step) and ``lookups_abandoned``, holds the connector gave up as costing more than they
-could save.
+could save; ``lookups_started`` and ``lookups_skipped`` (vLLM's own hit or the router's hint
+left the cluster nothing to add).
 
 Noise: a discarded warm-up run comes first (``--warmup-turns``); routers alternate order across
 ``--repeats``; ``--cores-per-server K`` pins server i to its own K cores, one OpenMP thread
@@ -72,7 +76,9 @@ ROUTERS = {
     "prefix": "ray.serve.llm.request_router:PrefixCacheAffinityRouter",
     "kv_aware": "ray.serve.llm.request_router:KVAwareRouter",
     "kvshare": "router.serve:KVShareRequestRouter",
+    "kvshare_nohint": "router.serve:KVShareRequestRouter",
 }
+OURS = ("kvshare", "kvshare_nohint")
 TRACES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "..", "shared",
                       "traces", "agentic")
 
@@ -268,7 +274,12 @@ async def run_router(name: str, handle: Any, convs: list[list[Turn]], args: argp
                                 d, f"{url}|vllm:kvshare_lookup_index_seconds_total",
                                 f"{url}|vllm:kvshare_lookups_started_total"),
                             "lookups_abandoned": int(
-                                d.get(f"{url}|vllm:kvshare_lookups_abandoned_total", 0.0))}
+                                d.get(f"{url}|vllm:kvshare_lookups_abandoned_total", 0.0)),
+                            "lookups_started": int(
+                                d.get(f"{url}|vllm:kvshare_lookups_started_total", 0.0)),
+                            # vLLM's own hit or the router's hint left nothing to look up
+                            "lookups_skipped": int(
+                                d.get(f"{url}|vllm:kvshare_lookups_skipped_total", 0.0))}
                      for url in endpoints}
     return out
 
@@ -349,7 +360,7 @@ def report(runs: dict[str, list[dict[str, Any]]], args: argparse.Namespace, t_st
         print(f"{r['router']:9} {r['hit_vllm']:8.3f} {pool:8.3f} "
               f"{r['ttft_p50_s']:6.3f}s {r['ttft_p99_s']:6.3f}s {r['completed_per_s']:6.3f} "
               f"{r['per_worker']}")
-    peers = [r for n, r in results.items() if n != "kvshare"]
+    peers = [r for n, r in results.items() if n not in OURS]
     out: dict[str, Any] = {"routers": {n: {k: v for k, v in r.items()
                                            if k not in ("router", "servers")}
                                        for n, r in results.items()},
@@ -370,6 +381,9 @@ def report(runs: dict[str, list[dict[str, Any]]], args: argparse.Namespace, t_st
                    for i in range(args.repeats)]
         out["ttft_p50_vs_best_peer_per_run"] = [round(r, 3) for r in per_run]
         out["ttft_p50_vs_best_peer_median_of_runs"] = round(float(np.median(per_run)), 3)
+    if "kvshare" in results and "kvshare_nohint" in results:
+        nohint = results["kvshare_nohint"]
+        out["hint_ttft_p50_ratio"] = round(nohint["ttft_p50_s"] / results["kvshare"]["ttft_p50_s"], 3)
     return out
 
 
@@ -384,7 +398,7 @@ def main() -> int:
     ap.add_argument("--max-think-s", type=float, default=1.0)
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--max-model-len", type=int, default=4096)
-    ap.add_argument("--routers", default=",".join(ROUTERS))
+    ap.add_argument("--routers", default=",".join(n for n in ROUTERS if n != "kvshare_nohint"))
     ap.add_argument("--repeats", type=int, default=2,
                     help="runs per router; the order of routers alternates (forward, reversed) "
                          "so a load change on the machine does not fall on one router")
@@ -464,7 +478,9 @@ def main() -> int:
                             raise RuntimeError(f"{url} would not drop its prefix cache")
                     admin.clear(NS)
                     kwargs = ({"namespace": NS, "log_decisions": args.log_decisions,
-                               **args.kvshare_kwargs} if name == "kvshare" else {})
+                               **args.kvshare_kwargs} if name in OURS else {})
+                    if name == "kvshare_nohint":
+                        kwargs["hint_kwarg"] = ""
                     app = vllm_app(ROUTERS[name], len(infos), NS, router_kwargs=kwargs,
                                    replica_resources={"vllm_slot": 1})
                     handle = serve.run(app, name=name, route_prefix=None)

@@ -65,12 +65,15 @@ class IndexAnswer:
     ``fallback``: ``""`` (answered, or no index configured), ``index_timeout``,
     ``index_error`` or ``index_unavailable``. ``index_s``: time spent waiting.
     ``timed``: the call returned (its latency is a fair sample for metrics).
+    ``answered``: the index said what it holds (an undeclared namespace: nothing), so
+    ``match`` is the cluster's state, not a stand-in.
     """
 
     match: Match
     fallback: str = ""
     index_s: float = 0.0
     timed: bool = False
+    answered: bool = False
 
 
 @dataclass(frozen=True)
@@ -206,13 +209,13 @@ class RoutingCore:
         except TimeoutError:
             return IndexAnswer(EMPTY_MATCH, "index_timeout", time.perf_counter() - t)
         except KeyError:  # namespace not declared yet: nothing cached anywhere
-            return IndexAnswer(EMPTY_MATCH, "", time.perf_counter() - t)
+            return IndexAnswer(EMPTY_MATCH, "", time.perf_counter() - t, answered=True)
         except Exception:  # noqa: BLE001 - any index failure means load-only routing
             return IndexAnswer(EMPTY_MATCH, "index_error", time.perf_counter() - t)
         dt = time.perf_counter() - t
         if not match.available:
             return IndexAnswer(EMPTY_MATCH, "index_unavailable", dt, True)
-        return IndexAnswer(match, "", dt, True)
+        return IndexAnswer(match, "", dt, True, True)
 
     @staticmethod
     async def _ask(index: Any, namespace: str, hashes: Sequence[BlockHash]) -> Match:
@@ -256,10 +259,12 @@ class RoutingCore:
         """The policy's ranking, or the fallback's (module docstring); NoEligibleWorker if no
         candidate serves the request's namespace/tenant."""
         ns, hashes = request.namespace, request.hashes
-        if not answer.fallback:
-            return self.policy.rank(request, answer.match, candidates,
-                                    self.pending.match_runs(ns, hashes))
         mine = self.pending.match_runs(ns, hashes)
+        if not answer.fallback:
+            ranking = self.policy.rank(request, answer.match, candidates, mine)
+            if answer.answered:
+                ranking.held_blocks = max(answer.match.combined_prefix, mine.combined_prefix)
+            return ranking
         if mine.combined_prefix:
             return _relabel(self.policy.rank(request, EMPTY_MATCH, candidates, mine),
                             f"fallback_{answer.fallback}_pending", keep_estimate=True)

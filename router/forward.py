@@ -10,7 +10,10 @@
   needs them) and carry the gateway's token ids, rendered with the model's chat template, as
   ``kv_transfer_params.prompt_token_ids``: vLLM (>= 0.32) then prefills exactly those ids
   without rendering the messages again (``renderers/online_renderer.py``), so the blocks the
-  router hashed are the blocks vLLM caches.
+  router hashed are the blocks vLLM caches. Both carry the router hint in
+  ``kv_transfer_params`` (:mod:`kvshare.vllm.router_hint`: how much of the prompt the cluster
+  held when it was routed), so the engine's connector does not ask the index again for a
+  prompt the cluster holds nothing more of.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from kvshare.vllm import router_hint
 from kvshare.workers import WorkerInfo
 from router.embed import Routed
 
@@ -43,8 +47,13 @@ def forward_body(body: Mapping[str, Any], routed: Routed, info: WorkerInfo | Non
     out["model"] = info.meta.get("model", out.get("model"))
     if routed.tenant.salt:
         out["cache_salt"] = routed.tenant.salt
+    params: dict[str, Any] = {}
+    if routed.held_tokens is not None:
+        params.update(router_hint.encode(routed.held_tokens))
     if not chat:
         out["prompt"] = routed.token_list()
     else:
-        out["kv_transfer_params"] = {"prompt_token_ids": routed.token_list()}
+        params["prompt_token_ids"] = routed.token_list()
+    if params:
+        out["kv_transfer_params"] = params
     return out

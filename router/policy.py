@@ -108,14 +108,20 @@ def plan_reason(plan: CutPlan) -> str:
 class Ranking:
     """A policy's answer: the :class:`Decision` and every eligible candidate's
     :class:`Estimate`, the chosen worker first, then by increasing estimate (candidate order
-    among equals)."""
+    among equals).
+
+    ``held_blocks``: the longest prefix of the request's blocks the cluster held in the view it
+    was ranked on (the index's answer and the router's pending blocks), None when the index did
+    not answer (set by :meth:`router.core.RouterCore.rank`; what a router tells a vLLM engine:
+    :mod:`kvshare.vllm.router_hint`)."""
 
     def __init__(self, request: RouteRequest, decision: Decision,
-                 estimator: _Estimator | None = None) -> None:
+                 estimator: _Estimator | None = None, held_blocks: int | None = None) -> None:
         self.request = request
         self.decision = decision
         self._estimator = estimator
         self._estimates: list[Estimate] | None = None
+        self.held_blocks = held_blocks
 
     def estimates(self) -> list[Estimate]:
         """Every eligible candidate ranked (computed on first use, from the decision's view)."""
@@ -136,7 +142,7 @@ class Ranking:
     def with_decision(self, decision: Decision) -> Ranking:
         """The same ranking with ``decision`` (same worker and plan, e.g. another reason)."""
         assert decision.worker == self.decision.worker
-        return Ranking(self.request, decision, self._estimator)
+        return Ranking(self.request, decision, self._estimator, self.held_blocks)
 
 
 class _Estimator:

@@ -70,6 +70,10 @@ class ServeRouterSettings:
     a decision then waits on no index call. ``loads_refresh_s`` > 0: the workers' load
     reports are read in the background at most that often and a decision uses the latest
     read (0: read for every request, within ``index_timeout_s``).
+    ``hint_kwarg``: the keyword argument the replicas take the router hint in (the tokens of the
+    prompt the cluster held when it was routed: :mod:`kvshare.vllm.router_hint`; e.g.
+    :class:`~router.serve_vllm.VllmReplica`'s ``kvshare_held_tokens``); '' sends none (a
+    replica's method need not accept one).
     """
 
     namespace: str = ""
@@ -89,6 +93,7 @@ class ServeRouterSettings:
     index_replica: bool = False
     replica_poll_s: float = 0.02
     loads_refresh_s: float = 0.0
+    hint_kwarg: str = ""
 
     def __post_init__(self) -> None:
         if self.index_timeout_s <= 0 or self.pending_ttl_s <= 0:

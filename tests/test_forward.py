@@ -45,6 +45,25 @@ def test_a_clients_salt_and_connector_parameters_never_reach_a_worker() -> None:
     assert ref["kvshare"]["token_ids"] == IDS
 
 
+def test_vllm_gets_the_routers_hint_only_when_the_index_answered() -> None:
+    """What the router saw held (its index query and pending blocks) rides in vLLM's
+    ``kv_transfer_params`` for completions and chat alike, so the engine's connector need not
+    ask the index again; a decision the index did not answer sends none (the engine looks up)."""
+    import dataclasses
+
+    from kvshare.vllm.router_hint import decode
+
+    seen = dataclasses.replace(routed(), held_tokens=512)
+    comp = forward_body({"prompt": "hello"}, seen, VLLM, chat=False)
+    assert comp["kv_transfer_params"] == {"kvshare": {"held_tokens": 512}}
+    chat = forward_body({"messages": [{"role": "user", "content": "x"}]}, seen, VLLM, chat=True)
+    assert chat["kv_transfer_params"] == {"kvshare": {"held_tokens": 512}, "prompt_token_ids": IDS}
+    assert decode(chat["kv_transfer_params"]) == 512
+    assert "kv_transfer_params" not in forward_body({"prompt": "x"}, seen, REFERENCE, chat=False)
+    assert decode(forward_body({"prompt": "hello"}, routed(), VLLM, chat=False)
+                  .get("kv_transfer_params")) is None
+
+
 def test_packed_token_ids_reach_a_worker_as_a_json_list_of_ints() -> None:
     """A prompt routed packed (numpy uint32, array("I")) is forwarded as the same list of
     Python ints a list-routed one is (JSON bodies cannot carry a buffer)."""

@@ -108,10 +108,11 @@ def test_embed_and_serve_adapters_make_identical_decisions() -> None:
             bytes_per_token=BPT, prefill_tokens_per_s=TPS))
         serve = KVShareRequestRouter(deployment_id=DEPLOYMENT,
                                      handle_source=DeploymentHandleSource.UNKNOWN)
-        serve.initialize_state(namespace=NS, prefill_tokens_per_s=TPS, workers_refresh_s=0.0)
+        serve.initialize_state(namespace=NS, prefill_tokens_per_s=TPS, workers_refresh_s=0.0,
+                               hint_kwarg="held")
         serve.use_index(index)
         serve.update_replicas(reps)
-        got_e, got_s = [], []
+        got_e, got_s, hints = [], [], []
         for i, ids in enumerate(STREAM):
             routed = await embed.route(token_ids=ids, request_id=f"q{i}")
             ranking = routed.ranking
@@ -127,16 +128,18 @@ def test_embed_and_serve_adapters_make_identical_decisions() -> None:
             chosen = shortlist[0][0]
             got_s.append((replica_worker_id(chosen.replica_id),
                           [replica_worker_id(s[0].replica_id) for s in shortlist]))
+            hints.append((routed.held_tokens, pr.kwargs["held"]))  # the router hint, both ways
             serve.on_request_routed(pr, chosen.replica_id, None)
             if i % 5 == 4:  # some finish, on both
                 embed.finished(f"q{i - 2}")
                 serve.on_request_completed(by_id[got_s[i - 2][0]].replica_id, f"q{i - 2}")
         serve_reasons = {k.removeprefix("decision_"): n for k, n in serve.counters.items()
                          if k.startswith("decision_")}
-        return got_e, got_s, serve_reasons
+        return got_e, got_s, serve_reasons, hints
 
-    got_e, got_s, serve_reasons = asyncio.run(stream())
+    got_e, got_s, serve_reasons, hints = asyncio.run(stream())
     assert len(got_s) == len(STREAM)
+    assert all(e == s for e, s in hints) and {0, 24 * BT} <= {e for e, _ in hints}
     assert [(w, order) for w, _, order in got_e] == got_s
     assert Counter(r for _, r, _ in got_e) == serve_reasons
     # the stream is not trivial: it used the index's blocks, pending ones, load, several workers
@@ -364,6 +367,27 @@ def test_a_slow_or_unavailable_index_falls_back_to_pending_then_to_load(index: A
     _, warm = asyncio.run(go(request(SYSTEMS[1] + [3] * BT)))
     assert warm.decision.reason == f"fallback_{cause}_pending"
     assert warm.decision.worker == cold.decision.worker and warm.decision.cached_blocks > 0
+
+
+def test_a_ranking_says_how_much_the_cluster_held_only_when_the_index_answered() -> None:
+    """``held_blocks`` (the hint a vLLM engine gets): the longest prefix held anywhere in the
+    index's answer or the router's own pending blocks; None when the index did not answer."""
+    c = core(InProcessIndex(cluster(replicas(3))))
+    loads = {w.worker_id: WorkerLoad(w.worker_id, 0, 0, TPS, 0.0) for w in WORKERS}
+
+    def held(ids: list[int], slow: Any = None) -> int | None:
+        async def go() -> Any:
+            req = request(ids)
+            ranking = c.rank(req, await c.query(NS, req.hashes), c.candidates(WORKERS, loads))
+            c.routed(f"q{len(ids)}", ranking)
+            return ranking.held_blocks
+        return asyncio.run(go())
+
+    assert held(SYSTEMS[0] + [1] * 40) == 24  # n0's pool holds SYSTEMS[0]
+    assert held(SYSTEMS[2]) == 0  # new to the cluster (now pending where it was sent)
+    assert held(SYSTEMS[2] + [2] * BT) == 40  # the router's own pending blocks
+    c.index = SlowIndex("index_down")
+    assert held(SYSTEMS[0]) is None
 
 
 def test_in_flight_work_adds_to_a_report_and_drained_work_comes_off_a_stale_one() -> None:

@@ -156,11 +156,12 @@ def wait_idle(cluster: dict[str, Any], since: float) -> None:
     wait_for(idle, timeout_s=30, every_s=0.1)
 
 
-def metric(endpoint: str, name: str) -> float:
-    """A counter of a vLLM server's ``/metrics`` (summed over label sets)."""
+def metric(endpoint: str, name: str, label: str = "") -> float:
+    """A counter of a vLLM server's ``/metrics`` (summed over the label sets that contain
+    ``label``, e.g. ``why="router"``)."""
     text = httpx.get(f"{endpoint}/metrics", timeout=30).text
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith(name + "{") or line.startswith(name + " "))
+               if (line.startswith(name + "{") or line.startswith(name + " ")) and label in line)
 
 
 def held(index: Any, hashes: list[Any], loc: str, tier: Tier | None) -> bool:
@@ -243,9 +244,16 @@ def test_back_to_back_turn_reuses_the_previous_turn_on_the_same_vllm_worker(
         cluster: dict[str, Any], gateway: tuple[Gateway, Any]) -> None:
     gw, router = gateway
     wait_idle(cluster, time.time())
+
+    def skipped() -> float:  # lookups the router's hint spared the engines
+        return sum(metric(i["endpoint"], "vllm:kvshare_lookups_skipped_total", 'why="router"')
+                   for i in cluster["infos"])
+    before = skipped()
     first, second = back_to_back(1)
     answer, cached, w1 = chat(gw, first)
     assert cached == 0  # a new system prompt: nothing cached anywhere
+    # the gateway's index query found none of it: the engine did not ask the index again
+    wait_for(lambda: skipped() >= before + 1, timeout_s=10)
     second[2]["content"] = answer  # sent back at once, no pause
     _, cached, w2 = chat(gw, second)
     assert w2 == w1, "the router's pending blocks keep the conversation on its worker"

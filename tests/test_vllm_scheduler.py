@@ -93,14 +93,16 @@ def make_scheduler(model: str, block_tokens: int = BLOCK, extra: dict[str, Any] 
                      structured_output_manager=StructuredOutputManager(vc), block_size=PAGE)
 
 
-def request(rid: str, tokens: list[int], max_tokens: int = 2) -> Any:
+def request(rid: str, tokens: list[int], max_tokens: int = 2,
+            kv_transfer_params: dict[str, Any] | None = None) -> Any:
     from vllm import SamplingParams
     from vllm.utils.hashing import sha256
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
     from vllm.v1.request import Request
 
     init_none_hash(sha256)
-    sp = SamplingParams(max_tokens=max_tokens)
+    sp = SamplingParams(max_tokens=max_tokens, extra_args=(
+        {"kv_transfer_params": kv_transfer_params} if kv_transfer_params is not None else None))
     sp.update_from_generation_config({}, 1)
     return Request(request_id=rid, prompt_token_ids=tokens, sampling_params=sp,
                    pooling_params=None, mm_features=None,
@@ -275,6 +277,40 @@ def test_a_turn_vllm_holds_but_part_of_a_block_waits_on_no_lookup(model: str) ->
     sched.add_request(longer)
     sched.schedule()
     assert sched.connector.counters["lookups"] == lookups + 1
+
+
+def test_a_router_hint_of_nothing_more_skips_the_lookup(model: str) -> None:
+    """A prompt its router found nothing of in the cluster is scheduled at once, with no
+    second index query, and all its blocks are saved; a hint that the cluster holds more than
+    vLLM's own hit, a malformed hint, or none, and the request is looked up (and loads)."""
+    from kvshare.vllm.router_hint import encode
+
+    sched = make_scheduler(model)
+    cold = request("h0", tokens(20), max_tokens=1, kv_transfer_params=encode(0))
+    sched.add_request(cold)
+    out = sched.schedule()
+    assert out.num_scheduled_tokens == {"h0": len(cold.prompt_token_ids)}
+    counters = sched.connector.counters
+    assert counters["lookups_skipped_router"] == 1 and not counters.get("lookups")
+    (save,) = out.kv_connector_metadata.saves
+    assert (save.start_block, len(save.hashes)) == (0, 4)
+    sched.update_from_output(out, output([cold]))
+    for i, params in enumerate([encode(4 * BLOCK), {"kvshare": {"held_tokens": -1}}, None]):
+        toks = tokens(21 + i)
+        seed_pool(sched, toks)
+        req = request(f"h{i + 1}", toks, max_tokens=1, kv_transfer_params=params)
+        sched.add_request(req)
+        out = schedule_until(sched, lambda o, r=req: r.request_id in o.num_scheduled_tokens)
+        # the pool's 4 blocks came in (a synchronous load from this node's pool): the suffix only
+        assert out.num_scheduled_tokens[req.request_id] == len(toks) - 4 * BLOCK
+        sched.update_from_output(out, output([req]))
+    counters = sched.connector.counters
+    assert counters["lookups"] == 3 and counters["lookups_skipped_router"] == 1
+    assert counters["router_hints_malformed"] == 1
+    off = make_scheduler(model, extra={"router_hints": False})
+    off.add_request(request("h9", tokens(29), max_tokens=1, kv_transfer_params=encode(0)))
+    off.schedule()
+    assert off.connector.counters["lookups"] == 1 and "lookups_skipped_router" not in off.connector.counters
 
 
 class GatedIndex:

@@ -83,10 +83,12 @@ def test_lookup_waits_become_their_own_counters() -> None:
 
     registry, prom = prometheus()
     sched = {"lookups": 4, "lookup_pending": 7, "lookup_wait_seconds": 0.25,
-             "lookups_answered": 3, "lookup_seconds": 0.125, "lookups_abandoned": 1}
+             "lookups_answered": 3, "lookup_seconds": 0.125, "lookups_abandoned": 1,
+             "lookups_skipped": 5, "lookups_skipped_router": 2}
     assert lookup_counters(sched) == {"lookup_wait_seconds": 0.25, "lookups_answered": 3.0,
                                       "lookup_seconds": 0.125, "lookups": 4.0,
-                                      "lookups_abandoned": 1.0}
+                                      "lookups_abandoned": 1.0, "lookups_skipped": 5.0,
+                                      "lookups_skipped_router": 2.0}
     prom.observe(lookup_counters(sched), 0)
     text = generate_latest(registry).decode()
     assert 'vllm:kvshare_lookup_seconds_total{engine="0",model_name="tiny"} 0.25' in text
@@ -94,4 +96,8 @@ def test_lookup_waits_become_their_own_counters() -> None:
     assert 'vllm:kvshare_lookup_index_seconds_total{engine="0",model_name="tiny"} 0.125' in text
     assert 'vllm:kvshare_lookups_started_total{engine="0",model_name="tiny"} 4.0' in text
     assert 'vllm:kvshare_lookups_abandoned_total{engine="0",model_name="tiny"} 1.0' in text
+    assert ('vllm:kvshare_lookups_skipped_total{engine="0",model_name="tiny",why="own_cache"} 5.0'
+            in text)
+    assert ('vllm:kvshare_lookups_skipped_total{engine="0",model_name="tiny",why="router"} 2.0'
+            in text)
     assert "pending" not in text

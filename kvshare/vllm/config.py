@@ -26,7 +26,13 @@
   the background. 0: every save in the background;
 - ``lookup_threads`` (default 4): index lookups in flight at once; ``price_lookups`` (default
   true): a request is held for its lookup only as long as the prefill the lookup could save
-  (:mod:`kvshare.vllm.lookup`), false: up to ``index_timeout_s``.
+  (:mod:`kvshare.vllm.lookup`), false: up to ``index_timeout_s``;
+- ``router_hints`` (default true): a request routed by kvshare's gateway or Serve router
+  carries what the router's index query found (``kv_transfer_params.kvshare.held_tokens``:
+  the longest prefix of the prompt held anywhere in the cluster, its pending blocks
+  included); when that is no more than vLLM's own prefix hit plus part of one block the
+  engine does not ask the index again (:mod:`kvshare.vllm.router_hint`). false: every
+  request is looked up.
 
 Keys (:func:`model_keys`): the namespace root hashes the model identity (config, weight
 manifest and sampled weight bytes, tokenizer files; :func:`kvshare.identity.
@@ -68,6 +74,7 @@ class ConnectorSettings:
     sync_save_mib: float = 256.0
     lookup_threads: int = 4
     price_lookups: bool = True
+    router_hints: bool = True
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorSettings:
@@ -99,6 +106,7 @@ class ConnectorSettings:
                 sync_save_mib=float(data.get("sync_save_mib", 256.0)),
                 lookup_threads=int(data.get("lookup_threads", 4)),
                 price_lookups=_as_bool(data.get("price_lookups", True)),
+                router_hints=_as_bool(data.get("router_hints", True)),
             )
         except (TypeError, ValueError) as exc:
             raise ValueError(f"KVShareConnector: bad kv_connector_extra_config value: {exc}") from exc

@@ -157,7 +157,8 @@ class KVShareConnector(KVConnectorBase_V1):
             st = self.settings
             self._sched = SchedulerSide(client, self.keys, page, save=st.save,
                                         sync_local_bytes=int(st.sync_local_mib * 2**20),
-                                        lookups=Lookups(st.lookup_threads, priced=st.price_lookups))
+                                        lookups=Lookups(st.lookup_threads, priced=st.price_lookups),
+                                        router_hints=st.router_hints)
             _SIDES.append(self._sched)
         else:
             from vllm.distributed.parallel_state import (

@@ -13,7 +13,9 @@ just before that step's forward pass (no engine steps spent waiting for the load
 Per request: its full blocks' hashes (namespace root from the model keys and the request's
 ``cache_salt``); what the cluster holds beyond vLLM's own prefix hit, cut by the cost model
 (:class:`kvshare.client.KVShareClient.lookup`), unless that hit leaves the cluster less than
-one block to add (then no lookup: vLLM's own hits wait on nothing); then, step by step, which new full blocks to
+one block to add (then no lookup: vLLM's own hits wait on nothing), or unless the router that
+routed the request saw no more held in the cluster than that (:mod:`kvshare.vllm.router_hint`:
+a cold prompt waits on no second index query); then, step by step, which new full blocks to
 save (blocks the cluster did not hold at lookup, or whose load failed and were recomputed,
 once the forward pass has computed them).
 A request that had a save issued keeps its pages after it finishes until the workers report
@@ -37,6 +39,7 @@ from kvshare.types import BlockHash
 from kvshare.vllm.config import ModelKeys
 from kvshare.vllm.lookup import Lookups
 from kvshare.vllm.metadata import KVShareMetadata, LoadSpec, SaveSpec
+from kvshare.vllm.router_hint import decode as decode_hint
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +67,7 @@ class _Req:
     sync: bool = False  # the load in flight completes inside the step's forward pass
     asked_at: float = 0.0  # when vLLM first asked for this lookup (0: not waiting on one)
     late: Future[Plan] | None = None  # an abandoned lookup: its answer only marks held blocks
+    held_tokens: int | None = None  # the router's hint: the cluster held no more than this
 
 
 class SchedulerSide:
@@ -71,7 +75,7 @@ class SchedulerSide:
 
     def __init__(self, client: KVClient, keys: ModelKeys, page_tokens: int, *, save: bool = True,
                  lookup_wait_s: float = 0.02, sync_local_bytes: int = 0,
-                 lookups: Lookups | None = None) -> None:
+                 lookups: Lookups | None = None, router_hints: bool = True) -> None:
         self.client = client
         self.keys = keys
         self.block_tokens = keys.layout.block_tokens
@@ -79,6 +83,7 @@ class SchedulerSide:
         self.save = save
         self.lookup_wait_s = lookup_wait_s
         self.sync_local_bytes = sync_local_bytes
+        self.router_hints = router_hints
         self._reqs: dict[str, _Req] = {}
         self._loads: list[LoadSpec] = []
         self._sending: set[str] = set()
@@ -106,6 +111,12 @@ class SchedulerSide:
         root = BlockHash(self.keys.root(getattr(request, "cache_salt", None)))
         tokens = list(request.prompt_token_ids or [])
         st = _Req(request, root, block_hashes(root, tokens, self.block_tokens))
+        if self.router_hints:
+            try:
+                st.held_tokens = decode_hint(getattr(request, "kv_transfer_params", None))
+            except ValueError as exc:  # a client's own field, not a router's: look up
+                log.info("kvshare: ignoring the router hint of %s: %s", rid, exc)
+                self._count("router_hints_malformed")
         self._reqs[rid] = st
         return st
 
@@ -121,6 +132,14 @@ class SchedulerSide:
             # index. The blocks vLLM holds were stored when this engine computed (or loaded)
             # them, so they are not saved again.
             self._count("lookups_skipped")
+            st.saved_upto = max(st.saved_upto, num_computed // self.block_tokens)
+            return 0, False
+        if (st.lookup is None and st.held_tokens is not None
+                and min(most, st.held_tokens) - num_computed < self.block_tokens):
+            # the router's query just now found nothing the cluster could add to vLLM's own
+            # hit (a cold prompt, a turn new beyond what this engine holds): no second query,
+            # every new block is saved
+            self._count("lookups_skipped_router")
             st.saved_upto = max(st.saved_upto, num_computed // self.block_tokens)
             return 0, False
         if st.lookup is None:

@@ -21,7 +21,9 @@ server's ``/metrics``, next to vLLM's own:
   ``vllm:kvshare_lookups_started_total``: the seconds lookups spent in the index call and how
   many started (a hold longer than its index call waited for the engine's next step), and
   ``vllm:kvshare_lookups_abandoned_total``: holds given up as costing more than they could
-  save.
+  save; ``vllm:kvshare_lookups_skipped_total{why}``: requests scheduled with no lookup,
+  ``why`` = ``own_cache`` (vLLM's own hit leaves the cluster less than a block to add) or
+  ``router`` (the router's hint says the cluster holds no more: :mod:`kvshare.vllm.router_hint`).
 
 Names start with ``vllm:`` as vLLM's own connector metrics do, so vLLM's re-registration
 (``unregister_vllm_metrics``, once per engine in a process) clears them too.
@@ -46,7 +48,9 @@ STORED = "bytes_stored"
 
 WAITS = ("local", "remote")
 _WAIT_KEYS = tuple(f"{p}{w}" for w in WAITS for p in ("load_reported_seconds_", "loads_"))
-LOOKUP_KEYS = (LOOKUP_WAIT, LOOKUPS_ANSWERED, "lookup_seconds", "lookups", "lookups_abandoned")
+LOOKUP_KEYS = (LOOKUP_WAIT, LOOKUPS_ANSWERED, "lookup_seconds", "lookups", "lookups_abandoned",
+               "lookups_skipped", "lookups_skipped_router")
+SKIPPED = {"lookups_skipped": "own_cache", "lookups_skipped_router": "router"}
 
 
 def byte_counters(counters: Mapping[str, float]) -> dict[str, float]:
@@ -132,6 +136,9 @@ class KVSharePromMetrics(KVConnectorPromMetrics):
                 "lookups_abandoned", "kvshare lookup holds given up (could save less than "
                 "they cost): scheduled as misses."),
         }
+        self.skipped = counter(
+            "lookups_skipped", "Requests scheduled with no kvshare lookup: vLLM's own cache "
+            "(own_cache) or the router's hint (router) left the cluster nothing to add.", "why")
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         labels = self.per_engine_labelvalues[engine_idx]
@@ -148,6 +155,8 @@ class KVSharePromMetrics(KVConnectorPromMetrics):
                 self.lookups.labels(*labels).inc(value)
             elif key in self._lookup_extra:
                 self._lookup_extra[key].labels(*labels).inc(value)
+            elif key in SKIPPED:
+                self.skipped.labels(*labels, SKIPPED[key]).inc(value)
             elif not key.startswith("bytes_"):
                 continue
             elif key == STORED:
