@@ -23,7 +23,11 @@ server's ``/metrics``, next to vLLM's own:
   ``vllm:kvshare_lookups_abandoned_total``: holds given up as costing more than they could
   save; ``vllm:kvshare_lookups_skipped_total{why}``: requests scheduled with no lookup,
   ``why`` = ``own_cache`` (vLLM's own hit leaves the cluster less than a block to add) or
-  ``router`` (the router's hint says the cluster holds no more: :mod:`kvshare.vllm.router_hint`).
+  ``router`` (the router's hint says the cluster holds no more: :mod:`kvshare.vllm.router_hint`);
+- ``vllm:kvshare_sync_saves_total``, ``vllm:kvshare_sync_save_seconds_total`` and
+  ``vllm:kvshare_sync_saves_late_total`` (worker role): steps that waited for their saves
+  before vLLM saw their output (``sync_save_mib``: read-after-write), the seconds they waited,
+  and those whose store outlasted the wait (finished in the background).
 
 Names start with ``vllm:`` as vLLM's own connector metrics do, so vLLM's re-registration
 (``unregister_vllm_metrics``, once per engine in a process) clears them too.
@@ -50,6 +54,9 @@ WAITS = ("local", "remote")
 _WAIT_KEYS = tuple(f"{p}{w}" for w in WAITS for p in ("load_reported_seconds_", "loads_"))
 LOOKUP_KEYS = (LOOKUP_WAIT, LOOKUPS_ANSWERED, "lookup_seconds", "lookups", "lookups_abandoned",
                "lookups_skipped", "lookups_skipped_router")
+SAVE_KEYS = {"sync_saves": "sync_saves", "sync_save_s": "sync_save_seconds",
+             "sync_saves_late": "sync_saves_late"}
+"""The worker side's synchronous-save counters, by their Prometheus names."""
 SKIPPED = {"lookups_skipped": "own_cache", "lookups_skipped_router": "router"}
 
 
@@ -63,6 +70,11 @@ def wait_counters(counters: Mapping[str, float]) -> dict[str, float]:
     """The load waits of a :class:`~kvshare.vllm.worker_side.WorkerSide`'s counters
     (``load_reported_seconds_<where>``, ``loads_<where>``)."""
     return {k: float(counters[k]) for k in _WAIT_KEYS if k in counters}
+
+
+def save_counters(counters: Mapping[str, float]) -> dict[str, float]:
+    """The synchronous saves of a :class:`~kvshare.vllm.worker_side.WorkerSide`'s counters."""
+    return {k: float(counters[k]) for k in SAVE_KEYS if k in counters}
 
 
 def lookup_counters(counters: Mapping[str, float]) -> dict[str, float]:
@@ -136,6 +148,14 @@ class KVSharePromMetrics(KVConnectorPromMetrics):
                 "lookups_abandoned", "kvshare lookup holds given up (could save less than "
                 "they cost): scheduled as misses."),
         }
+        self._saves = {
+            "sync_saves": counter("sync_saves", "Steps that waited for their kvshare saves "
+                                  "before vLLM saw their output (read-after-write)."),
+            "sync_save_s": counter("sync_save_seconds",
+                                   "Seconds steps waited for their kvshare saves."),
+            "sync_saves_late": counter("sync_saves_late", "Synchronous kvshare saves that "
+                                       "outlasted the wait and finished in the background."),
+        }
         self.skipped = counter(
             "lookups_skipped", "Requests scheduled with no kvshare lookup: vLLM's own cache "
             "(own_cache) or the router's hint (router) left the cluster nothing to add.", "why")
@@ -155,6 +175,8 @@ class KVSharePromMetrics(KVConnectorPromMetrics):
                 self.lookups.labels(*labels).inc(value)
             elif key in self._lookup_extra:
                 self._lookup_extra[key].labels(*labels).inc(value)
+            elif key in self._saves:
+                self._saves[key].labels(*labels).inc(value)
             elif key in SKIPPED:
                 self.skipped.labels(*labels, SKIPPED[key]).inc(value)
             elif not key.startswith("bytes_"):
