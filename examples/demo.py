@@ -76,10 +76,9 @@ def start_gateway(model: str) -> tuple[str, Any]:
     measured = measured_bandwidths(wait_s=20.0)  # bytes/s the pools probed at start
     print("  measured bandwidths (GB/s): "
           + ", ".join(f"{k}={v / 1e9:.2f}" for k, v in sorted(measured.items())))
-    cfg = RouterConfig(namespace=NAMESPACE, model_id=keys.identity,
-                       layout_fingerprint=keys.layout.fingerprint(), block_tokens=BLOCK,
-                       bytes_per_token=keys.layout.bytes_per_token, policy="cost",
-                       prefill_tokens_per_s=4000.0, bandwidths=Bandwidths.from_measured(measured))
+    cfg = RouterConfig.from_model_keys(keys, namespace=NAMESPACE, policy="cost",
+                                       prefill_tokens_per_s=4000.0,
+                                       bandwidths=Bandwidths.from_measured(measured))
     router = CacheAwareRouter(index, IndexWorkers(index), cfg, HFTokenizer(model))
     return serve_gateway(create_app(router, admin=ClusterAdmin()))  # admin: the live page
 

@@ -83,10 +83,9 @@ def gateway(cluster: dict[str, Any]) -> Iterator[tuple[Gateway, Any]]:
     from router.workers_view import IndexWorkers
 
     keys = cluster["keys"]
-    cfg = RouterConfig(namespace=NS, model_id=keys.identity,
-                       layout_fingerprint=keys.layout.fingerprint(), block_tokens=BLOCK,
-                       bytes_per_token=keys.layout.bytes_per_token, policy="cost",
-                       index_timeout_s=INDEX_TIMEOUT_S)
+    cfg = RouterConfig.from_model_keys(keys, namespace=NS, policy="cost",
+                                       index_timeout_s=INDEX_TIMEOUT_S)
+    assert cfg.block_tokens == BLOCK
     router = CacheAwareRouter(cluster["index"], IndexWorkers(cluster["index"]), cfg,
                               HFTokenizer(cluster["model"]))
     gw = Gateway(create_app(router))
