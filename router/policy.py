@@ -112,7 +112,7 @@ class Ranking:
 
     ``held_blocks``: the longest prefix of the request's blocks the cluster held in the view it
     was ranked on (the index's answer and the router's pending blocks), None when the index did
-    not answer (set by :meth:`router.core.RouterCore.rank`; what a router tells a vLLM engine:
+    not answer (set by :meth:`router.core.RoutingCore.rank`; what a router tells a vLLM engine:
     :mod:`kvshare.vllm.router_hint`)."""
 
     def __init__(self, request: RouteRequest, decision: Decision,

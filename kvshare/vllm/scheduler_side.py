@@ -126,20 +126,16 @@ class SchedulerSide:
         if st is None or not st.hashes or st.failed or st.loads >= MAX_LOADS:
             return 0, False
         most = min(len(st.hashes) * self.block_tokens, int(request.num_tokens) - 1)
-        if st.lookup is None and most - num_computed < self.block_tokens:
-            # vLLM's own cache holds all but part of one block (a turn of a conversation this
-            # engine served): the cluster can add less than a block, not worth a wait on the
-            # index. The blocks vLLM holds were stored when this engine computed (or loaded)
-            # them, so they are not saved again.
-            self._count("lookups_skipped")
-            st.saved_upto = max(st.saved_upto, num_computed // self.block_tokens)
-            return 0, False
-        if (st.lookup is None and st.held_tokens is not None
-                and min(most, st.held_tokens) - num_computed < self.block_tokens):
-            # the router's query just now found nothing the cluster could add to vLLM's own
-            # hit (a cold prompt, a turn new beyond what this engine holds): no second query,
-            # every new block is saved
-            self._count("lookups_skipped_router")
+        reach = most if st.held_tokens is None else min(most, st.held_tokens)
+        if st.lookup is None and reach - num_computed < self.block_tokens:
+            # The cluster can add less than a block, not worth a wait on the index: vLLM's own
+            # cache holds all but part of one block (a turn of a conversation this engine
+            # served), or the router's query just now found no more than that (a cold prompt,
+            # a turn new beyond what this engine holds: no second query). The blocks vLLM
+            # holds were stored when this engine computed (or loaded) them, so they are not
+            # saved again; every new block is.
+            own = most - num_computed < self.block_tokens
+            self._count("lookups_skipped" if own else "lookups_skipped_router")
             st.saved_upto = max(st.saved_upto, num_computed // self.block_tokens)
             return 0, False
         if st.lookup is None:

@@ -54,9 +54,8 @@ WAITS = ("local", "remote")
 _WAIT_KEYS = tuple(f"{p}{w}" for w in WAITS for p in ("load_reported_seconds_", "loads_"))
 LOOKUP_KEYS = (LOOKUP_WAIT, LOOKUPS_ANSWERED, "lookup_seconds", "lookups", "lookups_abandoned",
                "lookups_skipped", "lookups_skipped_router")
-SAVE_KEYS = {"sync_saves": "sync_saves", "sync_save_s": "sync_save_seconds",
-             "sync_saves_late": "sync_saves_late"}
-"""The worker side's synchronous-save counters, by their Prometheus names."""
+SAVE_KEYS = ("sync_saves", "sync_save_s", "sync_saves_late")
+"""The worker side's synchronous-save counters."""
 SKIPPED = {"lookups_skipped": "own_cache", "lookups_skipped_router": "router"}
 
 
