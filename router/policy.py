@@ -388,17 +388,28 @@ class CostPolicy(Policy):
     """Lowest estimated TTFT: queue wait + fetch + prefill of the rest (kvshare's default),
     with the work a plan adds priced for the requests that will wait behind it.
 
-    A candidate's score is ``queue_s + (1 + waiting) * plan.total_s``, ``waiting`` the fewest
-    requests waiting (queued, not started: :attr:`WorkerLoad.waiting`) at any candidate. The
-    first term is the request's own TTFT; the second adds, to first order, what its service
-    time costs the requests arriving while it is ahead of them. Extra work delays others only
-    when no worker has slack to absorb it: then every worker has at least ``waiting``
+    A candidate's score is ``queue_s + (1 + waiting + backlog) * plan.total_s``, ``waiting``
+    the fewest requests waiting (queued, not started: :attr:`WorkerLoad.waiting`) at any
+    candidate. The first term is the request's own TTFT; the second adds, to first order, what
+    its service time costs the requests that will wait behind it. Extra work delays others
+    only when no worker has slack to absorb it: then every worker has at least ``waiting``
     requests queued, about as many arrive at each during the current wait (Little's law), and
     with requests joining the shortest waits the work's delay reaches them all. With an idle
     worker (or nothing waiting) the score is the lowest estimated TTFT; when every worker is
     behind, the cheaper plan (a local copy over a remote one, a cached prefix over a
     recompute) wins over a shorter queue, since total work then decides everyone's wait. The
     decision's ``est_ttft_s`` stays the TTFT estimate (queue wait + plan).
+
+    Little's law counts only the requests that arrive during the current wait. A worker that
+    is behind stays behind for its whole busy period, and every request that reaches it before
+    the period ends waits for the plan too: under overload that is every later request it gets
+    until the burst is over, many times ``waiting``. How long a burst will last is unknown; the
+    estimate taken (no constant) is that it lasts as long again as it has: ``backlog`` is the
+    requests this policy routed in the namespace since the moment every candidate last had
+    requests waiting, per candidate. It is 0 the moment any worker has nothing waiting, so a
+    worker that ran dry takes traffic again at once; in a long overload it grows, and plans that
+    save work (reuse over recompute, a worker's own queued prompts over a pull) outweigh
+    longer queues more and more, as they do for every request behind them.
 
     That spread assumes the router can steer later requests around the work. It cannot steer
     the requests bound to a worker (the ones its cache serves best): a worker with
@@ -429,6 +440,7 @@ class CostPolicy(Policy):
         self._plans: dict[WorkerId, CutPlan] = {}
         self._rotate = _Rotation()
         self._ready = ReadyBlocks()
+        self._behind: dict[str, int] = {}  # per namespace: decisions since every worker fell behind
 
     def _select(self, request: RouteRequest, view: SourceMap, cands: list[Candidate]) -> tuple[int, str]:
         plans: dict[WorkerId, CutPlan] = {}
@@ -446,6 +458,12 @@ class CostPolicy(Policy):
         waiting = [c.load.waiting for c in cands]
         fewest = min(waiting)
         work = 1.0 + fewest  # what a second of plan costs (class docstring)
+        if fewest:  # every worker behind: a busy period (class docstring)
+            routed = self._behind.get(ns, 0)
+            self._behind[ns] = routed + 1
+            work += routed / len(cands)
+        else:
+            self._behind.pop(ns, None)
         bound: list[float] | None = None  # per candidate: the rate of requests bound to it
         typical: list[float] = []  # and the service time of a request queued there
         if fewest:  # (none with a worker idle: class docstring)

@@ -206,6 +206,33 @@ def test_cost_policy_prices_a_plans_work_by_the_requests_waiting() -> None:
     assert (d.worker, d.reason) == ("w1", "load")
 
 
+def test_cost_policy_prices_work_for_the_whole_busy_period() -> None:
+    m = cost_model(a=1e-3)  # 128-token prompt: 128 ms cold, ~1 ms from w0's host cache
+    match = held({node_location("n0"): (8, Tier.HOST)})
+    req = RouteRequest(NS, HASHES, 128)
+    pol = make_policy("cost", m, Sharing.LOCAL)
+
+    def load(i: int, queued: int, waiting: int) -> Candidate:
+        c = cand(i)
+        return Candidate(c.info, WorkerLoad(c.info.worker_id, queued, waiting + 1, 0.0, 0.0, waiting))
+
+    behind = [load(0, 1000, 1), load(1, 100, 1)]  # every worker has a request waiting
+    # at the start of a busy period the 127 ms a recompute adds delays the few requests
+    # arriving during the current wait: the 900 ms shorter queue wins
+    d = pol.choose(req, match, behind)
+    assert (d.worker, d.reason) == ("w1", "load")
+    # the period goes on: every request routed to a worker until it ends waits for the
+    # recompute too, so after enough of them the cached plan wins over the shorter queue
+    ds = [pol.choose(req, match, behind) for _ in range(30)]
+    assert ds[-1].worker == "w0" and ds[-1].reason == "cache_local"
+    assert ds[-1].est_ttft_s == pytest.approx(1.0 + 0.001 + 8 * 16 * 1000 / 25e9, rel=1e-6)
+    first = next(i for i, x in enumerate(ds) if x.worker == "w0")
+    assert all(x.worker == "w0" for x in ds[first:])  # the switch is one way within a period
+    # a worker ran dry: the period is over, and the next one starts from the lowest TTFT
+    assert pol.choose(req, match, [load(0, 1000, 1), load(1, 100, 0)]).worker == "w1"
+    assert pol.choose(req, match, behind).worker == "w1"
+
+
 def test_cost_policy_keeps_a_long_prompt_off_a_worker_crowded_with_short_ones() -> None:
     m = cost_model(a=1e-3)  # 1 ms a token, nothing cached: a 128-token prompt takes 128 ms
     pol = make_policy("cost", m, Sharing.LOCAL)
