@@ -21,6 +21,13 @@ conversation traces of other shapes and seeds (``conv_many``: 3000 conversations
 overloading small clusters; ``conv_long``: 12 turns of 1500-token user messages, 10 s think
 time, seed 7; ``conv_wide``: 32 system prompts of 2-12k tokens, seed 9), at 4/10/32 workers
 and 3M tokens of host cache.
+
+``--fresh`` runs a second held-out set, fixed in stop 23 before the policy change of that stop
+was run on it and not tuned on since: synthetic, dynamo and three more conversation shapes
+(``fresh_a``: 1,500 conversations, 20 s think time, seed 21; ``fresh_b``: 4,000 conversations
+on 4 system prompts, seed 23; ``fresh_c``: 800 conversations of 10 turns, 800-token user
+messages, a 600 s start window, seed 25) at 3/6/16 workers, sizes the sweep never uses, and
+3M tokens of host cache.
 """
 
 from __future__ import annotations
@@ -51,6 +58,8 @@ WORKERS = (4, 10, 32)
 HOST_TOKENS = (3_000_000, 10_000_000)
 
 
+FRESH = ("synthetic", "dynamo", "fresh_a", "fresh_b", "fresh_c")
+FRESH_WORKERS = (3, 6, 16)
 HELDOUT = ("synthetic@1000", "synthetic@2000", "synthetic@3000", "conv_many", "conv_long",
            "conv_wide")
 SHAPES = {
@@ -59,6 +68,10 @@ SHAPES = {
     "conv_many": (ConversationShape(conversations=3000), 5),
     "conv_long": (ConversationShape(conversations=300, mean_turns=12.0, user_tokens=1500.0,
                                     think_s=10.0), 7),
+    "fresh_a": (ConversationShape(conversations=1500, think_s=20.0), 21),
+    "fresh_b": (ConversationShape(conversations=4000, system_prompts=4), 23),
+    "fresh_c": (ConversationShape(conversations=800, mean_turns=10.0, user_tokens=800.0,
+                                  start_window_s=600.0), 25),
     "conv_wide": (ConversationShape(system_prompts=32, system_tokens=(2000, 12000)), 9),
 }
 
@@ -93,11 +106,16 @@ def main() -> int:
     ap.add_argument("--workers", default=",".join(map(str, WORKERS)))
     ap.add_argument("--heldout", action="store_true",
                     help="the held-out cells instead (module docstring); 3M host tokens only")
+    ap.add_argument("--fresh", action="store_true",
+                    help="the second held-out set (module docstring); 3M host tokens only")
     args = ap.parse_args()
+    if args.heldout and args.fresh:
+        ap.error("--heldout and --fresh are two different cell sets: choose one")
     names = args.policies.split(",")
-    traces = HELDOUT if args.heldout else args.traces.split(",")
-    hosts = HOST_TOKENS[:1] if args.heldout else HOST_TOKENS
-    workers = [int(w) for w in args.workers.split(",")]
+    traces = HELDOUT if args.heldout else FRESH if args.fresh else args.traces.split(",")
+    hosts = HOST_TOKENS[:1] if args.heldout or args.fresh else HOST_TOKENS
+    workers = [int(w) for w in (",".join(map(str, FRESH_WORKERS)) if args.fresh
+                                else args.workers).split(",")]
     cells: dict[str, Any] = {}
     t0 = time.process_time()
     with tempfile.TemporaryDirectory(dir="/tmp") as d:
