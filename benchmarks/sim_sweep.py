@@ -114,8 +114,7 @@ def main() -> int:
     names = args.policies.split(",")
     traces = HELDOUT if args.heldout else FRESH if args.fresh else args.traces.split(",")
     hosts = HOST_TOKENS[:1] if args.heldout or args.fresh else HOST_TOKENS
-    workers = [int(w) for w in (",".join(map(str, FRESH_WORKERS)) if args.fresh
-                                else args.workers).split(",")]
+    workers = list(FRESH_WORKERS) if args.fresh else [int(w) for w in args.workers.split(",")]
     cells: dict[str, Any] = {}
     t0 = time.process_time()
     with tempfile.TemporaryDirectory(dir="/tmp") as d:

@@ -51,6 +51,12 @@ def cand(i: int, node: str | None = None, queued: int = 0, running: int = 0, ns:
     return Candidate(info, WorkerLoad(info.worker_id, queued, running))
 
 
+def load(i: int, queued: int, waiting: int) -> Candidate:
+    """Worker ``i`` with ``queued`` prefill tokens, ``waiting`` requests queued and one running."""
+    c = cand(i)
+    return Candidate(c.info, WorkerLoad(c.info.worker_id, queued, waiting + 1, 0.0, 0.0, waiting))
+
+
 def held(layout: dict[Location, tuple[int, Tier]], n: int = 8) -> MatchResult:
     """A match where each location holds its first k blocks in one tier."""
     return build_match([
@@ -189,10 +195,6 @@ def test_cost_policy_prices_a_plans_work_by_the_requests_waiting() -> None:
     req = RouteRequest(NS, HASHES, 128)
     pol = make_policy("cost", m, Sharing.LOCAL)
 
-    def load(i: int, queued: int, waiting: int) -> Candidate:
-        c = cand(i)
-        return Candidate(c.info, WorkerLoad(c.info.worker_id, queued, waiting + 1, 0.0, 0.0, waiting))
-
     # nothing waiting: the lowest TTFT, recomputing on idle w1 (128 ms < 200 ms + 1 ms)
     d = pol.choose(req, match, [load(0, 200, 0), load(1, 0, 0)])
     assert (d.worker, d.reason) == ("w1", "load")
@@ -211,10 +213,6 @@ def test_cost_policy_prices_work_for_the_whole_busy_period() -> None:
     match = held({node_location("n0"): (8, Tier.HOST)})
     req = RouteRequest(NS, HASHES, 128)
     pol = make_policy("cost", m, Sharing.LOCAL)
-
-    def load(i: int, queued: int, waiting: int) -> Candidate:
-        c = cand(i)
-        return Candidate(c.info, WorkerLoad(c.info.worker_id, queued, waiting + 1, 0.0, 0.0, waiting))
 
     behind = [load(0, 1000, 1), load(1, 100, 1)]  # every worker has a request waiting
     # at the start of a busy period the 127 ms a recompute adds delays the few requests
@@ -236,10 +234,6 @@ def test_cost_policy_prices_work_for_the_whole_busy_period() -> None:
 def test_cost_policy_keeps_a_long_prompt_off_a_worker_crowded_with_short_ones() -> None:
     m = cost_model(a=1e-3)  # 1 ms a token, nothing cached: a 128-token prompt takes 128 ms
     pol = make_policy("cost", m, Sharing.LOCAL)
-
-    def load(i: int, queued: int, waiting: int) -> Candidate:
-        c = cand(i)
-        return Candidate(c.info, WorkerLoad(c.info.worker_id, queued, waiting + 1, 0.0, 0.0, waiting))
 
     # w0: 200 ms of queue in 10 short requests (20 ms each); w1: 300 ms in one long one.
     # The 9 requests beyond w1's count bound to w0 (45 a second) would each wait 128 ms
