@@ -165,3 +165,13 @@ def test_tenant_salt_gets_its_own_blocks(served) -> None:  # type: ignore[no-unt
              "kvshare": {"token_ids": toks, "cache_salt": "tenant-b",
                          "hashes_hex": [h.hex() for h in worker.engine.hashes(toks, "tenant-a")]}}
     assert httpx.post(url, json=wrong, timeout=30).status_code == 400
+
+
+def test_a_taken_port_is_refused_by_name_and_the_server_keeps_its_own(served) -> None:  # type: ignore[no-untyped-def]
+    server, _, worker = served
+    info = WorkerInfo(WorkerId("w1"), NodeId("n0"), (NS,))
+    with pytest.raises(OSError, match=f"cannot bind 127.0.0.1:{server.port}.*free port"):
+        WorkerServer(worker, info, model_name="tiny", port=server.port)
+    # The port is held from construction, so nothing can take it before start(); the running
+    # server still answers on it.
+    assert httpx.get(server.endpoint + "/v1/models", timeout=10).status_code == 200

@@ -202,6 +202,25 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
+def listening_socket(host: str, port: int) -> socket.socket:
+    """Bind ``host:port`` (port 0: any free one) and keep it bound for the server to use.
+
+    Holding the socket from here to serving is what stops another process taking a port
+    picked by :func:`free_port` in between. Raises OSError naming the address if it is taken.
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise OSError(exc.errno, f"worker HTTP server cannot bind {host}:{port} ({exc.strerror}); "
+                                 "pass a free port, or 0 for any") from exc
+    sock.set_inheritable(True)
+    return sock
+
+
 class WorkerServer:
     """Serve one worker over HTTP on a background thread; register and report load.
 
@@ -216,7 +235,8 @@ class WorkerServer:
     ) -> None:
         import uvicorn
 
-        self.port = port or free_port(host)
+        self._socket = listening_socket(host, port)
+        self.port = int(self._socket.getsockname()[1])
         self.endpoint = f"http://{host}:{self.port}"
         self.info = WorkerInfo(info.worker_id, info.node, info.namespaces, self.endpoint,
                                info.tp, info.layout_fingerprint, dict(info.meta))
@@ -229,20 +249,29 @@ class WorkerServer:
         config = uvicorn.Config(self.app, host=host, port=self.port, log_level="warning",
                                 access_log=False, lifespan="off")
         self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(target=self._server.run, name="kvshare-http", daemon=True)
+        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [self._socket]},
+                                        name="kvshare-http", daemon=True)
 
     @property
     def report_errors(self) -> int:
         """Load reports that failed (the index was down or slow)."""
         return self.reporter.errors
 
-    def start(self, timeout_s: float = 10.0) -> str:
-        """Start serving; returns the endpoint once it accepts connections."""
+    def start(self, timeout_s: float = 60.0) -> str:
+        """Start serving; returns the endpoint once it accepts connections.
+
+        The port is already bound (in ``__init__``), so this waits only for the event loop;
+        ``timeout_s`` is generous because a loaded machine can take seconds to schedule it.
+        """
         self._thread.start()
         deadline = time.monotonic() + timeout_s
         while not self._server.started:
-            if time.monotonic() > deadline or not self._thread.is_alive():
-                raise RuntimeError(f"worker HTTP server did not start on {self.endpoint}")
+            if not self._thread.is_alive():
+                raise RuntimeError(f"worker HTTP server on {self.endpoint} exited while starting "
+                                   "(its error is in the log above)")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"worker HTTP server did not start on {self.endpoint} "
+                                   f"within {timeout_s:g} s")
             time.sleep(0.01)
         self.reporter.start()
         return self.endpoint
@@ -252,4 +281,5 @@ class WorkerServer:
         self.reporter.stop()
         self._server.should_exit = True
         self._thread.join(timeout=5)
+        self._socket.close()
         self.app.state.queue.close()
