@@ -13,6 +13,8 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
+from kvshare.engines.server import listening_socket
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -25,12 +27,14 @@ class Served:
 
     def __init__(self, app: Any) -> None:
         self.app = app
-        self.port = free_port()
+        self.socket = listening_socket("127.0.0.1", 0)  # held: no other process can take it
+        self.port = int(self.socket.getsockname()[1])
         self.url = f"http://127.0.0.1:{self.port}"
         config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
                                 access_log=False)
         self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.socket]},
+                                       daemon=True)
         self.thread.start()
         deadline = time.monotonic() + 30
         while not self.server.started:
@@ -41,6 +45,7 @@ class Served:
     def stop(self) -> None:
         self.server.should_exit = True
         self.thread.join(timeout=10)
+        self.socket.close()
 
 
 def serve_app(app: Any) -> Served:
@@ -104,3 +109,17 @@ class StubWorker:
         self._stop.set()
         self._thread.join(timeout=5)
         self.served.stop()
+
+
+def wait_idle(index: Any, worker_ids: list[str], since: float, timeout_s: float = 30.0) -> None:
+    """Until every worker's load report in ``index`` (an IndexClient) is newer than ``since``
+    (wall clock) and shows nothing running, waiting or queued: a routing test's precondition,
+    so a report taken while an earlier prefill still ran cannot make its holder look busy."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        loads = index.loads()
+        if all((load := loads.get(w)) is not None and load.ts > since and load.running == 0
+               and load.waiting == 0 and load.queued_prefill_tokens == 0 for w in worker_ids):
+            return
+        assert time.monotonic() < deadline, f"workers not idle within {timeout_s} s: {loads}"
+        time.sleep(0.1)

@@ -20,7 +20,7 @@ import pytest
 import ray
 from conftest import start_cluster, stop_cluster
 from engine_helpers import BLOCK, SMALL
-from http_helpers import Served
+from http_helpers import Served, wait_idle
 from prometheus_client.parser import text_string_to_metric_families
 
 from actors.deploy import deploy
@@ -204,20 +204,6 @@ def _samples(url: str, name: str) -> dict[tuple[tuple[str, str], ...], float]:
     return out
 
 
-def _wait_idle(since: float, timeout_s: float = 30.0) -> None:
-    """Until both workers' load reports are newer than ``since`` (wall clock) and show nothing
-    running, waiting or queued: where the gateways send a cached prompt depends on it."""
-    index = IndexClient.connect()
-    deadline = time.monotonic() + timeout_s
-    while True:
-        loads = index.loads()
-        if all((load := loads.get(f"w{i}")) is not None and load.ts > since and load.running == 0
-               and load.waiting == 0 and load.queued_prefill_tokens == 0 for i in range(2)):
-            return
-        assert time.monotonic() < deadline, f"workers not idle within {timeout_s} s: {loads}"
-        time.sleep(0.1)
-
-
 def test_a_gateway_on_the_index_replica_routes_as_one_on_the_index(env: Env) -> None:
     """Prompts cached on either worker: both gateways send each to the same worker for the
     same reason with the same cached blocks, once the replica has caught up. Prompts cached
@@ -228,7 +214,7 @@ def test_a_gateway_on_the_index_replica_routes_as_one_on_the_index(env: Env) -> 
         ids = env.tokenizer.apply_chat_template(first)
         ray.get(env.workers[f"w{i % 2}"].generate.remote(ids, 1), timeout=120)
         seeded.append(first + [{"role": "user", "content": "one more"}])
-    _wait_idle(time.time())  # a report taken during a seeding prefill would make its holder busy
+    wait_idle(IndexClient.connect(), ["w0", "w1"], time.time())  # a report taken during a seeding prefill would make its holder busy
     time.sleep(1.0)  # the replica's poll round (10 ms), both gateways' load refresh (0.5 s)
     fresh = [_turns(seed)[0] for seed in (20, 21)]  # cached nowhere
     for messages in seeded + fresh:

@@ -22,6 +22,7 @@ pytest.importorskip("vllm")
 from kvshare.breakdown import GATEWAY_STAGES  # noqa: E402
 from kvshare.types import Tier  # noqa: E402
 from kvshare.vllm.launch import reset_prefix_cache  # noqa: E402
+from tests.http_helpers import wait_idle  # noqa: E402
 from tests.vllm_helpers import free_port, tiny_model, wait_for  # noqa: E402
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
@@ -132,27 +133,20 @@ def prefill_directly(cluster: dict[str, Any], info: dict[str, Any], router: Any,
                      text: str) -> list[Any]:
     """Send ``text`` straight to one vLLM worker (no router sees it) and wait until its KV
     events put the prompt's share blocks in the index as that worker's gpu tier and every
-    worker reports idle again (``wait_idle``)."""
+    worker reports idle again (``wait_all_idle``)."""
     ids = router.tokenize(prompt=text)
     r = httpx.post(f"{info['endpoint']}/v1/completions", timeout=120,
                    json={"model": cluster["model"], "prompt": ids, "max_tokens": 1})
     assert r.status_code == 200, r.text
     hashes = router.hasher.hashes(ids)
     wait_for(lambda: held(cluster["index"], hashes, f"worker:{info['worker_id']}", Tier.GPU))
-    wait_idle(cluster, time.time())
+    wait_all_idle(cluster, time.time())
     return list(hashes)
 
 
-def wait_idle(cluster: dict[str, Any], since: float) -> None:
-    """Wait until every worker's load report is newer than ``since`` (wall clock) and shows
-    nothing running, waiting or queued: a routing test's precondition, so a report taken while
-    a direct prefill still ran cannot make the holder look busy."""
-    def idle() -> bool:
-        loads = cluster["index"].loads()
-        return all((load := loads.get(i["worker_id"])) is not None and load.ts > since
-                   and load.running == 0 and load.waiting == 0
-                   and load.queued_prefill_tokens == 0 for i in cluster["infos"])
-    wait_for(idle, timeout_s=30, every_s=0.1)
+def wait_all_idle(cluster: dict[str, Any], since: float) -> None:
+    """:func:`wait_idle` for every worker of ``cluster``."""
+    wait_idle(cluster["index"], [i["worker_id"] for i in cluster["infos"]], since)
 
 
 def metric(endpoint: str, name: str, label: str = "") -> float:
@@ -200,7 +194,7 @@ def test_a_prompt_only_in_a_pool_goes_where_loading_is_cheapest_and_is_loaded(
     for info in cluster["infos"]:
         wait_for(lambda i=info: held(index, hashes, f"worker:{i['worker_id']}", None))
     assert held(index, hashes, pool, Tier.HOST)
-    wait_idle(cluster, time.time())
+    wait_all_idle(cluster, time.time())
     before = metric(a["endpoint"], "vllm:external_prefix_cache_hits_total")
     r = httpx.post(f"{gw.url}/v1/completions", timeout=120,
                    json={"model": NS, "prompt": text, "max_tokens": 1})
@@ -242,7 +236,7 @@ def shared_blocks_tokens(router: Any, first: list[dict[str, str]],
 def test_back_to_back_turn_reuses_the_previous_turn_on_the_same_vllm_worker(
         cluster: dict[str, Any], gateway: tuple[Gateway, Any]) -> None:
     gw, router = gateway
-    wait_idle(cluster, time.time())
+    wait_all_idle(cluster, time.time())
 
     def skipped() -> float:  # lookups the router's hint spared the engines
         return sum(metric(i["endpoint"], "vllm:kvshare_lookups_skipped_total", 'why="router"')
@@ -266,7 +260,7 @@ def test_back_to_back_turn_on_the_other_vllm_node_loads_the_previous_turn(
     node's pool (stored by the connector) and found by the other node's connector the moment
     the first answer ends."""
     gw, router = gateway
-    wait_idle(cluster, time.time())
+    wait_all_idle(cluster, time.time())
     first, second = back_to_back(2)
     answer, _, w1 = chat(gw, first)
     # the answer ended: its prompt's blocks are already in its node's pool, and indexed there
