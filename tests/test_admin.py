@@ -12,6 +12,7 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
+from http_helpers import Served
 
 from kvshare.layout import KVLayout
 
@@ -59,37 +60,6 @@ def wait_for(cond: Any, timeout_s: float = 5.0) -> Any:
         if got or time.monotonic() > deadline:
             return got
         time.sleep(0.05)
-
-
-class Gateway:
-    """A gateway app served by uvicorn on loopback in a background thread."""
-
-    def __init__(self, app: Any) -> None:
-        import socket
-        import threading
-
-        import uvicorn
-
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = int(s.getsockname()[1])
-        self.url = f"http://127.0.0.1:{port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
-                                                    log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        assert wait_for(lambda: _up(self.url + "/v1/models"), 30.0), "gateway did not start"
-
-    def close(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=10)
-
-
-def _up(url: str) -> bool:
-    try:
-        return httpx.get(url, timeout=1.0).status_code == 200
-    except httpx.HTTPError:
-        return False
 
 
 def leases(pool: Any, ns: str) -> int:
@@ -262,8 +232,8 @@ def test_gateway_pins_and_prefetches_by_prompt_text(kv: dict[str, Any]) -> None:
     hs = router.hashes(router.tokenize(prompt), Tenant("acme", "s1"))
     assert len(hs) == 6
     assert write(kv["pa"], FETCH, hs) == [""] * 6  # stored
-    gw = Gateway(create_app(router, parse_api_keys(keys), admin=ClusterAdmin(RAY_NS)))
-    bare = Gateway(create_app(router, parse_api_keys(keys)))  # static-workers mode: no cluster
+    gw = Served(create_app(router, parse_api_keys(keys), admin=ClusterAdmin(RAY_NS)))
+    bare = Served(create_app(router, parse_api_keys(keys)))  # static-workers mode: no cluster
     try:
         def post(op: str, key: str = "k-acme", url: str = gw.url, **body: Any) -> httpx.Response:
             return httpx.post(f"{url}/v1/kvshare/{op}", content=json.dumps(body), timeout=60,
@@ -318,8 +288,8 @@ def test_gateway_pins_and_prefetches_by_prompt_text(kv: dict[str, Any]) -> None:
         r = post("pin", url=bare.url, prompt=prompt, ttl_s=3, name="x")
         assert r.status_code == 501 and r.json()["error"]["code"] == "no_cluster"
     finally:
-        gw.close()
-        bare.close()
+        gw.stop()
+        bare.stop()
 
 
 def kvshare_cli(*args: str) -> Any:

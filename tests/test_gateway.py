@@ -8,7 +8,6 @@ import socket
 import subprocess
 import sys
 import textwrap
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,7 +16,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
-import uvicorn
+from http_helpers import Served
 
 from actors.index.global_index import GlobalIndex
 from kvshare.events import BlockStored
@@ -124,36 +123,19 @@ def worker_urls(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[str]]
             p.wait(timeout=10)
 
 
-class Gateway:
-    """A gateway app served by uvicorn on loopback in a background thread."""
-
-    def __init__(self, app: Any) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port,
-                                                    log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        wait_http(self.url + "/v1/models")
-
-    def close(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=10)
-
-
 @pytest.fixture(scope="module")
-def setup(worker_urls: list[str]) -> Iterator[tuple[Gateway, GlobalIndex, CacheAwareRouter]]:
+def setup(worker_urls: list[str]) -> Iterator[tuple[Served, GlobalIndex, CacheAwareRouter]]:
     index = GlobalIndex()
     index.declare_namespace(NS)
     infos = [WorkerInfo(WorkerId(f"w{i}"), NodeId(f"n{i}"), (NS,), u) for i, u in enumerate(worker_urls)]
     router = CacheAwareRouter(InProcessIndex(index), StaticWorkers(infos),
                               RouterConfig(namespace=NS, model_id="m", block_tokens=BT))
-    gw = Gateway(create_app(router, parse_api_keys(KEYS)))
+    gw = Served(create_app(router, parse_api_keys(KEYS)))
     yield gw, index, router
-    gw.close()
+    gw.stop()
 
 
-def client(gw: Gateway, key: str = "key-acme") -> openai.OpenAI:
+def client(gw: Served, key: str = "key-acme") -> openai.OpenAI:
     return openai.OpenAI(base_url=gw.url + "/v1", api_key=key, max_retries=0, timeout=20)
 
 
@@ -241,13 +223,13 @@ def test_unreachable_worker_is_a_502_not_a_crash() -> None:
     dead = f"http://127.0.0.1:{free_port()}"
     router = CacheAwareRouter(None, StaticWorkers([WorkerInfo(WorkerId("d"), NodeId("n"), (NS,), dead)]),
                               RouterConfig(namespace=NS))
-    gw = Gateway(create_app(router))
+    gw = Served(create_app(router))
     try:
         r = httpx.post(gw.url + "/v1/completions", json={"prompt": "hello"}, timeout=20)
         assert r.status_code == 502 and r.json()["error"]["code"] == "worker_unreachable"
         assert len(router.inflight) == 0
     finally:
-        gw.close()
+        gw.stop()
 
 
 def test_a_dead_worker_is_routed_around(worker_urls: list[str]) -> None:
@@ -255,7 +237,7 @@ def test_a_dead_worker_is_routed_around(worker_urls: list[str]) -> None:
     infos = [WorkerInfo(WorkerId("dead"), NodeId("n9"), (NS,), dead),
              WorkerInfo(WorkerId("live"), NodeId("n0"), (NS,), worker_urls[0])]
     router = CacheAwareRouter(None, StaticWorkers(infos), RouterConfig(namespace=NS))
-    gw = Gateway(create_app(router))
+    gw = Served(create_app(router))
     try:
         with httpx.Client(base_url=gw.url, timeout=20) as http:
             for i in range(4):  # every request succeeds; the dead one is tried at most once
@@ -265,7 +247,7 @@ def test_a_dead_worker_is_routed_around(worker_urls: list[str]) -> None:
         assert 'kvshare_gateway_upstream_requests_total{status="unreachable",worker="dead"} 1.0' in text
         assert len(router.inflight) == 0
     finally:
-        gw.close()
+        gw.stop()
 
 
 def test_kvshare_gateway_command_serves_static_workers(worker_urls: list[str], tmp_path: Path) -> None:
@@ -302,7 +284,7 @@ def test_gateway_drives_the_reference_worker_without_retokenizing() -> None:
     router = CacheAwareRouter(
         None, StaticWorkers([WorkerInfo(WorkerId("ref0"), NodeId("n0"), (NS,), endpoint)]),
         RouterConfig.from_model_keys(engine.keys, namespace=NS), engine.keys.tokenizer)
-    gw = Gateway(create_app(router, parse_api_keys(KEYS)))
+    gw = Served(create_app(router, parse_api_keys(KEYS)))
     try:
         for key in ("key-acme", "key-globex"):  # two tenants, two salts: both accepted
             out = client(gw, key).completions.create(model=NS, prompt=PROMPT, max_tokens=3)
@@ -312,5 +294,5 @@ def test_gateway_drives_the_reference_worker_without_retokenizing() -> None:
             model=NS, messages=[{"role": "user", "content": PROMPT}], max_tokens=2, stream=True)
         assert sum(1 for _ in chat) >= 1
     finally:
-        gw.close()
+        gw.stop()
         server.stop()

@@ -8,22 +8,20 @@ same in front of them."""
 from __future__ import annotations
 
 import json
-import threading
 import time
 from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import pytest
-import uvicorn
 
 pytest.importorskip("vllm")
 
 from kvshare.breakdown import GATEWAY_STAGES  # noqa: E402
 from kvshare.types import Tier  # noqa: E402
 from kvshare.vllm.launch import reset_prefix_cache  # noqa: E402
-from tests.http_helpers import wait_idle  # noqa: E402
-from tests.vllm_helpers import free_port, tiny_model, wait_for  # noqa: E402
+from tests.http_helpers import Served, wait_idle  # noqa: E402
+from tests.vllm_helpers import tiny_model, wait_for  # noqa: E402
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 RAY_NS = "kvshare-vllm-cluster"
@@ -61,23 +59,8 @@ def cluster(ray_cluster: Any, tmp_path_factory: pytest.TempPathFactory) -> Itera
         shutdown(RAY_NS)
 
 
-class Gateway:
-    def __init__(self, app: Any) -> None:
-        self.url = f"http://127.0.0.1:{free_port()}"
-        port = int(self.url.rsplit(":", 1)[1])
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
-                                                    log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        wait_for(lambda: self.server.started)
-
-    def close(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=10)
-
-
 @pytest.fixture(scope="module")
-def gateway(cluster: dict[str, Any]) -> Iterator[tuple[Gateway, Any]]:
+def gateway(cluster: dict[str, Any]) -> Iterator[tuple[Served, Any]]:
     from kvshare.tokenizer import HFTokenizer
     from router.embed import CacheAwareRouter, RouterConfig
     from router.gateway import create_app
@@ -89,11 +72,11 @@ def gateway(cluster: dict[str, Any]) -> Iterator[tuple[Gateway, Any]]:
     assert cfg.block_tokens == BLOCK
     router = CacheAwareRouter(cluster["index"], IndexWorkers(cluster["index"]), cfg,
                               HFTokenizer(cluster["model"]))
-    gw = Gateway(create_app(router))
+    gw = Served(create_app(router))
     try:
         yield gw, router
     finally:
-        gw.close()
+        gw.stop()
 
 
 def test_workers_register_with_node_endpoint_namespace_and_layout(cluster: dict[str, Any]) -> None:
@@ -109,7 +92,7 @@ def test_workers_register_with_node_endpoint_namespace_and_layout(cluster: dict[
 
 
 def test_gateway_routes_a_prompt_to_the_vllm_worker_whose_cache_holds_it(
-        cluster: dict[str, Any], gateway: tuple[Gateway, Any]) -> None:
+        cluster: dict[str, Any], gateway: tuple[Served, Any]) -> None:
     gw, router = gateway
     for n, info in enumerate(cluster["infos"]):
         text = f"Worker {n} alone has read this document. " * 30
@@ -163,7 +146,7 @@ def held(index: Any, hashes: list[Any], loc: str, tier: Tier | None) -> bool:
 
 
 def test_chat_reaches_vllm_as_the_gateways_token_ids(
-        cluster: dict[str, Any], gateway: tuple[Gateway, Any]) -> None:
+        cluster: dict[str, Any], gateway: tuple[Served, Any]) -> None:
     gw, router = gateway
     msgs = [{"role": "system", "content": "You answer questions about caches. " * 20},
             {"role": "user", "content": "Which blocks does a prefix cache keep?"}]
@@ -179,7 +162,7 @@ def test_chat_reaches_vllm_as_the_gateways_token_ids(
 
 
 def test_a_prompt_only_in_a_pool_goes_where_loading_is_cheapest_and_is_loaded(
-        cluster: dict[str, Any], gateway: tuple[Gateway, Any]) -> None:
+        cluster: dict[str, Any], gateway: tuple[Served, Any]) -> None:
     gw, router = gateway
     index = cluster["index"]
     a = cluster["infos"][0]
@@ -205,7 +188,7 @@ def test_a_prompt_only_in_a_pool_goes_where_loading_is_cheapest_and_is_loaded(
     assert loaded >= (len(hashes) - 1) * BLOCK, loaded  # vLLM loaded it through the connector
 
 
-def chat(gw: Gateway, messages: list[dict[str, str]]) -> tuple[str, int, str]:
+def chat(gw: Served, messages: list[dict[str, str]]) -> tuple[str, int, str]:
     """One chat turn through the gateway: (answer text, cached prompt tokens, worker)."""
     r = httpx.post(f"{gw.url}/v1/chat/completions", timeout=120,
                    json={"model": NS, "messages": messages, "max_tokens": 2})
@@ -234,7 +217,7 @@ def shared_blocks_tokens(router: Any, first: list[dict[str, str]],
 
 
 def test_back_to_back_turn_reuses_the_previous_turn_on_the_same_vllm_worker(
-        cluster: dict[str, Any], gateway: tuple[Gateway, Any]) -> None:
+        cluster: dict[str, Any], gateway: tuple[Served, Any]) -> None:
     gw, router = gateway
     wait_all_idle(cluster, time.time())
 
@@ -255,7 +238,7 @@ def test_back_to_back_turn_reuses_the_previous_turn_on_the_same_vllm_worker(
 
 
 def test_back_to_back_turn_on_the_other_vllm_node_loads_the_previous_turn(
-        cluster: dict[str, Any], gateway: tuple[Gateway, Any]) -> None:
+        cluster: dict[str, Any], gateway: tuple[Served, Any]) -> None:
     """Read-after-write across nodes: the blocks the first turn's engine computed are in its
     node's pool (stored by the connector) and found by the other node's connector the moment
     the first answer ends."""
@@ -278,7 +261,7 @@ def test_back_to_back_turn_on_the_other_vllm_node_loads_the_previous_turn(
 
 
 def test_serve_kvshare_router_in_front_of_vllm_replicas(cluster: dict[str, Any],
-                                                        gateway: tuple[Gateway, Any]) -> None:
+                                                        gateway: tuple[Served, Any]) -> None:
     from ray import serve
 
     from router.serve_vllm import KVSHARE_ROUTER, ServeCompletion, vllm_app
