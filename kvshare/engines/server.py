@@ -203,10 +203,12 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def listening_socket(host: str, port: int) -> socket.socket:
-    """Bind ``host:port`` (port 0: any free one) and keep it bound for the server to use.
+    """Bind ``host:port`` (port 0: any free one) for an HTTP server to serve on (uvicorn's
+    ``Server.run(sockets=[...])``).
 
-    Holding the socket from here to serving is what stops another process taking a port
-    picked by :func:`free_port` in between. Raises OSError naming the address if it is taken.
+    Holding the bound socket until the server runs is what stops another process taking the
+    port in between (as it can after :func:`free_port`). Raises OSError naming the address if
+    it is taken.
     """
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
@@ -215,7 +217,7 @@ def listening_socket(host: str, port: int) -> socket.socket:
         sock.bind((host, port))
     except OSError as exc:
         sock.close()
-        raise OSError(exc.errno, f"worker HTTP server cannot bind {host}:{port} ({exc.strerror}); "
+        raise OSError(exc.errno, f"HTTP server cannot bind {host}:{port} ({exc.strerror}); "
                                  "pass a free port, or 0 for any") from exc
     sock.set_inheritable(True)
     return sock
