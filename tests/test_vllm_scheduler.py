@@ -313,6 +313,40 @@ def test_a_router_hint_of_nothing_more_skips_the_lookup(model: str) -> None:
     assert off.connector.counters["lookups"] == 1 and "lookups_skipped_router" not in off.connector.counters
 
 
+
+def test_a_router_hint_older_than_its_max_age_is_not_trusted(model: str) -> None:
+    """A request that queued at the engine longer than ``router_hint_max_age_s`` is looked up
+    although its hint said the cluster held nothing: the blocks stored while it waited (here,
+    the whole prompt) are loaded, not recomputed; a fresh hint of the same kind skips the lookup."""
+    from kvshare.vllm.router_hint import encode
+
+    sched = make_scheduler(model, extra={"router_hint_max_age_s": 0.5})
+    toks = tokens(41)
+    seed_pool(sched, toks)  # stored after the router's query: its hint says 0
+    late = request("a0", toks, max_tokens=1, kv_transfer_params=encode(0))
+    late.arrival_time -= 2.0  # it has waited 2 s in the engine's queue
+    sched.add_request(late)
+    out = schedule_until(sched, lambda o: "a0" in o.num_scheduled_tokens)
+    assert out.num_scheduled_tokens["a0"] == len(toks) - 4 * BLOCK  # loaded from the pool
+    counters = sched.connector.counters
+    assert counters["router_hints_expired"] == 1 and counters["lookups"] == 1
+    assert "lookups_skipped_router" not in counters
+    sched.update_from_output(out, output([late]))
+    fresh = request("a1", tokens(42), max_tokens=1, kv_transfer_params=encode(0))
+    sched.add_request(fresh)
+    out = sched.schedule()
+    assert out.num_scheduled_tokens == {"a1": len(fresh.prompt_token_ids)}
+    counters = sched.connector.counters
+    assert counters["lookups_skipped_router"] == 1 and counters["router_hints_expired"] == 1
+
+
+def test_a_negative_router_hint_max_age_is_refused_by_name() -> None:
+    from kvshare.vllm.config import ConnectorSettings
+
+    with pytest.raises(ValueError, match="router_hint_max_age_s"):
+        ConnectorSettings.from_extra({"namespace": "t", "router_hint_max_age_s": -1})
+    assert ConnectorSettings.from_extra({"namespace": "t"}).router_hint_max_age_s == 1.0
+
 class GatedIndex:
     """The test's client, except that lookups of the prompts in ``gated`` wait for ``open``
     (an index that answers late); everything else goes to the client."""

@@ -32,7 +32,10 @@
   the longest prefix of the prompt held anywhere in the cluster, its pending blocks
   included); when that is no more than vLLM's own prefix hit plus part of one block the
   engine does not ask the index again (:mod:`kvshare.vllm.router_hint`). false: every
-  request is looked up.
+  request is looked up; ``router_hint_max_age_s`` (default 1.0): a hint is trusted only
+  while the request has waited less than this since it reached the engine (a request that
+  queued longer is looked up: blocks stored meanwhile are worth the query, which is small
+  beside that wait).
 
 Keys (:func:`model_keys`): the namespace root hashes the model identity (config, weight
 manifest and sampled weight bytes, tokenizer files; :func:`kvshare.identity.
@@ -75,6 +78,7 @@ class ConnectorSettings:
     lookup_threads: int = 4
     price_lookups: bool = True
     router_hints: bool = True
+    router_hint_max_age_s: float = 1.0
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorSettings:
@@ -107,6 +111,7 @@ class ConnectorSettings:
                 lookup_threads=int(data.get("lookup_threads", 4)),
                 price_lookups=_as_bool(data.get("price_lookups", True)),
                 router_hints=_as_bool(data.get("router_hints", True)),
+                router_hint_max_age_s=float(data.get("router_hint_max_age_s", 1.0)),
             )
         except (TypeError, ValueError) as exc:
             raise ValueError(f"KVShareConnector: bad kv_connector_extra_config value: {exc}") from exc
@@ -120,6 +125,9 @@ class ConnectorSettings:
         if not s.sync_save_mib >= 0:
             raise ValueError(f'KVShareConnector: "sync_save_mib" must be >= 0 (0: every save in '
                              f'the background), got {s.sync_save_mib}')
+        if not s.router_hint_max_age_s >= 0:
+            raise ValueError(f'KVShareConnector: "router_hint_max_age_s" must be >= 0 (0: no hint '
+                             f'is trusted), got {s.router_hint_max_age_s}')
         if s.lookup_threads < 1:
             raise ValueError(f'KVShareConnector: "lookup_threads" must be >= 1, got {s.lookup_threads}')
         if s.block_tokens <= 0:

@@ -159,7 +159,8 @@ class KVShareConnector(KVConnectorBase_V1):
             self._sched = SchedulerSide(client, self.keys, page, save=st.save,
                                         sync_local_bytes=int(st.sync_local_mib * 2**20),
                                         lookups=Lookups(st.lookup_threads, priced=st.price_lookups),
-                                        router_hints=st.router_hints)
+                                        router_hints=st.router_hints,
+                                        hint_max_age_s=st.router_hint_max_age_s)
             _SIDES.append(self._sched)
         else:
             from vllm.distributed.parallel_state import (

@@ -16,8 +16,11 @@ are about to write), a multiple of the router's block size. The connector skips 
 ``N`` leaves less than one block beyond vLLM's own prefix hit
 (:meth:`kvshare.vllm.scheduler_side.SchedulerSide.num_new_matched_tokens`); otherwise, or with no
 hint, or a malformed one (counted), it looks up as always. A stale hint costs at most a
-recompute of blocks stored after the router's query, never a wrong token. A router whose index
-did not answer sends no hint.
+recompute of blocks stored after the router's query, never a wrong token; and a hint is
+trusted only while the request has waited less than the connector's ``router_hint_max_age_s``
+(default 1 s) since it reached the engine: a request that queued longer is looked up (counted,
+``router_hints_expired``), since blocks stored meanwhile are worth a query that is small beside
+that wait. A router whose index did not answer sends no hint.
 """
 
 from __future__ import annotations

@@ -75,7 +75,8 @@ class SchedulerSide:
 
     def __init__(self, client: KVClient, keys: ModelKeys, page_tokens: int, *, save: bool = True,
                  lookup_wait_s: float = 0.02, sync_local_bytes: int = 0,
-                 lookups: Lookups | None = None, router_hints: bool = True) -> None:
+                 lookups: Lookups | None = None, router_hints: bool = True,
+                 hint_max_age_s: float = 1.0) -> None:
         self.client = client
         self.keys = keys
         self.block_tokens = keys.layout.block_tokens
@@ -84,6 +85,7 @@ class SchedulerSide:
         self.lookup_wait_s = lookup_wait_s
         self.sync_local_bytes = sync_local_bytes
         self.router_hints = router_hints
+        self.hint_max_age_s = hint_max_age_s
         self._reqs: dict[str, _Req] = {}
         self._loads: list[LoadSpec] = []
         self._sending: set[str] = set()
@@ -126,6 +128,9 @@ class SchedulerSide:
         if st is None or not st.hashes or st.failed or st.loads >= MAX_LOADS:
             return 0, False
         most = min(len(st.hashes) * self.block_tokens, int(request.num_tokens) - 1)
+        if st.held_tokens is not None and st.lookup is None and self._hint_stale(request):
+            st.held_tokens = None  # queued too long: what was stored since is worth the query
+            self._count("router_hints_expired")
         reach = most if st.held_tokens is None else min(most, st.held_tokens)
         if st.lookup is None and reach - num_computed < self.block_tokens:
             # The cluster can add less than a block, not worth a wait on the index: vLLM's own
@@ -171,6 +176,13 @@ class SchedulerSide:
         st.hit_tokens = hit
         st.sync = self._sync(plan, hit, hit - num_computed)
         return hit - num_computed, not st.sync
+
+    def _hint_stale(self, request: Any) -> bool:
+        """Whether the request has waited ``hint_max_age_s`` or more since it reached the
+        engine (vLLM's ``Request.arrival_time``, wall clock, set by this host's frontend): its
+        router's snapshot of the cluster is that old at least."""
+        arrived = getattr(request, "arrival_time", None)
+        return arrived is None or time.time() - float(arrived) >= self.hint_max_age_s
 
     def _answered(self, st: _Req) -> None:
         """Count how long the request was held for its lookup (first ask to answer: the

@@ -24,6 +24,8 @@ server's ``/metrics``, next to vLLM's own:
   save; ``vllm:kvshare_lookups_skipped_total{why}``: requests scheduled with no lookup,
   ``why`` = ``own_cache`` (vLLM's own hit leaves the cluster less than a block to add) or
   ``router`` (the router's hint says the cluster holds no more: :mod:`kvshare.vllm.router_hint`);
+  ``vllm:kvshare_router_hints_ignored_total{why}``: hints the connector did not trust,
+  ``why`` = ``malformed`` or ``expired`` (the request queued ``router_hint_max_age_s`` or more);
 - ``vllm:kvshare_sync_saves_total``, ``vllm:kvshare_sync_save_seconds_total`` and
   ``vllm:kvshare_sync_saves_late_total`` (worker role): steps that waited for their saves
   before vLLM saw their output (``sync_save_mib``: read-after-write), the seconds they waited,
@@ -53,10 +55,12 @@ STORED = "bytes_stored"
 WAITS = ("local", "remote")
 _WAIT_KEYS = tuple(f"{p}{w}" for w in WAITS for p in ("load_reported_seconds_", "loads_"))
 LOOKUP_KEYS = (LOOKUP_WAIT, LOOKUPS_ANSWERED, "lookup_seconds", "lookups", "lookups_abandoned",
-               "lookups_skipped", "lookups_skipped_router")
+               "lookups_skipped", "lookups_skipped_router", "router_hints_malformed",
+               "router_hints_expired")
 SAVE_KEYS = ("sync_saves", "sync_save_s", "sync_saves_late")
 """The worker side's synchronous-save counters."""
 SKIPPED = {"lookups_skipped": "own_cache", "lookups_skipped_router": "router"}
+HINTS_IGNORED = {"router_hints_malformed": "malformed", "router_hints_expired": "expired"}
 
 
 def byte_counters(counters: Mapping[str, float]) -> dict[str, float]:
@@ -158,6 +162,10 @@ class KVSharePromMetrics(KVConnectorPromMetrics):
         self.skipped = counter(
             "lookups_skipped", "Requests scheduled with no kvshare lookup: vLLM's own cache "
             "(own_cache) or the router's hint (router) left the cluster nothing to add.", "why")
+        self.hints_ignored = counter(
+            "router_hints_ignored", "Router hints the kvshare connector did not trust "
+            "(malformed, or expired: the request queued longer than router_hint_max_age_s).",
+            "why")
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         labels = self.per_engine_labelvalues[engine_idx]
@@ -178,6 +186,8 @@ class KVSharePromMetrics(KVConnectorPromMetrics):
                 self._saves[key].labels(*labels).inc(value)
             elif key in SKIPPED:
                 self.skipped.labels(*labels, SKIPPED[key]).inc(value)
+            elif key in HINTS_IGNORED:
+                self.hints_ignored.labels(*labels, HINTS_IGNORED[key]).inc(value)
             elif not key.startswith("bytes_"):
                 continue
             elif key == STORED:
