@@ -48,6 +48,31 @@ def test_slab_and_epochs_live_in_the_configured_directory(
     assert os.listdir(tmp_path) == []  # the owner unlinks both
 
 
+def test_a_reader_maps_the_pools_directory_whatever_its_own_environment_says(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker started without the pool's ``KVSHARE_SHM_DIR`` (a vLLM server launched apart
+    from ``kvshare up``) still reads over shm: the pool's slab info names the directory."""
+    monkeypatch.setenv(SHM_DIR_ENV, str(tmp_path))
+    ns, node = f"se{os.getpid()}", "se-a"
+    src = make_local_source(ns, node, LAYOUT, 8, nixl=False)
+    monkeypatch.delenv(SHM_DIR_ENV)  # the reader's environment: /dev/shm
+    reader = ShmTransport(node, verify=True)
+    try:
+        info = src.slab_info()
+        assert info is not None and info.directory == str(tmp_path)
+        block = BlockHash(b"e" * 32)
+        data = np.random.default_rng(4).integers(0, 255, B, dtype=np.uint8)
+        assert src.pool.put(block, data)
+        dest = np.zeros((1, B), np.uint8)
+        res = reader.read(LocalControl(src), [block], list(dest))
+        assert res.ok and np.array_equal(dest[0], data)
+    finally:
+        reader.close()
+        src.close()
+        src.pool.close()
+    assert os.listdir(tmp_path) == []
+
 @pytest.mark.parametrize("bad", ["missing", "a-file"])
 def test_a_directory_that_cannot_hold_slabs_is_refused_by_name(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, bad: str

@@ -37,9 +37,10 @@ def shm_dir() -> str:
     """The directory of this node's host slabs and their epochs: ``$KVSHARE_SHM_DIR``, else
     ``/dev/shm``. Point it at a hugetlbfs mount (``mount -t hugetlbfs -o pagesize=2M none
     /mnt/huge`` with pages reserved in ``vm.nr_hugepages``) or a tmpfs mounted with
-    ``huge=within_size`` to back slabs with 2 MiB pages. Every process of the node that maps
-    slabs (pools, and workers reading over shm) must see the same value: set it where Ray is
-    started. Raises ValueError when it is not a writable directory."""
+    ``huge=within_size`` to back slabs with 2 MiB pages. The pools read it (set it where Ray is
+    started); a worker reading over shm maps the directory its pool names in its
+    :class:`~kvshare.transfer.wire.SlabInfo`. Raises ValueError when it is not a writable
+    directory."""
     path = os.environ.get(SHM_DIR_ENV) or SHM_DIR
     if not os.path.isdir(path) or not os.access(path, os.W_OK | os.X_OK):
         raise ValueError(
@@ -191,6 +192,7 @@ class HostSlab(TierStore):
         create: bool = True,
         pin_cuda: bool = True,
         stream_copies: bool = True,
+        directory: str = "",
     ) -> None:
         check_geometry("host slab", slot_bytes, num_slots)
         self.slot_bytes = slot_bytes
@@ -204,7 +206,7 @@ class HostSlab(TierStore):
         if name is None:
             self._mm = mmap.mmap(-1, size)
         else:
-            where = shm_dir()
+            where = directory or shm_dir()
             path = self.path = os.path.join(where, name)
             mapped = file_bytes(where, size)
             if create:
@@ -244,9 +246,10 @@ class HostSlab(TierStore):
                 self._pin_cuda()
 
     @classmethod
-    def attach(cls, name: str, slot_bytes: int, num_slots: int) -> HostSlab:
-        """Map an existing slab created by a pool on this node (read-write)."""
-        return cls(slot_bytes, num_slots, name, create=False, pin_cuda=False)
+    def attach(cls, name: str, slot_bytes: int, num_slots: int, directory: str = "") -> HostSlab:
+        """Map an existing slab created by a pool on this node (read-write), from ``directory``
+        (the pool's: :class:`~kvshare.transfer.wire.SlabInfo`) or else :func:`shm_dir`."""
+        return cls(slot_bytes, num_slots, name, create=False, pin_cuda=False, directory=directory)
 
     def _pin_cuda(self) -> None:
         try:

@@ -28,12 +28,13 @@ def epochs_name(slab_name: str) -> str:
 
 
 class SharedEpochs:
-    """``num_slots`` int64 epochs in ``{shm_dir}/{name}``; the creator owns (and unlinks) it."""
+    """``num_slots`` int64 epochs in ``{directory or shm_dir()}/{name}``; the creator owns (and
+    unlinks) it."""
 
-    def __init__(self, name: str, num_slots: int, *, create: bool) -> None:
+    def __init__(self, name: str, num_slots: int, *, create: bool, directory: str = "") -> None:
         self.name = name
         self._owner = create
-        where = shm_dir()
+        where = directory or shm_dir()
         self.path = os.path.join(where, name)
         size = 8 * num_slots
         mapped = file_bytes(where, size)  # hugetlbfs: whole huge pages

@@ -71,9 +71,11 @@ class ShmTransport(Transport):
                 ep = self._epochs.pop(old, None)
                 if ep is not None:
                     ep.close()
-            slab = self._slabs[info.name] = HostSlab.attach(info.name, info.slot_bytes, info.num_slots)
+            slab = self._slabs[info.name] = HostSlab.attach(info.name, info.slot_bytes,
+                                                            info.num_slots, info.directory)
             if info.epochs:
-                self._epochs[info.name] = SharedEpochs(info.epochs, info.num_slots, create=False)
+                self._epochs[info.name] = SharedEpochs(info.epochs, info.num_slots, create=False,
+                                                       directory=info.directory)
         return slab
 
     def _local_slab(self, info: SlabInfo | None) -> HostSlab | None:

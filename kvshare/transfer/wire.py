@@ -45,6 +45,9 @@ class SlabInfo:
     generation: int
     node: str
     epochs: str = ""  # shared-memory slot epochs (kvshare.transfer.epochs); "" = ask the pool
+    # the directory of both files (the pool's KVSHARE_SHM_DIR, kvshare.tiers.host.shm_dir), so a
+    # reader maps them whatever its own environment says; "" = the reader's shm_dir()
+    directory: str = ""
 
 
 @dataclass(frozen=True)
