@@ -176,10 +176,9 @@ def gateway_process(address: str, model: str,
 
 def full_blocks(router: Any, one: str, other: str) -> int:
     """Tokens in the full share blocks the prompts ``one`` and ``other`` start with."""
-    a, b = router.tokenize(prompt=one), router.tokenize(prompt=other)
-    common = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y),
-                  min(len(a), len(b)))
-    return common // BLOCK * BLOCK
+    from kvshare.hashing import shared_block_tokens
+
+    return shared_block_tokens(router.tokenize(prompt=one), router.tokenize(prompt=other), BLOCK)
 
 
 def healthy_workers(url: str) -> int:

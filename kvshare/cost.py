@@ -203,9 +203,6 @@ class Bandwidths:
         )
 
 
-_FIRST_REMOTE = Source.REMOTE_GPU
-
-
 @dataclass(frozen=True)
 class CutPlan:
     """A chosen cut point and its estimated cost."""
@@ -222,7 +219,8 @@ class CutPlan:
 
     @property
     def remote_blocks(self) -> int:
-        return sum([v for s, v in self.sources.items() if s >= _FIRST_REMOTE])  # (Source.remote)
+        """Blocks the plan fetches from other nodes (:attr:`Source.remote` sources)."""
+        return sum([v for s, v in self.sources.items() if s >= REMOTE_OFFSET])
 
 
 @dataclass(frozen=True)

@@ -274,3 +274,14 @@ def block_hashes(
             prev = h.digest()
             append(prev)
     return cast(list[BlockHash], out)
+
+
+def shared_block_tokens(a: Sequence[int], b: Sequence[int], block_tokens: int) -> int:
+    """Tokens of the full blocks of ``block_tokens`` that ``a`` and ``b`` start with: the most
+    of either prompt the other's cached blocks can serve (their hash chains agree exactly that
+    far, for the same root)."""
+    if block_tokens <= 0:
+        raise ValueError(f"block_tokens must be positive, got {block_tokens}")
+    common = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y),
+                  min(len(a), len(b)))
+    return common // block_tokens * block_tokens

@@ -4,7 +4,6 @@ reference worker does (register, renew every 0.1 s, register again when the inde
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from typing import Any
@@ -14,12 +13,6 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from kvshare.engines.server import listening_socket
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class Served:

@@ -4,7 +4,6 @@ the OpenAI API and say who served, httpx and the official ``openai`` client."""
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 import textwrap
@@ -19,6 +18,7 @@ import pytest
 from http_helpers import Served
 
 from actors.index.global_index import GlobalIndex
+from kvshare.engines.server import free_port
 from kvshare.events import BlockStored
 from kvshare.types import NodeId, Tier, WorkerId, node_location
 from kvshare.workers import WorkerInfo
@@ -83,12 +83,6 @@ WORKER = textwrap.dedent('''
 
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning")
 ''')
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def wait_http(url: str, timeout: float = 30.0) -> None:

@@ -26,9 +26,10 @@ from typing import Any
 import httpx
 import pytest
 from engine_helpers import BLOCK, SMALL
-from http_helpers import free_port, serve_app
+from http_helpers import serve_app
 
 from kvshare.engines.hf import EngineConfig, model_keys
+from kvshare.engines.server import free_port
 from kvshare.types import NodeId, WorkerId
 from kvshare.workers import WorkerInfo
 from router.admission import AdmissionConfig

@@ -215,3 +215,15 @@ def test_same_bytes_under_another_pythonhashseed() -> None:
     for line in outputs[0].splitlines():
         name, *digests = line.split()
         assert tuple(digests) == VECTORS[HashFn(name)][:3]
+
+
+def test_shared_block_tokens_counts_the_full_blocks_two_prompts_start_with() -> None:
+    from kvshare.hashing import shared_block_tokens
+
+    a = list(range(100))
+    assert shared_block_tokens(a, a[:70] + [7] * 30, 16) == 64  # differ at 70: 4 full blocks
+    assert shared_block_tokens(a, a, 16) == 96  # the trailing partial block is not shared
+    assert shared_block_tokens(a, a[:40], 16) == 32  # one ends: its full blocks
+    assert shared_block_tokens([1, 2], [3, 4], 1) == 0
+    with pytest.raises(ValueError, match="block_tokens"):
+        shared_block_tokens(a, a, 0)

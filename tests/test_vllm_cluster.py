@@ -18,6 +18,7 @@ import pytest
 pytest.importorskip("vllm")
 
 from kvshare.breakdown import GATEWAY_STAGES  # noqa: E402
+from kvshare.hashing import shared_block_tokens  # noqa: E402
 from kvshare.types import Tier  # noqa: E402
 from kvshare.vllm.launch import reset_prefix_cache  # noqa: E402
 from tests.http_helpers import Served, wait_idle  # noqa: E402
@@ -211,9 +212,8 @@ def back_to_back(seed: int) -> tuple[list[dict[str, str]], list[dict[str, str]]]
 def shared_blocks_tokens(router: Any, first: list[dict[str, str]],
                          second: list[dict[str, str]]) -> int:
     """Tokens of the full share blocks both turns' prompts start with."""
-    a, b = router.tokenize(messages=first), router.tokenize(messages=second)
-    common = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
-    return common // BLOCK * BLOCK
+    return shared_block_tokens(router.tokenize(messages=first), router.tokenize(messages=second),
+                               BLOCK)
 
 
 def test_back_to_back_turn_reuses_the_previous_turn_on_the_same_vllm_worker(

@@ -18,6 +18,7 @@ import zmq
 
 pytest.importorskip("vllm")
 
+from kvshare.engines.server import free_port  # noqa: E402
 from kvshare.types import NodeId, Tier, WorkerId  # noqa: E402
 from kvshare.vllm.events import EventsConfig, KVEventsConsumer  # noqa: E402
 from kvshare.vllm.launch import VllmProcess, VllmSpec, reset_prefix_cache  # noqa: E402
@@ -29,7 +30,6 @@ from tests.vllm_helpers import (  # noqa: E402
     HASHER,
     NS,
     PAGE,
-    free_port,
     prompt_tokens,
     share_hashes,
     tiny_model,

@@ -4,7 +4,6 @@ server with kvshare's events wiring, an in-cluster index, and polling with a dea
 from __future__ import annotations
 
 import os
-import socket
 import time
 from collections.abc import Callable
 from typing import Any
@@ -25,12 +24,6 @@ def tiny_model(root: str) -> str:
     spec = TinyModelSpec(num_layers=2, hidden_size=128, num_heads=4, num_kv_heads=2,
                          intermediate_size=256)
     return build_tiny_llama(os.path.join(root, "tiny-vllm"), spec)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 HASHER = Hasher(MODEL_ID, LAYOUT_FP, BLOCK)
