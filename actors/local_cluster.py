@@ -73,9 +73,23 @@ def local_cluster(
         yield cluster
     finally:
         _stop_deployment()
-        ray.shutdown()
-        cluster.shutdown()  # type: ignore[no-untyped-call]
+        _shutdown(cluster)
         shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def _shutdown(cluster: Cluster, attempts: int = 3) -> None:
+    """Disconnect the driver and stop the cluster's nodes. A thread of the caller's that still
+    calls Ray (a router's background refresh, a replica's feed) connects the driver again
+    between the two, and ``Cluster.shutdown`` then refuses to remove the head: disconnect again
+    and retry, so the nodes never outlive the run (the last refusal is raised)."""
+    for attempt in range(attempts):
+        ray.shutdown()
+        try:
+            cluster.shutdown()  # type: ignore[no-untyped-call]
+            return
+        except ValueError:
+            if attempt == attempts - 1:
+                raise
 
 
 def _stop_deployment() -> None:

@@ -36,6 +36,14 @@ next step) and ``lookups_abandoned``, holds the connector gave up as costing mor
 could save; ``lookups_started`` and ``lookups_skipped`` (vLLM's own hit or the router's hint
 left the cluster nothing to add).
 
+Two regimes besides the default (every server's KV space holds the whole workload, and every
+router's requests go through the connector, so the routers differ in routing alone):
+``--vllm-pages N`` caps each server's KV cache at N pages, so the contexts outgrow the
+engine's own cache as on a busy GPU (``--pool-blocks``: each node's host pool); and
+``--peers-own-cache`` sends the peers' requests with kvshare's opt-out
+(:mod:`kvshare.vllm.opt_out`), so each peer gets vLLM's own prefix cache only, as its users
+run it, while kvshare's router uses the pools too: the whole-system comparison.
+
 Noise: a discarded warm-up run comes first (``--warmup-turns``); routers alternate order across
 ``--repeats``; ``--cores-per-server K`` pins server i to its own K cores, one OpenMP thread
 each (an engine per device; on a 2-core machine one core per server halved throughput: the
@@ -68,6 +76,8 @@ import numpy as np
 # run as a script, this file's folder comes first on sys.path, and benchmarks/router.py would
 # shadow the router package
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from kvshare.vllm import opt_out  # noqa: E402
 
 NS = "bench-vllm"
 BLOCK = 128  # kvshare share block (4 vLLM pages of 32)
@@ -164,7 +174,8 @@ def stages(d: dict[str, float], prefix: str = "") -> dict[str, float]:
 
 
 async def drive(handle: Any, convs: list[list[Turn]], max_tokens: int,
-                tracker: Any, timeout_s: float = 120.0) -> dict[str, Any]:
+                tracker: Any, timeout_s: float = 120.0,
+                extra: dict[str, Any] | None = None) -> dict[str, Any]:
     """Every conversation's turns in order (think time between), all conversations at once;
     one record per request: when it was sent and answered (``done_s``: a conversation's last
     one is when it ended; the run's completed/s is its requests over the last conversation's
@@ -172,7 +183,8 @@ async def drive(handle: Any, convs: list[list[Turn]], max_tokens: int,
     engine alone), the worker that served it and the tokens its cache supplied. A request
     not answered within ``timeout_s`` is cancelled and counted failed (a router that loses a
     request must not stall the run: Serve LLM's KVAwareRouter was seen to, when Dynamo's
-    selection service refused a retried request's second reservation)."""
+    selection service refused a retried request's second reservation). ``extra``: fields
+    added to every request's body (e.g. the opt-out of :mod:`kvshare.vllm.opt_out`)."""
     from router.serve_vllm import ServeCompletion
 
     records: list[dict[str, Any]] = []
@@ -184,7 +196,7 @@ async def drive(handle: Any, convs: list[list[Turn]], max_tokens: int,
         t0 = time.perf_counter()
         rec: dict[str, Any] = {"conversation": turn.conversation, "turn": k,
                                "sent_s": round(t0 - start, 3), "prompt_tokens": len(turn.ids)}
-        req = ServeCompletion(turn.text, turn.ids, max_tokens)
+        req = ServeCompletion(turn.text, turn.ids, max_tokens, extra or {})
         gen = handle.options(stream=True).remote(req, request_token_ids=turn.ids)
         try:
             async with asyncio.timeout(timeout_s):
@@ -251,7 +263,9 @@ async def run_router(name: str, handle: Any, convs: list[list[Turn]], args: argp
     await warm(handle, len(endpoints), tracker)
     before = counters(endpoints)
     load0 = os.getloadavg()[0]
-    out = await drive(handle, convs, args.max_tokens, tracker)
+    own_cache = args.peers_own_cache and name not in OURS  # as their users run them
+    out = await drive(handle, convs, args.max_tokens, tracker,
+                      extra={"kv_transfer_params": opt_out.encode(False)} if own_cache else None)
     after = counters(endpoints)
     out["load"] = (round(load0, 1), round(os.getloadavg()[0], 1))
     d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
@@ -304,9 +318,12 @@ async def warm(handle: Any, replicas: int, tracker: Any) -> None:
             await tracker.on_request_completed(gen.request_id)
 
 
-def start_servers(model: str, connector: bool, cores: int) -> list[dict[str, Any]]:
-    """kvshare on the cluster and one vLLM server per ``vllm_slot`` node; ``cores`` > 0:
-    server i on this machine's cores [i*cores, (i+1)*cores), one OpenMP thread each."""
+def start_servers(model: str, connector: bool, cores: int, vllm_pages: int = 0,
+                  pool_blocks: int = 64, max_model_len: int = 4096) -> list[dict[str, Any]]:
+    """kvshare on the cluster (``pool_blocks`` share blocks of host pool per node) and one vLLM
+    server per ``vllm_slot`` node (``vllm_pages`` > 0: at most that many KV pages, else what
+    its KV space holds); ``cores`` > 0: server i on this machine's cores [i*cores,
+    (i+1)*cores), one OpenMP thread each."""
     import ray
 
     from actors.config import NamespaceSpec
@@ -315,14 +332,15 @@ def start_servers(model: str, connector: bool, cores: int) -> list[dict[str, Any
     from kvshare.vllm.worker import VllmKeys
 
     keys = VllmKeys.from_model(model, BLOCK)
-    deploy(namespaces=[NamespaceSpec(NS, keys.layout, host_bytes=64 * keys.layout.bytes_per_block)])
+    deploy(namespaces=[NamespaceSpec(NS, keys.layout,
+                                     host_bytes=pool_blocks * keys.layout.bytes_per_block)])
     ids = sorted(n["NodeID"] for n in ray.nodes() if n["Alive"] and "vllm_slot" in n["Resources"])
     usable = sorted(os.sched_getaffinity(0))
     if cores * len(ids) > len(usable):
         raise SystemExit(f"--cores-per-server {cores} x {len(ids)} servers: only {len(usable)} cores")
     cpus = [tuple(usable[i * cores:(i + 1) * cores]) for i in range(len(ids))] if cores else []
-    return start_workers(model, ids, namespace=NS, block_tokens=BLOCK, max_model_len=4096,
-                         connector=connector, cpus=cpus)
+    return start_workers(model, ids, namespace=NS, block_tokens=BLOCK, max_model_len=max_model_len,
+                         connector=connector, cpus=cpus, num_blocks=vllm_pages or None)
 
 
 def summary(name: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -367,6 +385,8 @@ def report(runs: dict[str, list[dict[str, Any]]], args: argparse.Namespace, t_st
                            "repeats": args.repeats,
                            "connector": args.connector, "cores_per_server": args.cores_per_server,
                            "kvshare_kwargs": args.kvshare_kwargs,
+                           "vllm_pages": args.vllm_pages, "pool_blocks": args.pool_blocks,
+                           "peers_own_cache": args.peers_own_cache,
                            "total_s": round(time.perf_counter() - t_start, 1)}
     if "kvshare" in results and peers:
         best = min(peers, key=lambda r: r["ttft_p50_s"])
@@ -416,10 +436,26 @@ def main() -> int:
     ap.add_argument("--cores-per-server", type=int, default=0,
                     help="pin server i to its own cores, one OpenMP thread each (an engine "
                          "per device); 0: servers float over every core")
+    ap.add_argument("--vllm-pages", type=int, default=0,
+                    help="cap each server's KV cache at this many 32-token pages (vLLM's "
+                         "--num-gpu-blocks-override; >= 128 for 4,096-token prompts), so the "
+                         "workload's contexts outgrow the engine's own cache as on a busy GPU; "
+                         "0: what --kv-cache-gb holds (the whole workload here)")
+    ap.add_argument("--peers-own-cache", action="store_true",
+                    help="the peers' requests keep out of kvshare's pools (kvshare.vllm.opt_out): "
+                         "each peer gets vLLM's own prefix cache only, as its users run it; "
+                         "default: every router's requests use the connector (routing alone)")
+    ap.add_argument("--pool-blocks", type=int, default=64,
+                    help="each node's host pool, in 256-token share blocks")
     ap.add_argument("--warmup-turns", type=int, default=1,
                     help="a discarded run first (Serve's default router, these first turns of "
                          "every conversation): engines, Serve and Ray warm for every router")
     args = ap.parse_args()
+    if args.vllm_pages and args.vllm_pages * 32 < args.max_model_len:
+        raise SystemExit(f"--vllm-pages {args.vllm_pages} holds {args.vllm_pages * 32} tokens: "
+                         f"vLLM needs at least --max-model-len {args.max_model_len}")
+    if args.pool_blocks < 1:
+        raise SystemExit(f"--pool-blocks must be >= 1, got {args.pool_blocks}")
     names = [n for n in args.routers.split(",") if n]
     unknown = sorted(set(names) - set(ROUTERS))
     if unknown:
@@ -457,7 +493,8 @@ def main() -> int:
                        resources=[{"vllm_slot": 1}] * args.replicas, ray_namespace="kvshare-bench",
                        temp_prefix="kvs-vllm-bench-"):
         try:
-            infos = start_servers(model, args.connector, args.cores_per_server)
+            infos = start_servers(model, args.connector, args.cores_per_server,
+                                  args.vllm_pages, args.pool_blocks, args.max_model_len)
             endpoints = [i["endpoint"] for i in infos]
             serve.start(proxy_location="Disabled")
             print(f"cluster, kvshare, {len(infos)} vLLM servers up in "
@@ -501,6 +538,9 @@ def main() -> int:
         finally:
             serve.shutdown()  # type: ignore[no-untyped-call]
             stop_workers()
+            # nothing on the loop may touch Ray once the cluster goes (a call would connect
+            # the driver again, and the cluster's shutdown then refuses to remove the head)
+            loop.call_soon_threadsafe(loop.stop)
             if records is not None:
                 records.close()
         # printed before the cluster goes: an error in its teardown cannot lose the results

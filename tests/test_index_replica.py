@@ -133,3 +133,37 @@ def test_replica_follows_sharded_index_actors_on_a_cluster(ray_cluster: Any) -> 
         replica.close()
         for s in shards:
             ray.kill(s)
+
+
+@pytest.mark.cluster
+def test_a_replica_stops_when_its_process_leaves_ray(ray_cluster: Any) -> None:
+    """A router's replica thread that outlives its process's ``ray.shutdown`` must not connect
+    the process to Ray again (``Cluster.shutdown`` then refused to remove the head, and a
+    benchmark ended with a traceback after its results): it stops following instead."""
+    import ray
+
+    from actors.config import IndexConfig
+    from actors.index.actor import GlobalIndexActor
+    from actors.index.client import IndexClient
+    from actors.index.replica import IndexReplica
+
+    shard = GlobalIndexActor.options(namespace="kvs-test-replica").remote(
+        IndexConfig(0, 1, namespaces=(("m", 32, ""),)))
+    replica = IndexReplica.follow(IndexClient([shard], timeout_s=30), poll_s=0.01)
+    try:
+        deadline = time.monotonic() + 60
+        while not replica.ready and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert replica.ready
+        thread = replica._thread
+        assert thread is not None
+        ray.shutdown()
+        thread.join(timeout=10)
+        assert not thread.is_alive(), replica.stats()
+        assert not ray.is_initialized()
+    finally:
+        replica.close()
+        if ray.is_initialized():
+            ray.kill(shard)
+        else:  # (the shard went with the driver's job) the module's later tests need Ray
+            ray.init(address=ray_cluster.address, namespace="kvshare-test", log_to_driver=False)

@@ -347,6 +347,37 @@ def test_a_negative_router_hint_max_age_is_refused_by_name() -> None:
         ConnectorSettings.from_extra({"namespace": "t", "router_hint_max_age_s": -1})
     assert ConnectorSettings.from_extra({"namespace": "t"}).router_hint_max_age_s == 1.0
 
+
+def test_a_request_that_opts_out_is_neither_looked_up_nor_loaded_nor_saved(model: str) -> None:
+    """``{"kvshare": {"share": false}}``: the pool holds the prompt, yet the request computes
+    all of it and saves nothing (vLLM's own cache only); the same prompt without the flag
+    loads from the pool; a malformed flag is counted and the request shared as always."""
+    from kvshare.vllm.opt_out import encode
+
+    sched = make_scheduler(model)
+    toks = tokens(51)
+    seed_pool(sched, toks)
+    out_req = request("o0", toks, max_tokens=1, kv_transfer_params=encode(False))
+    sched.add_request(out_req)
+    out = sched.schedule()
+    assert out.num_scheduled_tokens == {"o0": len(toks)}
+    assert not out.kv_connector_metadata.saves and not out.kv_connector_metadata.loads
+    sched.update_from_output(out, output([out_req]))
+    counters = sched.connector.counters
+    assert counters["skipped_opt_out"] == 1 and not counters.get("lookups")
+    other = tokens(52)
+    seed_pool(sched, other)
+    for rid, params in (("o1", encode(True)), ("o2", {"kvshare": {"share": "no"}})):
+        req = request(rid, other, max_tokens=1, kv_transfer_params=params)
+        sched.add_request(req)
+        out = schedule_until(sched, lambda o, r=rid: r in o.num_scheduled_tokens)
+        assert out.num_scheduled_tokens[rid] == len(other) - 4 * BLOCK  # loaded from the pool
+        sched.update_from_output(out, output([req]))
+        other = tokens(53)
+        seed_pool(sched, other)
+    counters = sched.connector.counters
+    assert counters["share_flags_malformed"] == 1 and counters["skipped_opt_out"] == 1
+
 class GatedIndex:
     """The test's client, except that lookups of the prompts in ``gated`` wait for ``open``
     (an index that answers late); everything else goes to the client."""

@@ -89,6 +89,11 @@ class IndexReplica:
 
     def _run(self) -> None:
         while not self._stop.is_set():
+            if not ray.is_initialized():
+                # the process disconnected from Ray (its shard handles are gone with it): a call
+                # now would connect it to a new Ray, or to a cluster being shut down
+                log.info("index replica stops: this process left Ray")
+                return
             try:
                 self.poll_once()
             except Exception as exc:  # a shard restarting or gone: try again next round

@@ -20,6 +20,8 @@ save (blocks the cluster did not hold at lookup, or whose load failed and were r
 once the forward pass has computed them).
 A request that had a save issued keeps its pages after it finishes until the workers report
 the save done (``request_finished`` returns True; vLLM frees on ``finished_sending``).
+Not shared at all (no lookup, load or save): LoRA and multimodal requests, and requests that
+opt out (:mod:`kvshare.vllm.opt_out`).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from kvshare.types import BlockHash
 from kvshare.vllm.config import ModelKeys
 from kvshare.vllm.lookup import Lookups
 from kvshare.vllm.metadata import KVShareMetadata, LoadSpec, SaveSpec
+from kvshare.vllm.opt_out import shares
 from kvshare.vllm.router_hint import decode as decode_hint
 
 log = logging.getLogger(__name__)
@@ -89,6 +92,7 @@ class SchedulerSide:
         self._reqs: dict[str, _Req] = {}
         self._loads: list[LoadSpec] = []
         self._sending: set[str] = set()
+        self._unshared: set[str] = set()  # requests that opted out (no lookup, load or save)
         self.lookups = lookups or Lookups()
         self._lock = threading.Lock()
         self.counters: dict[str, float] = {}
@@ -109,6 +113,18 @@ class SchedulerSide:
             return None
         if getattr(request, "mm_features", None):
             self._count("skipped_multimodal")
+            return None
+        if rid in self._unshared:
+            return None
+        try:
+            share = shares(getattr(request, "kv_transfer_params", None))
+        except ValueError as exc:  # a client's own field: shared as always
+            log.info("kvshare: ignoring the share flag of %s: %s", rid, exc)
+            self._count("share_flags_malformed")
+            share = True
+        if not share:  # the client keeps it out of the cluster (kvshare.vllm.opt_out)
+            self._unshared.add(rid)
+            self._count("skipped_opt_out")
             return None
         root = BlockHash(self.keys.root(getattr(request, "cache_salt", None)))
         tokens = list(request.prompt_token_ids or [])
@@ -337,6 +353,7 @@ class SchedulerSide:
         workers report it in ``finished_sending``."""
         rid = request.request_id
         self._reqs.pop(rid, None)
+        self._unshared.discard(rid)
         if rid in self._sending:
             self._sending.discard(rid)
             return True
