@@ -446,7 +446,7 @@ def main() -> int:
                          "each peer gets vLLM's own prefix cache only, as its users run it; "
                          "default: every router's requests use the connector (routing alone)")
     ap.add_argument("--pool-blocks", type=int, default=64,
-                    help="each node's host pool, in 256-token share blocks")
+                    help=f"each node's host pool, in {BLOCK}-token share blocks")
     ap.add_argument("--warmup-turns", type=int, default=1,
                     help="a discarded run first (Serve's default router, these first turns of "
                          "every conversation): engines, Serve and Ray warm for every router")

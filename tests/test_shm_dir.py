@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -22,6 +23,16 @@ LAYOUT = KVLayout(1, 1, 8, "fp32", 64)  # 4 KiB blocks
 B = LAYOUT.bytes_per_block
 
 
+def assert_reads_back(src: Any, reader: ShmTransport, tag: bytes, seed: int) -> None:
+    """A block put in ``src``'s pool reads back over ``reader``'s shm, byte for byte."""
+    block = BlockHash(tag * 32)
+    data = np.random.default_rng(seed).integers(0, 255, B, dtype=np.uint8)
+    assert src.pool.put(block, data)
+    dest = np.zeros((1, B), np.uint8)
+    res = reader.read(LocalControl(src), [block], list(dest))
+    assert res.ok and np.array_equal(dest[0], data)
+
+
 def test_slab_and_epochs_live_in_the_configured_directory(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -35,12 +46,7 @@ def test_slab_and_epochs_live_in_the_configured_directory(
         assert info is not None
         assert sorted(os.listdir(tmp_path)) == sorted([info.name, info.epochs])
         assert not os.path.exists(os.path.join(SHM_DIR, info.name))
-        block = BlockHash(b"d" * 32)
-        data = np.random.default_rng(3).integers(0, 255, B, dtype=np.uint8)
-        assert src.pool.put(block, data)
-        dest = np.zeros((1, B), np.uint8)
-        res = reader.read(LocalControl(src), [block], list(dest))
-        assert res.ok and np.array_equal(dest[0], data)
+        assert_reads_back(src, reader, b"d", seed=3)
     finally:
         reader.close()
         src.close()
@@ -61,12 +67,7 @@ def test_a_reader_maps_the_pools_directory_whatever_its_own_environment_says(
     try:
         info = src.slab_info()
         assert info is not None and info.directory == str(tmp_path)
-        block = BlockHash(b"e" * 32)
-        data = np.random.default_rng(4).integers(0, 255, B, dtype=np.uint8)
-        assert src.pool.put(block, data)
-        dest = np.zeros((1, B), np.uint8)
-        res = reader.read(LocalControl(src), [block], list(dest))
-        assert res.ok and np.array_equal(dest[0], data)
+        assert_reads_back(src, reader, b"e", seed=4)
     finally:
         reader.close()
         src.close()
