@@ -231,6 +231,12 @@ class KVShareClient:
             return self._no_plan(tokens, hs, "no index")
         return self._plan(tokens, hs, await self.index.match_async(self.namespace, list(hs)))
 
+    def plan_from(self, tokens: Sequence[int], hashes: Sequence[BlockHash], match: Any) -> Plan:
+        """:meth:`lookup`'s plan from an index answer already in hand (``match``, for these
+        ``hashes``: e.g. a router's, carried in its hint, :mod:`kvshare.vllm.router_hint`);
+        no index call."""
+        return self._plan(tokens, tuple(hashes), match)
+
     def _lookup_hashes(self, tokens: Sequence[int],
                        hashes: Sequence[BlockHash] | None) -> tuple[BlockHash, ...]:
         hs = tuple(hashes if hashes is not None else self.hashes(tokens))

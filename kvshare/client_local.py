@@ -11,6 +11,7 @@ import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
 
 import numpy as np
 
@@ -20,7 +21,7 @@ from kvshare.client_types import SOURCE_LOCAL, LoadResult, Plan, PlannedBlock, S
 from kvshare.hasher import Hasher
 from kvshare.pool import TieredBlockPool
 from kvshare.pool_types import AlreadyPresent, Reserved
-from kvshare.types import BlockHash
+from kvshare.types import BlockHash, Tier
 
 
 class LocalKVClient:
@@ -56,6 +57,20 @@ class LocalKVClient:
             blocks.append(PlannedBlock(h, loc, tier, SOURCE_LOCAL))
         return Plan(self.namespace, len(tokens), self.block_tokens, hs, n, tuple(blocks),
                     reason="local pool")
+
+    def plan_from(self, tokens: Sequence[int], hashes: Sequence[BlockHash], match: Any) -> Plan:
+        """Plan to load the leading blocks ``match`` (an index answer for ``hashes``) says this
+        pool holds, without asking the pool (a load of a block it no longer holds fails)."""
+        hs = tuple(hashes)
+        loc = str(self.pool.config.location)
+        blocks = []
+        for i in range(min(match.combined_prefix, len(hs))):
+            tier = match.holders(i).get(loc)
+            if tier is None or tier == Tier.GPU:
+                break
+            blocks.append(PlannedBlock(hs[i], loc, tier, SOURCE_LOCAL))
+        return Plan(self.namespace, len(tokens), self.block_tokens, hs, len(blocks),
+                    tuple(blocks), reason="router's answer")
 
     def load(self, plan: Plan, into: KVTarget) -> LoadResult:
         """Copy the planned blocks (verified by the pool) into ``into``; misses are reported."""

@@ -264,6 +264,7 @@ class RoutingCore:
             ranking = self.policy.rank(request, answer.match, candidates, mine)
             if answer.answered:
                 ranking.held_blocks = max(answer.match.combined_prefix, mine.combined_prefix)
+                ranking.index_match = answer.match
             return ranking
         if mine.combined_prefix:
             return _relabel(self.policy.rank(request, EMPTY_MATCH, candidates, mine),

@@ -131,9 +131,10 @@ class Routed:
     timings: dict[str, float] = field(default_factory=dict, compare=False, repr=False)
     """Seconds of this decision's stages: ``tokenize``, ``hash``, ``index``, ``score``
     (:mod:`kvshare.breakdown`)."""
-    held_tokens: int | None = field(default=None, compare=False)
-    """Tokens of the longest prefix the cluster held when this was routed (None: the index did
-    not answer); forwarded to vLLM workers as the router hint (:mod:`kvshare.vllm.router_hint`)."""
+    hint: dict[str, Any] | None = field(default=None, compare=False)
+    """What the index answered when this was routed (None: it did not answer), as vLLM's
+    ``kv_transfer_params``: forwarded to vLLM workers as the router hint
+    (:mod:`kvshare.vllm.router_hint`, :meth:`~router.policy.Ranking.hint`)."""
 
     def token_list(self) -> list[int]:
         """:attr:`token_ids` as a list of ints (JSON bodies need one; a list is not copied)."""
@@ -309,9 +310,8 @@ class CacheAwareRouter:
         self._count(d, tenant, len(ids), cached, answer.fallback, t4 - t0)
         self.recent.add(rid, d, tenant.name, len(ids), answer.fallback)
         timings = {"tokenize": t1 - t0, "hash": t2 - t1, "index": t3 - t2, "score": t4 - t3}
-        held = ranking.held_blocks
         return Routed(rid, d, tenant, ns, ids, hashes, answer.index_s, answer.fallback, ranking,
-                      timings, None if held is None else held * self.config.block_tokens)
+                      timings, ranking.hint(self.config.block_tokens))
 
     def mark_down(self, worker: WorkerId, for_s: float = 5.0) -> None:
         """Avoid ``worker`` for ``for_s`` seconds (it refused a connection)."""

@@ -12,8 +12,8 @@
   without rendering the messages again (``renderers/online_renderer.py``), so the blocks the
   router hashed are the blocks vLLM caches. Both carry the router hint in
   ``kv_transfer_params`` (:mod:`kvshare.vllm.router_hint`: how much of the prompt the cluster
-  held when it was routed), so the engine's connector does not ask the index again for a
-  prompt the cluster holds nothing more of.
+  held when it was routed, and which pools held it), so the engine's connector plans its load
+  from the router's index answer and does not ask the index again.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from kvshare.vllm import router_hint
 from kvshare.workers import WorkerInfo
 from router.embed import Routed
 
@@ -48,8 +47,8 @@ def forward_body(body: Mapping[str, Any], routed: Routed, info: WorkerInfo | Non
     if routed.tenant.salt:
         out["cache_salt"] = routed.tenant.salt
     params: dict[str, Any] = {}
-    if routed.held_tokens is not None:
-        params.update(router_hint.encode(routed.held_tokens))
+    if routed.hint is not None:
+        params.update(routed.hint)
     if not chat:
         out["prompt"] = routed.token_list()
     else:

@@ -32,6 +32,7 @@ from typing import Any, ClassVar
 
 from kvshare.cost import CostModel, CutPlan
 from kvshare.types import BlockHash, NodeId, WorkerId, worker_location
+from kvshare.vllm import router_hint
 from kvshare.workers import META_GPU_PRIVATE, WorkerInfo, WorkerLoad
 from router.ready import ReadyBlocks
 from router.sources import Match, Sharing, SourceMap, SourceRuns
@@ -112,16 +113,27 @@ class Ranking:
 
     ``held_blocks``: the longest prefix of the request's blocks the cluster held in the view it
     was ranked on (the index's answer and the router's pending blocks), None when the index did
-    not answer (set by :meth:`router.core.RoutingCore.rank`; what a router tells a vLLM engine:
-    :mod:`kvshare.vllm.router_hint`)."""
+    not answer; ``index_match``: that answer (both set by
+    :meth:`router.core.RoutingCore.rank`; what a router tells a vLLM engine: :meth:`hint`)."""
 
     def __init__(self, request: RouteRequest, decision: Decision,
-                 estimator: _Estimator | None = None, held_blocks: int | None = None) -> None:
+                 estimator: _Estimator | None = None, held_blocks: int | None = None,
+                 index_match: Match | None = None) -> None:
         self.request = request
         self.decision = decision
         self._estimator = estimator
         self._estimates: list[Estimate] | None = None
         self.held_blocks = held_blocks
+        self.index_match = index_match
+
+    def hint(self, block_tokens: int) -> dict[str, Any] | None:
+        """The router hint for a vLLM engine's ``kv_transfer_params`` (held tokens and the
+        pools' part of the index answer: :mod:`kvshare.vllm.router_hint`); None when the index
+        did not answer (the engine looks up)."""
+        if self.held_blocks is None:
+            return None
+        pools = router_hint.pool_runs(self.index_match) if self.index_match is not None else None
+        return router_hint.encode(self.held_blocks * block_tokens, pools, self.request.hashes)
 
     def estimates(self) -> list[Estimate]:
         """Every eligible candidate ranked (computed on first use, from the decision's view)."""
@@ -142,7 +154,8 @@ class Ranking:
     def with_decision(self, decision: Decision) -> Ranking:
         """The same ranking with ``decision`` (same worker and plan, e.g. another reason)."""
         assert decision.worker == self.decision.worker
-        return Ranking(self.request, decision, self._estimator, self.held_blocks)
+        return Ranking(self.request, decision, self._estimator, self.held_blocks,
+                       self.index_match)
 
 
 class _Estimator:

@@ -425,9 +425,10 @@ class KVShareRequestRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         else:
             self._count("spilled")
         self._remember(rid, _Routing(ranking, passes, tuple(order)))
-        if self.settings.hint_kwarg and ranking.held_blocks is not None:
+        hint = ranking.hint(hashing.block_tokens) if self.settings.hint_kwarg else None
+        if hint is not None:
             # sent with the request (Serve sends ``pr`` as ranked): the engine need not ask
-            pr.kwargs[self.settings.hint_kwarg] = ranking.held_blocks * hashing.block_tokens
+            pr.kwargs[self.settings.hint_kwarg] = hint
         # Serve places it some time later (queue probes, backoff): until then the requests
         # ranked meanwhile must see it queued at its first choice.
         self.core.expect(rid, ranking)

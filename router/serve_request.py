@@ -70,9 +70,9 @@ class ServeRouterSettings:
     a decision then waits on no index call. ``loads_refresh_s`` > 0: the workers' load
     reports are read in the background at most that often and a decision uses the latest
     read (0: read for every request, within ``index_timeout_s``).
-    ``hint_kwarg``: the keyword argument the replicas take the router hint in (the tokens of the
-    prompt the cluster held when it was routed: :mod:`kvshare.vllm.router_hint`; e.g.
-    :class:`~router.serve_vllm.VllmReplica`'s ``kvshare_held_tokens``); '' sends none (a
+    ``hint_kwarg``: the keyword argument the replicas take the router hint in (what the index
+    answered when the request was routed, as ``kv_transfer_params``: :mod:`kvshare.vllm.router_hint`;
+    e.g. :class:`~router.serve_vllm.VllmReplica`'s ``kvshare_hint``); '' sends none (a
     replica's method need not accept one).
     """
 

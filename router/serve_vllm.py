@@ -33,12 +33,11 @@ from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvshare.vllm import router_hint
 from router.serve_request import FRONTS_WORKER
 from router.sse_stream import stream_events
 
 KVSHARE_ROUTER = "router.serve:KVShareRequestRouter"
-HINT_KWARG = "kvshare_held_tokens"
+HINT_KWARG = "kvshare_hint"
 """The keyword :class:`VllmReplica` takes the router hint in (``hint_kwarg`` of the kvshare
 router's settings; :func:`vllm_app` sets it)."""
 
@@ -97,12 +96,13 @@ class VllmReplica:
     def worker_id(self) -> str:
         return str(self.worker.worker_id)
 
-    async def __call__(self, request: ServeCompletion, kvshare_held_tokens: int | None = None,
+    async def __call__(self, request: ServeCompletion,
+                       kvshare_hint: Mapping[str, Any] | None = None,
                        **_: Any) -> AsyncIterator[dict[str, Any]]:
         """Stream the completion from the vLLM server: one dict per generated piece; extra
         keyword arguments (a router's, e.g. ``request_token_ids``) are ignored.
-        ``kvshare_held_tokens`` (set by :class:`~router.serve.KVShareRequestRouter`, its
-        ``hint_kwarg``): the router hint, forwarded in ``kv_transfer_params``
+        ``kvshare_hint`` (set by :class:`~router.serve.KVShareRequestRouter`, its
+        ``hint_kwarg``): the router hint, forwarded as ``kv_transfer_params``
         (:mod:`kvshare.vllm.router_hint`).
 
         The first piece also carries ``upstream_ttft_s`` (seconds from this replica's call to
@@ -113,8 +113,8 @@ class VllmReplica:
         body = {**dict(request.extra), "model": self.worker.meta.get("model"),
                 "prompt": list(request.prompt_token_ids), "max_tokens": request.max_tokens,
                 "stream": True, "stream_options": {"include_usage": True}}
-        if kvshare_held_tokens is not None:
-            body["kv_transfer_params"] = router_hint.encode(kvshare_held_tokens)
+        if kvshare_hint is not None:
+            body["kv_transfer_params"] = dict(kvshare_hint)
         wid = str(self.worker.worker_id)
         t0 = time.perf_counter()
         first = True

@@ -46,19 +46,23 @@ def test_a_clients_salt_and_connector_parameters_never_reach_a_worker() -> None:
 
 
 def test_vllm_gets_the_routers_hint_only_when_the_index_answered() -> None:
-    """What the router saw held (its index query and pending blocks) rides in vLLM's
-    ``kv_transfer_params`` for completions and chat alike, so the engine's connector need not
-    ask the index again; a decision the index did not answer sends none (the engine looks up)."""
+    """What the router saw held (its index query and pending blocks, and which pools held it)
+    rides in vLLM's ``kv_transfer_params`` for completions and chat alike, so the engine's
+    connector need not ask the index again; a decision the index did not answer sends none
+    (the engine looks up)."""
     import dataclasses
 
-    from kvshare.vllm.router_hint import decode
+    from kvshare.vllm.router_hint import decode, encode
 
-    seen = dataclasses.replace(routed(), held_tokens=512)
+    hint = encode(512, [[1, [["node:n1", 1]]]], [BlockHash(b"\1" * 16)])
+    seen = dataclasses.replace(routed(), hint=hint)
     comp = forward_body({"prompt": "hello"}, seen, VLLM, chat=False)
-    assert comp["kv_transfer_params"] == {"kvshare": {"held_tokens": 512}}
+    assert comp["kv_transfer_params"] == hint
     chat = forward_body({"messages": [{"role": "user", "content": "x"}]}, seen, VLLM, chat=True)
-    assert chat["kv_transfer_params"] == {"kvshare": {"held_tokens": 512}, "prompt_token_ids": IDS}
-    assert decode(chat["kv_transfer_params"]) == 512
+    assert chat["kv_transfer_params"] == {**hint, "prompt_token_ids": IDS}
+    got = decode(chat["kv_transfer_params"])
+    assert got is not None and got.held_tokens == 512 and got.matches([BlockHash(b"\1" * 16)])
+    assert got.pools is not None and got.pools.holders(0) == {"node:n1": "host"}
     assert "kv_transfer_params" not in forward_body({"prompt": "x"}, seen, REFERENCE, chat=False)
     assert decode(forward_body({"prompt": "hello"}, routed(), VLLM, chat=False)
                   .get("kv_transfer_params")) is None

@@ -128,7 +128,7 @@ def test_embed_and_serve_adapters_make_identical_decisions() -> None:
             chosen = shortlist[0][0]
             got_s.append((replica_worker_id(chosen.replica_id),
                           [replica_worker_id(s[0].replica_id) for s in shortlist]))
-            hints.append((routed.held_tokens, pr.kwargs["held"]))  # the router hint, both ways
+            hints.append((routed.hint, pr.kwargs["held"]))  # the router hint, both ways
             serve.on_request_routed(pr, chosen.replica_id, None)
             if i % 5 == 4:  # some finish, on both
                 embed.finished(f"q{i - 2}")
@@ -139,7 +139,8 @@ def test_embed_and_serve_adapters_make_identical_decisions() -> None:
 
     got_e, got_s, serve_reasons, hints = asyncio.run(stream())
     assert len(got_s) == len(STREAM)
-    assert all(e == s for e, s in hints) and {0, 24 * BT} <= {e for e, _ in hints}
+    assert all(e == s for e, s in hints)
+    assert {0, 24 * BT} <= {e["kvshare"]["held_tokens"] for e, _ in hints}
     assert [(w, order) for w, _, order in got_e] == got_s
     assert Counter(r for _, r, _ in got_e) == serve_reasons
     # the stream is not trivial: it used the index's blocks, pending ones, load, several workers

@@ -340,6 +340,48 @@ def test_a_router_hint_older_than_its_max_age_is_not_trusted(model: str) -> None
     assert counters["lookups_skipped_router"] == 1 and counters["router_hints_expired"] == 1
 
 
+def test_a_router_hint_with_the_pools_answer_plans_the_load_with_no_lookup(model: str) -> None:
+    """A hint that carries the router's index answer for the pools is planned from at once:
+    the request is scheduled in the step it arrives with the pool's blocks loaded, although
+    the connector's own index query would not answer for 30 s; a hint whose block hashes are
+    not the connector's (another hashing) or whose pools are malformed is ignored (counted)
+    and the request is looked up."""
+    from kvshare.vllm.router_hint import encode
+
+    sched = make_scheduler(model)
+    index = gate(sched)
+    toks = tokens(51)
+    seed_pool(sched, toks)
+    hashes = CLIENT["c"].hashes(toks)
+    index.gated.add(tuple(toks))
+    try:
+        hint = encode(4 * BLOCK, [[4, [["node:local", 1]]]], hashes)
+        req = request("p0", toks, max_tokens=1, kv_transfer_params=hint)
+        sched.add_request(req)
+        out = sched.schedule()
+        assert out.num_scheduled_tokens == {"p0": len(toks) - 4 * BLOCK}  # 4 blocks loaded
+        (load,) = out.kv_connector_metadata.loads
+        assert len(load.plan["blocks"]) == 4
+        counters = sched.connector.counters
+        assert counters["lookups_from_router"] == 1 and not counters.get("lookups")
+        sched.update_from_output(out, output([req]))
+    finally:
+        index.open.set()
+    bad = [encode(4 * BLOCK, [[4, [["node:local", 1]]]], CLIENT["c"].hashes(tokens(53))),
+           {"kvshare": {"held_tokens": 4 * BLOCK, "pools": [[0, []]], "tip": ""}}]
+    for i, params in enumerate(bad):
+        other = tokens(54 + i)
+        seed_pool(sched, other)
+        req = request(f"p{i + 1}", other, max_tokens=1, kv_transfer_params=params)
+        sched.add_request(req)
+        out = schedule_until(sched, lambda o, r=req: r.request_id in o.num_scheduled_tokens)
+        assert out.num_scheduled_tokens[req.request_id] == len(other) - 4 * BLOCK  # looked up
+        sched.update_from_output(out, output([req]))
+    counters = sched.connector.counters
+    assert counters["router_hints_mismatched"] == 1 and counters["router_hints_malformed"] == 1
+    assert counters["lookups"] == 2 and counters["lookups_from_router"] == 1
+
+
 def test_a_negative_router_hint_max_age_is_refused_by_name() -> None:
     from kvshare.vllm.config import ConnectorSettings
 

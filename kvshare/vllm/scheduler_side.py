@@ -37,6 +37,7 @@ from typing import Any
 
 from kvshare.client_types import SOURCE_LOCAL, SOURCE_SHM, KVClient, Plan
 from kvshare.hashing import block_hashes
+from kvshare.match import MatchResult
 from kvshare.types import BlockHash
 from kvshare.vllm.config import ModelKeys
 from kvshare.vllm.lookup import Lookups
@@ -71,6 +72,7 @@ class _Req:
     asked_at: float = 0.0  # when vLLM first asked for this lookup (0: not waiting on one)
     late: Future[Plan] | None = None  # an abandoned lookup: its answer only marks held blocks
     held_tokens: int | None = None  # the router's hint: the cluster held no more than this
+    pools: MatchResult | None = None  # the hint's pools answer: plan from it, no lookup
 
 
 class SchedulerSide:
@@ -131,10 +133,17 @@ class SchedulerSide:
         st = _Req(request, root, block_hashes(root, tokens, self.block_tokens))
         if self.router_hints:
             try:
-                st.held_tokens = decode_hint(getattr(request, "kv_transfer_params", None))
+                hint = decode_hint(getattr(request, "kv_transfer_params", None))
             except ValueError as exc:  # a client's own field, not a router's: look up
                 log.info("kvshare: ignoring the router hint of %s: %s", rid, exc)
                 self._count("router_hints_malformed")
+                hint = None
+            if hint is not None and not hint.matches(st.hashes):
+                # the router hashed the prompt otherwise (another salt or block size)
+                log.info("kvshare: ignoring the router hint of %s: its block hashes differ", rid)
+                self._count("router_hints_mismatched")
+            elif hint is not None:
+                st.held_tokens, st.pools = hint.held_tokens, hint.pools
         self._reqs[rid] = st
         return st
 
@@ -145,8 +154,8 @@ class SchedulerSide:
             return 0, False
         most = min(len(st.hashes) * self.block_tokens, int(request.num_tokens) - 1)
         if st.held_tokens is not None and st.lookup is None and self._hint_stale(request):
-            st.held_tokens = None  # queued too long: what was stored since is worth the query
-            self._count("router_hints_expired")
+            st.held_tokens = st.pools = None  # queued too long: what was stored since is
+            self._count("router_hints_expired")  # worth the query
         reach = most if st.held_tokens is None else min(most, st.held_tokens)
         if st.lookup is None and reach - num_computed < self.block_tokens:
             # The cluster can add less than a block, not worth a wait on the index: vLLM's own
@@ -159,6 +168,13 @@ class SchedulerSide:
             self._count("lookups_skipped" if own else "lookups_skipped_router")
             st.saved_upto = max(st.saved_upto, num_computed // self.block_tokens)
             return 0, False
+        if st.lookup is None and st.pools is not None:
+            # the router's own index answer came with the request: plan from it, ask nothing
+            self._count("lookups_from_router")
+            st.lookup = Future()
+            st.lookup.set_result(self.client.plan_from(request.prompt_token_ids, st.hashes,
+                                                       st.pools))
+            st.pools = None  # a preempted request looks up for real
         if st.lookup is None:
             self._count("lookups")
             st.asked_at = time.perf_counter()

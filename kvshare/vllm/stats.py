@@ -25,7 +25,10 @@ server's ``/metrics``, next to vLLM's own:
   ``why`` = ``own_cache`` (vLLM's own hit leaves the cluster less than a block to add) or
   ``router`` (the router's hint says the cluster holds no more: :mod:`kvshare.vllm.router_hint`);
   ``vllm:kvshare_router_hints_ignored_total{why}``: hints the connector did not trust,
-  ``why`` = ``malformed`` or ``expired`` (the request queued ``router_hint_max_age_s`` or more);
+  ``why`` = ``malformed``, ``expired`` (the request queued ``router_hint_max_age_s`` or more)
+  or ``mismatched`` (the router hashed the prompt otherwise);
+  ``vllm:kvshare_lookups_from_router_total``: requests planned from the index answer their
+  router sent with them (no index call, no hold);
 - ``vllm:kvshare_sync_saves_total``, ``vllm:kvshare_sync_save_seconds_total`` and
   ``vllm:kvshare_sync_saves_late_total`` (worker role): steps that waited for their saves
   before vLLM saw their output (``sync_save_mib``: read-after-write), the seconds they waited,
@@ -56,11 +59,12 @@ WAITS = ("local", "remote")
 _WAIT_KEYS = tuple(f"{p}{w}" for w in WAITS for p in ("load_reported_seconds_", "loads_"))
 LOOKUP_KEYS = (LOOKUP_WAIT, LOOKUPS_ANSWERED, "lookup_seconds", "lookups", "lookups_abandoned",
                "lookups_skipped", "lookups_skipped_router", "router_hints_malformed",
-               "router_hints_expired")
+               "router_hints_expired", "router_hints_mismatched", "lookups_from_router")
 SAVE_KEYS = ("sync_saves", "sync_save_s", "sync_saves_late")
 """The worker side's synchronous-save counters."""
 SKIPPED = {"lookups_skipped": "own_cache", "lookups_skipped_router": "router"}
-HINTS_IGNORED = {"router_hints_malformed": "malformed", "router_hints_expired": "expired"}
+HINTS_IGNORED = {"router_hints_malformed": "malformed", "router_hints_expired": "expired",
+                 "router_hints_mismatched": "mismatched"}
 
 
 def byte_counters(counters: Mapping[str, float]) -> dict[str, float]:
@@ -147,6 +151,9 @@ class KVSharePromMetrics(KVConnectorPromMetrics):
             "lookup_seconds": counter("lookup_index_seconds",
                                       "Seconds kvshare lookups spent in the index call."),
             "lookups": counter("lookups_started", "kvshare lookups started."),
+            "lookups_from_router": counter(
+                "lookups_from_router", "Requests planned from the index answer their router "
+                "sent with them (no kvshare lookup)."),
             "lookups_abandoned": counter(
                 "lookups_abandoned", "kvshare lookup holds given up (could save less than "
                 "they cost): scheduled as misses."),
@@ -164,7 +171,8 @@ class KVSharePromMetrics(KVConnectorPromMetrics):
             "(own_cache) or the router's hint (router) left the cluster nothing to add.", "why")
         self.hints_ignored = counter(
             "router_hints_ignored", "Router hints the kvshare connector did not trust "
-            "(malformed, or expired: the request queued longer than router_hint_max_age_s).",
+            "(malformed; expired: the request queued longer than router_hint_max_age_s; "
+            "mismatched: the router hashed the prompt otherwise).",
             "why")
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
