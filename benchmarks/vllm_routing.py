@@ -34,7 +34,10 @@ Per server and run: requests, computed tokens, vLLM's mean queue/prefill/decode 
 ``lookup_index_s`` the mean seconds its index call took (the rest: waiting for the engine's
 next step) and ``lookups_abandoned``, holds the connector gave up as costing more than they
 could save; ``lookups_started`` and ``lookups_skipped`` (vLLM's own hit or the router's hint
-left the cluster nothing to add).
+left the cluster nothing to add), ``lookups_from_router`` (planned from the index answer the
+router sent: no lookup) and ``hints_ignored``; ``load_wait_s`` (mean seconds a request waited
+for its load, over ``loads``; ``load_transfer_s`` of it fetching and copying) and ``sync_save_s`` (mean seconds a step waited for its saves,
+over ``sync_saves``: read-after-write).
 
 Two regimes besides the default (every server's KV space holds the whole workload, and every
 router's requests go through the connector, so the routers differ in routing alone):
@@ -293,7 +296,22 @@ async def run_router(name: str, handle: Any, convs: list[list[Turn]], args: argp
                                 d.get(f"{url}|vllm:kvshare_lookups_started_total", 0.0)),
                             # vLLM's own hit or the router's hint left nothing to look up
                             "lookups_skipped": int(
-                                d.get(f"{url}|vllm:kvshare_lookups_skipped_total", 0.0))}
+                                d.get(f"{url}|vllm:kvshare_lookups_skipped_total", 0.0)),
+                            # planned from the index answer the router sent (no lookup)
+                            "lookups_from_router": int(
+                                d.get(f"{url}|vllm:kvshare_lookups_from_router_total", 0.0)),
+                            "hints_ignored": int(
+                                d.get(f"{url}|vllm:kvshare_router_hints_ignored_total", 0.0)),
+                            # mean seconds a request waited for its load, and a step for its save
+                            "load_wait_s": _mean(d, f"{url}|vllm:kvshare_load_seconds_total",
+                                                 f"{url}|vllm:kvshare_loads_total"),
+                            "load_transfer_s": _mean(
+                                d, f"{url}|vllm:kvshare_load_transfer_seconds_total",
+                                f"{url}|vllm:kvshare_loads_total"),
+                            "loads": int(d.get(f"{url}|vllm:kvshare_loads_total", 0.0)),
+                            "sync_save_s": _mean(d, f"{url}|vllm:kvshare_sync_save_seconds_total",
+                                                 f"{url}|vllm:kvshare_sync_saves_total"),
+                            "sync_saves": int(d.get(f"{url}|vllm:kvshare_sync_saves_total", 0.0))}
                      for url in endpoints}
     return out
 

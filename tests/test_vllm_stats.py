@@ -79,10 +79,11 @@ def test_load_waits_become_counters_a_load_report_reads() -> None:
     registry, prom = prometheus()
     worker = {"load_reported_seconds": 9.0, "load_reported_seconds_remote": 3.0,
               "loads_remote": 2, "load_reported_seconds_local": 0.5, "loads_local": 5,
-              "load_polls": 40}
+              "load_polls": 40, "load_seconds": 1.25}
     waits = wait_counters(worker)
     assert waits == {"load_reported_seconds_remote": 3.0, "loads_remote": 2.0,
-                     "load_reported_seconds_local": 0.5, "loads_local": 5.0}
+                     "load_reported_seconds_local": 0.5, "loads_local": 5.0,
+                     "load_seconds": 1.25}
     load = MetricsLoad(WorkerId("w"), "http://127.0.0.1:1")
     try:
         load.from_metrics(parse_metrics(generate_latest(registry).decode()), 0.0)
@@ -91,6 +92,8 @@ def test_load_waits_become_counters_a_load_report_reads() -> None:
     finally:
         load.close()
     assert report.remote_load_s == 1.5 and report.local_load_s == 0.1
+    text = generate_latest(registry).decode()  # the loads' own part of their waits
+    assert 'vllm:kvshare_load_transfer_seconds_total{engine="0",model_name="tiny"} 1.25' in text
 
 
 def test_lookup_waits_become_their_own_counters() -> None:
@@ -99,11 +102,13 @@ def test_lookup_waits_become_their_own_counters() -> None:
     registry, prom = prometheus()
     sched = {"lookups": 4, "lookup_pending": 7, "lookup_wait_seconds": 0.25,
              "lookups_answered": 3, "lookup_seconds": 0.125, "lookups_abandoned": 1,
-             "lookups_skipped": 5, "lookups_skipped_router": 2}
+             "lookups_skipped": 5, "lookups_skipped_router": 2, "lookups_from_router": 6,
+             "router_hints_mismatched": 1}
     assert lookup_counters(sched) == {"lookup_wait_seconds": 0.25, "lookups_answered": 3.0,
                                       "lookup_seconds": 0.125, "lookups": 4.0,
                                       "lookups_abandoned": 1.0, "lookups_skipped": 5.0,
-                                      "lookups_skipped_router": 2.0}
+                                      "lookups_skipped_router": 2.0, "lookups_from_router": 6.0,
+                                      "router_hints_mismatched": 1.0}
     prom.observe(lookup_counters(sched), 0)
     text = generate_latest(registry).decode()
     assert 'vllm:kvshare_lookup_seconds_total{engine="0",model_name="tiny"} 0.25' in text
@@ -115,4 +120,7 @@ def test_lookup_waits_become_their_own_counters() -> None:
             in text)
     assert ('vllm:kvshare_lookups_skipped_total{engine="0",model_name="tiny",why="router"} 2.0'
             in text)
+    assert 'vllm:kvshare_lookups_from_router_total{engine="0",model_name="tiny"} 6.0' in text
+    assert ('vllm:kvshare_router_hints_ignored_total{engine="0",model_name="tiny",'
+            'why="mismatched"} 1.0' in text)
     assert "pending" not in text

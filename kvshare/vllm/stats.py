@@ -13,6 +13,8 @@ server's ``/metrics``, next to vLLM's own:
   requests waited for their loads (submitted until vLLM was told they are done) and how
   many, ``where`` = ``local`` (this node's pool) or ``remote`` (a block from another node):
   what a router needs to price a load (:mod:`kvshare.vllm.load`);
+  ``vllm:kvshare_load_transfer_seconds_total``: the part of those seconds the loads spent
+  fetching and copying (the rest waited for engine steps);
 - ``vllm:kvshare_lookup_seconds_total`` and ``vllm:kvshare_lookups_total`` (scheduler role):
   how long requests were held for the connector's lookup (vLLM first asked until it had the
   answer, or gave up on it: :mod:`kvshare.vllm.lookup`) and how many holds ended: what the
@@ -56,7 +58,10 @@ STORED = "bytes_stored"
 
 
 WAITS = ("local", "remote")
-_WAIT_KEYS = tuple(f"{p}{w}" for w in WAITS for p in ("load_reported_seconds_", "loads_"))
+LOAD_TRANSFER = "load_seconds"
+"""The worker side's seconds spent in loads themselves (fetch and copy)."""
+_WAIT_KEYS = tuple(f"{p}{w}" for w in WAITS
+                   for p in ("load_reported_seconds_", "loads_")) + (LOAD_TRANSFER,)
 LOOKUP_KEYS = (LOOKUP_WAIT, LOOKUPS_ANSWERED, "lookup_seconds", "lookups", "lookups_abandoned",
                "lookups_skipped", "lookups_skipped_router", "router_hints_malformed",
                "router_hints_expired", "router_hints_mismatched", "lookups_from_router")
@@ -144,6 +149,9 @@ class KVSharePromMetrics(KVConnectorPromMetrics):
             "load_seconds", "Seconds requests waited for kvshare loads, from this node's pool "
             "(local) or with blocks from another node (remote).", "where")
         self.loads = counter("loads", "kvshare loads completed, local or remote.", "where")
+        self.load_transfer = counter(
+            "load_transfer_seconds", "Seconds kvshare loads spent fetching and copying (the "
+            "rest of load_seconds: the engine steps until vLLM learnt they were done).")
         self.lookup_seconds = counter(
             "lookup_seconds", "Seconds requests were held for kvshare lookups.")
         self.lookups = counter("lookups", "kvshare lookups answered.")
@@ -180,7 +188,9 @@ class KVSharePromMetrics(KVConnectorPromMetrics):
         for key, value in transfer_stats_data.items():
             if not value:
                 continue
-            if key.startswith("load_reported_seconds_"):
+            if key == LOAD_TRANSFER:
+                self.load_transfer.labels(*labels).inc(value)
+            elif key.startswith("load_reported_seconds_"):
                 self.load_seconds.labels(*labels, key.rsplit("_", 1)[1]).inc(value)
             elif key.startswith("loads_"):
                 self.loads.labels(*labels, key.removeprefix("loads_")).inc(value)
