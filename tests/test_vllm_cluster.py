@@ -180,6 +180,7 @@ def test_a_prompt_only_in_a_pool_goes_where_loading_is_cheapest_and_is_loaded(
     assert held(index, hashes, pool, Tier.HOST)
     wait_all_idle(cluster, time.time())
     before = metric(a["endpoint"], "vllm:external_prefix_cache_hits_total")
+    planned = metric(a["endpoint"], "vllm:kvshare_lookups_from_router_total")
     r = httpx.post(f"{gw.url}/v1/completions", timeout=120,
                    json={"model": NS, "prompt": text, "max_tokens": 1})
     assert r.status_code == 200, r.text
@@ -187,6 +188,9 @@ def test_a_prompt_only_in_a_pool_goes_where_loading_is_cheapest_and_is_loaded(
     assert r.headers["x-kvshare-worker"] == a["worker_id"], r.headers
     loaded = metric(a["endpoint"], "vllm:external_prefix_cache_hits_total") - before
     assert loaded >= (len(hashes) - 1) * BLOCK, loaded  # vLLM loaded it through the connector
+    # planned from the index answer the gateway sent with it: the engine asked the index nothing
+    wait_for(lambda: metric(a["endpoint"], "vllm:kvshare_lookups_from_router_total")
+             >= planned + 1, timeout_s=10)
 
 
 def chat(gw: Served, messages: list[dict[str, str]]) -> tuple[str, int, str]:
