@@ -10,7 +10,7 @@ import pytest
 from actors.index.runs import HolderRuns
 from kvshare.match import build_match
 from kvshare.types import BlockHash, Location, Tier
-from kvshare.vllm.router_hint import decode, encode, pool_runs
+from kvshare.vllm.router_hint import MAX_RUNS, decode, encode, pool_runs
 
 HASHES = [BlockHash(bytes([i]) * 16) for i in range(6)]
 A, B, W = Location("node:a"), Location("node:b"), Location("worker:w1")
@@ -39,6 +39,9 @@ def test_runs_with_the_same_pools_merge_and_an_answer_with_no_pool_is_empty() ->
     runs = HolderRuns(4, [(((A, 1),), 2), (((A, 1), (W, 0)), 2)])
     assert pool_runs(runs) == [[4, [[A, 1]]]]
     assert pool_runs(HolderRuns(4, [(((W, 0),), 4)])) == []
+    alternating = [(((A if i % 2 else B, 1),), 1) for i in range(MAX_RUNS + 1)]
+    assert pool_runs(HolderRuns(len(alternating), alternating)) is None  # too long to send
+    assert len(pool_runs(HolderRuns(MAX_RUNS, alternating[:MAX_RUNS])) or []) == MAX_RUNS
     hint = decode(encode(128, [], HASHES))
     assert hint is not None and hint.pools is not None and hint.pools.combined_prefix == 0
     assert hint.matches([])  # nothing to check

@@ -47,6 +47,9 @@ TIP = "tip"
 TIP_BYTES = 8
 WireRuns = list[list[Any]]
 """``[[count, [[location, tier code], ...]], ...]``: the ``pools`` field."""
+MAX_RUNS = 256
+"""The most runs a hint carries (a prompt whose holders alternate more is looked up: the hint
+stays a few kilobytes in the request body)."""
 
 
 @dataclass(frozen=True)
@@ -66,12 +69,12 @@ class Hint:
         return n == 0 or (n <= len(hashes) and bytes(hashes[n - 1])[:TIP_BYTES].hex() == self.tip)
 
 
-def pool_runs(match: Any) -> WireRuns:
+def pool_runs(match: Any) -> WireRuns | None:
     """The ``pools`` field for an index answer: a :class:`~kvshare.match.MatchResult`, or one
     in run form (``.runs``: ``[(((location, tier code), ...), count), ...]``, as
     :class:`actors.index.runs.HolderRuns`). Only pools (``node:`` locations) in host or disk
     tiers count (a worker's gpu tier is not loaded from); the runs stop at the first block no
-    pool holds."""
+    pool holds. None when that takes more than :data:`MAX_RUNS` runs."""
     out: WireRuns = []
     if hasattr(match, "runs"):
         runs = [([(str(loc), int(code)) for loc, code in items], int(n)) for items, n in match.runs]
@@ -84,6 +87,8 @@ def pool_runs(match: Any) -> WireRuns:
             break
         if out and out[-1][1] == pools:
             out[-1][0] += n
+        elif len(out) == MAX_RUNS:
+            return None
         else:
             out.append([n, pools])
     return out
