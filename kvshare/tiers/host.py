@@ -321,6 +321,12 @@ class HostSlab(TierStore):
     def discard(self, slot: int) -> None:
         self._check(slot)
 
+    @property
+    def directory(self) -> str:
+        """The folder of the slab's file ("" for an anonymous slab): where readers map it and
+        its epochs from (``SlabInfo.directory``)."""
+        return os.path.dirname(self.path) if self.path else ""
+
     def close(self) -> None:
         """Unmap; the owner also unlinks the segment."""
         self.array = np.empty((0, self.slot_bytes), dtype=np.uint8)

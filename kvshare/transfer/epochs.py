@@ -52,10 +52,12 @@ class SharedEpochs:
         self.array: npt.NDArray[np.int64] = np.frombuffer(self._mm, dtype=np.int64, count=num_slots)
 
     @staticmethod
-    def remove_stale(slab_name: str) -> None:
-        """Unlink epochs segments of older generations of the same namespace and node."""
+    def remove_stale(slab_name: str, directory: str = "") -> None:
+        """Unlink epochs segments of older generations of the same namespace and node in
+        ``directory`` (default ``shm_dir()``)."""
         prefix = slab_name.rsplit("-", 1)[0] + "-"
-        for path in glob.glob(os.path.join(shm_dir(), f"{glob.escape(prefix)}*{SUFFIX}")):
+        where = directory or shm_dir()
+        for path in glob.glob(os.path.join(where, f"{glob.escape(prefix)}*{SUFFIX}")):
             gen = os.path.basename(path)[len(prefix) : -len(SUFFIX)]
             if gen.isdigit() and os.path.basename(path) != epochs_name(slab_name):
                 with contextlib.suppress(FileNotFoundError):

@@ -12,7 +12,6 @@ leaves nothing pinned beyond the lease TTL.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections import OrderedDict
@@ -65,10 +64,10 @@ class BlockSource:
         self._nixl: NixlSource | None = None
         self._epochs: SharedEpochs | None = None
         if self.slab is not None and self.slab.name is not None:
-            SharedEpochs.remove_stale(self.slab.name)
+            SharedEpochs.remove_stale(self.slab.name, self.slab.directory)
             slots = int(pool.stats()["tiers"][Tier.HOST.value]["capacity_slots"])
             self._epochs = SharedEpochs(epochs_name(self.slab.name), slots, create=True,
-                                        directory=os.path.dirname(self.slab.path or ""))
+                                        directory=self.slab.directory)
             pool.share_epochs(Tier.HOST, self._epochs.array)
         # A reader that timed out sends ``finish`` while its ``prepare`` may still be queued or
         # running (threaded actors): remember finished holders so that nothing stays pinned.
@@ -100,7 +99,7 @@ class BlockSource:
             return None
         return wire.SlabInfo(s.name, s.slot_bytes, s.num_slots, self.generation, self.node,
                              self._epochs.name if self._epochs is not None else "",
-                             os.path.dirname(s.path) if s.path else "")
+                             s.directory)
 
     def nixl_info(self) -> wire.NixlPeerInfo | None:
         if self._nixl is None:
