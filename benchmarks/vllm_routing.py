@@ -36,7 +36,8 @@ next step) and ``lookups_abandoned``, holds the connector gave up as costing mor
 could save; ``lookups_started`` and ``lookups_skipped`` (vLLM's own hit or the router's hint
 left the cluster nothing to add), ``lookups_from_router`` (planned from the index answer the
 router sent: no lookup) and ``hints_ignored``; ``load_wait_s`` (mean seconds a request waited
-for its load, over ``loads``; ``load_transfer_s`` of it fetching and copying) and ``sync_save_s`` (mean seconds a step waited for its saves,
+for its load, over ``loads``; ``load_transfer_s`` of it fetching and copying, and
+``load_stage_s`` that per stage: a transport's fetch or the copy into vLLM's pages) and ``sync_save_s`` (mean seconds a step waited for its saves,
 over ``sync_saves``: read-after-write).
 
 Two regimes besides the default (every server's KV space holds the whole workload, and every
@@ -150,7 +151,7 @@ def workload(tokenizer: Any, args: argparse.Namespace) -> list[list[Turn]]:
 
 _METRIC = re.compile(r'^(vllm:[a-z_]+(?:_total|_seconds_sum|_seconds_count))(?:\{([^}]*)\})?'
                      r'\s+([0-9.eE+-]+)$', re.MULTILINE)
-_SOURCE = re.compile(r'source="([a-z0-9_]+)"')
+_SOURCE = re.compile(r'(?:source|stage)="([a-z0-9_]+)"')
 
 
 def counters(endpoints: list[str]) -> dict[str, float]:
@@ -309,6 +310,11 @@ async def run_router(name: str, handle: Any, convs: list[list[Turn]], args: argp
                                 d, f"{url}|vllm:kvshare_load_transfer_seconds_total",
                                 f"{url}|vllm:kvshare_loads_total"),
                             "loads": int(d.get(f"{url}|vllm:kvshare_loads_total", 0.0)),
+                            # mean seconds of a load per stage: a transport's fetch, or copy
+                            "load_stage_s": {
+                                k.rsplit(":", 1)[1]: _mean(d, k, f"{url}|vllm:kvshare_loads_total")
+                                for k in d if k.startswith(
+                                    f"{url}|vllm:kvshare_load_stage_seconds_total:")},
                             "sync_save_s": _mean(d, f"{url}|vllm:kvshare_sync_save_seconds_total",
                                                  f"{url}|vllm:kvshare_sync_saves_total"),
                             "sync_saves": int(d.get(f"{url}|vllm:kvshare_sync_saves_total", 0.0))}

@@ -14,7 +14,9 @@ server's ``/metrics``, next to vLLM's own:
   many, ``where`` = ``local`` (this node's pool) or ``remote`` (a block from another node):
   what a router needs to price a load (:mod:`kvshare.vllm.load`);
   ``vllm:kvshare_load_transfer_seconds_total``: the part of those seconds the loads spent
-  fetching and copying (the rest waited for engine steps);
+  fetching and copying (the rest waited for engine steps), and
+  ``vllm:kvshare_load_stage_seconds_total{stage}`` its parts: ``stage`` a transport (fetching
+  over it, the pool's pin round trip included) or ``copy`` (staged blocks into vLLM's pages);
 - ``vllm:kvshare_lookup_seconds_total`` and ``vllm:kvshare_lookups_total`` (scheduler role):
   how long requests were held for the connector's lookup (vLLM first asked until it had the
   answer, or gave up on it: :mod:`kvshare.vllm.lookup`) and how many holds ended: what the
@@ -53,6 +55,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 
 from kvshare.vllm.scheduler_side import LOOKUP_WAIT, LOOKUPS_ANSWERED
+from kvshare.vllm.worker_side import LOAD_STAGE
 
 STORED = "bytes_stored"
 
@@ -80,8 +83,10 @@ def byte_counters(counters: Mapping[str, float]) -> dict[str, float]:
 
 def wait_counters(counters: Mapping[str, float]) -> dict[str, float]:
     """The load waits of a :class:`~kvshare.vllm.worker_side.WorkerSide`'s counters
-    (``load_reported_seconds_<where>``, ``loads_<where>``)."""
-    return {k: float(counters[k]) for k in _WAIT_KEYS if k in counters}
+    (``load_reported_seconds_<where>``, ``loads_<where>``, ``load_seconds`` and its stages
+    ``load_stage_seconds_<stage>``)."""
+    return {k: float(v) for k, v in counters.items()
+            if k in _WAIT_KEYS or k.startswith(LOAD_STAGE)}
 
 
 def save_counters(counters: Mapping[str, float]) -> dict[str, float]:
@@ -152,6 +157,10 @@ class KVSharePromMetrics(KVConnectorPromMetrics):
         self.load_transfer = counter(
             "load_transfer_seconds", "Seconds kvshare loads spent fetching and copying (the "
             "rest of load_seconds: the engine steps until vLLM learnt they were done).")
+        self.load_stage = counter(
+            "load_stage_seconds", "Seconds kvshare loads spent per stage: fetching over a "
+            "transport (shm, nixl, objstore; the pool's pin round trip included) or copying "
+            "staged blocks into vLLM's pages (copy).", "stage")
         self.lookup_seconds = counter(
             "lookup_seconds", "Seconds requests were held for kvshare lookups.")
         self.lookups = counter("lookups", "kvshare lookups answered.")
@@ -190,6 +199,8 @@ class KVSharePromMetrics(KVConnectorPromMetrics):
                 continue
             if key == LOAD_TRANSFER:
                 self.load_transfer.labels(*labels).inc(value)
+            elif key.startswith(LOAD_STAGE):
+                self.load_stage.labels(*labels, key.removeprefix(LOAD_STAGE)).inc(value)
             elif key.startswith("load_reported_seconds_"):
                 self.load_seconds.labels(*labels, key.rsplit("_", 1)[1]).inc(value)
             elif key.startswith("loads_"):

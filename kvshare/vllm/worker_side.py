@@ -38,6 +38,10 @@ from kvshare.vllm.paged import PagedRequestKV, PageViews
 
 log = logging.getLogger(__name__)
 
+LOAD_STAGE = "load_stage_seconds_"
+"""Counter prefix: seconds loads spent per stage, ``<transport>`` (fetching over it) or
+``copy`` (staged blocks into vLLM's pages)."""
+
 IDLE_WAIT_S = 0.01
 """How long a step with no forward pass waits for a pending load (it returns as soon as one
 finishes). Each such step is an engine step of Python work that competes with the load
@@ -207,6 +211,9 @@ class WorkerSide:
             if any(o.transport in REMOTE_SOURCES for o in res.outcomes):
                 where = "remote"
             self._count("load_seconds", res.seconds)
+            for transport, spent in res.transfer_s.items():  # where that time went
+                self._count(f"{LOAD_STAGE}{transport}", spent)
+            self._count(f"{LOAD_STAGE}copy", res.copy_s)
             for o in res.failed:
                 self._count(f"load_failed_{o.reason or 'unknown'}")
         except Exception as exc:
