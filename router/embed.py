@@ -131,10 +131,17 @@ class Routed:
     timings: dict[str, float] = field(default_factory=dict, compare=False, repr=False)
     """Seconds of this decision's stages: ``tokenize``, ``hash``, ``index``, ``score``
     (:mod:`kvshare.breakdown`)."""
-    hint: dict[str, Any] | None = field(default=None, compare=False)
-    """What the index answered when this was routed (None: it did not answer), as vLLM's
-    ``kv_transfer_params``: forwarded to vLLM workers as the router hint
-    (:mod:`kvshare.vllm.router_hint`, :meth:`~router.policy.Ranking.hint`)."""
+    block_tokens: int = field(default=0, compare=False)
+    """The router's block size (what :attr:`hashes` cover each)."""
+
+    def vllm_hint(self) -> dict[str, Any] | None:
+        """What the index answered when this was routed (None: it did not answer, or no
+        ranking), as vLLM's ``kv_transfer_params``: forwarded to vLLM workers as the router
+        hint (:mod:`kvshare.vllm.router_hint`, :meth:`~router.policy.Ranking.hint`). Built
+        here, when a vLLM worker is sent the request, not for every decision."""
+        if self.ranking is None or not self.block_tokens:
+            return None
+        return self.ranking.hint(self.block_tokens)
 
     def token_list(self) -> list[int]:
         """:attr:`token_ids` as a list of ints (JSON bodies need one; a list is not copied)."""
@@ -311,7 +318,7 @@ class CacheAwareRouter:
         self.recent.add(rid, d, tenant.name, len(ids), answer.fallback)
         timings = {"tokenize": t1 - t0, "hash": t2 - t1, "index": t3 - t2, "score": t4 - t3}
         return Routed(rid, d, tenant, ns, ids, hashes, answer.index_s, answer.fallback, ranking,
-                      timings, ranking.hint(self.config.block_tokens))
+                      timings, self.config.block_tokens)
 
     def mark_down(self, worker: WorkerId, for_s: float = 5.0) -> None:
         """Avoid ``worker`` for ``for_s`` seconds (it refused a connection)."""

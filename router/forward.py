@@ -47,8 +47,9 @@ def forward_body(body: Mapping[str, Any], routed: Routed, info: WorkerInfo | Non
     if routed.tenant.salt:
         out["cache_salt"] = routed.tenant.salt
     params: dict[str, Any] = {}
-    if routed.hint is not None:
-        params.update(routed.hint)
+    hint = routed.vllm_hint()
+    if hint is not None:
+        params.update(hint)
     if not chat:
         out["prompt"] = routed.token_list()
     else:

@@ -4,11 +4,12 @@ servers get the gateway's token ids in vLLM's own fields (completions as ``promp
 
 from __future__ import annotations
 
-from kvshare.types import BlockHash, NodeId, WorkerId
+from kvshare.match import build_match
+from kvshare.types import BlockHash, Location, NodeId, Tier, WorkerId
 from kvshare.workers import WorkerInfo
 from router.embed import Routed, Tenant
 from router.forward import forward_body
-from router.policy import Decision
+from router.policy import Decision, Ranking, RouteRequest
 
 VLLM = WorkerInfo(WorkerId("v0"), NodeId("n0"), ("ns",), "http://127.0.0.1:1", 1, "",
                   {"engine": "vllm", "model": "/models/tiny"})
@@ -55,7 +56,11 @@ def test_vllm_gets_the_routers_hint_only_when_the_index_answered() -> None:
     from kvshare.vllm.router_hint import decode, encode
 
     hint = encode(512, [[1, [["node:n1", 1]]]], [BlockHash(b"\1" * 16)])
-    seen = dataclasses.replace(routed(), hint=hint)
+    base = routed()
+    held = build_match([{Location("node:n1"): Tier.HOST, Location("worker:v0"): Tier.GPU}])
+    ranking = Ranking(RouteRequest("ns", base.hashes, len(IDS)), base.decision,
+                      held_blocks=2, index_match=held)
+    seen = dataclasses.replace(base, ranking=ranking, block_tokens=256)
     comp = forward_body({"prompt": "hello"}, seen, VLLM, chat=False)
     assert comp["kv_transfer_params"] == hint
     chat = forward_body({"messages": [{"role": "user", "content": "x"}]}, seen, VLLM, chat=True)

@@ -128,7 +128,7 @@ def test_embed_and_serve_adapters_make_identical_decisions() -> None:
             chosen = shortlist[0][0]
             got_s.append((replica_worker_id(chosen.replica_id),
                           [replica_worker_id(s[0].replica_id) for s in shortlist]))
-            hints.append((routed.hint, pr.kwargs["held"]))  # the router hint, both ways
+            hints.append((routed.vllm_hint(), pr.kwargs["held"]))  # the router hint, both ways
             serve.on_request_routed(pr, chosen.replica_id, None)
             if i % 5 == 4:  # some finish, on both
                 embed.finished(f"q{i - 2}")
