@@ -34,7 +34,7 @@ from kvshare.asgi import unless_disconnected
 from kvshare.auth import WorkerAuth, cluster_secret
 from kvshare.types import WorkerId
 from kvshare.workers import WorkerInfo
-from router import timing, upstream
+from router import stream_resume, timing, upstream
 from router.admin_routes import add_admin_routes, checked_body, json_object
 from router.admission import Admission, AdmissionConfig
 from router.api_keys import load_api_keys as load_api_keys  # re-exported: the old home
@@ -263,21 +263,62 @@ def create_app(
             ctype = resp.headers.get("content-type", "application/json")
             return Response(raw, resp.status_code, headers=headers, media_type=ctype)
         rest = outcome.rest
-        stages = timing.stream_stages(routed.timings, first_s)
+        live: Routed = routed  # the worker streaming now (another after a resume)
+        stages = timing.stream_stages(live.timings, first_s)
         headers["x-kvshare-breakdown"] = timing.header(stages)
         vllm = is_vllm(infos.get(d.worker))
         if vllm:  # no worker stages will come: what the gateway saw is the whole breakdown
             timing.observe(metrics.ttft_stages, stages)
 
+        delivered = stream_resume.Delivered()
+        resumable = stream_resume.resumable(body, greedy_worker=not vllm)
+        skip: stream_resume.Skip | None = None  # filters the resumed stream
+
+        async def resume(exc: httpx.HTTPError) -> bytes | None:
+            """The worker died mid-stream: send the request to another one and return the
+            first of its events past what the client has (None: it cannot be resumed)."""
+            nonlocal live, resp, rest, skip
+            dead = live.decision.worker
+            metrics.upstream.labels(dead, "dropped_mid_stream").inc()
+            await resp.aclose()
+            router.finished(live.request_id)
+            if not resumable or skip is not None:  # sampled, or already resumed once
+                return None
+            try:
+                again = await router.route(token_ids=live.token_ids, tenant=live.tenant,
+                                           exclude=[dead])
+            except NoEligibleWorker:
+                return None
+            answer = await upstream.send(state["http"], router, again, out)
+            if isinstance(answer, Failure):
+                return None
+            if answer.rest is None or answer.response.status_code != 200:
+                await answer.response.aclose()
+                router.finished(answer.routed.request_id)
+                return None
+            live, resp, rest = answer.routed, answer.response, answer.rest
+            router.prefilled(live.request_id)
+            metrics.upstream.labels(live.decision.worker, "resumed_mid_stream").inc()
+            skip = stream_resume.Skip(delivered)
+            log.info("stream of %s resumed on %s after %s died (%s)", live.request_id,
+                     live.decision.worker, dead, type(exc).__name__)
+            return skip.feed(answer.first)
+
         async def relay() -> AsyncIterator[bytes]:
-            router.prefilled(routed.request_id)
+            router.prefilled(live.request_id)
             # Complete events go on at once (an unfinished one waits for its end); from the
             # event carrying the worker's figures on, the stream is held back and sent at its
-            # end with the TTFT breakdown in that event (router/timing.py).
+            # end with the TTFT breakdown in that event (router/timing.py). A worker dying
+            # mid-stream is resumed on another (router/stream_resume.py) when it can be.
             buf, tail, upstream_s = b"", list[bytes](), 0.0
             chunk = outcome.first
-            try:
-                while True:
+
+            def sent(data: bytes) -> bytes:
+                delivered.sent(data)
+                return data
+
+            while True:
+                try:
                     if tail:
                         tail.append(chunk)
                     else:
@@ -286,7 +327,7 @@ def create_app(
                         cut = buf.rfind(b"\n\n", 0, at if at >= 0 else len(buf))
                         if cut >= 0:
                             events = buf[:cut + 2]
-                            yield timing.usage_events(events, stages) if vllm else events
+                            yield sent(timing.usage_events(events, stages) if vllm else events)
                             buf = buf[cut + 2:]
                         if at >= 0:
                             upstream_s = time.perf_counter() - t_send
@@ -295,25 +336,40 @@ def create_app(
                         yield b"".join([buf, *tail]) + b"data: [DONE]\n\n"  # past the deadline
                         return
                     chunk = await rest.__anext__()
-            except StopAsyncIteration:
-                if not tail:
-                    yield timing.usage_events(buf, stages) if vllm else buf
+                    if skip is not None:
+                        chunk = skip.feed(chunk)
+                except StopAsyncIteration:
+                    if skip is not None:  # a last event with no separator
+                        if tail:
+                            tail.append(skip.flush())
+                        else:
+                            buf += skip.flush()
+                    if not tail:
+                        yield timing.usage_events(buf, stages) if vllm else buf
+                        return
+                    end, breakdown = timing.stream_tail(b"".join(tail), live.timings,
+                                                        upstream_s)
+                    router.recent.finish_stream(live.request_id, end)
+                    if breakdown is not None:
+                        timing.observe(metrics.ttft_stages, breakdown)
+                    yield end
                     return
-                end, breakdown = timing.stream_tail(b"".join(tail), routed.timings, upstream_s)
-                router.recent.finish_stream(routed.request_id, end)
-                if breakdown is not None:
-                    timing.observe(metrics.ttft_stages, breakdown)
-                yield end
-            except httpx.HTTPError as exc:  # the worker died mid-stream: say so in-band
-                metrics.upstream.labels(d.worker, "dropped_mid_stream").inc()
-                event = {"error": {"message": f"worker {d.worker} failed mid-stream "
-                                              f"({type(exc).__name__})", "type": "upstream_error",
-                                   "code": "worker_failed"}}
-                yield f"data: {json.dumps(event)}\n\ndata: [DONE]\n\n".encode()
+                except (httpx.HTTPError, stream_resume.Diverged) as exc:
+                    first = await resume(exc) if isinstance(exc, httpx.HTTPError) else None
+                    if first is not None:  # what was not sent is sent again by the other worker
+                        buf, tail, chunk = b"", [], first
+                        continue
+                    if isinstance(exc, stream_resume.Diverged):
+                        log.warning("resumed stream of %s diverged: %s", live.request_id, exc)
+                    event = {"error": {"message": f"worker {live.decision.worker} failed "
+                                                  f"mid-stream ({type(exc).__name__})",
+                                       "type": "upstream_error", "code": "worker_failed"}}
+                    yield f"data: {json.dumps(event)}\n\ndata: [DONE]\n\n".encode()
+                    return
 
         async def done() -> None:
             await resp.aclose()  # closing mid-stream tells the worker to stop generating
-            router.finished(routed.request_id)
+            router.finished(live.request_id)
             slot.release()
 
         slot.handed_over = True

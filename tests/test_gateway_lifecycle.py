@@ -385,6 +385,47 @@ def test_a_worker_killed_with_requests_queued_is_retried_on_another(env: dict[st
         victim.kill()
 
 
+def test_a_stream_whose_worker_dies_mid_way_is_resumed_on_another(env: dict[str, Any]) -> None:
+    """The client has part of a greedy stream when its worker is killed: the gateway sends the
+    request to another worker and relays the rest, so the client's text is the whole answer,
+    with no error event and nothing twice."""
+    survivor = env["workers"][0]
+    victim = WorkerProcess("dying", env["script"], max_pending=8)
+    gw = gateway_for([victim, survivor])
+    body = {"model": NS, "prompt": [11, 12, 13, 14, 15, 16], "max_tokens": 160,
+            "ignore_eos": True, "stream": True}
+    held: list[Any] = []
+    try:
+        with httpx.Client(timeout=120, headers={"Authorization": "Bearer k-b"}) as http:
+            for _ in range(6):  # a stream held open on the survivor sends the next to the victim
+                cm = http.stream("POST", f"{gw.url}/v1/completions", json=body)
+                r = cm.__enter__()
+                held.append(cm)
+                assert r.status_code == 200, r.read()
+                if r.headers["x-kvshare-worker"] == "dying":
+                    break
+            assert r.headers["x-kvshare-worker"] == "dying", "no stream went to the victim"
+            events = []
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    events.append(json.loads(line[6:]))
+                    if len(events) == 2:
+                        victim.kill()  # the client has two events of the answer
+            metrics = http.get(f"{gw.url}/metrics").text
+        assert not [e for e in events if "error" in e], [e for e in events if "error" in e]
+        got = "".join(e["choices"][0]["text"] for e in events if e.get("choices"))
+        direct = httpx.post(f"{survivor.url}/v1/completions", timeout=120, json={
+            **body, "stream": False}).json()["choices"][0]["text"]
+        assert got == direct
+        assert re.search(r'upstream_requests_total\{status="resumed_mid_stream",worker="w0"\} 1',
+                         metrics), [m for m in metrics.splitlines() if "mid_stream" in m]
+    finally:
+        for cm in held:
+            cm.__exit__(None, None, None)
+        gw.stop()
+        victim.kill()
+
+
 def test_a_request_a_dead_worker_displaced_waits_for_a_full_one(env: dict[str, Any]) -> None:
     """The one live worker is full when the dead one refuses: the request waits for its slot
     (it would have waited in the dead worker's queue) instead of a 502."""
