@@ -14,7 +14,7 @@ import json
 import os
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import ray
@@ -62,10 +62,13 @@ def start_workers(model: str, nodes: Sequence[str], *, namespace: str, block_tok
                   num_blocks: int | None = None, connector: bool = False, dtype: str = "",
                   base_port: int = 0, ray_namespace: str = RAY_NAMESPACE,
                   timeout_s: float = 300.0,
-                  cpus: Sequence[tuple[int, ...]] = ()) -> list[dict[str, Any]]:
+                  cpus: Sequence[tuple[int, ...]] = (),
+                  connector_settings: Mapping[str, Any] | None = None) -> list[dict[str, Any]]:
     """One vLLM worker per node id in ``nodes`` (vLLM servers start in parallel); returns
     each worker's :meth:`VllmWorkerService.info`. Needs ``ray.init`` and a deployed index.
-    ``cpus``: each worker's cores on its node (:class:`VllmSpec`; empty: unpinned)."""
+    ``cpus``: each worker's cores on its node (:class:`VllmSpec`; empty: unpinned);
+    ``connector_settings``: more connector keys (:class:`VllmWorkerConfig`), checked before
+    any worker starts."""
     if cpus and len(cpus) != len(nodes):
         raise ValueError(f"cpus: one core set per node, got {len(cpus)} for {len(nodes)} nodes")
     from kvshare.engines.server import free_port
@@ -84,7 +87,7 @@ def start_workers(model: str, nodes: Sequence[str], *, namespace: str, block_tok
                         cpus=tuple(cpus[i]) if cpus else ())
         wid = f"vllm-{node[:8]}-{spec.port}"
         cfg = VllmWorkerConfig(wid, node, namespace, spec, block_tokens, dtype, connector,
-                               ray_namespace)
+                               ray_namespace, connector_settings=dict(connector_settings or {}))
         actors.append(VllmWorkerActor.options(
             name=PREFIX + wid, namespace=ray_namespace, lifetime="detached",
             scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
@@ -133,6 +136,17 @@ def _nodes(spec: str) -> list[str]:
     return chosen
 
 
+def _json_object(text: str) -> dict[str, Any]:
+    """``--connector-settings``: a JSON object, or an error naming what to fix."""
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON ({exc}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"a JSON object of connector keys, got {text!r}")
+    return value
+
+
 def _cmd(args: argparse.Namespace) -> int:
     from actors.cli import _connect
 
@@ -142,7 +156,8 @@ def _cmd(args: argparse.Namespace) -> int:
                               block_tokens=args.block_tokens, page_tokens=args.block_size,
                               kv_cache_gb=args.kv_cache_gb, max_model_len=args.max_model_len,
                               connector=args.connector, dtype=args.dtype,
-                              ray_namespace=args.ray_namespace)
+                              ray_namespace=args.ray_namespace,
+                              connector_settings=args.connector_settings)
         print(json.dumps(infos, indent=2))
     elif args.vllm_cmd == "list":
         print(json.dumps(list_workers(args.ray_namespace), indent=2, default=str))
@@ -168,6 +183,9 @@ def register(sub: Any) -> None:
     st.add_argument("--dtype", default="", help="vLLM --dtype (default: the model's)")
     st.add_argument("--connector", action="store_true",
                     help="load/store KV through the kvshare connector (kvshare.vllm.connector)")
+    st.add_argument("--connector-settings", type=_json_object, default={},
+                    help='more kv_connector_extra_config keys as JSON, e.g. \'{"sync_save_mib": 0}\' '
+                         "(kvshare.vllm.config lists them)")
     vs.add_parser("list", help="the running vLLM workers and their event counters")
     vs.add_parser("stop", help="stop every vLLM worker")
     p.set_defaults(func=_cmd)

@@ -343,7 +343,8 @@ async def warm(handle: Any, replicas: int, tracker: Any) -> None:
 
 
 def start_servers(model: str, connector: bool, cores: int, vllm_pages: int = 0,
-                  pool_blocks: int = 64, max_model_len: int = 4096) -> list[dict[str, Any]]:
+                  pool_blocks: int = 64, max_model_len: int = 4096,
+                  connector_settings: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     """kvshare on the cluster (``pool_blocks`` share blocks of host pool per node) and one vLLM
     server per ``vllm_slot`` node (``vllm_pages`` > 0: at most that many KV pages, else what
     its KV space holds); ``cores`` > 0: server i on this machine's cores [i*cores,
@@ -364,7 +365,8 @@ def start_servers(model: str, connector: bool, cores: int, vllm_pages: int = 0,
         raise SystemExit(f"--cores-per-server {cores} x {len(ids)} servers: only {len(usable)} cores")
     cpus = [tuple(usable[i * cores:(i + 1) * cores]) for i in range(len(ids))] if cores else []
     return start_workers(model, ids, namespace=NS, block_tokens=BLOCK, max_model_len=max_model_len,
-                         connector=connector, cpus=cpus, num_blocks=vllm_pages or None)
+                         connector=connector, cpus=cpus, num_blocks=vllm_pages or None,
+                         connector_settings=connector_settings)
 
 
 def summary(name: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -410,6 +412,7 @@ def report(runs: dict[str, list[dict[str, Any]]], args: argparse.Namespace, t_st
                            "connector": args.connector, "cores_per_server": args.cores_per_server,
                            "kvshare_kwargs": args.kvshare_kwargs,
                            "vllm_pages": args.vllm_pages, "pool_blocks": args.pool_blocks,
+                           "connector_settings": args.connector_settings,
                            "peers_own_cache": args.peers_own_cache,
                            "total_s": round(time.perf_counter() - t_start, 1)}
     if "kvshare" in results and peers:
@@ -469,6 +472,8 @@ def main() -> int:
                     help="the peers' requests keep out of kvshare's pools (kvshare.vllm.opt_out): "
                          "each peer gets vLLM's own prefix cache only, as its users run it; "
                          "default: every router's requests use the connector (routing alone)")
+    ap.add_argument("--connector-settings", type=json.loads, default={},
+                    help='more kv_connector_extra_config keys, e.g. \'{"sync_save_mib": 0}\'')
     ap.add_argument("--pool-blocks", type=int, default=64,
                     help=f"each node's host pool, in {BLOCK}-token share blocks")
     ap.add_argument("--warmup-turns", type=int, default=1,
@@ -518,7 +523,8 @@ def main() -> int:
                        temp_prefix="kvs-vllm-bench-"):
         try:
             infos = start_servers(model, args.connector, args.cores_per_server,
-                                  args.vllm_pages, args.pool_blocks, args.max_model_len)
+                                  args.vllm_pages, args.pool_blocks, args.max_model_len,
+                                  args.connector_settings)
             endpoints = [i["endpoint"] for i in infos]
             serve.start(proxy_location="Disabled")
             print(f"cluster, kvshare, {len(infos)} vLLM servers up in "

@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvshare.hasher import Hasher
 from kvshare.identity import path_identity
 from kvshare.layout import KVLayout, normalize_dtype
 from kvshare.types import NodeId, WorkerId
+from kvshare.vllm.config import ConnectorSettings
 from kvshare.vllm.events import EventsConfig, KVEventsConsumer
 from kvshare.vllm.launch import VllmProcess, VllmSpec
 from kvshare.vllm.load import MetricsLoad
@@ -54,7 +55,9 @@ class VllmKeys:
 class VllmWorkerConfig:
     """One worker: ``spec`` (the vLLM server), the kvshare ``namespace`` and share block size,
     and whether vLLM loads/stores through the kvshare connector (``connector``; it joins the
-    Ray cluster at ``ray_address`` and uses ``node``'s pool)."""
+    Ray cluster at ``ray_address`` and uses ``node``'s pool). ``connector_settings``: more
+    ``kv_connector_extra_config`` keys (:class:`~kvshare.vllm.config.ConnectorSettings`, e.g.
+    ``{"sync_save_mib": 0}``), checked here; the keys this config sets itself are refused."""
 
     worker_id: str
     node: str
@@ -65,12 +68,34 @@ class VllmWorkerConfig:
     connector: bool = False
     ray_namespace: str = "kvshare"
     ray_address: str = ""
+    connector_settings: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        owned = sorted(set(self.connector_settings) & set(self._owned_settings()))
+        if owned:
+            raise ValueError(f"connector_settings: {owned} are set from the worker's own "
+                             "config (namespace, block_tokens, node, ...): leave them out")
+        if self.connector_settings and not self.connector:
+            raise ValueError("connector_settings given for a worker without the connector "
+                             "(connector=False): drop them or set connector=True")
+        ConnectorSettings.from_extra({**self.connector_settings,
+                                      **self._owned_settings()})  # a bad key or value: here
         if self.block_tokens % self.spec.block_size:
             raise ValueError(
                 f"block_tokens {self.block_tokens} must be a multiple of vLLM's --block-size "
                 f"{self.spec.block_size}")
+
+    def _owned_settings(self) -> dict[str, Any]:
+        """The connector keys this config sets (its pool: this worker's node's)."""
+        extra: dict[str, Any] = {"namespace": self.namespace, "block_tokens": self.block_tokens,
+                                 "ray_namespace": self.ray_namespace, "node": self.node}
+        if self.ray_address:
+            extra["ray_address"] = self.ray_address
+        return extra
+
+    def extra_config(self) -> dict[str, Any]:
+        """The connector's ``kv_connector_extra_config``."""
+        return {**self.connector_settings, **self._owned_settings()}
 
 
 class VllmWorker:
@@ -81,12 +106,7 @@ class VllmWorker:
         self.keys = VllmKeys.from_model(config.spec.model, config.block_tokens, config.dtype)
         spec = config.spec
         if config.connector:
-            extra: dict[str, Any] = {"namespace": config.namespace,
-                                     "block_tokens": config.block_tokens,
-                                     "ray_namespace": config.ray_namespace,
-                                     "node": config.node}  # its pool: this worker's node's
-            if config.ray_address:
-                extra["ray_address"] = config.ray_address
+            extra = config.extra_config()
             spec = VllmSpec(**{**spec.__dict__, "kv_transfer_config": {
                 "kv_connector": "KVShareConnector", "kv_role": "kv_both",
                 "kv_connector_module_path": "kvshare.vllm.connector",
