@@ -385,7 +385,11 @@ def create_app(
 
     @app.post("/v1/route")
     async def route(request: Request) -> Response:
-        """Decision only. Body: ``{"prompt": ...}`` or ``{"messages": [...]}``."""
+        """Decision only. Body: ``{"prompt": ...}`` or ``{"messages": [...]}``. The answer
+        has the decision and ``candidates``: every eligible worker's estimate (``worker``,
+        ``est_ttft_s``, ``queue_s``, ``reason``), chosen first, then best first (empty for a
+        fallback without a ranking); near-ties (within the policy's tie) are rotated, so two
+        routers may choose differently among them."""
         probe = await json_object(request, fail, limits)
         if isinstance(probe, JSONResponse):
             return probe
@@ -394,11 +398,14 @@ def create_app(
             return parsed
         _, routed = parsed
         router.finished(routed.request_id)  # nothing was sent: not in flight
+        estimates = routed.ranking.estimates() if routed.ranking is not None else []
         return JSONResponse({
             **routed.decision.to_dict(), "request_id": routed.request_id,
             "tenant": routed.tenant.name, "namespace": routed.namespace,
             "num_tokens": len(routed.token_ids), "num_blocks": len(routed.hashes),
             "index_s": routed.index_s, "fallback": routed.fallback,
+            "candidates": [{"worker": e.worker, "est_ttft_s": e.est_ttft_s, "queue_s": e.queue_s,
+                            "reason": e.reason} for e in estimates],
         })
 
     async def parse_with(request: Request, probe: Any) -> tuple[dict[str, Any], Routed] | JSONResponse:

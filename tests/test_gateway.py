@@ -172,6 +172,11 @@ def test_cached_prefix_routes_to_its_worker_only_for_its_tenant(setup: Any) -> N
         globex = http.post("/v1/route", json={"prompt": acme_prompt},
                            headers={"Authorization": "Bearer key-globex"}).json()
     assert acme["worker"] == "w2" and acme["cached_blocks"] == len(hashes)
+    cands = acme["candidates"]  # every worker's estimate, the chosen first, then best first
+    assert cands[0]["worker"] == "w2" and cands[0]["reason"] == "cache_local"
+    assert cands[0]["est_ttft_s"] == acme["est_ttft_s"] and len(cands) >= 2
+    assert all(c["reason"] != "cache_local" for c in cands[1:])
+    assert [c["est_ttft_s"] for c in cands[1:]] == sorted(c["est_ttft_s"] for c in cands[1:])
     assert globex["cached_blocks"] == 0 and globex["reason"] != "cache_local"
     assert acme["tenant"] == "acme" and globex["tenant"] == "globex"
 

@@ -270,6 +270,21 @@ def test_cost_policy_spreads_ties_over_idle_workers() -> None:
     assert all(math.isfinite(pol.choose(req, EMPTY_MATCH, cands).est_ttft_s) for _ in range(2))
 
 
+def test_cost_policy_breaks_a_near_tie_between_reading_and_pulling_for_the_reader() -> None:
+    """Within the tie, the worker reading its node's copy beats the one that would pull it,
+    every time (the rotation, and the lighter queue, decide only among equal pulls)."""
+    from router.policy import CostPolicy
+
+    pol = CostPolicy(cost_model(a=1e-3), Sharing.GLOBAL, tie_s=0.05)
+    match = held({node_location("n0"): (8, Tier.HOST)})
+    req = RouteRequest(NS, HASHES, 128)
+    cands = [cand(0, queued=5), cand(1)]  # w0 5 ms behind: within the tie
+    picks = {(d.worker, d.reason) for d in (pol.choose(req, match, cands) for _ in range(6))}
+    assert picks == {("w0", "cache_local")}
+    fresh = RouteRequest(NS, [H(i) for i in range(100, 108)], 128)  # cached nowhere: rotated
+    assert len({pol.choose(fresh, EMPTY_MATCH, [cand(0), cand(1)]).worker for _ in range(4)}) == 2
+
+
 def test_worker_gpu_tier_is_free_and_prefers_that_worker() -> None:
     m = cost_model(a=1e-3)
     match = held({worker_location("w1"): (8, Tier.GPU), node_location("n0"): (8, Tier.HOST)})

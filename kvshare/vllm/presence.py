@@ -80,18 +80,24 @@ class Presence:
             return self._gen
 
     def start(self) -> Presence:
+        """Register and report the first load now (so a caller that returns after this finds
+        the worker listed with a load, i.e. routable), then renew on a thread. An index that
+        does not answer yet does not fail the start: the thread keeps trying."""
+        self._tick_once()
         self._thread = threading.Thread(target=self._run, name="kvshare-vllm-lease", daemon=True)
         self._thread.start()
         return self
 
     def _run(self) -> None:
-        while not self._stop.is_set():
-            try:
-                self.tick()
-            except Exception as exc:  # index unreachable: keep trying, never stop serving
-                self.counters["report_errors"] += 1
-                log.debug("load report of %s failed: %s", self.worker_id, exc)
-            self._stop.wait(self.interval_s)
+        while not self._stop.wait(self.interval_s):
+            self._tick_once()
+
+    def _tick_once(self) -> None:
+        try:
+            self.tick()
+        except Exception as exc:  # index unreachable: keep trying, never stop serving
+            self.counters["report_errors"] += 1
+            log.debug("load report of %s failed: %s", self.worker_id, exc)
 
     def tick(self) -> None:
         """Register if needed, then report one load (renewing the lease) if the engine answers."""

@@ -1,0 +1,77 @@
+"""A vLLM worker's presence: once :meth:`Presence.start` returns the worker is listed with a
+load (routable: ``start_workers`` returns only then); an index that does not answer yet does
+not fail the start, and the worker registers as soon as it answers."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from actors.index.global_index import GlobalIndex
+from kvshare.types import NodeId, WorkerId
+from kvshare.vllm.presence import Presence
+from kvshare.workers import WorkerInfo, WorkerLoad
+
+WID = WorkerId("w-presence")
+INFO = WorkerInfo(WID, NodeId("n0"), ("ns",))
+
+
+def _load() -> WorkerLoad:
+    return WorkerLoad(WID, queued_prefill_tokens=7, ts=time.time())
+
+
+def _index(cls: type[GlobalIndex] = GlobalIndex) -> Any:
+    index = cls()
+    index.declare_namespace("ns")
+    return index
+
+
+class _Slow(GlobalIndex):
+    """An index a round trip away (a Ray actor on another node): registering takes a while."""
+
+    def register_worker(self, info: WorkerInfo) -> int:
+        time.sleep(0.3)
+        return super().register_worker(info)
+
+
+def test_the_worker_is_listed_with_its_load_when_start_returns() -> None:
+    index = _index(_Slow)
+    presence = Presence(INFO, index, _load, interval_s=0.1).start()
+    try:  # no wait: a caller acting on the return must find it
+        assert [w.worker_id for w in index.workers()] == [WID]
+        load = index.loads()[WID]
+        assert load.ts > 0 and load.queued_prefill_tokens == 7
+    finally:
+        presence.stop()
+    assert index.workers() == []
+
+
+class _Unreachable(GlobalIndex):
+    """An index that raises until ``up`` is set."""
+
+    up = False
+
+    def register_worker(self, info: WorkerInfo) -> int:
+        if not self.up:
+            raise ConnectionError("index not reachable")
+        return super().register_worker(info)
+
+    def report_load(self, load: WorkerLoad) -> bool:
+        if not self.up:
+            raise ConnectionError("index not reachable")
+        return super().report_load(load)
+
+
+def test_an_index_that_does_not_answer_yet_does_not_fail_the_start() -> None:
+    index = _index(_Unreachable)
+    presence = Presence(INFO, index, _load, interval_s=0.02).start()
+    try:
+        assert presence.counters["report_errors"] >= 1 and index.workers() == []
+        index.up = True
+        deadline = time.monotonic() + 5
+        while not index.workers() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert [w.worker_id for w in index.workers()] == [WID]
+        assert index.loads()[WID].ts > 0
+    finally:
+        presence.stop()
