@@ -324,6 +324,11 @@ class CacheAwareRouter:
         """Avoid ``worker`` for ``for_s`` seconds (it refused a connection)."""
         self._down[worker] = time.monotonic() + for_s
 
+    def mark_up(self, worker: WorkerId) -> None:
+        """Route to ``worker`` again now (e.g. a health check saw it answer), ending a
+        :meth:`mark_down`; a worker not marked down is left as it is."""
+        self._down.pop(worker, None)
+
     def _usable(self, infos: Sequence[WorkerInfo], exclude: Collection[WorkerId]) -> Sequence[WorkerInfo]:
         if not self._down and not exclude:
             return infos

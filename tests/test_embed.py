@@ -79,6 +79,24 @@ def test_routes_to_the_worker_holding_the_prefix_and_only_for_that_tenant() -> N
     assert a.kvshare_field()["hashes_hex"][0] == a.hashes[0].hex()  # type: ignore[attr-defined]
 
 
+def test_a_worker_marked_down_is_avoided_until_marked_up() -> None:
+    index = GlobalIndex()
+    index.declare_namespace(NS)
+    r = CacheAwareRouter(InProcessIndex(index), workers(), CFG)
+    tenant = Tenant("acme", "salt-a")
+    index.apply(stored(r.hashes(r.tokenize(PROMPT), tenant), "n2"))
+
+    def where() -> str:
+        return str(run(r.route(prompt=PROMPT, tenant=tenant)).decision.worker)  # type: ignore[attr-defined]
+
+    assert where() == "w2"
+    r.mark_down(WorkerId("w2"), for_s=60)
+    assert where() != "w2"
+    r.mark_up(WorkerId("w2"))
+    assert where() == "w2"
+    r.mark_up(WorkerId("w1"))  # not marked down: nothing changes
+
+
 def test_a_burst_sharing_a_new_prefix_is_not_scattered() -> None:
     index = GlobalIndex()
     index.declare_namespace(NS)

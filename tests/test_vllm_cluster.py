@@ -258,7 +258,10 @@ def test_back_to_back_turn_on_the_other_vllm_node_loads_the_previous_turn(
     wait_for(lambda: metric(endpoint, "vllm:kvshare_sync_saves_total") >= 1, timeout_s=10)
     second[2]["content"] = answer
     router.mark_down(w1, for_s=5.0)  # the first worker refuses: the turn goes to the other
-    _, cached, w2 = chat(gw, second)
+    try:
+        _, cached, w2 = chat(gw, second)
+    finally:
+        router.mark_up(w1)  # the next tests route to both workers
     assert w2 != w1
     shared = shared_blocks_tokens(router, first, second)
     assert shared >= 4 * BLOCK and cached >= 0.95 * shared, (cached, shared)
