@@ -13,6 +13,7 @@ import random
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -229,6 +230,97 @@ def test_new_blocks_are_saved_and_pages_kept_until_the_save_is_done(model: str) 
     sched.update_from_output(out, output([], finished_sending={"r3"}))
     assert "r3" not in sched.requests
     assert sched.kv_cache_manager.block_pool.get_num_free_blocks() > free_before
+
+
+class GatedStores:
+    """The test's client, except that stores wait for ``open`` (a busy pool) on one thread."""
+
+    def __init__(self, client: Any) -> None:
+        self.client = client
+        self.open = threading.Event()
+        self._thread = ThreadPoolExecutor(1)
+
+    def store(self, *args: Any) -> Any:
+        def run() -> Any:
+            self.open.wait(30)
+            return self.client.store(*args).result()
+        return self._thread.submit(run)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.client, name)
+
+
+def worker_side(sched: Any, client: Any) -> Any:
+    """The connector's worker half over the test's client and CPU_ATTN pages (what vLLM's
+    worker process runs: the scheduler's metadata goes in as vLLM would send it)."""
+    from kvshare.vllm.worker_side import WorkerSide
+
+    lay = sched.connector.keys.layout
+    worker = WorkerSide(client, sched.connector.keys, PAGE)
+    worker.register({f"model.layers.{i}.self_attn.attn":
+                     torch.zeros(200, lay.num_kv_heads, PAGE, 2 * lay.head_dim)
+                     for i in range(lay.num_layers)})
+    return worker
+
+
+def test_only_a_finishing_request_waits_for_its_saves(model: str) -> None:
+    """Read-after-write without a stall per step: the prefill step's saves are handed to the
+    store thread and the step goes on (its first token does not wait for a slow store); the
+    step that finishes the request holds its output until the saves ended (a lookup right
+    after finds every block); a store slower than the limit is counted late; an aborted
+    request is not held."""
+    from vllm.v1.request import RequestStatus
+
+    from kvshare.vllm.scheduler_side import SYNC_SAVE_WAIT_S
+
+    sched = make_scheduler(model)
+    client = GatedStores(CLIENT["c"])
+    worker = worker_side(sched, client)
+    side = sched.connector._sched
+    toks = tokens(61, 3 * BLOCK + 10)
+    req = request("w1", toks, max_tokens=2)
+    sched.add_request(req)
+    out = sched.schedule()
+    (save,) = out.kv_connector_metadata.saves
+    assert save.seq > 0 and out.kv_connector_metadata.marks == side.marks.path
+    t0 = time.perf_counter()
+    worker.submit_saves(out.kv_connector_metadata)  # vLLM's wait_for_save
+    sched.update_from_output(out, output([req]))  # the first token: not finished
+    assert time.perf_counter() - t0 < 0.2, "the prefill step waited for its store"
+    assert side.marks.attached and not side.marks.done(save.seq)
+    out = sched.schedule()
+    worker.submit_saves(out.kv_connector_metadata)
+    threading.Timer(0.3, client.open.set).start()
+    t0 = time.perf_counter()
+    sched.update_from_output(out, output([req]))  # max_tokens=2: finished, held for its save
+    held = time.perf_counter() - t0
+    assert 0.25 <= held < SYNC_SAVE_WAIT_S, held
+    assert CLIENT["c"].lookup(toks).available_blocks == 3  # already in the pool
+    counters = side.counters
+    assert counters["sync_saves"] == 1 and not counters.get("sync_saves_late")
+    assert counters["sync_save_s"] >= 0.25
+
+    client.open.clear()  # a store slower than the limit: held that long, counted late
+    late = request("w2", tokens(62, 3 * BLOCK + 10), max_tokens=1)
+    sched.add_request(late)
+    out = sched.schedule()
+    worker.submit_saves(out.kv_connector_metadata)
+    t0 = time.perf_counter()
+    sched.update_from_output(out, output([late]))
+    assert SYNC_SAVE_WAIT_S <= time.perf_counter() - t0 < SYNC_SAVE_WAIT_S + 0.5
+    assert side.counters["sync_saves_late"] == 1
+
+    gone = request("w3", tokens(63, 3 * BLOCK + 10), max_tokens=4)  # its client went away
+    sched.add_request(gone)
+    out = sched.schedule()
+    worker.submit_saves(out.kv_connector_metadata)
+    sched.update_from_output(out, output([gone]))
+    t0 = time.perf_counter()
+    sched.finish_requests("w3", RequestStatus.FINISHED_ABORTED)
+    assert time.perf_counter() - t0 < 0.2
+    assert side.counters["sync_saves"] == 2
+    client.open.set()
+    worker.close()
 
 
 def test_lookup_waits_reach_vllms_scheduler_stats_once_per_lookup(model: str) -> None:

@@ -160,7 +160,8 @@ class KVShareConnector(KVConnectorBase_V1):
                                         sync_local_bytes=int(st.sync_local_mib * 2**20),
                                         lookups=Lookups(st.lookup_threads, priced=st.price_lookups),
                                         router_hints=st.router_hints,
-                                        hint_max_age_s=st.router_hint_max_age_s)
+                                        hint_max_age_s=st.router_hint_max_age_s,
+                                        sync_save_bytes=int(st.sync_save_mib * 2**20))
             _SIDES.append(self._sched)
         else:
             from vllm.distributed.parallel_state import (
@@ -170,8 +171,7 @@ class KVShareConnector(KVConnectorBase_V1):
 
             self._worker = WorkerSide(client, self.keys, page,
                                       tp_rank=get_tensor_model_parallel_rank(),
-                                      tp_size=get_tensor_model_parallel_world_size(),
-                                      sync_save_bytes=int(self.settings.sync_save_mib * 2**20))
+                                      tp_size=get_tensor_model_parallel_world_size())
             _SIDES.append(self._worker)
 
     def _make_client(self) -> Any:
@@ -190,13 +190,13 @@ class KVShareConnector(KVConnectorBase_V1):
     # ------------------------------------------------------------------ stats (kvshare.vllm.stats)
     def get_kv_connector_stats(self) -> KVShareStats | None:
         """Since the last call: worker role, bytes loaded per transport and stored, and load
-        waits and synchronous saves; scheduler role, lookup waits and skipped lookups."""
+        waits; scheduler role, lookup waits, skipped lookups and finishes held for saves."""
         if self._sched is not None:
-            moved = self._moved.take(lookup_counters(self._sched.counters))
+            moved = self._moved.take({**lookup_counters(self._sched.counters),
+                                      **save_counters(self._sched.counters)})
         elif self._worker is not None:
             moved = self._moved.take({**byte_counters(self._client.counters),
-                                      **wait_counters(self._worker.counters),
-                                      **save_counters(self._worker.counters)})
+                                      **wait_counters(self._worker.counters)})
         else:
             return None
         return KVShareStats(data=moved) if moved else None

@@ -28,20 +28,26 @@ class LoadSpec:
 
 @dataclass(frozen=True)
 class SaveSpec:
-    """Store kvshare blocks ``[start_block, len(hashes))`` of one request from its pages."""
+    """Store kvshare blocks ``[start_block, len(hashes))`` of one request from its pages.
+    ``seq``: the save's number, marked when it ends (:mod:`kvshare.vllm.save_marks`; 0: not
+    marked)."""
 
     req_id: str
     hashes: tuple[bytes, ...]
     start_block: int
     page_ids: tuple[int, ...]
+    seq: int = 0
 
 
 @dataclass
 class KVShareMetadata(KVConnectorMetadata):
     """One step's loads and saves; ``busy`` is False for a step that runs no forward pass;
-    ``preempted`` requests lose their pages after this step (their saves must finish first)."""
+    ``preempted`` requests lose their pages after this step (their saves must finish first);
+    ``marks``: the file the workers mark ended saves in (:mod:`kvshare.vllm.save_marks`; "":
+    none)."""
 
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
     busy: bool = False
     preempted: tuple[str, ...] = ()
+    marks: str = ""

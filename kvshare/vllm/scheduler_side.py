@@ -20,6 +20,11 @@ save (blocks the cluster did not hold at lookup, or whose load failed and were r
 once the forward pass has computed them).
 A request that had a save issued keeps its pages after it finishes until the workers report
 the save done (``request_finished`` returns True; vLLM frees on ``finished_sending``).
+Read-after-write: a request that finishes while its saves still run is held in
+``request_finished`` (the step that finishes it, before its output leaves the engine) until the
+workers mark them ended (:mod:`kvshare.vllm.save_marks`), at most ``SYNC_SAVE_WAIT_S``, when
+they come to at most ``sync_save_bytes``; no other step waits for a save, so a prompt's first
+token never waits for the prompt's store.
 Not shared at all (no lookup, load or save): LoRA and multimodal requests, and requests that
 opt out (:mod:`kvshare.vllm.opt_out`).
 """
@@ -44,6 +49,7 @@ from kvshare.vllm.lookup import Lookups
 from kvshare.vllm.metadata import KVShareMetadata, LoadSpec, SaveSpec
 from kvshare.vllm.opt_out import shares
 from kvshare.vllm.router_hint import decode as decode_hint
+from kvshare.vllm.save_marks import SaveMarks
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +57,9 @@ MAX_LOADS = 2
 """Load attempts per request (a preempted request may load again once)."""
 LOCAL_TRANSPORTS = (SOURCE_SHM, SOURCE_LOCAL)
 """Transports that never leave this node (candidates for a load inside the forward pass)."""
+SYNC_SAVE_WAIT_S = 0.5
+"""The longest a finishing request is held for its saves (``sync_save_bytes``); a slower store
+(a busy pool) goes on in the background, as a larger one does."""
 LOOKUP_WAIT = "lookup_wait_seconds"
 LOOKUPS_ANSWERED = "lookups_answered"
 """Counters: seconds requests were held for their lookups, and how many lookups answered."""
@@ -73,6 +82,8 @@ class _Req:
     late: Future[Plan] | None = None  # an abandoned lookup: its answer only marks held blocks
     held_tokens: int | None = None  # the router's hint: the cluster held no more than this
     pools: MatchResult | None = None  # the hint's pools answer: plan from it, no lookup
+    save_seqs: list[int] = field(default_factory=list)  # its saves' numbers (save_marks)
+    saved_blocks: int = 0  # blocks handed to the workers to save
 
 
 class SchedulerSide:
@@ -81,7 +92,7 @@ class SchedulerSide:
     def __init__(self, client: KVClient, keys: ModelKeys, page_tokens: int, *, save: bool = True,
                  lookup_wait_s: float = 0.02, sync_local_bytes: int = 0,
                  lookups: Lookups | None = None, router_hints: bool = True,
-                 hint_max_age_s: float = 1.0) -> None:
+                 hint_max_age_s: float = 1.0, sync_save_bytes: int = 0) -> None:
         self.client = client
         self.keys = keys
         self.block_tokens = keys.layout.block_tokens
@@ -91,6 +102,8 @@ class SchedulerSide:
         self.sync_local_bytes = sync_local_bytes
         self.router_hints = router_hints
         self.hint_max_age_s = hint_max_age_s
+        self.sync_save_bytes = sync_save_bytes
+        self.marks = SaveMarks.create() if save and sync_save_bytes > 0 else None
         self._reqs: dict[str, _Req] = {}
         self._loads: list[LoadSpec] = []
         self._sending: set[str] = set()
@@ -322,7 +335,8 @@ class SchedulerSide:
         self._count("steps")
         self.lookups.step(scheduled)
         meta = KVShareMetadata(loads=self._loads, busy=bool(scheduled),
-                               preempted=tuple(preempted))
+                               preempted=tuple(preempted),
+                               marks=self.marks.path if self.marks is not None else "")
         self._loads = []
         for rid in preempted:
             st = self._reqs.get(rid)
@@ -347,11 +361,14 @@ class SchedulerSide:
                 st.hashes += block_hashes(st.root, tokens[start:full * self.block_tokens],
                                           self.block_tokens, parent=parent)
             pages = list(page_ids_of(rid))[: full * self.block_tokens // self.page_tokens]
+            seq = self.marks.next_seq() if self.marks is not None else 0
             meta.saves.append(SaveSpec(rid, tuple(bytes(h) for h in st.hashes[:full]),
-                                       st.saved_upto, tuple(int(p) for p in pages)))
+                                       st.saved_upto, tuple(int(p) for p in pages), seq))
+            st.save_seqs.append(seq)
+            st.saved_blocks += full - st.saved_upto
+            self._count("save_blocks", full - st.saved_upto)
             st.saved_upto = full
             self._sending.add(rid)
-            self._count("save_blocks", full - meta.saves[-1].start_block)
         return meta
 
     def _late_answer(self, st: _Req) -> None:
@@ -366,14 +383,42 @@ class SchedulerSide:
 
     def request_finished(self, request: Any) -> bool:
         """True when a save was issued for the request: vLLM keeps its pages until the
-        workers report it in ``finished_sending``."""
+        workers report it in ``finished_sending``. A request that ends its answer (not
+        aborted) first waits for its saves (module docstring: read-after-write)."""
         rid = request.request_id
-        self._reqs.pop(rid, None)
+        st = self._reqs.pop(rid, None)
         self._unshared.discard(rid)
-        if rid in self._sending:
-            self._sending.discard(rid)
-            return True
-        return False
+        if rid not in self._sending:
+            return False
+        self._sending.discard(rid)
+        if st is not None and st.save_seqs and not _aborted(request):
+            self._hold_for_saves(st)
+        return True
+
+    def _hold_for_saves(self, st: _Req) -> None:
+        """Wait until the request's saves have ended (at most ``SYNC_SAVE_WAIT_S``), when
+        they are small enough to wait for; counted as ``sync_saves`` (requests that checked),
+        ``sync_save_s`` (seconds held) and ``sync_saves_late`` (still running at the limit)."""
+        marks = self.marks
+        if marks is None or st.saved_blocks * self.keys.layout.bytes_per_block > self.sync_save_bytes:
+            return
+        t0 = time.perf_counter()
+        done = marks.wait(st.save_seqs, SYNC_SAVE_WAIT_S)
+        self._count("sync_saves")
+        with self._lock:
+            self.counters["sync_save_s"] = (self.counters.get("sync_save_s", 0.0)
+                                            + time.perf_counter() - t0)
+        if not done:
+            self._count("sync_saves_late")
 
     def close(self) -> None:
         self.lookups.close()
+        if self.marks is not None:
+            self.marks.close()
+            self.marks = None
+
+
+def _aborted(request: Any) -> bool:
+    """Whether vLLM aborted the request (its client went away): no answer to wait for."""
+    status = getattr(request, "status", None)
+    return getattr(status, "name", "") == "FINISHED_ABORTED"

@@ -34,9 +34,11 @@ server's ``/metrics``, next to vLLM's own:
   ``vllm:kvshare_lookups_from_router_total``: requests planned from the index answer their
   router sent with them (no index call, no hold);
 - ``vllm:kvshare_sync_saves_total``, ``vllm:kvshare_sync_save_seconds_total`` and
-  ``vllm:kvshare_sync_saves_late_total`` (worker role): steps that waited for their saves
-  before vLLM saw their output (``sync_save_mib``: read-after-write), the seconds they waited,
-  and those whose store outlasted the wait (finished in the background).
+  ``vllm:kvshare_sync_saves_late_total`` (scheduler role): finishing requests that had saves
+  and were held until those ended before their last output left the engine (``sync_save_mib``:
+  read-after-write, :mod:`kvshare.vllm.save_marks`), the seconds they were held (0 for a
+  request whose saves had ended during its decode), and those whose store outlasted the wait
+  (finished in the background).
 
 Names start with ``vllm:`` as vLLM's own connector metrics do, so vLLM's re-registration
 (``unregister_vllm_metrics``, once per engine in a process) clears them too.
@@ -69,7 +71,7 @@ LOOKUP_KEYS = (LOOKUP_WAIT, LOOKUPS_ANSWERED, "lookup_seconds", "lookups", "look
                "lookups_skipped", "lookups_skipped_router", "router_hints_malformed",
                "router_hints_expired", "router_hints_mismatched", "lookups_from_router")
 SAVE_KEYS = ("sync_saves", "sync_save_s", "sync_saves_late")
-"""The worker side's synchronous-save counters."""
+"""The scheduler side's read-after-write counters (finishing requests held for their saves)."""
 SKIPPED = {"lookups_skipped": "own_cache", "lookups_skipped_router": "router"}
 HINTS_IGNORED = {"router_hints_malformed": "malformed", "router_hints_expired": "expired",
                  "router_hints_mismatched": "mismatched"}
@@ -176,12 +178,12 @@ class KVSharePromMetrics(KVConnectorPromMetrics):
                 "they cost): scheduled as misses."),
         }
         self._saves = {
-            "sync_saves": counter("sync_saves", "Steps that waited for their kvshare saves "
-                                  "before vLLM saw their output (read-after-write)."),
+            "sync_saves": counter("sync_saves", "Finishing requests held until their kvshare "
+                                  "saves ended, before their last output (read-after-write)."),
             "sync_save_s": counter("sync_save_seconds",
-                                   "Seconds steps waited for their kvshare saves."),
-            "sync_saves_late": counter("sync_saves_late", "Synchronous kvshare saves that "
-                                       "outlasted the wait and finished in the background."),
+                                   "Seconds finishing requests were held for their kvshare saves."),
+            "sync_saves_late": counter("sync_saves_late", "Finishing requests whose kvshare "
+                                       "saves outlasted the wait and finished in the background."),
         }
         self.skipped = counter(
             "lookups_skipped", "Requests scheduled with no kvshare lookup: vLLM's own cache "

@@ -8,8 +8,10 @@ slab, one copy): asynchronous ones through the SDK's load thread
 inside ``start_load_kv``, before the forward pass that computes the request's suffix. Which
 pages failed goes to ``get_block_ids_with_load_errors`` (vLLM recomputes from the first failed
 page: a fault is a recompute, never a wrong token). Saves are handed to the SDK's store thread after the
-forward pass (``wait_for_save`` returns at once); a request's pages stay allocated until its
-saves are done (``finished_sending``), and a preempted request's saves finish before vLLM
+forward pass (``wait_for_save`` returns at once: no step waits for a store); each ended save
+is marked for the scheduler side (:mod:`kvshare.vllm.save_marks`), which holds a finishing
+request until its saves have ended (read-after-write). A request's pages stay allocated until
+its saves are done (``finished_sending``), and a preempted request's saves finish before vLLM
 reuses its pages (``handle_preemptions``).
 
 Tensor parallelism (*written, checked only on GPUs*): rank ``r`` writes heads
@@ -35,6 +37,7 @@ from kvshare.types import BlockHash
 from kvshare.vllm.config import ModelKeys
 from kvshare.vllm.metadata import KVShareMetadata, LoadSpec
 from kvshare.vllm.paged import PagedRequestKV, PageViews
+from kvshare.vllm.save_marks import SaveMarker
 
 log = logging.getLogger(__name__)
 
@@ -47,16 +50,12 @@ IDLE_WAIT_S = 0.01
 finishes). Each such step is an engine step of Python work that competes with the load
 thread for the GIL; a new request waits at most this long for an otherwise idle engine."""
 
-SYNC_SAVE_WAIT_S = 0.5
-"""The longest a step waits for its synchronous saves (``sync_save_bytes``); a slower store
-(a busy pool) goes on in the background, as an asynchronous one does."""
-
 
 class WorkerSide:
     """Plain class behind KVShareConnector's worker-role methods."""
 
     def __init__(self, client: Any, keys: ModelKeys, page_tokens: int, *, tp_rank: int = 0,
-                 tp_size: int = 1, sync_save_bytes: int = 0) -> None:
+                 tp_size: int = 1) -> None:
         self.client: KVClient = client
         self._client: Any = client
         self.keys = keys
@@ -64,7 +63,8 @@ class WorkerSide:
         self.page_tokens = page_tokens
         self.tp_rank = tp_rank
         self.tp_size = tp_size
-        self.sync_save_bytes = sync_save_bytes
+        self._marker: SaveMarker | None = None  # the scheduler side's mark file, mapped
+        self._unmappable = ""  # a mark file this process could not map (not tried again)
         self.pages: PageViews | None = None
         self._loading: dict[str, tuple[Future[LoadResult], LoadSpec]] = {}
         self._load_t0: dict[str, float] = {}
@@ -123,31 +123,50 @@ class WorkerSide:
             self._load_t0[spec.req_id] = t0
 
     def submit_saves(self, meta: KVShareMetadata) -> None:
-        """``wait_for_save``: hand this step's saves to the store thread; when they come to at
-        most ``sync_save_bytes``, wait for them (up to ``SYNC_SAVE_WAIT_S``) so the step's
-        output, which may end a request's answer, follows its blocks into the pool and the
-        index (read-after-write)."""
-        futs: list[Future[StoreResult]] = []
-        blocks = 0
+        """``wait_for_save``: hand this step's saves to the store thread and return; each save
+        is marked in the scheduler side's mark file when it ends (stored, failed, or skipped),
+        so a request that finishes waits for its own saves only (read-after-write)."""
+        marker = self._marker_for(meta.marks)
         for spec in meta.saves:
             self._saved.add(spec.req_id)
             if self.tp_size > 1:
                 self._count("store_skipped_tp", len(spec.hashes) - spec.start_block)
+                self._mark(marker, spec.seq)
                 continue
             src = PagedRequestKV(self._views(), self.layout, spec.page_ids)
             hashes = [BlockHash(h) for h in spec.hashes]
-            fut = self._client.store(range(len(hashes) * self.layout.block_tokens), src,
-                                     spec.start_block, hashes)
+            try:
+                fut = self._client.store(range(len(hashes) * self.layout.block_tokens), src,
+                                         spec.start_block, hashes)
+            except Exception:
+                self._mark(marker, spec.seq)
+                raise
             self._saving.setdefault(spec.req_id, []).append(fut)
-            futs.append(fut)
-            blocks += len(hashes) - spec.start_block
-        if futs and blocks * self.layout.bytes_per_block <= self.sync_save_bytes:
-            t0 = time.perf_counter()
-            _, late = wait(futs, timeout=SYNC_SAVE_WAIT_S)
-            self._count("sync_saves")
-            self._count("sync_save_s", time.perf_counter() - t0)
-            if late:
-                self._count("sync_saves_late")
+            if marker is not None and spec.seq:
+                fut.add_done_callback(lambda _f, seq=spec.seq: self._mark(marker, seq))
+
+    def _marker_for(self, path: str) -> SaveMarker | None:
+        """The mark file named by the metadata, mapped once (rank 0 only: with TP>1 every
+        rank skips its stores; a file this process cannot map marks nothing, and the
+        scheduler side then waits for nothing)."""
+        if not path or self.tp_rank != 0 or path == self._unmappable:
+            return None
+        if self._marker is None or self._marker.path != path:
+            if self._marker is not None:
+                self._marker.close()
+            try:
+                self._marker = SaveMarker(path)
+            except OSError as exc:
+                self._unmappable = path
+                log.warning("kvshare: cannot map the save marks %s (%s): finishing requests "
+                            "will not wait for their saves", path, exc)
+                return None
+        return self._marker
+
+    @staticmethod
+    def _mark(marker: SaveMarker | None, seq: int) -> None:
+        if marker is not None:
+            marker.mark(seq)
 
     def wait_preempted(self, meta: KVShareMetadata) -> None:
         """``handle_preemptions``: finish the saves of requests about to lose their pages."""
@@ -244,3 +263,6 @@ class WorkerSide:
         for futs in self._saving.values():
             for f in futs:
                 self._result(f)
+        if self._marker is not None:
+            self._marker.close()
+            self._marker = None
