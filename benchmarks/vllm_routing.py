@@ -37,8 +37,8 @@ could save; ``lookups_started`` and ``lookups_skipped`` (vLLM's own hit or the r
 left the cluster nothing to add), ``lookups_from_router`` (planned from the index answer the
 router sent: no lookup) and ``hints_ignored``; ``load_wait_s`` (mean seconds a request waited
 for its load, over ``loads``; ``load_transfer_s`` of it fetching and copying, and
-``load_stage_s`` that per stage: a transport's fetch or the copy into vLLM's pages) and ``sync_save_s`` (mean seconds a step waited for its saves,
-over ``sync_saves``: read-after-write).
+``load_stage_s`` that per stage: a transport's fetch or the copy into vLLM's pages) and ``sync_save_s`` (mean seconds a finishing request was
+held for its saves, over ``sync_saves``: read-after-write).
 
 Two regimes besides the default (every server's KV space holds the whole workload, and every
 router's requests go through the connector, so the routers differ in routing alone):

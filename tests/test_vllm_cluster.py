@@ -256,6 +256,8 @@ def test_back_to_back_turn_on_the_other_vllm_node_loads_the_previous_turn(
     assert held(cluster["index"], hashes, f"node:{node}", Tier.HOST)
     endpoint = next(i["endpoint"] for i in cluster["infos"] if i["worker_id"] == w1)
     wait_for(lambda: metric(endpoint, "vllm:kvshare_sync_saves_total") >= 1, timeout_s=10)
+    # the server's worker process maps the EngineCore's save marks (held, not skipped)
+    assert metric(endpoint, "vllm:kvshare_sync_saves_unmarked_total") == 0
     second[2]["content"] = answer
     router.mark_down(w1, for_s=5.0)  # the first worker refuses: the turn goes to the other
     try:

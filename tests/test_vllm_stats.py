@@ -56,19 +56,21 @@ def test_prometheus_counters_per_transport_and_stored() -> None:
     assert "kvshare_lookups_total{" not in text  # a client counter, not a lookup wait
 
 
-def test_synchronous_saves_become_their_own_counters() -> None:
+def test_read_after_write_holds_become_their_own_counters() -> None:
     from kvshare.vllm.stats import save_counters
 
     registry, prom = prometheus()
-    worker = {"sync_saves": 6, "sync_save_s": 0.375, "sync_saves_late": 1, "saved_blocks": 9}
-    assert save_counters(worker) == {"sync_saves": 6.0, "sync_save_s": 0.375,
-                                     "sync_saves_late": 1.0}
-    prom.observe(save_counters(worker), 0)
+    sched = {"sync_saves": 6, "sync_save_s": 0.375, "sync_saves_late": 1,
+             "sync_saves_unmarked": 2, "save_blocks": 9}
+    assert save_counters(sched) == {"sync_saves": 6.0, "sync_save_s": 0.375,
+                                    "sync_saves_late": 1.0, "sync_saves_unmarked": 2.0}
+    prom.observe(save_counters(sched), 0)
     text = generate_latest(registry).decode()
     assert 'vllm:kvshare_sync_saves_total{engine="0",model_name="tiny"} 6.0' in text
     assert 'vllm:kvshare_sync_save_seconds_total{engine="0",model_name="tiny"} 0.375' in text
     assert 'vllm:kvshare_sync_saves_late_total{engine="0",model_name="tiny"} 1.0' in text
-    assert "saved_blocks" not in text
+    assert 'vllm:kvshare_sync_saves_unmarked_total{engine="0",model_name="tiny"} 2.0' in text
+    assert "save_blocks" not in text
 
 
 def test_load_waits_become_counters_a_load_report_reads() -> None:

@@ -398,9 +398,13 @@ class SchedulerSide:
     def _hold_for_saves(self, st: _Req) -> None:
         """Wait until the request's saves have ended (at most ``SYNC_SAVE_WAIT_S``), when
         they are small enough to wait for; counted as ``sync_saves`` (requests that checked),
-        ``sync_save_s`` (seconds held) and ``sync_saves_late`` (still running at the limit)."""
+        ``sync_save_s`` (seconds held) and ``sync_saves_late`` (still running at the limit);
+        ``sync_saves_unmarked`` when no worker maps the marks (nothing to wait on)."""
         marks = self.marks
         if marks is None or st.saved_blocks * self.keys.layout.bytes_per_block > self.sync_save_bytes:
+            return
+        if not marks.attached:  # no worker marks its saves here: nothing to wait on
+            self._count("sync_saves_unmarked")
             return
         t0 = time.perf_counter()
         done = marks.wait(st.save_seqs, SYNC_SAVE_WAIT_S)

@@ -38,7 +38,9 @@ server's ``/metrics``, next to vLLM's own:
   and were held until those ended before their last output left the engine (``sync_save_mib``:
   read-after-write, :mod:`kvshare.vllm.save_marks`), the seconds they were held (0 for a
   request whose saves had ended during its decode), and those whose store outlasted the wait
-  (finished in the background).
+  (finished in the background); ``vllm:kvshare_sync_saves_unmarked_total``: finishing requests
+  not held because no worker process maps the marks (a worker on another host: its saves
+  finish in the background).
 
 Names start with ``vllm:`` as vLLM's own connector metrics do, so vLLM's re-registration
 (``unregister_vllm_metrics``, once per engine in a process) clears them too.
@@ -70,7 +72,7 @@ _WAIT_KEYS = tuple(f"{p}{w}" for w in WAITS
 LOOKUP_KEYS = (LOOKUP_WAIT, LOOKUPS_ANSWERED, "lookup_seconds", "lookups", "lookups_abandoned",
                "lookups_skipped", "lookups_skipped_router", "router_hints_malformed",
                "router_hints_expired", "router_hints_mismatched", "lookups_from_router")
-SAVE_KEYS = ("sync_saves", "sync_save_s", "sync_saves_late")
+SAVE_KEYS = ("sync_saves", "sync_save_s", "sync_saves_late", "sync_saves_unmarked")
 """The scheduler side's read-after-write counters (finishing requests held for their saves)."""
 SKIPPED = {"lookups_skipped": "own_cache", "lookups_skipped_router": "router"}
 HINTS_IGNORED = {"router_hints_malformed": "malformed", "router_hints_expired": "expired",
@@ -92,7 +94,8 @@ def wait_counters(counters: Mapping[str, float]) -> dict[str, float]:
 
 
 def save_counters(counters: Mapping[str, float]) -> dict[str, float]:
-    """The synchronous saves of a :class:`~kvshare.vllm.worker_side.WorkerSide`'s counters."""
+    """The read-after-write holds of a :class:`~kvshare.vllm.scheduler_side.SchedulerSide`'s
+    counters."""
     return {k: float(counters[k]) for k in SAVE_KEYS if k in counters}
 
 
@@ -184,6 +187,9 @@ class KVSharePromMetrics(KVConnectorPromMetrics):
                                    "Seconds finishing requests were held for their kvshare saves."),
             "sync_saves_late": counter("sync_saves_late", "Finishing requests whose kvshare "
                                        "saves outlasted the wait and finished in the background."),
+            "sync_saves_unmarked": counter(
+                "sync_saves_unmarked", "Finishing requests with saves running that were not held: "
+                "no worker process maps the save marks (a worker on another host)."),
         }
         self.skipped = counter(
             "lookups_skipped", "Requests scheduled with no kvshare lookup: vLLM's own cache "
