@@ -271,7 +271,7 @@ def test_only_a_finishing_request_waits_for_its_saves(model: str) -> None:
     request is not held."""
     from vllm.v1.request import RequestStatus
 
-    from kvshare.vllm.scheduler_side import SYNC_SAVE_WAIT_S
+    from kvshare.vllm.save_marks import SYNC_SAVE_WAIT_S
 
     sched = make_scheduler(model)
     client = GatedStores(CLIENT["c"])
@@ -320,6 +320,28 @@ def test_only_a_finishing_request_waits_for_its_saves(model: str) -> None:
     assert time.perf_counter() - t0 < 0.2
     assert side.counters["sync_saves"] == 2
     client.open.set()
+    worker.close()
+
+
+def test_a_request_with_stop_strings_waits_for_its_saves_in_the_step(model: str) -> None:
+    """vLLM's frontend, not the engine, finds stop strings: the engine never sees that answer
+    end, so the step that computes such a request's blocks waits for their store (and the
+    request is not held again when the frontend aborts it)."""
+    sched = make_scheduler(model)
+    client = GatedStores(CLIENT["c"])
+    worker = worker_side(sched, client)
+    req = request("s1", tokens(64, 3 * BLOCK + 10), max_tokens=8)
+    req.sampling_params.stop = ["</answer>"]
+    sched.add_request(req)
+    out = sched.schedule()
+    (save,) = out.kv_connector_metadata.saves
+    assert save.sync
+    threading.Timer(0.3, client.open.set).start()
+    t0 = time.perf_counter()
+    worker.submit_saves(out.kv_connector_metadata)
+    assert time.perf_counter() - t0 >= 0.25
+    assert sched.connector._sched.marks.wait([save.seq], 1.0)  # (its callback may trail)
+    assert worker.counters["sync_saves"] == 1
     worker.close()
 
 

@@ -20,11 +20,12 @@
 - ``sync_save_mib`` (default 256): a request whose saved blocks come to at most this many
   MiB and whose stores into this node's pool (a copy into shared memory and the commit that
   publishes them to the index) are still running when it finishes is held until they end
-  (at most 0.5 s, ``scheduler_side.SYNC_SAVE_WAIT_S``) before its last output leaves the
+  (at most 0.5 s, ``save_marks.SYNC_SAVE_WAIT_S``) before its last output leaves the
   engine, so the moment an answer ends its blocks are found by any worker's next lookup
   (read-after-write: a client's next turn sent at once, to this engine or another node's,
   reuses them). No step waits for a store otherwise (:mod:`kvshare.vllm.save_marks`): a
-  prompt's store runs while the request decodes. Larger saves, and a store slower than that,
+  prompt's store runs while the request decodes (a request with stop strings, whose end only
+  vLLM's frontend sees, waits in each step that saves). Larger saves, and a store slower than that,
   finish in the background. 0: every save in the background;
 - ``lookup_threads`` (default 4): index lookups in flight at once; ``price_lookups`` (default
   true): a request is held for its lookup only as long as the prefill the lookup could save

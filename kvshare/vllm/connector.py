@@ -190,13 +190,15 @@ class KVShareConnector(KVConnectorBase_V1):
     # ------------------------------------------------------------------ stats (kvshare.vllm.stats)
     def get_kv_connector_stats(self) -> KVShareStats | None:
         """Since the last call: worker role, bytes loaded per transport and stored, and load
-        waits; scheduler role, lookup waits, skipped lookups and finishes held for saves."""
+        waits and steps held for their saves; scheduler role, lookup waits, skipped lookups
+        and finishes held for saves."""
         if self._sched is not None:
             moved = self._moved.take({**lookup_counters(self._sched.counters),
                                       **save_counters(self._sched.counters)})
         elif self._worker is not None:
             moved = self._moved.take({**byte_counters(self._client.counters),
-                                      **wait_counters(self._worker.counters)})
+                                      **wait_counters(self._worker.counters),
+                                      **save_counters(self._worker.counters)})
         else:
             return None
         return KVShareStats(data=moved) if moved else None

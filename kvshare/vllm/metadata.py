@@ -30,13 +30,14 @@ class LoadSpec:
 class SaveSpec:
     """Store kvshare blocks ``[start_block, len(hashes))`` of one request from its pages.
     ``seq``: the save's number, marked when it ends (:mod:`kvshare.vllm.save_marks`; 0: not
-    marked)."""
+    marked); ``sync``: the step waits for it (a request whose end only vLLM's frontend sees)."""
 
     req_id: str
     hashes: tuple[bytes, ...]
     start_block: int
     page_ids: tuple[int, ...]
     seq: int = 0
+    sync: bool = False
 
 
 @dataclass

@@ -6,7 +6,10 @@ scheduler side (the EngineCore process: ``request_finished`` runs in the step th
 request, before that step's output leaves the engine). So instead of every step that saves
 waiting for its stores (the first token of every prompt would wait for the prompt's store), a
 finishing request waits for its own saves only, and only while they are still running: a
-prompt's store has the whole decode to finish behind the engine's back.
+prompt's store has the whole decode to finish behind the engine's back. A request with stop
+strings is the exception: vLLM's frontend, not the engine, finds those, so the engine never
+sees such an answer end; its saves are waited for in the step that computed them (the
+metadata's ``SaveSpec.sync``), as every save once was.
 
 The channel is one small file in ``/dev/shm`` that both processes map (the worker may be the
 same process, or a child of it: vLLM's uniproc or multiproc executor). It holds a ring of
@@ -31,6 +34,9 @@ import time
 
 import numpy as np
 
+SYNC_SAVE_WAIT_S = 0.5
+"""The longest an answer is held for its saves (``sync_save_mib``); a slower store (a busy
+pool) goes on in the background, as a larger one does."""
 RING = 16_384
 """Slots in the ring: saves in flight at once, far more than an engine's requests."""
 _PID = 0

@@ -24,7 +24,9 @@ Read-after-write: a request that finishes while its saves still run is held in
 ``request_finished`` (the step that finishes it, before its output leaves the engine) until the
 workers mark them ended (:mod:`kvshare.vllm.save_marks`), at most ``SYNC_SAVE_WAIT_S``, when
 they come to at most ``sync_save_bytes``; no other step waits for a save, so a prompt's first
-token never waits for the prompt's store.
+token never waits for the prompt's store. The saves of a request with stop strings (which
+vLLM's frontend finds, so the engine never sees that answer end) are waited for in the step
+that computes them (``SaveSpec.sync``).
 Not shared at all (no lookup, load or save): LoRA and multimodal requests, and requests that
 opt out (:mod:`kvshare.vllm.opt_out`).
 """
@@ -49,7 +51,7 @@ from kvshare.vllm.lookup import Lookups
 from kvshare.vllm.metadata import KVShareMetadata, LoadSpec, SaveSpec
 from kvshare.vllm.opt_out import shares
 from kvshare.vllm.router_hint import decode as decode_hint
-from kvshare.vllm.save_marks import SaveMarks
+from kvshare.vllm.save_marks import SYNC_SAVE_WAIT_S, SaveMarks
 
 log = logging.getLogger(__name__)
 
@@ -57,9 +59,6 @@ MAX_LOADS = 2
 """Load attempts per request (a preempted request may load again once)."""
 LOCAL_TRANSPORTS = (SOURCE_SHM, SOURCE_LOCAL)
 """Transports that never leave this node (candidates for a load inside the forward pass)."""
-SYNC_SAVE_WAIT_S = 0.5
-"""The longest a finishing request is held for its saves (``sync_save_bytes``); a slower store
-(a busy pool) goes on in the background, as a larger one does."""
 LOOKUP_WAIT = "lookup_wait_seconds"
 LOOKUPS_ANSWERED = "lookups_answered"
 """Counters: seconds requests were held for their lookups, and how many lookups answered."""
@@ -362,10 +361,12 @@ class SchedulerSide:
                                           self.block_tokens, parent=parent)
             pages = list(page_ids_of(rid))[: full * self.block_tokens // self.page_tokens]
             seq = self.marks.next_seq() if self.marks is not None else 0
-            meta.saves.append(SaveSpec(rid, tuple(bytes(h) for h in st.hashes[:full]),
-                                       st.saved_upto, tuple(int(p) for p in pages), seq))
-            st.save_seqs.append(seq)
             st.saved_blocks += full - st.saved_upto
+            sync = self.marks is not None and _stop_strings(req) and (
+                st.saved_blocks * self.keys.layout.bytes_per_block <= self.sync_save_bytes)
+            meta.saves.append(SaveSpec(rid, tuple(bytes(h) for h in st.hashes[:full]),
+                                       st.saved_upto, tuple(int(p) for p in pages), seq, sync))
+            st.save_seqs.append(seq)
             self._count("save_blocks", full - st.saved_upto)
             st.saved_upto = full
             self._sending.add(rid)
@@ -420,6 +421,12 @@ class SchedulerSide:
         if self.marks is not None:
             self.marks.close()
             self.marks = None
+
+
+def _stop_strings(request: Any) -> bool:
+    """Whether the request has stop strings (found by vLLM's frontend, not the engine)."""
+    params = getattr(request, "sampling_params", None)
+    return bool(getattr(params, "stop", None))
 
 
 def _aborted(request: Any) -> bool:

@@ -34,8 +34,9 @@ server's ``/metrics``, next to vLLM's own:
   ``vllm:kvshare_lookups_from_router_total``: requests planned from the index answer their
   router sent with them (no index call, no hold);
 - ``vllm:kvshare_sync_saves_total``, ``vllm:kvshare_sync_save_seconds_total`` and
-  ``vllm:kvshare_sync_saves_late_total`` (scheduler role): finishing requests that had saves
-  and were held until those ended before their last output left the engine (``sync_save_mib``:
+  ``vllm:kvshare_sync_saves_late_total``: finishing requests that had saves and were held
+  until those ended before their last output left the engine (scheduler role; worker role:
+  steps of requests with stop strings, held for their saves) (``sync_save_mib``:
   read-after-write, :mod:`kvshare.vllm.save_marks`), the seconds they were held (0 for a
   request whose saves had ended during its decode), and those whose store outlasted the wait
   (finished in the background); ``vllm:kvshare_sync_saves_unmarked_total``: finishing requests

@@ -37,7 +37,7 @@ from kvshare.types import BlockHash
 from kvshare.vllm.config import ModelKeys
 from kvshare.vllm.metadata import KVShareMetadata, LoadSpec
 from kvshare.vllm.paged import PagedRequestKV, PageViews
-from kvshare.vllm.save_marks import SaveMarker
+from kvshare.vllm.save_marks import SYNC_SAVE_WAIT_S, SaveMarker
 
 log = logging.getLogger(__name__)
 
@@ -125,8 +125,11 @@ class WorkerSide:
     def submit_saves(self, meta: KVShareMetadata) -> None:
         """``wait_for_save``: hand this step's saves to the store thread and return; each save
         is marked in the scheduler side's mark file when it ends (stored, failed, or skipped),
-        so a request that finishes waits for its own saves only (read-after-write)."""
+        so a request that finishes waits for its own saves only (read-after-write); saves
+        marked ``sync`` (a request with stop strings) are waited for here, at most
+        ``SYNC_SAVE_WAIT_S``."""
         marker = self._marker_for(meta.marks)
+        sync: list[Future[StoreResult]] = []
         for spec in meta.saves:
             self._saved.add(spec.req_id)
             if self.tp_size > 1:
@@ -144,6 +147,15 @@ class WorkerSide:
             self._saving.setdefault(spec.req_id, []).append(fut)
             if marker is not None and spec.seq:
                 fut.add_done_callback(lambda _f, seq=spec.seq: self._mark(marker, seq))
+            if spec.sync:
+                sync.append(fut)
+        if sync:
+            t0 = time.perf_counter()
+            _, late = wait(sync, timeout=SYNC_SAVE_WAIT_S)
+            self._count("sync_saves")
+            self._count("sync_save_s", time.perf_counter() - t0)
+            if late:
+                self._count("sync_saves_late")
 
     def _marker_for(self, path: str) -> SaveMarker | None:
         """The mark file named by the metadata, mapped once (rank 0 only: with TP>1 every
