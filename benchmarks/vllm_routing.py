@@ -52,7 +52,8 @@ Noise: a discarded warm-up run comes first (``--warmup-turns``); routers alterna
 ``--repeats``; ``--cores-per-server K`` pins server i to its own K cores, one OpenMP thread
 each (an engine per device; on a 2-core machine one core per server halved throughput: the
 server's API process, scheduler and connector threads then share the compute's core). ``ttft_p50_vs_best_peer`` pools every request of every
-repeat; ``ttft_p50_vs_best_peer_per_run`` and its median are per repeat.
+repeat (``ttft_p50_vs_best_peer_ci95``: its 95% bootstrap interval over requests);
+``ttft_p50_vs_best_peer_per_run`` and its median are per repeat.
 Last line: one JSON object.
 """
 
@@ -382,6 +383,7 @@ def summary(name: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
             for k in ("hit_vllm", "hit_node_pool", "hit_other_nodes", "hit_unspecified")}
     return {"router": name, "requests": len(t), "failed": sum(run["failed"] for run in runs),
             **hits,
+            "ttft_s": [float(x) for x in t],  # every request's, for the bootstrap (report)
             "ttft_p50_s": round(float(np.percentile(t, 50)), 4),
             "ttft_p99_s": round(float(np.percentile(t, 99)), 4),
             "engine_ttft_p50_s": round(float(np.percentile(engine, 50)), 4),
@@ -392,6 +394,18 @@ def summary(name: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
             "completed_per_s": round(len(t) / sum(run["wall_s"] for run in runs), 3),
             "per_worker": per_worker, "load": [run["load"] for run in runs],
             "servers": [run["servers"] for run in runs]}
+
+
+def p50_ratio_ci(peer: list[float], ours: list[float], n: int = 2000, seed: int = 0
+                 ) -> list[float]:
+    """A 95% bootstrap interval of ``p50(peer) / p50(ours)``: each router's requests resampled
+    with replacement, ``n`` times. An interval that contains 1.0 says the run cannot tell the
+    two apart (the spread between repeats of one router is often larger than the gap)."""
+    rng = np.random.default_rng(seed)
+    a, b = np.asarray(peer), np.asarray(ours)
+    ratios = (np.median(rng.choice(a, (n, a.size)), axis=1)
+              / np.median(rng.choice(b, (n, b.size)), axis=1))
+    return [round(float(np.percentile(ratios, q)), 3) for q in (2.5, 97.5)]
 
 
 def report(runs: dict[str, list[dict[str, Any]]], args: argparse.Namespace, t_start: float
@@ -406,7 +420,7 @@ def report(runs: dict[str, list[dict[str, Any]]], args: argparse.Namespace, t_st
               f"{r['per_worker']}")
     peers = [r for n, r in results.items() if n not in OURS]
     out: dict[str, Any] = {"routers": {n: {k: v for k, v in r.items()
-                                           if k not in ("router", "servers")}
+                                           if k not in ("router", "servers", "ttft_s")}
                                        for n, r in results.items()},
                            "repeats": args.repeats,
                            "connector": args.connector, "cores_per_server": args.cores_per_server,
@@ -420,6 +434,7 @@ def report(runs: dict[str, list[dict[str, Any]]], args: argparse.Namespace, t_st
         kv = results["kvshare"]
         out["best_peer"] = best["router"]
         out["ttft_p50_vs_best_peer"] = round(best["ttft_p50_s"] / kv["ttft_p50_s"], 3)
+        out["ttft_p50_vs_best_peer_ci95"] = p50_ratio_ci(best["ttft_s"], kv["ttft_s"])
         out["throughput_vs_best_peer"] = round(kv["completed_per_s"] / best["completed_per_s"], 3)
         # the issue's "no lower than the best peer's": also against the peer that completed most
         out["throughput_vs_top_peer"] = round(
