@@ -125,7 +125,8 @@ class KVShareClient:
                                    source=bandwidths, cut_policy=cut_policy, name=worker_id)
         self.fetcher = BlockFetcher(node=node, worker_id=worker_id, control_for=control_for,
                                     nixl=self._nixl, estimator=self.choice.estimator,
-                                    count=self._count, deadline_s=load_deadline_s)
+                                    count=self._count, deadline_s=load_deadline_s,
+                                    known=self._store_shm.known)  # what it stored, it loads fast
         self._closed = threading.Event()
         self._staging = np.empty((0, layout.bytes_per_block), dtype=np.uint8)
         self._load_lock = threading.Lock()

@@ -18,7 +18,7 @@ from kvshare.client_types import SOURCE_NIXL, SOURCE_SHM, Plan
 from kvshare.transfer.base import NIXL_UNAVAILABLE, SOURCE_DEAD, Transfer, Transport
 from kvshare.transfer.estimate import BandwidthEstimator
 from kvshare.transfer.objstore import ObjStoreTransport
-from kvshare.transfer.shm import ShmTransport, SlotCopy
+from kvshare.transfer.shm import KnownSlots, ShmTransport, SlotCopy
 from kvshare.transfer.wire import BlockControl
 
 log = logging.getLogger(__name__)
@@ -56,9 +56,9 @@ class BlockFetcher:
 
     def __init__(self, *, node: str, worker_id: str, control_for: Callable[[str], BlockControl | None],
                  nixl: Transport | None, estimator: BandwidthEstimator, count: Count,
-                 deadline_s: float) -> None:
+                 deadline_s: float, known: KnownSlots | None = None) -> None:
         self.control_for = control_for
-        self.shm = ShmTransport(node, holder=f"{worker_id}-load")
+        self.shm = ShmTransport(node, holder=f"{worker_id}-load", known=known)
         self.objstore = ObjStoreTransport(holder=f"{worker_id}-obj")
         self.nixl = nixl
         self.estimator = estimator

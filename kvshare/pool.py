@@ -306,6 +306,24 @@ class TieredBlockPool:
             st.counters["bytes_out"] += self.block_bytes
             return ReadResult(lease.block_hash, True)
 
+    def touch(self, hashes: Sequence[BlockHash], tier: Tier) -> int:
+        """Count hits on blocks a same-node reader copied out of ``tier``'s memory with no
+        lease (it knew their slots and checked their epochs itself): the LRU and the hit
+        counters see them as ``acquire`` would. Returns how many are still in ``tier``."""
+        with self._lock:
+            st = self.books.tiers[tier]
+            n = 0
+            for h in reversed(hashes):
+                e = self.books.entries.get(h)
+                if e is None or not e.committed or e.tier != tier:
+                    continue
+                e.hits += 1
+                st.lru.move_to_end(h)
+                n += 1
+            st.counters["hits"] += n
+            st.counters["bytes_out"] += n * self.block_bytes
+            return n
+
     def note_read(self, tier: Tier, blocks: int) -> None:
         """Count ``blocks`` handed to a reader that copies them itself from the tier's memory
         (shm mapping, NIXL READ), so ``bytes_out`` covers every way out of the tier."""

@@ -106,6 +106,28 @@ def test_own_node_blocks_come_through_shared_memory_into_pages(cluster: Cluster)
     client.close()
 
 
+def test_blocks_a_client_stored_on_its_node_load_back_with_no_pin(cluster: Cluster) -> None:
+    """An engine reloading its own blocks (evicted from its own cache) from its node's pool:
+    the store taught the client their slots, so the load copies them after checking their
+    epochs, with no pool round trip; the pool still counts the hits."""
+    toks = list(range(300, 300 + 4 * 8))
+    kv = kv_for(len(toks), 3)
+    client = cluster.client("A")
+    assert client.store(toks, kv).result(timeout=10).stored == 4
+    cluster.publish()
+    hits = cluster.sources["A"].pool.stats()["tiers"]["host"]["hits"]
+    plan = client.lookup(toks + [7])
+    assert plan.by_transport() == {"shm": 4}
+    into = new_contiguous(LAYOUT, plan.load_tokens)
+    before = client.fetcher.shm.fast_reads
+    res = client.load(plan, into)
+    assert res.loaded_blocks == 4 and not res.failed
+    assert torch.equal(into, kv)
+    assert client.fetcher.shm.fast_reads == before + 1
+    assert cluster.sources["A"].pool.stats()["tiers"]["host"]["hits"] == hits + 4
+    client.close()
+
+
 def test_corrupt_remote_block_is_a_miss_and_later_blocks_are_not_used(cluster: Cluster) -> None:
     toks = list(range(3 * 8))
     kv = kv_for(len(toks), 2)

@@ -364,3 +364,75 @@ def test_node_measures_its_peers_and_config_overrides_win() -> None:
         b.close()
         for p in pools:
             p.close()
+
+
+class CountingControl(LocalControl):
+    """LocalControl counting the pool round trips a reader waits on (prepare_read)."""
+
+    def __init__(self, source: BlockSource) -> None:
+        super().__init__(source)
+        self.prepares = 0
+
+    def prepare_read(self, hashes: Sequence[BlockHash], holder: str, ttl_s: float,
+                     verify: bool = False) -> Reply[SlotReply]:
+        self.prepares += 1
+        return super().prepare_read(hashes, holder, ttl_s, verify)
+
+
+def test_blocks_whose_slots_are_known_are_read_with_no_round_trip() -> None:
+    """What a transport wrote (committed) or read before, it reads again with no pool call:
+    the same bytes, counted as hits by the pool (touch); once the pool gives a slot to another
+    block the read goes the usual way and is still right (a miss, or the block re-learned)."""
+    src = make_local_source(f"uk{os.getpid()}", "ut-k", LAYOUT, 4, nixl=False)
+    ctl = CountingControl(src)
+    shm = ShmTransport("ut-k")
+    try:
+        mine = [h(i, 7) for i in range(3)]
+        assert shm.write(ctl, mine, [payload(i) for i in range(3)]).ok
+        hits = src.pool.stats()["tiers"]["host"]["hits"]
+        dest = np.zeros((3, B), np.uint8)
+        res = shm.read(ctl, mine, list(dest))
+        assert res.ok and ctl.prepares == 0 and shm.fast_reads == 1
+        assert all((dest[i] == payload(i)).all() for i in range(3))
+        assert src.pool.stats()["tiers"]["host"]["hits"] == hits + 3
+        src.pool.put(h(9, 7), payload(9))  # another writer's block: learned on first read
+        assert shm.read(ctl, [h(9, 7)], [np.zeros(B, np.uint8)]).ok and ctl.prepares == 1
+        assert shm.read(ctl, [h(9, 7)], [np.zeros(B, np.uint8)]).ok and ctl.prepares == 1
+        for i in range(4):  # four new blocks in a 4-slot pool: every known slot reused
+            src.pool.put(h(20 + i, 7), payload(20 + i))
+        dest[:] = 0
+        res = shm.read(ctl, mine, list(dest))
+        assert ctl.prepares == 2 and set(res.misses()) == set(mine)  # evicted: misses, no bytes
+        consistent(src)
+    finally:
+        shm.close()
+        src.close()
+        src.pool.close()
+
+
+def test_a_known_slot_reused_during_the_copy_is_read_the_usual_way() -> None:
+    """The epoch check after the copy: a slot given to another block while a known-slot read
+    copies it sends the batch the usual way, so the caller gets the right bytes or a miss,
+    never the other block's."""
+    src = make_local_source(f"ur{os.getpid()}", "ut-r", LAYOUT, 2, nixl=False)
+    ctl = CountingControl(src)
+    shm = ShmTransport("ut-r")
+    try:
+        ours = [h(1, 8), h(2, 8)]
+        assert shm.write(ctl, ours, [payload(1), payload(2)]).ok
+        reused: list[int] = []
+
+        def copy(rows: np.ndarray, positions: list[int], slots: list[int]) -> None:
+            if not reused:  # the first (known-slot) copy: writers take both slots meanwhile
+                reused.extend(slots)
+                src.pool.put(h(3, 8), payload(3))
+                src.pool.put(h(4, 8), payload(4))
+        res = shm.wait(shm.submit_read(ctl, ours, list(np.zeros((2, B), np.uint8)),
+                                       deadline_s=5.0, copy=copy))
+        assert reused and ctl.prepares == 1 and shm.fast_reads == 0
+        assert set(res.misses()) == set(ours)
+        consistent(src)
+    finally:
+        shm.close()
+        src.close()
+        src.pool.close()

@@ -66,6 +66,9 @@ class LocalControl:
     def report_corrupt(self, hashes: Sequence[BlockHash]) -> Reply[int]:
         return Ready(self.source.report_corrupt(hashes))
 
+    def touch(self, hashes: Sequence[BlockHash]) -> Reply[int]:
+        return Ready(self.source.touch(hashes))
+
     def probe_blocks(self, n: int) -> Reply[list[BlockHash]]:
         return Ready(self.source.probe_blocks(n))
 
@@ -151,6 +154,9 @@ class ActorControl:
 
     def report_corrupt(self, hashes: Sequence[BlockHash]) -> Reply[int]:
         return self._call("report_corrupt", list(hashes))  # type: ignore[no-any-return]
+
+    def touch(self, hashes: Sequence[BlockHash]) -> Reply[int]:
+        return self._call("touch", list(hashes))  # type: ignore[no-any-return]
 
     def probe_blocks(self, n: int) -> Reply[list[BlockHash]]:
         return self._call("probe_blocks", n)  # type: ignore[no-any-return]

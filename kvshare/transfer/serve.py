@@ -137,7 +137,8 @@ class TransferService:
 
         src = self.source(namespace)
         if not self._pullers:
-            self._pullers["shm"] = ShmTransport(self.node, holder=f"probe-{self.node}")
+            self._pullers["shm"] = ShmTransport(self.node, holder=f"probe-{self.node}",
+                                                known_slots=False)
             self._pullers["objstore"] = ObjStoreTransport(f"probe-{self.node}")
             if self.nixl:
                 from kvshare.transfer.nixl import NixlTransport
@@ -218,6 +219,9 @@ class TransferEndpoints:
 
     def transfer_report_corrupt(self, namespace: str, hashes: Sequence[BlockHash]) -> int:
         return self.transfer.source(namespace).report_corrupt(hashes)
+
+    def transfer_touch(self, namespace: str, hashes: Sequence[BlockHash]) -> int:
+        return self.transfer.source(namespace).touch(hashes)
 
     def transfer_probe_blocks(self, namespace: str, n: int) -> list[BlockHash]:
         return self.transfer.source(namespace).probe_blocks(n)

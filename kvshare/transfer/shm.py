@@ -8,12 +8,23 @@ whether every pin was still valid after the copy: the epoch re-check) per batch,
 checksums (``verify=True`` checks them too, at checksum speed). When the pool keeps its slot
 epochs in shared memory (``SlabInfo.epochs``) the reader re-checks them itself and the unpin
 is sent without waiting: one round trip per batch instead of two.
+
+Known slots: with shared epochs, the transport remembers ``(slot, epoch)`` of every block it
+wrote (once committed) or read (up to ``KNOWN_SLOTS`` blocks). A batch whose blocks are all
+known and whose epochs are unchanged is read with no round trip at all: the epochs are checked
+before and after the copy (the pool bumps a slot's epoch before anything else may write it,
+and when it frees it), and the pool is told afterwards, without waiting, that they were read
+(``touch``: hits and LRU). Any block whose epoch moved sends the whole batch the usual way,
+which also re-learns its slots. This is what an engine reloading its own evicted blocks from
+its node's pool does most.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+import threading
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
 
 from kvshare.tiers.base import ByteArray, block_checksum, copy_block
 from kvshare.tiers.host import HostSlab
@@ -45,6 +56,42 @@ from kvshare.types import BlockHash
 
 log = logging.getLogger(__name__)
 
+KNOWN_SLOTS = 1 << 16
+"""Blocks whose slab slot a transport remembers (about 100 bytes each)."""
+
+
+class KnownSlots:
+    """Where blocks sit in this node's slabs, as this process last saw them: hash -> (slab
+    name, slot, epoch), the ``KNOWN_SLOTS`` most recent; thread-safe. Transports of one
+    process share one (what the store transport wrote, the load transport reads)."""
+
+    def __init__(self, capacity: int = KNOWN_SLOTS) -> None:
+        self.capacity = capacity
+        self._map: OrderedDict[BlockHash, tuple[str, int, int]] = OrderedDict()
+        self._slabs: dict[str, SlabInfo] = {}  # how to map the slabs named (another transport may not have)
+        self._lock = threading.Lock()
+
+    def add(self, info: SlabInfo, blocks: Iterable[tuple[BlockHash, int, int]]) -> None:
+        slab = info.name
+        with self._lock:
+            self._slabs[slab] = info
+            known = self._map
+            for h, slot, epoch in blocks:
+                known[h] = (slab, slot, epoch)
+                known.move_to_end(h)
+            while len(known) > self.capacity:
+                known.popitem(last=False)
+
+    def slab(self, name: str) -> SlabInfo | None:
+        with self._lock:
+            return self._slabs.get(name)
+
+    def get(self, hashes: Sequence[BlockHash]) -> list[tuple[str, int, int]] | None:
+        """Every block's place, or None when any is unknown."""
+        with self._lock:
+            out = [self._map.get(h) for h in hashes]
+        return None if any(k is None for k in out) else out  # type: ignore[return-value]
+
 SlotCopy = Callable[[ByteArray, list[int], list[int]], None]
 """``copy(slab_rows, positions, slots)``: move the batch's blocks ``positions`` between the
 slab's rows ``slots`` and the caller's own memory (no staging buffer)."""
@@ -55,12 +102,19 @@ class ShmTransport(Transport):
 
     name = "shm"
 
-    def __init__(self, node: str, *, holder: str = "shm", verify: bool = False) -> None:
+    def __init__(self, node: str, *, holder: str = "shm", verify: bool = False,
+                 known: KnownSlots | None = None, known_slots: bool = True) -> None:
+        """``known``: the process's shared :class:`KnownSlots` (default: its own);
+        ``known_slots=False``: every read asks the pool (a bandwidth probe measures that
+        path, and reads probe blocks whose hashes every pool shares)."""
         self.node = node
         self.holder = holder
         self.verify = verify
         self._slabs: dict[str, HostSlab] = {}  # segment name -> mapping
         self._epochs: dict[str, SharedEpochs] = {}  # segment name -> its slot epochs
+        self.known = known if known is not None else KnownSlots()
+        self.known_slots = known_slots
+        self.fast_reads = 0  # batches read with no round trip (known slots)
 
     def _slab(self, info: SlabInfo) -> HostSlab:
         slab = self._slabs.get(info.name)
@@ -98,6 +152,53 @@ class ShmTransport(Transport):
         t = self.new_transfer(kind, hashes, bufs, deadline_s, self.holder)
         return t, _prepared(t, control, prepare(hashes, t.holder, lease_ttl(deadline_s)), bufs)
 
+    def _remember(self, slab: SlabInfo, blocks: Iterable[tuple[BlockHash, int, int]]) -> None:
+        """Blocks now in ``slab`` at (slot, epoch), if the slab's epochs are shared."""
+        if self.known_slots and slab.name in self._epochs:
+            self.known.add(slab, blocks)
+
+    def _known_read(
+        self, source: BlockControl, hashes: Sequence[BlockHash], dest: Sequence[ByteArray],
+        deadline_s: float, copy: SlotCopy | None,
+    ) -> Transfer | None:
+        """The batch read from slots this transport knows, with no round trip (module
+        docstring); None when any block is unknown or its epoch moved (read the usual way)."""
+        known = self.known.get(hashes) if hashes and self.known_slots and not self.verify else None
+        if known is None:
+            return None
+        slab_name = known[0][0]
+        if any(k[0] != slab_name for k in known):
+            return None
+        slab = self._slabs.get(slab_name)
+        if slab is None:  # learned by another transport of this process: map it here too
+            slab = self._local_slab(self.known.slab(slab_name))
+        epochs = self._epochs.get(slab_name)
+        if slab is None or epochs is None or slab.array.shape[1] != dest[0].nbytes:
+            return None  # (a size mismatch is named by the usual path)
+        slots = [k[1] for k in known]
+        want = [k[2] for k in known]
+        now = epochs.array
+
+        def unchanged() -> bool:
+            return all(int(now[s]) == e for s, e in zip(slots, want, strict=True))
+
+        if not unchanged():
+            return None
+        t = self.new_transfer("read", hashes, dest, deadline_s, self.holder)
+        if copy is None:
+            for i, s in enumerate(slots):
+                copy_block(dest[i], slab.array[s])
+        else:
+            copy(slab.array, list(range(len(hashes))), slots)
+        if not unchanged():  # a slot was freed or given to another block meanwhile
+            return None
+        self.fast_reads += 1
+        try:
+            source.touch(hashes)  # hits and LRU; not waited for
+        except Exception as exc:  # noqa: BLE001 - the pool's books only, the bytes are good
+            log.debug("touch after a known-slot read failed: %s", exc)
+        return _done(t, [""] * len(hashes), dest)
+
     def submit_read(
         self, source: BlockControl, hashes: Sequence[BlockHash], dest: Sequence[ByteArray],
         *, deadline_s: float, copy: SlotCopy | None = None,
@@ -105,7 +206,11 @@ class ShmTransport(Transport):
         """Read ``hashes`` into ``dest`` (done when it returns). With ``copy``, the pinned
         slots go to ``copy(slab_rows, positions, slots)`` instead (one copy straight into the
         caller's memory; ``dest`` only sizes and counts the batch), before the epoch check:
-        a block reported ``slot_reused`` may then hold another block's bytes there."""
+        a block reported ``slot_reused`` may then hold another block's bytes there. Blocks
+        whose slots this transport knows are read with no round trip (module docstring)."""
+        fast = self._known_read(source, hashes, dest, deadline_s, copy)
+        if fast is not None:
+            return fast
         t, prep = self._begin("read", source, source.prepare_read, hashes, dest, deadline_s)
         if prep is None:
             return t
@@ -141,6 +246,9 @@ class ShmTransport(Transport):
                 bad.append(hashes[i])
         if bad:
             source.report_corrupt(bad)
+        if prep.slab is not None:
+            self._remember(prep.slab, ((hashes[i], pinned[k].slot, pinned[k].epoch)  # type: ignore[union-attr]
+                                            for k, i in enumerate(copied) if not reasons[i]))
         return _done(t, reasons, dest)
 
     def submit_write(
@@ -179,6 +287,9 @@ class ShmTransport(Transport):
         for i in written:
             if hashes[i] not in done:
                 reasons[i] = SOURCE_DEAD
+        if prep.slab is not None:
+            self._remember(prep.slab, ((hashes[i], s.slot, s.epoch)  # type: ignore[union-attr]
+                                            for i in written if (s := prep.blocks[i]) and not reasons[i]))
         return _done(t, reasons, data)
 
     def poll(self, transfer: Transfer) -> TransferResult | None:

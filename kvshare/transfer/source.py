@@ -223,6 +223,11 @@ class BlockSource:
             self.report_corrupt(corrupt)
         return [a and lid in verdict and verdict[lid].ok for a, lid in zip(alive, lease_ids, strict=True)]
 
+    def touch(self, hashes: Sequence[BlockHash]) -> int:
+        """Blocks a same-node reader copied from the host slab with no pin (it checked their
+        epochs itself): counted as hits, kept fresh in the LRU (:meth:`TieredBlockPool.touch`)."""
+        return self.pool.touch(hashes, self.pool.books.order[0])
+
     def read_blocks(self, hashes: Sequence[BlockHash]) -> wire.BlockBatch:
         """Copy the held blocks out (object-store path); disk blocks are verified on read."""
         holder = "objstore-read"

@@ -189,6 +189,10 @@ class BlockControl(Protocol):
 
     def report_corrupt(self, hashes: Sequence[BlockHash]) -> Reply[int]: ...
 
+    def touch(self, hashes: Sequence[BlockHash]) -> Reply[int]:
+        """Blocks read from the host slab with no pin (epochs checked by the reader): hits."""
+        ...
+
     def probe_blocks(self, n: int) -> Reply[list[BlockHash]]:
         """Hashes of ``n`` probe blocks the pool holds (seeded on first request)."""
         ...
