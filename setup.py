@@ -1,7 +1,7 @@
 """Build hook for the optional C accelerators; all metadata lives in pyproject.toml.
 
 ``kvshare._chain`` runs the sha256 block-hash chain loop in C with OpenSSL's libcrypto;
-``kvshare._copy`` copies pool blocks with non-temporal stores; ``kvshare._statemap`` is the
+``kvshare._plan`` is the cost model's cut-point scan; ``kvshare._copy`` copies pool blocks with non-temporal stores; ``kvshare._statemap`` is the
 block index's hash table (block hash -> holder state); ``kvshare._hashq`` checksums NIXL
 reads in a native thread while they land. All are ``optional``: where no
 compiler (or no OpenSSL headers) is found, the build prints a warning, installs without them and
@@ -32,6 +32,12 @@ setup(
             sources=["kvshare/_hashq.c"],
             extra_compile_args=["-O2"],
             libraries=["dl", "pthread"],
+            optional=True,
+        ),
+        Extension(
+            "kvshare._plan",
+            sources=["kvshare/_plan.c"],
+            extra_compile_args=["-O2", "-ffp-contract=off"],
             optional=True,
         ),
         Extension(
