@@ -141,7 +141,9 @@ class ReadyBlocks:
         at = self._at.get(namespace) if self._size else None
         if not at:
             return runs, start_s
-        covered = sum(n for _, n in runs)
+        covered = 0
+        for _, n in runs:
+            covered += n
         k = covered
         out = list(runs)
         begin = start_s
