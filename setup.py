@@ -1,7 +1,8 @@
 """Build hook for the optional C accelerators; all metadata lives in pyproject.toml.
 
-``kvshare._chain`` runs the sha256 block-hash chain loop in C with OpenSSL's libcrypto;
-``kvshare._copy`` copies pool blocks with non-temporal stores; ``kvshare._statemap`` is the
+``kvshare._chain`` runs the sha256 block-hash chain loop in C with OpenSSL's libcrypto (and the
+opt-in xxh3-128 chain with the ``xxhash`` package's own XXH3_128bits, found at run time);
+``kvshare._plan`` is the cost model's cut-point scan; ``kvshare._copy`` copies pool blocks with non-temporal stores; ``kvshare._statemap`` is the
 block index's hash table (block hash -> holder state); ``kvshare._hashq`` checksums NIXL
 reads in a native thread while they land. All are ``optional``: where no
 compiler (or no OpenSSL headers) is found, the build prints a warning, installs without them and
@@ -15,9 +16,9 @@ setup(
     ext_modules=[
         Extension(
             "kvshare._chain",
-            sources=["kvshare/_chain.c", "kvshare/_chain_memo.c"],
+            sources=["kvshare/_chain.c", "kvshare/_chain_memo.c", "kvshare/_chain_xxh3.c"],
             depends=["kvshare/_u32.h"],
-            libraries=["crypto"],
+            libraries=["crypto", "dl"],
             extra_compile_args=["-O2"],
             optional=True,
         ),
@@ -32,6 +33,12 @@ setup(
             sources=["kvshare/_hashq.c"],
             extra_compile_args=["-O2"],
             libraries=["dl", "pthread"],
+            optional=True,
+        ),
+        Extension(
+            "kvshare._plan",
+            sources=["kvshare/_plan.c"],
+            extra_compile_args=["-O2", "-ffp-contract=off"],
             optional=True,
         ),
         Extension(

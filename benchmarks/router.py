@@ -21,6 +21,8 @@ the system prompts' blocks; the replica leg is run again without it (``replica_n
 The replica leg is run a third time on the same kind of prompts handed over packed (a numpy
 ``uint32`` array per prompt, as a gateway that keeps its tokenizer's ids packed would pass them:
 ``replica_packed_*``): hashed from their bytes, and no int objects for the collector to walk.
+The packed leg is run once more with the opt-in xxh3-128 block hash (``replica_xxh3_packed_*``;
+non-cryptographic, for single-tenant clusters only: not the default, not the headline).
 The replica leg also prints the score stage's parts (``replica_score_parts_us``) and the
 garbage collector's share of its timed decisions (``replica_gc_share``,
 ``replica_gc_us_per_decision``: collections that ran inside them).
@@ -39,14 +41,15 @@ import sys
 import time
 from pathlib import Path
 
-from kvshare.ray_env import use_local_ray_defaults
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # (before any kvshare import: this
+# tree's modules, not an editable install's)
 
 import numpy as np
 
 from actors.index.global_index import GlobalIndex
 from kvshare.events import BlockStored
+from kvshare.hashing import HashFn
+from kvshare.ray_env import use_local_ray_defaults
 from kvshare.types import NodeId, Tier, WorkerId, node_location
 from kvshare.workers import WorkerInfo, WorkerLoad
 from router.embed import CacheAwareRouter, InProcessIndex, RouterConfig, Tenant
@@ -91,18 +94,20 @@ class Traffic:
         return out
 
 
-def make_router(index: object, policy: str, memo: bool = True) -> CacheAwareRouter:
-    infos = [WorkerInfo(WorkerId(f"w{i}"), NodeId(f"n{i}"), (NS,), f"http://w{i}") for i in range(WORKERS)]
+def make_router(index: object, policy: str, memo: bool = True, ns: str = NS,
+                **options: object) -> CacheAwareRouter:
+    infos = [WorkerInfo(WorkerId(f"w{i}"), NodeId(f"n{i}"), (ns,), f"http://w{i}") for i in range(WORKERS)]
     ws = StaticWorkers(infos)
     for i, info in enumerate(infos):
         ws.report(WorkerLoad(info.worker_id, 1000 * (i % 5), i % 3, 8000.0, time.time()))
     extra = {} if memo or not MEMO_OPTION else {"hash_memo_blocks": 0}
-    cfg = RouterConfig(namespace=NS, model_id="bench", block_tokens=BT, policy=policy,
-                       index_timeout_s=0.25, **extra)
+    cfg = RouterConfig(namespace=ns, model_id="bench", block_tokens=BT, policy=policy,
+                       index_timeout_s=0.25, **extra, **options)  # type: ignore[arg-type]
     return CacheAwareRouter(index, ws, cfg)  # type: ignore[arg-type]
 
 
-def fill(apply: object, router: CacheAwareRouter, reqs: list[list[int]], rng: random.Random) -> int:
+def fill(apply: object, router: CacheAwareRouter, reqs: list[list[int]], rng: random.Random,
+         ns: str = NS) -> int:
     """Store every other prompt's blocks on a random node (as pools would publish them)."""
     n = 0
     seqs: dict[str, int] = {}
@@ -112,13 +117,14 @@ def fill(apply: object, router: CacheAwareRouter, reqs: list[list[int]], rng: ra
         evs = []
         for h in router.hashes(ids, Tenant()):
             seqs[loc] = seqs.get(loc, 0) + 1
-            evs.append(BlockStored(NS, loc, Tier.HOST, h, 0, seqs[loc]))
+            evs.append(BlockStored(ns, loc, Tier.HOST, h, 0, seqs[loc]))
         apply(evs)  # type: ignore[operator]
         n += len(evs)
     return n
 
 
 MEMO_OPTION = "hash_memo_blocks" in RouterConfig.__dataclass_fields__  # (older code: none)
+NS_XXH3 = "bench-xxh3"
 BATCH = 500
 CPU_RATES: dict[str, float] = {}
 STAGES_US: dict[str, dict[str, float]] = {}  # per tag: median microseconds per decision stage
@@ -262,6 +268,11 @@ def main() -> None:
         client.declare_namespace(NS)
         remote = make_router(client, "cost")
         fill(lambda evs: ray.get(actor.apply.remote(evs)), remote, reqs, random.Random(1))
+        # the xxh3-128 opt-in (single-tenant clusters): the same blocks under 16-byte hashes
+        client.declare_namespace(NS_XXH3, hash_size=16)
+        fill(lambda evs: ray.get(actor.apply.remote(evs)),
+             make_router(client, "cost", ns=NS_XXH3, hash_fn=HashFn.XXH3_128), reqs,
+             random.Random(1), ns=NS_XXH3)
         asyncio.run(sequential(remote, traffic, 200))  # warm-up (connections, first calls)
         seq_rate, lat = asyncio.run(sequential(remote, traffic, 1500))
         actor_rate = asyncio.run(concurrent(remote, traffic, 3000, 32))
@@ -271,9 +282,11 @@ def main() -> None:
         try:
             hashes = [remote.hashes(ids, Tenant()) for ids in reqs]
             want = client.namespaces()[NS]["blocks"]
+            want_x = client.namespaces()[NS_XXH3]["blocks"]
             deadline = time.monotonic() + 60
             while time.monotonic() < deadline and not (
-                    replica.ready and replica.stats()["blocks"].get(NS, 0) == want):
+                    replica.ready and replica.stats()["blocks"].get(NS, 0) == want
+                    and replica.stats()["blocks"].get(NS_XXH3, 0) == want_x):
                 time.sleep(0.05)
             agree = sum(replica.match(NS, h) == client.match(NS, h) for h in hashes)
             near = make_router(replica, "cost")
@@ -289,6 +302,12 @@ def main() -> None:
             asyncio.run(sequential(packed, packed_traffic, 300))  # warm-up
             packed_rate, packed_lat = asyncio.run(sequential(packed, packed_traffic, 3000,
                                                              "replica_packed"))
+            xxh3 = make_router(replica, "cost", ns=NS_XXH3, hash_fn=HashFn.XXH3_128)
+            asyncio.run(sequential(xxh3, packed_traffic, 300))  # warm-up
+            xxh3_rate, xxh3_lat = asyncio.run(sequential(xxh3, packed_traffic, 3000,
+                                                         "replica_xxh3_packed"))
+            xxh3_cached = sum(r.decision.cached_blocks for r in [
+                asyncio.run(xxh3.route(token_ids=ids)) for ids in packed_traffic.batch(50)])
         finally:
             replica.close()
     finally:
@@ -310,6 +329,11 @@ def main() -> None:
           f"p50 {ms(packed_lat, 50):.3f} ms  p99 {ms(packed_lat, 99):.3f} ms "
           f"({CPU_RATES['replica_packed']:.0f}/CPU-s); stages {STAGES_US['replica_packed']} us; "
           f"collector {GC_S['replica_packed'] / 3000 * 1e6:.0f} us a decision")
+    print(f"opt-in xxh3-128 hashes, packed ids:  {xxh3_rate:8.0f} decisions/s sequential  "
+          f"p50 {ms(xxh3_lat, 50):.3f} ms  p99 {ms(xxh3_lat, 99):.3f} ms "
+          f"({CPU_RATES['replica_xxh3_packed']:.0f}/CPU-s); stages "
+          f"{STAGES_US['replica_xxh3_packed']} us; {xxh3_cached} blocks cached over 50 decisions "
+          "(not the default: non-cryptographic, single-tenant clusters only)")
     print(f"median microseconds per stage of a decision on the replica: {STAGES_US['replica']} "
           "(score: worker list, in-flight load, pending blocks, the policy's ranking)")
     print(f"median microseconds of the score stage's parts (timed one by one): {rep_parts}")
@@ -329,6 +353,10 @@ def main() -> None:
         "replica_packed_decisions_per_cpu_s": round(CPU_RATES["replica_packed"], 1),
         "replica_packed_stage_us": STAGES_US["replica_packed"],
         "replica_packed_gc_us_per_decision": round(GC_S["replica_packed"] / 3000 * 1e6, 1),
+        "replica_xxh3_packed_decisions_per_s": round(xxh3_rate, 1),
+        "replica_xxh3_packed_p99_ms": round(ms(xxh3_lat, 99), 3),
+        "replica_xxh3_packed_decisions_per_cpu_s": round(CPU_RATES["replica_xxh3_packed"], 1),
+        "replica_xxh3_packed_stage_us": STAGES_US["replica_xxh3_packed"],
         "replica_no_memo_decisions_per_s": round(bare_rate, 1),
         "replica_no_memo_p99_ms": round(ms(bare_lat, 99), 3),
         "replica_no_memo_decisions_per_cpu_s": round(CPU_RATES["replica_no_memo"], 1),

@@ -229,11 +229,12 @@ static struct PyModuleDef module = {
 };
 
 int chain_memo_add_type(PyObject *module); /* _chain_memo.c */
+int chain_xxh3_add(PyObject *module);      /* _chain_xxh3.c */
 
 PyMODINIT_FUNC PyInit__chain(void)
 {
     PyObject *m = PyModule_Create(&module);
-    if (m != NULL && chain_memo_add_type(m) < 0)
+    if (m != NULL && (chain_memo_add_type(m) < 0 || chain_xxh3_add(m) < 0))
         Py_CLEAR(m);
     return m;
 }

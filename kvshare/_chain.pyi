@@ -15,6 +15,15 @@ def sha256_chain_u32(parent: bytes, ids: list[int] | tuple[int, ...], block_toke
     """``sha256_chain(parent, pack_u32(ids), 4 * block_tokens, tail)`` in one pass (GIL held);
     every id is checked, with ``pack_u32``'s refusals."""
 
+def xxh3_bind(path: str) -> bool:
+    """Use ``XXH3_128bits`` of the already loaded library at ``path`` (the ``xxhash`` package's
+    extension) for :func:`xxh3_chain`; False where it is not loaded or lacks it."""
+
+def xxh3_chain(parent: bytes, data: Buffer, block_bytes: int, tail: bytes) -> list[bytes]:
+    """``h_i = xxh3_128(h_{i-1} || data block i || tail)`` (canonical 16-byte digests) for every
+    full ``block_bytes`` block of ``data``, ``h_{-1} = parent`` (16 bytes); RuntimeError before
+    :func:`xxh3_bind` succeeded."""
+
 class ChainMemo:
     """``sha256_chain_u32`` with a verified memo of up to ``capacity_blocks`` recent blocks: a
     block whose parent digest and packed ids equal a kept block's (compared byte for byte) takes

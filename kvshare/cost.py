@@ -28,6 +28,11 @@ import numpy as np
 
 from kvshare.types import Tier
 
+try:  # the optional C scan (setup.py builds it where a compiler is found)
+    from kvshare._plan import scan as _native_scan
+except ImportError:  # not built: _scan_py runs instead (same floats)
+    _native_scan = None  # type: ignore[assignment]
+
 
 class Source(IntEnum):
     """Where a worker would get one block from, cheapest first."""
@@ -258,49 +263,16 @@ class CostModel:
         work and make equal views cheap to compare)."""
         if total_tokens <= 0:
             raise ValueError(f"total_tokens must be positive, got {total_tokens}")
-        fetch = self.block_fetch_s
         bw = self.bandwidths
-        a, b, bt = self.prefill.a, self.prefill.b, self.block_tokens
-        p, last = total_tokens, total_tokens - 1
-        lat_r, lat_l = bw.remote_latency_s, bw.local_latency_s
-        best_k, best_total, best_fetch = 0, a * p + b * p * p / 2, 0.0
-        cum = lat = 0.0
-        any_r = any_l = False
-        i = 0
-        # Within a run (one fetch cost per block) the total over cuts at c = i * bt tokens is
-        # cum + lat + a*(p - c) + b*(p*p - c*c)/2: linear (b = 0) or concave in i, so no cut
-        # strictly inside the run's uncapped part beats both its ends, by more than rounding
-        # whenever the slope or the curvature is well above it (_FLAT of the totals' scale);
-        # then only the ends are computed (the cumulated fetch still adds up block by block,
-        # so every total is the same float as computing all of them).
-        flat = _FLAT * (best_total + lat_r + lat_l + max(fetch) * (p // bt + 1))
-        curved = b * bt * bt > flat
-        for src, ln in runs:
-            f = fetch[src]
-            if src >= 3:
-                if not any_r:
-                    any_r, lat = True, lat + lat_r
-            elif src and not any_l:
-                any_l, lat = True, lat + lat_l
-            first = i + 1
-            end = first + ln - 1
-            ends_only = curved or abs(f - a * bt) > flat
-            for i in range(first, end + 1):  # hot loop: plain floats and ints only
-                cum += f
-                if ends_only and first < i < end and (i + 1) * bt <= last:
-                    continue  # inside the run, the next cut uncapped too: cannot win
-                c = i * bt
-                if c > last:
-                    c = last
-                n = p - c
-                total = cum + lat + a * n + b * n * (c + n / 2)
-                if total <= best_total:
-                    best_k, best_total, best_fetch = i, total, cum + lat
-                if c >= last:
-                    break
-            else:
-                continue
-            break
+        scan_args = (self.block_fetch_s, self.prefill.a, self.prefill.b, self.block_tokens,
+                     total_tokens, bw.remote_latency_s, bw.local_latency_s, runs)
+        if _native_scan is not None:
+            try:
+                best_k, best_total, best_fetch = _native_scan(*scan_args)
+            except (TypeError, ValueError, OverflowError):  # not the plain case: Python's loop
+                best_k, best_total, best_fetch = _scan_py(*scan_args)
+        else:
+            best_k, best_total, best_fetch = _scan_py(*scan_args)
         counts: dict[Source, int] = {}
         left = best_k
         for src, ln in runs:
@@ -317,3 +289,49 @@ class CostModel:
     def recompute_s(self, total_tokens: int) -> float:
         """Prefill time with nothing cached."""
         return self.prefill.time(total_tokens, 0)
+
+
+def _scan_py(fetch: Sequence[float], a: float, b: float, bt: int, p: int, lat_r: float,
+             lat_l: float, runs: Sequence[tuple[int, int]]) -> tuple[int, float, float]:
+    """The cut-point scan of :meth:`CostModel.plan_runs`: the best cut (blocks), its total and
+    its fetch seconds (the C extension ``kvshare._plan.scan`` gives the same floats)."""
+    last = p - 1
+    best_k, best_total, best_fetch = 0, a * p + b * p * p / 2, 0.0
+    cum = lat = 0.0
+    any_r = any_l = False
+    i = 0
+    # Within a run (one fetch cost per block) the total over cuts at c = i * bt tokens is
+    # cum + lat + a*(p - c) + b*(p*p - c*c)/2: linear (b = 0) or concave in i, so no cut
+    # strictly inside the run's uncapped part beats both its ends, by more than rounding
+    # whenever the slope or the curvature is well above it (_FLAT of the totals' scale);
+    # then only the ends are computed (the cumulated fetch still adds up block by block,
+    # so every total is the same float as computing all of them).
+    flat = _FLAT * (best_total + lat_r + lat_l + max(fetch) * (p // bt + 1))
+    curved = b * bt * bt > flat
+    for src, ln in runs:
+        f = fetch[src]
+        if src >= 3:
+            if not any_r:
+                any_r, lat = True, lat + lat_r
+        elif src and not any_l:
+            any_l, lat = True, lat + lat_l
+        first = i + 1
+        end = first + ln - 1
+        ends_only = curved or abs(f - a * bt) > flat
+        for i in range(first, end + 1):  # hot loop: plain floats and ints only
+            cum += f
+            if ends_only and first < i < end and (i + 1) * bt <= last:
+                continue  # inside the run, the next cut uncapped too: cannot win
+            c = i * bt
+            if c > last:
+                c = last
+            n = p - c
+            total = cum + lat + a * n + b * n * (c + n / 2)
+            if total <= best_total:
+                best_k, best_total, best_fetch = i, total, cum + lat
+            if c >= last:
+                break
+        else:
+            continue
+        break
+    return best_k, best_total, best_fetch

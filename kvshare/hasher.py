@@ -41,6 +41,7 @@ from kvshare.hashing import (
     chain_memo,
     namespace_root,
     packed_u32,
+    xxh3_chainer,
 )
 from kvshare.layout import KVLayout
 from kvshare.types import BlockHash
@@ -83,6 +84,7 @@ class Hasher:
         """The root of the default salt (given, or made from the identity)."""
         self.memo = chain_memo(self.fn, block_tokens, memo_blocks)
         """The verified block memo (None: off, or not available for this hash function)."""
+        self._xxh3 = xxh3_chainer(block_tokens) if self.fn is HashFn.XXH3_128 else None
 
     @classmethod
     def for_layout(cls, model_id: str, layout: KVLayout, salt: str = "",
@@ -121,6 +123,8 @@ class Hasher:
         """Hashes of the full blocks of ``tokens`` under tenant ``salt``'s root (None: the
         default salt); ``extra_keys``/``parent`` as in :func:`~kvshare.hashing.block_hashes`.
         ValueError for token ids outside [0, 2**32) or an unknown salt of a root-only hasher."""
+        if self._xxh3 is not None and extra_keys is None and parent is None:
+            return self._xxh3(self.root_for(salt), tokens)  # (the opt-in xxh3 chain in C)
         memo = self.memo
         if memo is not None and extra_keys is None and not isinstance(tokens, list | tuple):
             packed = packed_u32(tokens)

@@ -174,6 +174,25 @@ class PendingBlocks:
     def _expire(self, now: float) -> None:
         # Entries are refreshed by move_to_end, so the oldest expiry is first in order only
         # approximately; drop expired holders from the front until a live one is found.
+        if len(self._ns) == 1:  # (one namespace: walk its map once, then drop the dead ones)
+            (only,) = self._ns.values()
+            dead = 0
+            keep: tuple[BlockHash, _Entry] | None = None
+            for h, (holders, call, first) in only.items():
+                if now < first:
+                    break  # none of its holders has expired: it stays whole
+                live = {loc: v for loc, v in holders.items() if v[1] > now}
+                if live:
+                    keep = (h, (live, call, min([v[1] for v in live.values()])))
+                    break
+                dead += 1
+            pop = only.popitem
+            for _ in range(dead):
+                pop(last=False)
+            self._size -= dead
+            if keep is not None:
+                only[keep[0]] = keep[1]
+            return
         while self._size:
             h, entries, (holders, call, first) = self._oldest()
             if now < first:

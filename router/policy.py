@@ -459,6 +459,7 @@ class CostPolicy(Policy):
         plans: dict[WorkerId, CutPlan] = {}
         self._plans = plans
         by_runs: dict[SourceRuns, CutPlan] = {}  # workers with equal views share a plan
+        bounds: dict[SourceRuns, float] = {}
         cost, tie = self.cost, self.tie_s
         fetch = cost.block_fetch_s
         n = request.num_tokens
@@ -498,7 +499,9 @@ class CostPolicy(Policy):
                 if ready is not None:
                     runs, start = ready.extend(runs, ns, hashes, info.worker_id, now, now + q)
                     wait = start - now
-                t = self._bound(n, runs)
+                t = bounds.get(runs)
+                if t is None:  # (workers with equal views share the bound too)
+                    t = bounds[runs] = self._bound(n, runs)
                 low_s = wait + _work_s(t, work, bound, typical, i)
                 group.append((low_s, pos, i, runs, wait))
                 pos += 1

@@ -52,12 +52,8 @@ class ReadyBlocks:
         """``worker`` holds ``hashes`` at ``ready_s`` (an earlier creator's time is kept):
         ``hashes[stored_from:]`` (the ones it computes) in its node's pool, the rest (the ones
         it loads) in its engine's own cache only."""
-        while self._size:  # roughly in time order: drop the stored ones from the front
-            first, (_, t, _, _) = self._oldest()
-            if t > now:
-                break
-            first.popitem(last=False)
-            self._size -= 1
+        if self._size:
+            self._drop_stored(now)
         at = self._at.get(namespace)
         if at is None:
             at = self._at[namespace] = OrderedDict()
@@ -66,18 +62,39 @@ class ReadyBlocks:
         value = (worker, ready_s, self._calls, True)
         own = (worker, ready_s, self._calls, False)
         get, refresh = at.get, at.move_to_end
-        for i, h in enumerate(hashes):
-            if i == stored_from:
-                own = value
-            old = get(h)
-            if old is None:
-                at[h] = own
-            elif old[1] > ready_s:
-                at[h] = own
-                refresh(h)
+        cut = stored_from if stored_from >= 0 else len(hashes)  # (negative: none stored)
+        for v, part in ((own, hashes[:cut]), (value, hashes[cut:])):
+            for h in part:
+                old = get(h)
+                if old is None:
+                    at[h] = v
+                elif old[1] > ready_s:
+                    at[h] = v
+                    refresh(h)
         self._size += len(at) - before
         while self._size > self._max:
             self._oldest()[0].popitem(last=False)
+            self._size -= 1
+
+    def _drop_stored(self, now: float) -> None:
+        """Drop the entries stored by ``now`` from the front (roughly in time order)."""
+        if len(self._at) == 1:  # (one namespace: count them in order, then pop them)
+            (only,) = self._at.values()
+            n = 0
+            for entry in only.values():
+                if entry[1] > now:
+                    break
+                n += 1
+            pop = only.popitem
+            for _ in range(n):
+                pop(last=False)
+            self._size -= n
+            return
+        while self._size:
+            first, (_, t, _, _) = self._oldest()
+            if t > now:
+                break
+            first.popitem(last=False)
             self._size -= 1
 
     def _oldest(self) -> tuple[OrderedDict[BlockHash, _Entry],
@@ -124,7 +141,9 @@ class ReadyBlocks:
         at = self._at.get(namespace) if self._size else None
         if not at:
             return runs, start_s
-        covered = sum(n for _, n in runs)
+        covered = 0
+        for _, n in runs:
+            covered += n
         k = covered
         out = list(runs)
         begin = start_s

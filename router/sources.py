@@ -237,17 +237,19 @@ class SourceMap:
         between a local and a remote copy; without it the faster tier wins, local first.
         Equal views give equal (canonical) runs.
         """
-        own_w = self._own(_worker_loc(worker))
-        own_n = self._own(_node_loc(node))
+        w_loc, n_loc = _worker_loc(worker), _node_loc(node)
+        held, mine = self._index_locs, self._pending_ranks
         remote = sharing is Sharing.GLOBAL
-        if own_w is None and own_n is None and (not remote or node not in self._holder_nodes):
-            # the common case: this worker holds nothing; every such worker sees the same runs
+        if (w_loc not in held and w_loc not in mine and n_loc not in held and n_loc not in mine
+                and (not remote or node not in self._holder_nodes)):
+            # the common case: this worker holds nothing (_own: None for both locations);
+            # every such worker sees the same runs
             if not remote:
                 return ()
             if self._remote_only is None:
                 self._remote_only = self._runs(None, None, None, True, None)
             return self._remote_only
-        return self._runs(own_w, own_n, node, remote, fetch_s)
+        return self._runs(self._own(w_loc), self._own(n_loc), node, remote, fetch_s)
 
     def _runs(self, own_w: list[int] | None, own_n: list[int] | None, node: str | None,
               remote: bool, fetch_s: Sequence[float] | None) -> SourceRuns:

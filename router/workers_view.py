@@ -140,7 +140,7 @@ class InFlight:
         if mine is None:
             mine = self._per[worker] = {}
         mine[rid] = row
-        self._memo.pop(worker, None)
+        self._stale(worker)
 
     def _unlist(self, rid: str, worker: WorkerId) -> None:
         mine = self._per.get(worker)
@@ -148,7 +148,15 @@ class InFlight:
             mine.pop(rid, None)
             if not mine:
                 del self._per[worker]
-        self._memo.pop(worker, None)
+        self._stale(worker)
+
+    def _stale(self, worker: WorkerId) -> None:
+        """``worker``'s kept answer no longer holds (:meth:`loads` computes it again); it is
+        kept aside, so an equal new answer keeps its object (and what is kept per object
+        downstream: the candidate, its queue wait)."""
+        m = self._memo.get(worker)
+        if m is not None:
+            self._memo[worker] = (m[0], m[1], -math.inf)
 
     def prefilled(self, rid: str) -> None:
         r = self._reqs.get(rid)
@@ -236,6 +244,8 @@ class InFlight:
                 continue
             fresh, first = self._fresh(report, now)
             got = self._with_mine(wid, fresh, now)
+            if m is not None and m[0] is report and m[1] == got:
+                got = m[1]  # the same answer: its object kept, so are the candidate and its wait
             memo[wid] = (report, got, first)
             out.append(got)
         if len(memo) > 2 * len(infos) + 64:  # workers come and go: forget the departed

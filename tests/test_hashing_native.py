@@ -150,23 +150,38 @@ def test_the_loop_runs_without_the_gil(chain: object) -> None:
                 f"{worker_cpu * 1e3:.1f} ms: the GIL is not released")
 
 
-def test_only_sha256_without_extra_keys_goes_native(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Extra keys and the other hash functions take the Python loop: sabotaging the C entry
-    point must not change their results."""
+def test_only_sha256_and_xxh3_without_extra_keys_go_native(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Extra keys and blake3 take the Python loop: sabotaging the C entry points must not
+    change their results; sha256 (and xxh3, where its C chain is bound) go native."""
     class Broken:
         def sha256_chain(self, *args: object) -> list[bytes]:
             raise AssertionError("native path taken")
 
+        def xxh3_chain(self, *args: object) -> list[bytes]:
+            raise AssertionError("native xxh3 path taken")
+
     tokens = list(range(48))
+    xxh3_native = hashing._xxh3_native()
     expected = {fn: block_hashes(namespace_root("m", "l", fn=fn), tokens, 16, fn=fn)
                 for fn in (HashFn.BLAKE3, HashFn.XXH3_128)}
     with_extra = block_hashes(ROOT, tokens, 16, [b"lora:1", None, None])
+    with_extra_xxh3 = block_hashes(namespace_root("m", "l", fn=HashFn.XXH3_128), tokens, 16,
+                                   [b"lora:1", None, None], fn=HashFn.XXH3_128)
     monkeypatch.setattr(hashing, "_chain", Broken())
-    for fn, hashes in expected.items():
-        assert block_hashes(namespace_root("m", "l", fn=fn), tokens, 16, fn=fn) == hashes
+    assert block_hashes(namespace_root("m", "l", fn=HashFn.BLAKE3), tokens, 16,
+                        fn=HashFn.BLAKE3) == expected[HashFn.BLAKE3]
     assert block_hashes(ROOT, tokens, 16, [b"lora:1", None, None]) == with_extra
+    assert block_hashes(namespace_root("m", "l", fn=HashFn.XXH3_128), tokens, 16,
+                        [b"lora:1", None, None], fn=HashFn.XXH3_128) == with_extra_xxh3
     with pytest.raises(AssertionError, match="native path taken"):
         block_hashes(ROOT, tokens, 16)
+    if xxh3_native:
+        with pytest.raises(AssertionError, match="native xxh3 path taken"):
+            block_hashes(namespace_root("m", "l", fn=HashFn.XXH3_128), tokens, 16,
+                         fn=HashFn.XXH3_128)
+    monkeypatch.setattr(hashing, "_XXH3_BOUND", False)
+    assert block_hashes(namespace_root("m", "l", fn=HashFn.XXH3_128), tokens, 16,
+                        fn=HashFn.XXH3_128) == expected[HashFn.XXH3_128]
 
 
 def test_one_pass_packing_hashes_as_packing_first(chain: object) -> None:

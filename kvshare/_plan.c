@@ -1,0 +1,155 @@
+/* kvshare._plan.scan: the cut-point scan of kvshare.cost.CostModel.plan_runs, in C.
+ *
+ *     scan(fetch, a, b, block_tokens, total_tokens, lat_remote, lat_local, runs)
+ *         -> (best_k, best_total, best_fetch)
+ *
+ * The same loop as kvshare.cost._scan_py, operation for operation in IEEE doubles (built with
+ * -ffp-contract=off: no fused multiply-add), so it returns the very same floats; the tests
+ * compare the two on random inputs. Anything outside the plain case (a, b, the latencies or a
+ * fetch cost not exactly a float, a source outside ``fetch``, a token count that is not a
+ * small positive int) raises TypeError/ValueError and the caller runs the Python loop instead.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <math.h>
+
+#define MAX_SOURCES 16
+#define FLAT 1e-12 /* kvshare.cost._FLAT */
+
+static int as_float(PyObject *o, double *out)
+{
+    if (!PyFloat_CheckExact(o)) {
+        PyErr_SetString(PyExc_TypeError, "scan needs exact floats");
+        return -1;
+    }
+    *out = PyFloat_AS_DOUBLE(o);
+    return 0;
+}
+
+static int as_count(PyObject *o, long long *out)
+{
+    if (!PyLong_Check(o)) {
+        PyErr_SetString(PyExc_TypeError, "scan needs ints");
+        return -1;
+    }
+    int overflow = 0;
+    long long v = PyLong_AsLongLongAndOverflow(o, &overflow);
+    if (v == -1 && PyErr_Occurred())
+        return -1;
+    /* |v| < 2**40: every product below stays exact in a double (and in Python's ints) */
+    if (overflow || v > (1LL << 40) || v < -(1LL << 40)) {
+        PyErr_SetString(PyExc_ValueError, "scan needs small ints");
+        return -1;
+    }
+    *out = v;
+    return 0;
+}
+
+static PyObject *scan(PyObject *self, PyObject *args)
+{
+    (void)self;
+    PyObject *fetch_obj, *a_obj, *b_obj, *latr_obj, *latl_obj, *runs_obj;
+    Py_ssize_t bt, p;
+    if (!PyArg_ParseTuple(args, "OOOnnOOO:scan", &fetch_obj, &a_obj, &b_obj, &bt, &p, &latr_obj,
+                          &latl_obj, &runs_obj))
+        return NULL;
+    double a, b, lat_r, lat_l, fetch[MAX_SOURCES];
+    if (!PyTuple_CheckExact(fetch_obj) || PyTuple_GET_SIZE(fetch_obj) == 0
+            || PyTuple_GET_SIZE(fetch_obj) > MAX_SOURCES) {
+        PyErr_SetString(PyExc_TypeError, "scan needs fetch as a tuple of floats");
+        return NULL;
+    }
+    Py_ssize_t n_src = PyTuple_GET_SIZE(fetch_obj);
+    double max_fetch = 0.0;
+    for (Py_ssize_t s = 0; s < n_src; s++) {
+        if (as_float(PyTuple_GET_ITEM(fetch_obj, s), &fetch[s]) < 0)
+            return NULL;
+        /* Python's max(): the first of equals, NaN compares false */
+        if (s == 0 || fetch[s] > max_fetch)
+            max_fetch = fetch[s];
+    }
+    if (as_float(a_obj, &a) < 0 || as_float(b_obj, &b) < 0 || as_float(latr_obj, &lat_r) < 0
+            || as_float(latl_obj, &lat_l) < 0)
+        return NULL;
+    if (bt <= 0 || p <= 0 || bt > (1LL << 30) || p > (1LL << 30)) {
+        PyErr_SetString(PyExc_ValueError, "scan needs small positive token counts");
+        return NULL;
+    }
+    PyObject *runs = PySequence_Fast(runs_obj, "runs must be a sequence of (source, count)");
+    if (runs == NULL)
+        return NULL;
+    Py_ssize_t n_runs = PySequence_Fast_GET_SIZE(runs);
+    PyObject **items = PySequence_Fast_ITEMS(runs);
+    long long last = p - 1;
+    long long best_k = 0;
+    double best_total = a * (double)p + b * (double)p * (double)p / 2.0, best_fetch = 0.0;
+    double cum = 0.0, lat = 0.0;
+    int any_r = 0, any_l = 0;
+    long long i = 0;
+    double flat = FLAT * (best_total + lat_r + lat_l + max_fetch * (double)(p / bt + 1));
+    int curved = b * (double)bt * (double)bt > flat;
+    for (Py_ssize_t r = 0; r < n_runs; r++) {
+        PyObject *run = items[r];
+        if (!PyTuple_CheckExact(run) || PyTuple_GET_SIZE(run) != 2) {
+            PyErr_SetString(PyExc_TypeError, "scan needs runs of (source, count) tuples");
+            goto fail;
+        }
+        long long src, ln;
+        if (as_count(PyTuple_GET_ITEM(run, 0), &src) < 0
+                || as_count(PyTuple_GET_ITEM(run, 1), &ln) < 0)
+            goto fail;
+        if (src < 0 || src >= n_src) {
+            PyErr_SetString(PyExc_ValueError, "scan: source outside fetch");
+            goto fail;
+        }
+        double f = fetch[src];
+        if (src >= 3) {
+            if (!any_r) {
+                any_r = 1;
+                lat = lat + lat_r;
+            }
+        } else if (src && !any_l) {
+            any_l = 1;
+            lat = lat + lat_l;
+        }
+        long long first = i + 1, end = first + ln - 1;
+        int ends_only = curved || fabs(f - a * (double)bt) > flat;
+        for (long long k = first; k <= end; k++) {
+            i = k;
+            cum += f;
+            if (ends_only && first < k && k < end && (k + 1) * bt <= last)
+                continue;
+            long long c = k * bt;
+            if (c > last)
+                c = last;
+            long long n = p - c;
+            double total = cum + lat + a * (double)n + b * (double)n * ((double)c + (double)n / 2.0);
+            if (total <= best_total) {
+                best_k = k;
+                best_total = total;
+                best_fetch = cum + lat;
+            }
+            if (c >= last)
+                goto done;
+        }
+    }
+done:
+    Py_DECREF(runs);
+    return Py_BuildValue("Ldd", best_k, best_total, best_fetch);
+fail:
+    Py_DECREF(runs);
+    return NULL;
+}
+
+static PyMethodDef methods[] = {
+    {"scan", scan, METH_VARARGS,
+     "scan(fetch, a, b, block_tokens, total_tokens, lat_remote, lat_local, runs) -> "
+     "(best_k, best_total, best_fetch): kvshare.cost._scan_py in C (same floats)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "kvshare._plan",
+                                    "The cost model's cut-point scan in C (kvshare.cost).", -1,
+                                    methods};
+
+PyMODINIT_FUNC PyInit__plan(void) { return PyModule_Create(&module); }

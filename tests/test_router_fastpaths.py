@@ -1,0 +1,202 @@
+"""The router's fast paths decide exactly as the paths they replaced.
+
+- A random stream of requests (prompts sharing system prompts, tails never seen, finishes,
+  new load reports with queues, waits and measured speeds, blocks stored on nodes between
+  decisions) is routed in lockstep by two routers on one fake clock: one with the C paths
+  (the cost model's cut-point scan, the xxh3 chain), one with their pure-Python fallbacks.
+  Every decision and every candidate's estimate must be equal, for sha256 and xxh3 hashing.
+- ``ReadyBlocks.add`` (its stored entries dropped in one pass, each part of the prompt
+  recorded in its own loop) holds and answers exactly as the version before it, kept here as
+  the reference, on random sequences over one and two namespaces.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from actors.index.global_index import GlobalIndex
+from kvshare import cost, hashing
+from kvshare.events import BlockStored
+from kvshare.hashing import HashFn
+from kvshare.types import BlockHash, NodeId, Tier, WorkerId, node_location
+from kvshare.workers import WorkerInfo, WorkerLoad
+from router.embed import CacheAwareRouter, InProcessIndex, Routed, RouterConfig
+from router.pending import PendingBlocks
+from router.ready import ReadyBlocks
+from router.workers_view import InFlight, StaticWorkers
+
+NS = "fast"
+BT = 16
+WORKERS = 6
+
+
+@contextmanager
+def python_paths() -> Iterator[None]:
+    """The C paths switched off (each falls back to its pure-Python loop)."""
+    scan, bound = cost._native_scan, hashing._XXH3_BOUND
+    cost._native_scan = None  # type: ignore[assignment]
+    hashing._XXH3_BOUND = False
+    try:
+        yield
+    finally:
+        cost._native_scan, hashing._XXH3_BOUND = scan, bound
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make_router(index: GlobalIndex, clock: Clock, fn: HashFn, native: bool) -> CacheAwareRouter:
+    infos = [WorkerInfo(WorkerId(f"w{i}"), NodeId(f"n{i % 3}"), (NS,), f"http://w{i}")
+             for i in range(WORKERS)]
+    cfg = RouterConfig(namespace=NS, model_id="m", block_tokens=BT, hash_fn=fn,
+                       prefill_tokens_per_s=4000.0)
+    router = CacheAwareRouter(InProcessIndex(index), StaticWorkers(infos), cfg)
+    if not native:  # the Python loops from the start (the hasher binds its chain when built)
+        router.hasher._xxh3 = None
+    core = router.core
+    core.pending = router.pending = PendingBlocks(cfg.pending_ttl_s, clock=clock)
+    core.inflight = router.inflight = InFlight(clock=clock)
+    core.policy.clock = clock
+    return router
+
+
+def summary(r: Routed) -> tuple[Any, ...]:
+    d = r.decision
+    plan = d.plan
+    assert plan is not None and r.ranking is not None
+    return (r.hashes, d.worker, d.reason, d.est_ttft_s, d.est_ttft_saved_s, d.cached_blocks,
+            d.remote_blocks, plan.cut, plan.fetch_s, plan.prefill_s, dict(plan.sources),
+            [(e.worker, e.est_ttft_s, e.queue_s, e.reason, e.plan.cut, e.plan.fetch_s)
+             for e in r.ranking.estimates()])
+
+
+async def stream(seed: int, fn: HashFn, n: int = 40) -> list[str]:
+    rng = random.Random(seed)
+    clock = Clock()
+    index = GlobalIndex()
+    index.declare_namespace(NS, hash_size=HashFn(fn).digest_size)
+    fast, slow = (make_router(index, clock, fn, native) for native in (True, False))
+    systems = [[rng.randrange(50_000) for _ in range(rng.choice((16, 48, 80)))] for _ in range(4)]
+    seq = 0
+    open_ids: list[str] = []
+    reasons: list[str] = []
+    for _ in range(n):
+        clock.now += rng.choice((0.0, 0.001, 0.05, 0.4, 2.0))
+        ids = rng.choice(systems) + [rng.randrange(50_000) for _ in range(rng.randrange(1, 90))]
+        packed = rng.random() < 0.3
+        if rng.random() < 0.3:  # a load report
+            w = WorkerId(f"w{rng.randrange(WORKERS)}")
+            load = WorkerLoad(w, rng.choice((0, 800, 5000)), rng.randrange(3),
+                              rng.choice((0.0, 3000.0)), clock.now - rng.random(),
+                              waiting=rng.choice((0, 0, 1, 3)))
+            for r in (fast, slow):
+                r.report_load(load)
+        got = []
+        for router, native in ((fast, True), (slow, False)):
+            tokens: Any = list(ids)
+            if packed:
+                import numpy as np
+
+                tokens = np.asarray(ids, dtype=np.uint32)
+            if native:
+                routed = await router.route(token_ids=tokens)
+            else:
+                with python_paths():
+                    routed = await router.route(token_ids=tokens)
+            got.append(summary(routed))
+        assert got[0] == got[1]
+        reasons.append(got[0][2])
+        open_ids.append(routed.request_id)
+        if rng.random() < 0.5 and open_ids:  # a request finishes
+            rid = open_ids.pop(rng.randrange(len(open_ids)))
+            for r in (fast, slow):
+                r.finished(rid)
+        if rng.random() < 0.3:  # its blocks reach a node's pool and the index
+            node = f"n{rng.randrange(3)}"
+            evs = []
+            for h in got[0][0]:
+                seq += 1
+                evs.append(BlockStored(NS, node_location(node), Tier.HOST, h, 0, seq))
+            index.apply(evs)
+    return reasons
+
+
+@settings(max_examples=8, deadline=None)
+@given(st.integers(0, 2**31), st.sampled_from([HashFn.SHA256, HashFn.XXH3_128]))
+def test_fast_paths_decide_as_the_python_paths(seed: int, fn: HashFn) -> None:
+    asyncio.run(stream(seed, fn))
+
+
+def test_the_stream_exercises_every_kind_of_plan() -> None:
+    reasons = asyncio.run(stream(7, HashFn.SHA256, 120))
+    assert {"load", "cache_local", "cache_remote"} <= set(reasons)
+
+
+class ReadyBefore(ReadyBlocks):
+    """``ReadyBlocks.add`` as it was before the one-pass drop (the reference)."""
+
+    def add(self, namespace: str, worker: WorkerId, hashes: Sequence[BlockHash],
+            ready_s: float, now: float, stored_from: int = 0) -> None:
+        while self._size:
+            first, (_, t, _, _) = self._oldest()
+            if t > now:
+                break
+            first.popitem(last=False)
+            self._size -= 1
+        at = self._at.get(namespace)
+        if at is None:
+            at = self._at[namespace] = OrderedDict()
+        before = len(at)
+        self._calls += 1
+        value = (worker, ready_s, self._calls, True)
+        own = (worker, ready_s, self._calls, False)
+        get, refresh = at.get, at.move_to_end
+        for i, h in enumerate(hashes):
+            if i == stored_from:
+                own = value
+            old = get(h)
+            if old is None:
+                at[h] = own
+            elif old[1] > ready_s:
+                at[h] = own
+                refresh(h)
+        self._size += len(at) - before
+        while self._size > self._max:
+            self._oldest()[0].popitem(last=False)
+            self._size -= 1
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(0, 2**31), st.sampled_from([1, 2]), st.sampled_from([8, 1_000_000]))
+def test_ready_add_holds_as_before(seed: int, namespaces: int, cap: int) -> None:
+    rng = random.Random(seed)
+    fast, ref = ReadyBlocks(cap), ReadyBefore(cap)
+    pool = [bytes([i]) * 4 for i in range(30)]
+    now = 0.0
+    for _ in range(40):
+        now += rng.choice((0.0, 0.1, 0.5, 2.0))
+        ns = f"ns{rng.randrange(namespaces)}"
+        worker = WorkerId(f"w{rng.randrange(3)}")
+        hashes = [rng.choice(pool) for _ in range(rng.randrange(0, 12))]
+        ready_s = now + rng.choice((0.0, 0.3, 1.0, 3.0))
+        stored_from = rng.choice((0, 1, 3, 20, -1))
+        for r in (fast, ref):
+            r.add(ns, worker, hashes, ready_s, now, stored_from=stored_from)
+        assert len(fast) == len(ref)
+        assert {k: list(v.items()) for k, v in fast._at.items()} == {
+            k: list(v.items()) for k, v in ref._at.items()}
+        probe = [rng.choice(pool) for _ in range(6)]
+        assert fast.run_from(ns, probe, 0) == ref.run_from(ns, probe, 0)
