@@ -172,6 +172,8 @@ def main() -> int:
                     table.setdefault(n, []).append(f"{mean[n]:.3f}{'*' if mean[n] == best_m else ''} / "
                                     f"{p99[n]:.3f}{'*' if p99[n] == best_p else ''}")
                 others = [n for n in mean if n != "cost"]
+                if not others or "cost" not in mean:
+                    continue  # nothing to compare (a --dump of one policy)
                 om, op = min(mean[n] for n in others), min(p99[n] for n in others)
                 cells[cell_name(tname, w, h)] = {
                     "cost_best_mean": mean["cost"] <= om, "cost_best_p99": p99["cost"] <= op,
