@@ -14,6 +14,15 @@ other policy's, in percent (negative where it wins).
 
     python benchmarks/sim_sweep.py [--traces synthetic,dynamo,agentic,conv,conv_heavy]
     python benchmarks/sim_sweep.py --heldout
+    python benchmarks/sim_sweep.py --fresh --cells 'synthetic/3w/*,fresh_b/3w/*'
+
+``--dump FILE`` writes every cell's mean / p99 per policy as JSON; ``--peers-from FILE`` takes
+the figures of the policies not in ``--policies`` from such a file (a run of the same cells
+in the same session, e.g. before a change to ``cost``: the peers' rules do not change with
+it), so ``--policies cost --peers-from before.json`` replays only ``cost``.
+
+``--cells`` keeps only the cells whose name (``trace/Ww/HM``, as the JSON line names them)
+matches one of its comma-separated shell patterns, so one lost cell can be rerun alone.
 
 ``--heldout`` runs the cells no policy change is measured on first (the honest test): the
 synthetic trace's requests 1000-3993 in three slices of ~1000, and three generated
@@ -33,6 +42,7 @@ messages, a 600 s start window, seed 25) at 3/6/16 workers, sizes the sweep neve
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import json
 import os
 import sys
@@ -98,6 +108,11 @@ def load(name: str, tmp: Path, limit: int | None) -> Sequence[TraceRequest] | Tr
         path.unlink()
 
 
+def cell_name(trace: str, workers: int, host_tokens: int) -> str:
+    """A cell's name in the JSON line and for ``--cells``: ``trace/Ww/HM``."""
+    return f"{trace}/{workers}w/{host_tokens // 1_000_000}M"
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--traces", default="synthetic,dynamo,agentic,conv,conv_heavy")
@@ -108,45 +123,69 @@ def main() -> int:
                     help="the held-out cells instead (module docstring); 3M host tokens only")
     ap.add_argument("--fresh", action="store_true",
                     help="the second held-out set (module docstring); 3M host tokens only")
+    ap.add_argument("--cells", default="*",
+                    help="comma-separated shell patterns over cell names (trace/Ww/HM), e.g. "
+                         "'dynamo/32w/*'; the other cells are not run")
+    ap.add_argument("--dump", default=None, help="write every cell's mean/p99 per policy (JSON)")
+    ap.add_argument("--peers-from", default=None,
+                    help="a --dump file: the figures of the policies not in --policies")
     args = ap.parse_args()
     if args.heldout and args.fresh:
         ap.error("--heldout and --fresh are two different cell sets: choose one")
     names = args.policies.split(",")
+    peers: dict[str, dict[str, list[float]]] = {}
+    if args.peers_from:
+        with open(args.peers_from, encoding="utf-8") as f:
+            peers = json.load(f)
+    figures: dict[str, dict[str, list[float]]] = {}
     traces = HELDOUT if args.heldout else FRESH if args.fresh else args.traces.split(",")
     hosts = HOST_TOKENS[:1] if args.heldout or args.fresh else HOST_TOKENS
     workers = list(FRESH_WORKERS) if args.fresh else [int(w) for w in args.workers.split(",")]
+    patterns = args.cells.split(",")
     cells: dict[str, Any] = {}
     t0 = time.process_time()
     with tempfile.TemporaryDirectory(dir="/tmp") as d:
         for tname in traces:
+            picked = [(w, h) for w in workers for h in hosts
+                      if any(fnmatch.fnmatchcase(cell_name(tname, w, h), p) for p in patterns)]
+            if not picked:
+                continue
             trace = load(tname, Path(d), args.limit)
             block_tokens = trace.block_tokens if isinstance(trace, Trace) else 512
             print(f"\n### {tname} ({len(trace)} requests, {block_tokens}-token blocks)\n")
-            print("| policy | " + " | ".join(f"{w}w {h // 1_000_000}M mean / p99" for w in workers
-                                           for h in hosts) + " |")
-            print("|---" * (1 + len(workers) * len(hosts)) + "|")
-            table: dict[str, list[str]] = {n: [] for n in names}
-            for w in workers:
-                for h in hosts:
-                    cfg = ClusterConfig(workers=w, host_tokens=h, block_tokens=block_tokens)
-                    r = simulate(trace, cfg, names, "global", reference=False)
-                    s = {n: summarize(r.rows[n], r.busy[n]) for n in names}
-                    mean = {n: s[n]["ttft_mean_s"] for n in names}
-                    p99 = {n: s[n]["ttft_p99_s"] for n in names}
-                    best_m, best_p = min(mean.values()), min(p99.values())
-                    for n in names:
-                        table[n].append(f"{mean[n]:.3f}{'*' if mean[n] == best_m else ''} / "
-                                        f"{p99[n]:.3f}{'*' if p99[n] == best_p else ''}")
-                    others = [n for n in names if n != "cost"]
-                    om, op = min(mean[n] for n in others), min(p99[n] for n in others)
-                    cells[f"{tname}/{w}w/{h // 1_000_000}M"] = {
-                        "cost_best_mean": mean["cost"] <= om, "cost_best_p99": p99["cost"] <= op,
-                        "gap_pct": [round(100 * (mean["cost"] / om - 1), 3),
-                                    round(100 * (p99["cost"] / op - 1), 3)],
-                    }
-            for n in names:
-                print(f"| {n} | " + " | ".join(table[n]) + " |")
+            print("| policy | " + " | ".join(f"{w}w {h // 1_000_000}M mean / p99"
+                                           for w, h in picked) + " |")
+            print("|---" * (1 + len(picked)) + "|")
+            table: dict[str, list[str]] = {}
+            for w, h in picked:
+                cfg = ClusterConfig(workers=w, host_tokens=h, block_tokens=block_tokens)
+                r = simulate(trace, cfg, names, "global", reference=False)
+                s = {n: summarize(r.rows[n], r.busy[n]) for n in names}
+                cell = figures[cell_name(tname, w, h)] = {
+                    n: [s[n]["ttft_mean_s"], s[n]["ttft_p99_s"]] for n in names}
+                for n, fig in peers.get(cell_name(tname, w, h), {}).items():
+                    cell.setdefault(n, fig)
+                mean = {n: fig[0] for n, fig in cell.items()}
+                p99 = {n: fig[1] for n, fig in cell.items()}
+                best_m, best_p = min(mean.values()), min(p99.values())
+                for n in mean:
+                    table.setdefault(n, []).append(f"{mean[n]:.3f}{'*' if mean[n] == best_m else ''} / "
+                                    f"{p99[n]:.3f}{'*' if p99[n] == best_p else ''}")
+                others = [n for n in mean if n != "cost"]
+                if not others or "cost" not in mean:
+                    continue  # nothing to compare (a --dump of one policy)
+                om, op = min(mean[n] for n in others), min(p99[n] for n in others)
+                cells[cell_name(tname, w, h)] = {
+                    "cost_best_mean": mean["cost"] <= om, "cost_best_p99": p99["cost"] <= op,
+                    "gap_pct": [round(100 * (mean["cost"] / om - 1), 3),
+                                round(100 * (p99["cost"] / op - 1), 3)],
+                }
+            for n, row in table.items():
+                print(f"| {n} | " + " | ".join(row) + " |")
             sys.stdout.flush()
+    if args.dump:
+        with open(args.dump, "w", encoding="utf-8") as f:
+            json.dump(figures, f)
     both = sum(c["cost_best_mean"] and c["cost_best_p99"] for c in cells.values())
     print(json.dumps({"benchmark": "sim_sweep", "cells": len(cells), "cost_best_both": both,
                       "cost_best_mean": sum(c["cost_best_mean"] for c in cells.values()),
