@@ -436,3 +436,36 @@ def test_a_known_slot_reused_during_the_copy_is_read_the_usual_way() -> None:
         shm.close()
         src.close()
         src.pool.close()
+
+
+HOLD_EPOCHS = """
+import sys, time
+from kvshare.transfer.epochs import SharedEpochs
+e = SharedEpochs(sys.argv[1], 4, create=True, directory=sys.argv[2])
+print("created", flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_reader_tells_a_dead_pool_from_a_live_one_by_its_epochs_file(tmp_path: Path) -> None:
+    """The creator's lock on its epochs file lives exactly as long as its process: a killed
+    pool (SIGKILL, no clean-up) reads as dead at once, so known-slot reads stop there."""
+    import signal
+    import subprocess
+
+    from kvshare.transfer.epochs import SharedEpochs
+
+    name = f"kvshare-live{os.getpid()}-n-0.epochs"
+    pool = subprocess.Popen([sys.executable, "-c", HOLD_EPOCHS, name, str(tmp_path)],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert pool.stdout is not None and pool.stdout.readline().strip() == "created"
+        reader = SharedEpochs(name, 4, create=False, directory=str(tmp_path))
+        assert reader.owner_alive() and reader.owner_alive()  # (the test leaves no lock behind)
+        pool.send_signal(signal.SIGKILL)
+        pool.wait()
+        assert not reader.owner_alive()
+        reader.close()
+    finally:
+        pool.kill()
+        pool.wait()

@@ -10,6 +10,7 @@ prefill (another summation order) tokens are equal and logprobs within 1e-3.
 
 from __future__ import annotations
 
+import os
 import random
 import time
 from collections.abc import Iterator
@@ -188,6 +189,17 @@ def test_corrupt_block_is_recomputed_counted_and_stored_again(env: Env) -> None:
     assert again["tokens"] == env.refs[4]["cold"]["tokens"]
 
 
+def wait_gone(pid: int, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"process {pid} still runs {timeout_s} s after ray.kill")
+
+
 def test_pool_killed_is_a_recompute_and_counted(env: Env) -> None:
     from actors.deploy import get_pool
 
@@ -195,7 +207,10 @@ def test_pool_killed_is_a_recompute_and_counted(env: Env) -> None:
     time.sleep(0.3)
     env.reset("B")
     node1 = ray.get(env.engines["B"].ready.remote())["node"]
-    ray.kill(get_pool(node1), no_restart=False)
+    pool = get_pool(node1)
+    pid = ray.get(pool.__ray_call__.remote(lambda _self: os.getpid()))
+    ray.kill(pool, no_restart=False)
+    wait_gone(pid)  # (ray.kill returns before the process ends; until then the pool serves)
     before = env.counters("B")
     got = env.run("B", prompt(5))
     after = env.counters("B")

@@ -6,11 +6,17 @@ freed). A reader pinned ``(slot, epoch)``; after copying the slot it reads the e
 (no ABA). Ordering: the pool bumps the epoch before a writer may touch the slot, and the reader
 loads the epoch after its copy; on x86 (TSO) a reader that saw any new bytes therefore sees
 the new epoch.
+
+Liveness: the creator holds an exclusive ``flock`` on the file for as long as it lives (the
+kernel drops it when the process dies, however it dies), so a reader learns whether the pool
+behind a mapping is still there with one non-blocking ``flock`` (:meth:`owner_alive`): what a
+read that asks the pool nothing (known slots) checks, so a dead pool's blocks are misses.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import glob
 import mmap
 import os
@@ -47,9 +53,27 @@ class SharedEpochs:
                 raise ValueError(f"epochs segment {name} has another size: the pool restarted")
             prot = mmap.PROT_READ | (mmap.PROT_WRITE if create else 0)
             self._mm = mmap.mmap(fd, mapped, prot=prot)
-        finally:
+            if create:  # held while this process lives (best effort: tmpfs and hugetlbfs lock)
+                with contextlib.suppress(OSError):
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BaseException:
             os.close(fd)
+            raise
+        self._fd = fd  # the creator's lock, or the reader's handle to test it
         self.array: npt.NDArray[np.int64] = np.frombuffer(self._mm, dtype=np.int64, count=num_slots)
+
+    def owner_alive(self) -> bool:
+        """Whether the process that created the file still holds it (module docstring)."""
+        if self._owner:
+            return True
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True  # the creator's exclusive lock stands
+        except OSError:
+            return False
+        fcntl.flock(self._fd, fcntl.LOCK_UN)
+        return False
 
     @staticmethod
     def remove_stale(slab_name: str, directory: str = "") -> None:
@@ -70,3 +94,6 @@ class SharedEpochs:
         if self._owner:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.path)
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1

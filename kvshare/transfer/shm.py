@@ -14,8 +14,9 @@ wrote (once committed) or read (up to ``KNOWN_SLOTS`` blocks). A batch whose blo
 known and whose epochs are unchanged is read with no round trip at all: the epochs are checked
 before and after the copy (the pool bumps a slot's epoch before anything else may write it,
 and when it frees it), and the pool is told afterwards, without waiting, that they were read
-(``touch``: hits and LRU). Any block whose epoch moved sends the whole batch the usual way,
-which also re-learns its slots. This is what an engine reloading its own evicted blocks from
+(``touch``: hits and LRU). Any block whose epoch moved, or a pool that has died (the epochs
+file's lock, :meth:`SharedEpochs.owner_alive`), sends the whole batch the usual way, which also
+re-learns its slots. This is what an engine reloading its own evicted blocks from
 its node's pool does most.
 """
 
@@ -175,6 +176,8 @@ class ShmTransport(Transport):
         epochs = self._epochs.get(slab_name)
         if slab is None or epochs is None or slab.array.shape[1] != dest[0].nbytes:
             return None  # (a size mismatch is named by the usual path)
+        if not epochs.owner_alive():  # the pool died: its blocks are misses, asked the usual way
+            return None
         slots = [k[1] for k in known]
         want = [k[2] for k in known]
         now = epochs.array
