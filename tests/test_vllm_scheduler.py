@@ -589,6 +589,32 @@ def test_a_slow_lookup_does_not_hold_the_lookups_behind_it(model: str) -> None:
     assert sched.connector.counters.get("lookups_abandoned", 0) == 0
 
 
+def test_on_slow_steps_a_lookup_in_flight_is_waited_for_within_the_step(model: str) -> None:
+    """Answering "ask again" costs a request a whole step: where steps take seconds (a loaded
+    CPU engine), the scheduler waits for a lookup that answers in 0.1 s and schedules the
+    request, loaded, in the step it arrived; on fast steps it does not wait that long."""
+    from kvshare.vllm.lookup import MAX_WAIT_S, Lookups
+
+    sched = make_scheduler(model, extra={"price_lookups": False})
+    sched.connector._sched.lookups.speed.step_s = 2.0  # what StepSpeed measured: 2 s steps
+    index = gate(sched)
+    toks = tokens(12)
+    seed_pool(sched, toks)
+    index.gated.add(tuple(toks))
+    threading.Timer(0.1, index.open.set).start()
+    sched.add_request(request("s", toks))
+    out = sched.schedule()
+    assert out.num_scheduled_tokens == {"s": len(toks) - 4 * BLOCK}  # loaded, first step
+
+    lookups = Lookups(1)
+    assert lookups.wait_s(0.02) == 0.02  # unmeasured: the floor
+    lookups.speed.step_s = 0.03
+    assert lookups.wait_s(0.02) == 0.02  # fast steps: the floor
+    lookups.speed.step_s = 60.0
+    assert lookups.wait_s(0.02) == MAX_WAIT_S
+    lookups.close()
+
+
 def test_a_lookup_held_longer_than_it_could_save_becomes_a_miss(model: str) -> None:
     """Once the engine's speed is measured, a request is held for its lookup no longer than
     the prefill the lookup could save: then it is computed as a miss (no error), and the late
@@ -653,3 +679,4 @@ def test_step_speed_counts_busy_steps_only() -> None:
     assert speed.tokens_per_s == 1000
     speed.step({"b": 300}, now=60.0)  # idle for a minute, then a new request
     assert speed.tokens_per_s == 1000 and speed.seconds_for(250) == 0.25
+    assert speed.step_s == 0.5  # the busy step's length; the idle gap is not one

@@ -6,6 +6,11 @@ rules keep that from stalling requests:
 
 - **Concurrent**: lookups run on ``threads`` threads (:class:`Lookups`), so one slow answer
   does not hold every request queued behind it.
+- **Waits scaled to the step**: answering "ask again" costs the request a whole engine step
+  (vLLM asks once a step), so on an engine whose steps are slow (a loaded CPU engine: seconds)
+  the scheduler waits for a lookup in flight up to ``STEP_SHARE`` of a step
+  (:meth:`Lookups.wait_s`, at most ``MAX_WAIT_S``): a tenth of a step held once, instead of a
+  whole step lost by the request. On a fast engine the floor (``lookup_wait_s``) stands.
 - **Priced hold**: a request is held for its lookup only while the lookup could still save
   more than the wait costs. The most it can save is the prefill of the tokens it could bring
   beyond vLLM's own hit, at the engine's measured speed (:class:`StepSpeed`, tokens per second
@@ -25,6 +30,11 @@ from typing import Any, TypeVar
 
 T = TypeVar("T")
 
+STEP_SHARE = 0.1
+"""The share of an engine step the scheduler may wait for a lookup in flight."""
+MAX_WAIT_S = 0.25
+"""The longest the scheduler waits for one lookup in flight, however slow the steps."""
+
 
 class StepSpeed:
     """The engine's tokens per second over consecutive busy steps (an exponential average).
@@ -40,6 +50,7 @@ class StepSpeed:
             raise ValueError(f"alpha must be in (0, 1], got {alpha}")
         self.alpha = alpha
         self.tokens_per_s = 0.0  # 0: not measured yet
+        self.step_s = 0.0  # seconds a busy step takes (0: not measured yet)
         self._last: tuple[float, int, frozenset[str]] | None = None
 
     def step(self, scheduled: dict[str, int], now: float | None = None) -> None:
@@ -53,6 +64,7 @@ class StepSpeed:
         sample = last[1] / dt
         old = self.tokens_per_s
         self.tokens_per_s = sample if old == 0 else (1 - self.alpha) * old + self.alpha * sample
+        self.step_s = dt if self.step_s == 0 else (1 - self.alpha) * self.step_s + self.alpha * dt
 
     def seconds_for(self, tokens: int) -> float | None:
         """Seconds to compute ``tokens`` at the measured speed; None while unmeasured."""
@@ -81,6 +93,12 @@ class Lookups:
             return True
         saving = self.speed.seconds_for(could_bring)
         return saving is None or held_s < saving
+
+    def wait_s(self, floor_s: float) -> float:
+        """How long the scheduler waits for a lookup in flight before answering "ask again":
+        ``STEP_SHARE`` of the engine's measured step, at least ``floor_s``, at most
+        ``MAX_WAIT_S`` (module docstring)."""
+        return max(floor_s, min(MAX_WAIT_S, STEP_SHARE * self.speed.step_s))
 
     def step(self, scheduled: dict[str, int]) -> None:
         self.speed.step(scheduled)

@@ -192,7 +192,7 @@ class SchedulerSide:
             st.asked_at = time.perf_counter()
             st.lookup = self.lookups.submit(self._lookup, request.prompt_token_ids, st.hashes)
         try:
-            plan = st.lookup.result(timeout=self.lookup_wait_s)
+            plan = st.lookup.result(timeout=self.lookups.wait_s(self.lookup_wait_s))
         except FutureTimeout:
             if self.lookups.worth_waiting(time.perf_counter() - st.asked_at, most - num_computed):
                 self._count("lookup_pending")
