@@ -362,8 +362,7 @@ class SchedulerSide:
             pages = list(page_ids_of(rid))[: full * self.block_tokens // self.page_tokens]
             seq = self.marks.next_seq() if self.marks is not None else 0
             st.saved_blocks += full - st.saved_upto
-            sync = self.marks is not None and _stop_strings(req) and (
-                st.saved_blocks * self.keys.layout.bytes_per_block <= self.sync_save_bytes)
+            sync = self.marks is not None and _stop_strings(req) and self._small_saves(st)
             meta.saves.append(SaveSpec(rid, tuple(bytes(h) for h in st.hashes[:full]),
                                        st.saved_upto, tuple(int(p) for p in pages), seq, sync))
             st.save_seqs.append(seq)
@@ -396,13 +395,17 @@ class SchedulerSide:
             self._hold_for_saves(st)
         return True
 
+    def _small_saves(self, st: _Req) -> bool:
+        """Whether the request's saves so far are small enough to wait for (``sync_save_bytes``)."""
+        return st.saved_blocks * self.keys.layout.bytes_per_block <= self.sync_save_bytes
+
     def _hold_for_saves(self, st: _Req) -> None:
         """Wait until the request's saves have ended (at most ``SYNC_SAVE_WAIT_S``), when
         they are small enough to wait for; counted as ``sync_saves`` (requests that checked),
         ``sync_save_s`` (seconds held) and ``sync_saves_late`` (still running at the limit);
         ``sync_saves_unmarked`` when no worker maps the marks (nothing to wait on)."""
         marks = self.marks
-        if marks is None or st.saved_blocks * self.keys.layout.bytes_per_block > self.sync_save_bytes:
+        if marks is None or not self._small_saves(st):
             return
         if not marks.attached:  # no worker marks its saves here: nothing to wait on
             self._count("sync_saves_unmarked")
