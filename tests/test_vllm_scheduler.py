@@ -435,6 +435,7 @@ def test_a_router_hint_older_than_its_max_age_is_not_trusted(model: str) -> None
     from kvshare.vllm.router_hint import encode
 
     sched = make_scheduler(model, extra={"router_hint_max_age_s": 0.5})
+    sched.connector._sched.lookup_wait_s = 30.0  # the lookup answers within the wait
     toks = tokens(41)
     seed_pool(sched, toks)  # stored after the router's query: its hint says 0
     late = request("a0", toks, max_tokens=1, kv_transfer_params=encode(0))
@@ -452,6 +453,38 @@ def test_a_router_hint_older_than_its_max_age_is_not_trusted(model: str) -> None
     assert out.num_scheduled_tokens == {"a1": len(fresh.prompt_token_ids)}
     counters = sched.connector.counters
     assert counters["lookups_skipped_router"] == 1 and counters["router_hints_expired"] == 1
+
+
+def test_an_expired_hint_answers_when_the_lookup_is_not_back_at_once(model: str) -> None:
+    """A request that queued past ``router_hint_max_age_s`` is looked up, but when the index
+    does not answer within the scheduler's wait the expired hint answers after all, in the
+    same step: its pools are loaded (the request is not held a step for the late lookup), and
+    a hint of nothing is computed in full at once; both counted."""
+    from kvshare.vllm.router_hint import encode
+
+    sched = make_scheduler(model, extra={"router_hint_max_age_s": 0.5})
+    index = gate(sched)
+    toks, cold = tokens(61), tokens(62)
+    seed_pool(sched, toks)
+    index.gated.update({tuple(toks), tuple(cold)})
+    try:
+        hint = encode(4 * BLOCK, [[4, [["node:local", 1]]]], CLIENT["c"].hashes(toks))
+        req = request("e0", toks, max_tokens=1, kv_transfer_params=hint)
+        req.arrival_time -= 2.0
+        sched.add_request(req)
+        out = sched.schedule()
+        assert out.num_scheduled_tokens == {"e0": len(toks) - 4 * BLOCK}  # loaded, no hold
+        sched.update_from_output(out, output([req]))
+        nothing = request("e1", cold, max_tokens=1, kv_transfer_params=encode(0))
+        nothing.arrival_time -= 2.0
+        sched.add_request(nothing)
+        out = sched.schedule()
+        assert out.num_scheduled_tokens == {"e1": len(cold)}
+        counters = sched.connector.counters
+        assert counters["router_hints_expired"] == 2 and counters["lookups"] == 2
+        assert counters["router_hints_expired_used"] == 2
+    finally:
+        index.open.set()
 
 
 def test_a_router_hint_with_the_pools_answer_plans_the_load_with_no_lookup(model: str) -> None:

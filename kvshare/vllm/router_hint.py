@@ -28,7 +28,11 @@ hint costs at most a recompute (blocks stored after the router's query are not l
 evicted since is a failed load, recomputed), never a wrong token; and a hint is trusted only
 while the request has waited less than the connector's ``router_hint_max_age_s`` (default 1 s)
 since it reached the engine: a request that queued longer is looked up (counted,
-``router_hints_expired``). A router whose index did not answer sends no hint.
+``router_hints_expired``), and when that lookup is not back at once (the scheduler's usual
+wait) the expired hint answers after all (counted, ``router_hints_expired_used``): on a
+loaded engine, where a request queues for seconds, holding it a step more for the blocks
+stored meanwhile would cost a step's time for what is usually nothing. A router whose index
+did not answer sends no hint.
 """
 
 from __future__ import annotations

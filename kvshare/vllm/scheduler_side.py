@@ -165,9 +165,12 @@ class SchedulerSide:
         if st is None or not st.hashes or st.failed or st.loads >= MAX_LOADS:
             return 0, False
         most = min(len(st.hashes) * self.block_tokens, int(request.num_tokens) - 1)
+        stale: tuple[int, MatchResult | None] | None = None
         if st.held_tokens is not None and st.lookup is None and self._hint_stale(request):
-            st.held_tokens = st.pools = None  # queued too long: what was stored since is
-            self._count("router_hints_expired")  # worth the query
+            # queued too long: what was stored since is worth the query, but the old answer
+            # stays the fallback should the query not answer at once (no step held for it)
+            stale, st.held_tokens, st.pools = (st.held_tokens, st.pools), None, None
+            self._count("router_hints_expired")
         reach = most if st.held_tokens is None else min(most, st.held_tokens)
         if st.lookup is None and reach - num_computed < self.block_tokens:
             # The cluster can add less than a block, not worth a wait on the index: vLLM's own
@@ -194,6 +197,21 @@ class SchedulerSide:
         try:
             plan = st.lookup.result(timeout=self.lookups.wait_s(self.lookup_wait_s))
         except FutureTimeout:
+            if stale is not None:
+                # The expired hint answers instead of a held step: a stale answer costs at
+                # most a recompute (a block evicted since fails to load), never a wrong token.
+                self._count("router_hints_expired_used")
+                self._answered(st)
+                st.late = st.lookup
+                held, pools = stale
+                if pools is None or min(most, held) - num_computed < self.block_tokens:
+                    st.lookup, st.loads = None, MAX_LOADS  # nothing to load: no second query
+                    st.saved_upto = max(st.saved_upto, num_computed // self.block_tokens)
+                    return 0, False
+                plan = self.client.plan_from(request.prompt_token_ids, st.hashes, pools)
+                st.lookup = Future()
+                st.lookup.set_result(plan)
+                return self._planned(st, request, plan, num_computed)
             if self.lookups.worth_waiting(time.perf_counter() - st.asked_at, most - num_computed):
                 self._count("lookup_pending")
                 return None, False  # vLLM asks again next step: the scheduler does not wait
@@ -209,6 +227,11 @@ class SchedulerSide:
             plan = Plan(self.client.namespace, len(st.hashes) * self.block_tokens,
                         self.block_tokens, tuple(st.hashes), 0, (), f"lookup failed: {exc}")
         self._answered(st)
+        return self._planned(st, request, plan, num_computed)
+
+    def _planned(self, st: _Req, request: Any, plan: Plan,
+                 num_computed: int) -> tuple[int | None, bool]:
+        """The answer to vLLM for a request whose lookup (or hint) planned ``plan``."""
         st.saved_upto = max(st.saved_upto, plan.available_blocks)
         if "unavailable" in plan.reason:
             self._count("index_unavailable")

@@ -32,7 +32,9 @@ server's ``/metrics``, next to vLLM's own:
   ``why`` = ``malformed``, ``expired`` (the request queued ``router_hint_max_age_s`` or more)
   or ``mismatched`` (the router hashed the prompt otherwise);
   ``vllm:kvshare_lookups_from_router_total``: requests planned from the index answer their
-  router sent with them (no index call, no hold);
+  router sent with them (no index call, no hold); ``vllm:kvshare_router_hints_expired_used_total``:
+  requests whose hint had expired and whose lookup was not back at once, answered from the
+  hint instead of being held for a step;
 - ``vllm:kvshare_sync_saves_total``, ``vllm:kvshare_sync_save_seconds_total`` and
   ``vllm:kvshare_sync_saves_late_total``: finishing requests that had saves and were held
   until those ended before their last output left the engine (scheduler role; worker role:
@@ -72,7 +74,8 @@ _WAIT_KEYS = tuple(f"{p}{w}" for w in WAITS
                    for p in ("load_reported_seconds_", "loads_")) + (LOAD_TRANSFER,)
 LOOKUP_KEYS = (LOOKUP_WAIT, LOOKUPS_ANSWERED, "lookup_seconds", "lookups", "lookups_abandoned",
                "lookups_skipped", "lookups_skipped_router", "router_hints_malformed",
-               "router_hints_expired", "router_hints_mismatched", "lookups_from_router")
+               "router_hints_expired", "router_hints_mismatched", "lookups_from_router",
+               "router_hints_expired_used")
 SAVE_KEYS = ("sync_saves", "sync_save_s", "sync_saves_late", "sync_saves_unmarked")
 """The scheduler side's read-after-write counters (finishing requests held for their saves)."""
 SKIPPED = {"lookups_skipped": "own_cache", "lookups_skipped_router": "router"}
@@ -177,6 +180,9 @@ class KVSharePromMetrics(KVConnectorPromMetrics):
             "lookups_from_router": counter(
                 "lookups_from_router", "Requests planned from the index answer their router "
                 "sent with them (no kvshare lookup)."),
+            "router_hints_expired_used": counter(
+                "router_hints_expired_used", "Requests whose router hint had expired, "
+                "answered from it because their kvshare lookup was not back at once."),
             "lookups_abandoned": counter(
                 "lookups_abandoned", "kvshare lookup holds given up (could save less than "
                 "they cost): scheduled as misses."),
