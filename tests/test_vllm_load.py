@@ -4,6 +4,8 @@ arithmetic on scrapes: no vLLM process."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from kvshare.types import WorkerId
@@ -34,7 +36,11 @@ def test_idle_time_does_not_count_and_windows_smooth() -> None:
     s.update(11.0, 0, 0.0, busy=True)  # busy from 10 s to 11 s (counted: busy at one end)
     assert s.update(12.0, 3000, 5.0, busy=False) == pytest.approx(1500)  # 3,000 in 2 busy s
     s.update(13.0, 3000, 5.0, busy=True)
-    assert s.update(14.0, 6000, 6.0, busy=True) == pytest.approx(0.5 * 1500 + 0.5 * 3000)
+    # 3,000 more in 1 s (the spans): the windows' tokens over their time, the older one's
+    # weight decayed by its 2 busy seconds over the horizon (window_s / alpha = 2 s)
+    keep = math.exp(-2 / 2)
+    assert s.update(14.0, 6000, 6.0, busy=True) == pytest.approx((3000 * keep + 3000)
+                                                                 / (2 * keep + 1))
 
 
 def test_a_restarted_server_restarts_the_window_not_the_estimate() -> None:
@@ -42,7 +48,29 @@ def test_a_restarted_server_restarts_the_window_not_the_estimate() -> None:
     s.update(0.0, 0, 0.0, busy=True)
     assert s.update(1.0, 1000, 1.0, busy=True) == pytest.approx(1000)
     assert s.update(2.0, 0, 0.0, busy=True) == pytest.approx(1000)  # counters went back
-    assert s.update(3.0, 3000, 1.0, busy=True) == pytest.approx(0.7 * 1000 + 0.3 * 3000)
+    keep = math.exp(-1 / (1 / 0.3))
+    assert s.update(3.0, 3000, 1.0, busy=True) == pytest.approx((1000 * keep + 3000) / (keep + 1))
+
+
+def test_long_prefills_finishing_together_do_not_read_as_a_burst_of_speed() -> None:
+    """A loaded engine: three 2,000-token prompts prefilled together over 24 s finish at once
+    every 24 s, beside a 250-token turn finishing every 2 s (2 s spans): 375 tokens a second
+    in all. Scraped every 0.1 s, the estimate stays within 1.5x of that once the first long
+    prefills have finished (counting their tokens in the 1 s window they finished in read
+    2,000+ tok/s)."""
+    s = PrefillSpeed(window_s=1.0)
+    tokens = spans = finished = 0.0
+    seen = []
+    for i in range(2401):  # 240 s
+        t = i / 10
+        if i and i % 20 == 0:
+            tokens, spans, finished = tokens + 250, spans + 2.0, finished + 1
+        if i and i % 240 == 0:
+            tokens, spans, finished = tokens + 6000, spans + 72.0, finished + 3
+        speed = s.update(t, tokens, spans, busy=True, finished=finished)
+        if t > 48:
+            seen.append(speed)
+    assert 375 / 1.5 <= min(seen) and max(seen) <= 375 * 1.5, (min(seen), max(seen))
 
 
 def test_bad_settings_are_refused() -> None:

@@ -25,6 +25,7 @@ counters and per-request latency histograms. :class:`MetricsLoad` turns them int
 
 from __future__ import annotations
 
+import math
 import re
 import time
 
@@ -64,6 +65,12 @@ def _smoothed(old: float, new: float, alpha: float) -> float:
     return new if old == 0 else (1 - alpha) * old + alpha * new
 
 
+HORIZON_SPANS = 4.0
+""":class:`PrefillSpeed` averages over this many of the longest recent prefill spans: finishes
+arrive in bursts a span apart, and a few spans' worth of them average out (with 1 span the
+estimate swung 0.3-2.6x the true speed on bursts of long prefills, with 4 within 0.75-1.5x)."""
+
+
 class LoadWait:
     """Mean seconds per load from cumulative ``(seconds, loads)`` counters, smoothed over
     the samples in which loads finished (weight ``alpha`` on the newest)."""
@@ -91,10 +98,19 @@ class PrefillSpeed:
     samples while it had requests) bounds the spent time from the other side (it includes
     decode steps and idle gaps between samples). Both are upper bounds of the time the
     prefills took, so the tighter one is used: over a window of at least ``window_s`` busy
-    seconds in which some prefill finished, ``speed = computed tokens / min(busy, summed
-    spans)``, smoothed over windows (weight ``alpha`` on the newest). The computed tokens
-    and the spans must come from the same finished requests (vLLM observes
+    seconds in which some prefill finished, ``spent = min(busy, summed spans)``. The computed
+    tokens and the spans must come from the same finished requests (vLLM observes
     ``request_prefill_kv_computed_tokens`` and ``request_prefill_time_seconds`` together).
+
+    Tokens count in the window in which their request's prefill *finished*, but they were
+    computed over the request's whole span, most of it before that window on a slow engine (a
+    2,000-token prompt prefilled over 40 s beside others). Windows much shorter than those
+    spans read a burst of finishes as a burst of speed (a loaded CPU engine's estimate ran
+    10x high) and the windows between them as a lull. So the speed is the ratio of the
+    windows' tokens to their spent time, summed with weights that decay over a horizon of
+    :data:`HORIZON_SPANS` times the longest recent mean prefill span (at least
+    ``window_s / alpha`` busy seconds), and given the finished count (``finished``) a window
+    stays open until its busy time reaches the mean span of the requests that finished in it.
     """
 
     def __init__(self, window_s: float = 1.0, alpha: float = 0.3) -> None:
@@ -104,29 +120,42 @@ class PrefillSpeed:
         self.alpha = alpha
         self.tokens_per_s = 0.0
         self._prev: tuple[float, float, float, bool] | None = None  # t, tokens, spans, busy
-        self._busy = self._tokens = self._spans = 0.0
+        self._prev_finished: float | None = None
+        self._busy = self._tokens = self._spans = self._finished = 0.0
+        self._sum_tokens = self._sum_spent = self._long_span = 0.0  # decayed over the horizon
 
     def update(self, t: float, computed_tokens: float, prefill_spans_s: float,
-               busy: bool) -> float:
+               busy: bool, finished: float | None = None) -> float:
         """One sample at time ``t`` (seconds): cumulative computed prompt tokens and summed
-        prefill spans, and whether the engine has requests now. Returns the speed (0 until
-        the first window closes)."""
+        prefill spans, whether the engine has requests now, and (optional) the cumulative
+        count of requests those tokens and spans came from. Returns the speed (0 until the
+        first window closes)."""
         prev, self._prev = self._prev, (t, computed_tokens, prefill_spans_s, busy)
+        prev_finished, self._prev_finished = self._prev_finished, finished
         if prev is None:
             return self.tokens_per_s
         dt, dn, ds = t - prev[0], computed_tokens - prev[1], prefill_spans_s - prev[2]
-        if dt < 0 or dn < 0 or ds < 0:  # a restarted server: its counters start again
-            self._busy = self._tokens = self._spans = 0.0
+        df = (finished - prev_finished if finished is not None and prev_finished is not None
+              else 0.0)
+        if dt < 0 or dn < 0 or ds < 0 or df < 0:  # a restarted server: counters start again
+            self._busy = self._tokens = self._spans = self._finished = 0.0
             return self.tokens_per_s
         if busy or prev[3]:
             self._busy += dt
         self._tokens += dn
         self._spans += ds
-        if self._busy >= self.window_s and self._tokens > 0:
+        self._finished += df
+        mean_span = self._spans / self._finished if self._finished else 0.0
+        if self._busy >= max(self.window_s, mean_span) and self._tokens > 0:
             spent = min(self._busy, self._spans) if self._spans > 0 else self._busy
-            speed = self._tokens / spent
-            self.tokens_per_s = _smoothed(self.tokens_per_s, speed, self.alpha)
-            self._busy = self._tokens = self._spans = 0.0
+            horizon = max(self.window_s / self.alpha,
+                          HORIZON_SPANS * max(self._long_span, mean_span))
+            keep = math.exp(-self._busy / horizon)
+            self._long_span = max(self._long_span * keep, mean_span)
+            self._sum_tokens = self._sum_tokens * keep + self._tokens
+            self._sum_spent = self._sum_spent * keep + spent
+            self.tokens_per_s = self._sum_tokens / self._sum_spent
+            self._busy = self._tokens = self._spans = self._finished = 0.0
         return self.tokens_per_s
 
 
@@ -179,7 +208,7 @@ class MetricsLoad:
         running = int(m.get("vllm:num_requests_running", 0))
         tokens, count = _computed(m)
         self.speed.update(now, tokens, m.get("vllm:request_prefill_time_seconds_sum", 0.0),
-                          running + waiting > 0)
+                          running + waiting > 0, count)
         mean_new = tokens / count if count else 0.0
         prefilling = self.in_prefill.count(m)
         queued_waiting = min(waiting, prefilling)
