@@ -34,7 +34,7 @@ from kvshare.cost import CostModel, CutPlan
 from kvshare.types import BlockHash, NodeId, WorkerId, worker_location
 from kvshare.vllm import router_hint
 from kvshare.workers import META_GPU_PRIVATE, WorkerInfo, WorkerLoad
-from router.ready import ReadyBlocks
+from router.ready import ReadyBook, ready_blocks
 from router.sources import Match, Sharing, SourceMap, SourceRuns
 
 
@@ -438,7 +438,7 @@ class CostPolicy(Policy):
 
     Under global sharing a worker's plan also counts the blocks this policy's earlier
     decisions are creating on other workers that will be stored before it starts (its queue
-    wait outlasts their job's estimate): it will pull them (:class:`~router.ready.ReadyBlocks`);
+    wait outlasts their job's estimate): it will pull them (:class:`~router.ready.ReadyBlocks`, in C where built);
     the creator's own plan counts them as its local gpu blocks, with its wait at least until
     their job's estimated end (it cannot start before).
     """
@@ -452,7 +452,7 @@ class CostPolicy(Policy):
         self.tie_s = tie_s
         self._plans: dict[WorkerId, CutPlan] = {}
         self._rotate = _Rotation()
-        self._ready = ReadyBlocks()
+        self._ready: ReadyBook = ready_blocks()
         self._behind: dict[str, int] = {}  # per namespace: decisions since every worker fell behind
 
     def _select(self, request: RouteRequest, view: SourceMap, cands: list[Candidate]) -> tuple[int, str]:

@@ -3,7 +3,8 @@
 - A random stream of requests (prompts sharing system prompts, tails never seen, finishes,
   new load reports with queues, waits and measured speeds, blocks stored on nodes between
   decisions) is routed in lockstep by two routers on one fake clock: one with the C paths
-  (the cost model's cut-point scan, the xxh3 chain), one with their pure-Python fallbacks.
+  (the cost model's cut-point scan, the xxh3 chain, the pending and ready books), one with their
+  pure-Python fallbacks.
   Every decision and every candidate's estimate must be equal, for sha256 and xxh3 hashing.
 - ``ReadyBlocks.add`` (its stored entries dropped in one pass, each part of the prompt
   recorded in its own loop) holds and answers exactly as the version before it, kept here as
@@ -29,9 +30,16 @@ from kvshare.hashing import HashFn
 from kvshare.types import BlockHash, NodeId, Tier, WorkerId, node_location
 from kvshare.workers import WorkerInfo, WorkerLoad
 from router.embed import CacheAwareRouter, InProcessIndex, Routed, RouterConfig
-from router.pending import PendingBlocks
-from router.ready import ReadyBlocks
+from router.pending import PendingBlocks, pending_blocks
+from router.ready import ReadyBlocks, ready_blocks
 from router.workers_view import InFlight, StaticWorkers
+
+try:
+    import router.pending_native  # noqa: F401
+
+    NATIVE_BOOKS = True
+except ImportError:  # (not built: both routers run the Python books)
+    NATIVE_BOOKS = False
 
 NS = "fast"
 BT = 16
@@ -67,7 +75,9 @@ def make_router(index: GlobalIndex, clock: Clock, fn: HashFn, native: bool) -> C
     if not native:  # the Python loops from the start (the hasher binds its chain when built)
         router.hasher._xxh3 = None
     core = router.core
-    core.pending = router.pending = PendingBlocks(cfg.pending_ttl_s, clock=clock)
+    core.pending = router.pending = pending_blocks(cfg.pending_ttl_s, clock=clock, native=native)
+    core.policy._ready = ready_blocks(native=native)  # type: ignore[attr-defined]
+    assert (type(core.pending) is PendingBlocks) is (not native or not NATIVE_BOOKS)
     core.inflight = router.inflight = InFlight(clock=clock)
     core.policy.clock = clock
     return router
