@@ -64,7 +64,7 @@ static inline uint64_t bk_hash(uint32_t ns, const uint8_t *key, Py_ssize_t n)
     return h ^ (h >> 32);
 }
 
-static int bk_init(BkTable *t)
+static inline int bk_init(BkTable *t)
 {
     memset(t, 0, sizeof(*t));
     t->mask = 63;
@@ -73,7 +73,7 @@ static int bk_init(BkTable *t)
     return t->slots ? 0 : -1;
 }
 
-static void bk_free(BkTable *t)
+static inline void bk_free(BkTable *t)
 {
     free(t->e);
     free(t->slots);
@@ -81,7 +81,7 @@ static void bk_free(BkTable *t)
     memset(t, 0, sizeof(*t));
 }
 
-static int bk_ns_reserve(BkTable *t, uint32_t ns)
+static inline int bk_ns_reserve(BkTable *t, uint32_t ns)
 {
     if ((Py_ssize_t)ns < t->ns_cap)
         return 0;
@@ -116,7 +116,7 @@ static inline int32_t bk_find(const BkTable *t, uint32_t ns, const uint8_t *key,
     }
 }
 
-static int bk_grow_slots(BkTable *t)
+static inline int bk_grow_slots(BkTable *t)
 {
     uint64_t cap = (t->mask + 1) * 2;
     int32_t *slots = (int32_t *)calloc(cap, sizeof(int32_t));
@@ -173,7 +173,7 @@ static inline void bk_to_end(BkTable *t, int32_t i)
 
 /* A new entry (ns, key) at the end of the order, payload zeroed; its index or -1 (MemoryError
  * set). The key must not be present. */
-static int32_t bk_insert(BkTable *t, uint32_t ns, const uint8_t *key, Py_ssize_t n)
+static inline int32_t bk_insert(BkTable *t, uint32_t ns, const uint8_t *key, Py_ssize_t n)
 {
     if (bk_ns_reserve(t, ns) < 0)
         goto nomem;
@@ -216,7 +216,7 @@ nomem:
 }
 
 /* Remove entry i (its payload must be released by the caller first). */
-static void bk_remove(BkTable *t, int32_t i)
+static inline void bk_remove(BkTable *t, int32_t i)
 {
     BkEntry *e = &t->e[i];
     uint64_t s = e->h & t->mask;

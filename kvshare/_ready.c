@@ -13,16 +13,10 @@
  * max_entries. router/ready.py is the reference, step for step; the tests run both on random
  * sequences.
  */
-#include "_books.h"
+#include "_ready.h"
 
-typedef struct {
-    PyObject_HEAD
-    BkTable t;
-    Py_ssize_t max;
-    uint64_t calls;
-    long local_src, remote_src;
-    PyObject *ns_ids, *ns_names, *w_ids, *w_names;
-} Book;
+typedef ReadyBook Book;
+
 
 static void drop_stored(Book *self, double now)
 {
@@ -121,11 +115,6 @@ static PyObject *book_run_from(Book *self, PyObject *args)
     return PyLong_FromSsize_t(k > start ? k - start : 0);
 }
 
-typedef struct {
-    long src;
-    Py_ssize_t n;
-} SrcRun;
-
 static PyObject *book_extend(Book *self, PyObject *args)
 {
     PyObject *runs_obj, *ns_obj, *hashes_obj, *w_obj, *start_obj;
@@ -177,35 +166,11 @@ static PyObject *book_extend(Book *self, PyObject *args)
         buf[n_out++] = (SrcRun){src, cnt};
         covered += cnt;
     }
-    Py_ssize_t k = covered;
     double begin = start_s;
-    PyObject **items = PySequence_Fast_ITEMS(hashes);
-    for (; k < n; k++) {
-        const uint8_t *key;
-        Py_ssize_t klen;
-        if (bk_key(items[k], &key, &klen) < 0)
-            goto done;
-        int32_t i = bk_find(&self->t, (uint32_t)ns, key, klen);
-        if (i == BK_NONE)
-            break;
-        const BkEntry *e = &self->t.e[i];
-        if (!(now < e->t))
-            break;
-        long src;
-        if (e->a == w) {
-            src = self->local_src;
-            if (e->t > begin)
-                begin = e->t;
-        } else if (e->b && e->t <= start_s) {
-            src = self->remote_src;
-        } else {
-            break;
-        }
-        if (n_out && buf[n_out - 1].src == src)
-            buf[n_out - 1].n++;
-        else
-            buf[n_out++] = (SrcRun){src, 1};
-    }
+    Py_ssize_t k = ready_extend(self, (uint32_t)ns, (int32_t)w, PySequence_Fast_ITEMS(hashes), n,
+                                covered, now, start_s, buf, &n_out, &begin);
+    if (k < 0)
+        goto done;
     if (k == covered) {
         out = PyTuple_Pack(2, runs_obj, start_obj);
         goto done;
