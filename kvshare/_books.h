@@ -116,6 +116,30 @@ static inline int32_t bk_find(const BkTable *t, uint32_t ns, const uint8_t *key,
     }
 }
 
+/* A hint: start loading the slots, then the entries, that finding the bytes keys ``items[0 ..
+ * n)`` will read (a big book's lookups are cache misses; issued together they overlap). Keys
+ * that are not bytes of at most BK_KEY_MAX are skipped (the lookup itself reports them). */
+static inline void bk_prefetch(const BkTable *t, uint32_t ns, PyObject *const *items, Py_ssize_t n)
+{
+    uint64_t hs[64];
+    for (Py_ssize_t k0 = 0; k0 < n; k0 += 64) {
+        Py_ssize_t m = n - k0 < 64 ? n - k0 : 64;
+        for (Py_ssize_t k = 0; k < m; k++) {
+            PyObject *o = items[k0 + k];
+            hs[k] = 0;
+            if (PyBytes_Check(o) && PyBytes_GET_SIZE(o) <= BK_KEY_MAX) {
+                hs[k] = bk_hash(ns, (const uint8_t *)PyBytes_AS_STRING(o), PyBytes_GET_SIZE(o));
+                __builtin_prefetch(&t->slots[hs[k] & t->mask]);
+            }
+        }
+        for (Py_ssize_t k = 0; k < m; k++) {
+            int32_t v = t->slots[hs[k] & t->mask];
+            if (v)
+                __builtin_prefetch(&t->e[v - 1]);
+        }
+    }
+}
+
 static inline int bk_grow_slots(BkTable *t)
 {
     uint64_t cap = (t->mask + 1) * 2;

@@ -181,6 +181,7 @@ static PyObject *book_add(Book *self, PyObject *args)
     BkTable *t = &self->t;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(hashes);
     PyObject **items = PySequence_Fast_ITEMS(hashes);
+    bk_prefetch(t, (uint32_t)ns, items, n);
     for (Py_ssize_t k = 0; k < n; k++) {
         const uint8_t *key;
         Py_ssize_t klen;
@@ -317,6 +318,7 @@ static PyObject *book_match_runs(Book *self, PyObject *args)
         if (ns >= 0 && bk_ns_size(&self->t, (uint32_t)ns)) {
             BkTable *t = &self->t;
             PyObject **items = PySequence_Fast_ITEMS(hashes);
+            bk_prefetch(t, (uint32_t)ns, items, num);
             HSet *prev = NULL;
             for (Py_ssize_t k = 0; k < num; k++) {
                 const uint8_t *key;

@@ -50,6 +50,7 @@ static PyObject *book_add(Book *self, PyObject *args, PyObject *kwds)
     Py_ssize_t n = PySequence_Fast_GET_SIZE(hashes);
     PyObject **items = PySequence_Fast_ITEMS(hashes);
     Py_ssize_t cut = stored_from >= 0 ? stored_from : n; /* (negative: none stored) */
+    bk_prefetch(t, (uint32_t)ns, items, n);
     for (Py_ssize_t k = 0; k < n; k++) {
         const uint8_t *key;
         Py_ssize_t klen;
