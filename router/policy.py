@@ -456,9 +456,13 @@ class CostPolicy(Policy):
 
     Under global sharing a worker's plan also counts the blocks this policy's earlier
     decisions are creating on other workers that will be stored before it starts (its queue
-    wait outlasts their job's estimate): it will pull them (:class:`~router.ready.ReadyBlocks`, in C where built);
+    wait outlasts their job's estimate): it will pull them (:class:`~router.ready.ReadyBlocks`);
     the creator's own plan counts them as its local gpu blocks, with its wait at least until
     their job's estimated end (it cannot start before).
+
+    Where the C extensions were built, the ready blocks are kept in C and the candidate loop of
+    :meth:`_select` runs in C (:meth:`_select_native`, :mod:`router.select_native`): the same
+    estimates, plans and pick, which ``tests/test_router_fastpaths.py`` checks in lockstep.
     """
 
     name = "cost"

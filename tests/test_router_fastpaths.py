@@ -1,11 +1,13 @@
 """The router's fast paths decide exactly as the paths they replaced.
 
 - A random stream of requests (prompts sharing system prompts, tails never seen, finishes,
-  new load reports with queues, waits and measured speeds, blocks stored on nodes between
-  decisions) is routed in lockstep by two routers on one fake clock: one with the C paths
-  (the cost model's cut-point scan, the xxh3 chain, the pending and ready books, the cost
-  policy's candidate loop), one with their pure-Python fallbacks.
-  Every decision and every candidate's estimate must be equal, for sha256 and xxh3 hashing.
+  new load reports with queues, waits and measured speeds, blocks stored on nodes' pools or
+  workers' gpus between decisions) is routed in lockstep by two routers on one fake clock:
+  one with the C paths (the cost model's cut-point scan, the xxh3 chain, the pending and ready
+  books, the cost policy's candidate loop), one with their pure-Python fallbacks. Every
+  decision and every candidate's estimate (read from the view the C path builds only then)
+  must be equal, for sha256 and xxh3 hashing, under global and local sharing, with and without
+  gpu-private workers and busy periods (every worker with requests waiting).
 - ``ReadyBlocks.add`` (its stored entries dropped in one pass, each part of the prompt
   recorded in its own loop) holds and answers exactly as the version before it, kept here as
   the reference, on random sequences over one and two namespaces.
