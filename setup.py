@@ -4,7 +4,9 @@
 opt-in xxh3-128 chain with the ``xxhash`` package's own XXH3_128bits, found at run time);
 ``kvshare._plan`` is the cost model's cut-point scan; ``kvshare._copy`` copies pool blocks with non-temporal stores; ``kvshare._statemap`` is the
 block index's hash table (block hash -> holder state); ``kvshare._hashq`` checksums NIXL
-reads in a native thread while they land. All are ``optional``: where no
+reads in a native thread while they land; ``kvshare._pending`` and ``kvshare._ready`` are the
+router's books of blocks its decisions are creating (``router.pending``, ``router.ready``);
+``kvshare._select`` is the cost policy's candidate loop over them (``router.policy``). All are ``optional``: where no
 compiler (or no OpenSSL headers) is found, the build prints a warning, installs without them and
 ``kvshare.hashing`` / ``kvshare.tiers.base.copy_block`` / the index table use their pure-Python/numpy paths (same
 results, slower).
@@ -38,6 +40,28 @@ setup(
         Extension(
             "kvshare._plan",
             sources=["kvshare/_plan.c"],
+            depends=["kvshare/_scan.h"],
+            extra_compile_args=["-O2", "-ffp-contract=off"],
+            optional=True,
+        ),
+        Extension(
+            "kvshare._pending",
+            sources=["kvshare/_pending.c"],
+            depends=["kvshare/_books.h"],
+            extra_compile_args=["-O2"],
+            optional=True,
+        ),
+        Extension(
+            "kvshare._ready",
+            sources=["kvshare/_ready.c"],
+            depends=["kvshare/_books.h", "kvshare/_ready.h"],
+            extra_compile_args=["-O2"],
+            optional=True,
+        ),
+        Extension(
+            "kvshare._select",
+            sources=["kvshare/_select.c"],
+            depends=["kvshare/_books.h", "kvshare/_ready.h", "kvshare/_scan.h"],
             extra_compile_args=["-O2", "-ffp-contract=off"],
             optional=True,
         ),

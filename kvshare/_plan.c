@@ -3,18 +3,19 @@
  *     scan(fetch, a, b, block_tokens, total_tokens, lat_remote, lat_local, runs)
  *         -> (best_k, best_total, best_fetch)
  *
- * The same loop as kvshare.cost._scan_py, operation for operation in IEEE doubles (built with
- * -ffp-contract=off: no fused multiply-add), so it returns the very same floats; the tests
+ * The loop is _scan.h's (shared with kvshare._select): kvshare.cost._scan_py, operation for
+ * operation in IEEE doubles (built with -ffp-contract=off: no fused multiply-add), so it
+ * returns the very same floats; the tests
  * compare the two on random inputs. Anything outside the plain case (a, b, the latencies or a
  * fetch cost not exactly a float, a source outside ``fetch``, a token count that is not a
  * small positive int) raises TypeError/ValueError and the caller runs the Python loop instead.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
-#include <math.h>
+
+#include "_scan.h"
 
 #define MAX_SOURCES 16
-#define FLAT 1e-12 /* kvshare.cost._FLAT */
 
 static int as_float(PyObject *o, double *out)
 {
@@ -80,63 +81,32 @@ static PyObject *scan(PyObject *self, PyObject *args)
         return NULL;
     Py_ssize_t n_runs = PySequence_Fast_GET_SIZE(runs);
     PyObject **items = PySequence_Fast_ITEMS(runs);
-    long long last = p - 1;
-    long long best_k = 0;
-    double best_total = a * (double)p + b * (double)p * (double)p / 2.0, best_fetch = 0.0;
-    double cum = 0.0, lat = 0.0;
-    int any_r = 0, any_l = 0;
-    long long i = 0;
-    double flat = FLAT * (best_total + lat_r + lat_l + max_fetch * (double)(p / bt + 1));
-    int curved = b * (double)bt * (double)bt > flat;
+    long long *src = PyMem_Malloc((size_t)(n_runs + 1) * 2 * sizeof(long long));
+    if (src == NULL) {
+        Py_DECREF(runs);
+        return PyErr_NoMemory();
+    }
+    long long *len = src + n_runs + 1;
     for (Py_ssize_t r = 0; r < n_runs; r++) {
         PyObject *run = items[r];
         if (!PyTuple_CheckExact(run) || PyTuple_GET_SIZE(run) != 2) {
             PyErr_SetString(PyExc_TypeError, "scan needs runs of (source, count) tuples");
             goto fail;
         }
-        long long src, ln;
-        if (as_count(PyTuple_GET_ITEM(run, 0), &src) < 0
-                || as_count(PyTuple_GET_ITEM(run, 1), &ln) < 0)
+        if (as_count(PyTuple_GET_ITEM(run, 0), &src[r]) < 0
+                || as_count(PyTuple_GET_ITEM(run, 1), &len[r]) < 0)
             goto fail;
-        if (src < 0 || src >= n_src) {
+        if (src[r] < 0 || src[r] >= n_src) {
             PyErr_SetString(PyExc_ValueError, "scan: source outside fetch");
             goto fail;
         }
-        double f = fetch[src];
-        if (src >= 3) {
-            if (!any_r) {
-                any_r = 1;
-                lat = lat + lat_r;
-            }
-        } else if (src && !any_l) {
-            any_l = 1;
-            lat = lat + lat_l;
-        }
-        long long first = i + 1, end = first + ln - 1;
-        int ends_only = curved || fabs(f - a * (double)bt) > flat;
-        for (long long k = first; k <= end; k++) {
-            i = k;
-            cum += f;
-            if (ends_only && first < k && k < end && (k + 1) * bt <= last)
-                continue;
-            long long c = k * bt;
-            if (c > last)
-                c = last;
-            long long n = p - c;
-            double total = cum + lat + a * (double)n + b * (double)n * ((double)c + (double)n / 2.0);
-            if (total <= best_total) {
-                best_k = k;
-                best_total = total;
-                best_fetch = cum + lat;
-            }
-            if (c >= last)
-                goto done;
-        }
     }
-done:
+    ScanResult best = scan_runs(fetch, max_fetch, a, b, bt, p, lat_r, lat_l, src, len, n_runs);
+    PyMem_Free(src);
     Py_DECREF(runs);
-    return Py_BuildValue("Ldd", best_k, best_total, best_fetch);
+    return Py_BuildValue("Ldd", best.k, best.total, best.fetch);
 fail:
+    PyMem_Free(src);
     Py_DECREF(runs);
     return NULL;
 }

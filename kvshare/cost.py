@@ -273,6 +273,13 @@ class CostModel:
                 best_k, best_total, best_fetch = _scan_py(*scan_args)
         else:
             best_k, best_total, best_fetch = _scan_py(*scan_args)
+        return self.plan_of_scan(total_tokens, runs, best_k, best_total, best_fetch)
+
+    def plan_of_scan(self, total_tokens: int, runs: Sequence[tuple[int, int]], best_k: int,
+                     best_total: float, best_fetch: float) -> CutPlan:
+        """The plan of ``runs`` from their cut-point scan (its best cut in blocks, that cut's
+        total and fetch seconds, as :meth:`plan_runs` computes them; ``kvshare._select`` scans
+        in C and hands them over)."""
         counts: dict[Source, int] = {}
         left = best_k
         for src, ln in runs:

@@ -22,6 +22,7 @@ already differ by hash root, so one tenant never matches another's blocks.
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from abc import ABC, abstractmethod
@@ -34,7 +35,8 @@ from kvshare.cost import CostModel, CutPlan
 from kvshare.types import BlockHash, NodeId, WorkerId, worker_location
 from kvshare.vllm import router_hint
 from kvshare.workers import META_GPU_PRIVATE, WorkerInfo, WorkerLoad
-from router.ready import ReadyBlocks
+from router.ready import ReadyBook, ready_blocks
+from router.select_native import NativeSelect
 from router.sources import Match, Sharing, SourceMap, SourceRuns
 
 
@@ -160,15 +162,16 @@ class Ranking:
 
 class _Estimator:
     """What a ranking needs to estimate every candidate later: the policy's cost model and
-    sharing as they were when it decided, the view and the plans already made."""
+    sharing as they were when it decided, the view (or how to build it from the same inputs)
+    and the plans already made."""
 
-    def __init__(self, policy: Policy, request: RouteRequest, view: SourceMap,
+    def __init__(self, policy: Policy, request: RouteRequest, view_of: Callable[[], SourceMap],
                  cands: list[Candidate], planned: dict[WorkerId, CutPlan]) -> None:
         self.cost, self.sharing, self.queue_s = policy.cost, policy.sharing, policy.queue_s
-        self.request, self.view, self.cands, self.planned = request, view, cands, planned
+        self.request, self.view_of, self.cands, self.planned = request, view_of, cands, planned
 
     def estimates(self, decision: Decision) -> list[Estimate]:
-        cost, view, n = self.cost, self.view, self.request.num_tokens
+        cost, view, n = self.cost, self.view_of(), self.request.num_tokens
         by_runs: dict[SourceRuns, CutPlan] = {}
         out = []
         for c in self.cands:
@@ -264,10 +267,17 @@ class Policy(ABC):
                 + (f" for tenant {request.tenant!r}" if request.tenant else "")
                 + ": register one with that namespace"
             )
-        view = SourceMap(match, nodes, pending, self._private)
-        idx, reason = self._select(request, view, cands)
-        chosen = cands[idx]
-        plan = self.plan_for(request, view, chosen)
+        native = self._select_native(request, match, pending, cands, nodes)
+        if native is None:
+            view = SourceMap(match, nodes, pending, self._private)
+            idx, reason = self._select(request, view, cands)
+            chosen = cands[idx]
+            plan = self.plan_for(request, view, chosen)
+            view_of: Callable[[], SourceMap] = lambda: view  # noqa: E731
+        else:  # (the view is built only if the ranking's other estimates are read)
+            idx, reason, plan = native
+            chosen = cands[idx]
+            view_of = functools.partial(SourceMap, match, nodes, pending, self._private)
         queue = self.queue_s(chosen.load)
         est = queue + plan.total_s
         saved = max(0.0, self.cost.recompute_s(request.num_tokens) - plan.total_s)
@@ -276,7 +286,15 @@ class Policy(ABC):
             plan.cut, plan.remote_blocks, plan,
         )
         self.observe(request, decision)
-        return Ranking(request, decision, _Estimator(self, request, view, cands, self._planned()))
+        return Ranking(request, decision, _Estimator(self, request, view_of, cands,
+                                                     self._planned()))
+
+    def _select_native(self, request: RouteRequest, match: Match, pending: Match | None,
+                       cands: list[Candidate], nodes: dict[WorkerId, NodeId]
+                       ) -> tuple[int, str, CutPlan] | None:
+        """:meth:`_select` and the chosen plan computed in C without a Python view, where a
+        policy has such a path (the same answer); None: run :meth:`_select`."""
+        return None
 
     def _planned(self) -> dict[WorkerId, CutPlan]:
         """Plans :meth:`_select` computed for this request (reused by the ranking)."""
@@ -441,6 +459,10 @@ class CostPolicy(Policy):
     wait outlasts their job's estimate): it will pull them (:class:`~router.ready.ReadyBlocks`);
     the creator's own plan counts them as its local gpu blocks, with its wait at least until
     their job's estimated end (it cannot start before).
+
+    Where the C extensions were built, the ready blocks are kept in C and the candidate loop of
+    :meth:`_select` runs in C (:meth:`_select_native`, :mod:`router.select_native`): the same
+    estimates, plans and pick, which ``tests/test_router_fastpaths.py`` checks in lockstep.
     """
 
     name = "cost"
@@ -452,7 +474,8 @@ class CostPolicy(Policy):
         self.tie_s = tie_s
         self._plans: dict[WorkerId, CutPlan] = {}
         self._rotate = _Rotation()
-        self._ready = ReadyBlocks()
+        self._ready: ReadyBook = ready_blocks()
+        self._native = NativeSelect()
         self._behind: dict[str, int] = {}  # per namespace: decisions since every worker fell behind
 
     def _select(self, request: RouteRequest, view: SourceMap, cands: list[Candidate]) -> tuple[int, str]:
@@ -469,20 +492,8 @@ class CostPolicy(Policy):
         c_max = cost.cached_tokens(reach, n)
         floor = cost.prefill.time(n - c_max, c_max)  # no plan beats this (free fetch)
         queues, order = self.queues(cands)
-        waiting = [c.load.waiting for c in cands]
-        fewest = min(waiting)
-        work = 1.0 + fewest  # what a second of plan costs (class docstring)
-        if fewest:  # every worker behind: a busy period (class docstring)
-            routed = self._behind.get(ns, 0)
-            self._behind[ns] = routed + 1
-            work += routed / len(cands)
-        else:
-            self._behind.pop(ns, None)
-        bound: list[float] | None = None  # per candidate: the rate of requests bound to it
-        typical: list[float] = []  # and the service time of a request queued there
-        if fewest:  # (none with a worker idle: class docstring)
-            bound = [(w - fewest) / q if q > 0 else 0.0 for w, q in zip(waiting, queues, strict=True)]
-            typical = [q / w if w else 0.0 for w, q in zip(waiting, queues, strict=True)]
+        fewest, work, bound, typical = self._pressure(ns, cands, queues)
+        self._note_behind(ns, fewest)
         ests = [math.inf] * len(cands)
         best = math.inf
         pos, end = 0, len(order)
@@ -516,6 +527,68 @@ class CostPolicy(Policy):
                 t = plan.total_s
                 ests[i] = wait + _work_s(t, work, bound, typical, i)
                 best = min(best, ests[i])
+        return self._pick(ests, plans, cands)
+
+    def _pressure(self, ns: str, cands: list[Candidate], queues: list[float]
+                  ) -> tuple[int, float, list[float] | None, list[float]]:
+        """The fewest requests waiting at any candidate, what a second of plan costs, and per
+        candidate the rate of requests bound to it and a queued request's service time (None
+        and [] with a worker idle); class docstring. Changes nothing (:meth:`_note_behind`)."""
+        waiting = [c.load.waiting for c in cands]
+        fewest = min(waiting)
+        work = 1.0 + fewest  # what a second of plan costs (class docstring)
+        if fewest:  # every worker behind: a busy period (class docstring)
+            work += self._behind.get(ns, 0) / len(cands)
+        bound: list[float] | None = None  # per candidate: the rate of requests bound to it
+        typical: list[float] = []  # and the service time of a request queued there
+        if fewest:  # (none with a worker idle: class docstring)
+            bound = [(w - fewest) / q if q > 0 else 0.0 for w, q in zip(waiting, queues, strict=True)]
+            typical = [q / w if w else 0.0 for w, q in zip(waiting, queues, strict=True)]
+        return fewest, work, bound, typical
+
+    def _note_behind(self, ns: str, fewest: int) -> None:
+        """Count this decision in the namespace's busy period (none with a worker idle)."""
+        if fewest:
+            self._behind[ns] = self._behind.get(ns, 0) + 1
+        else:
+            self._behind.pop(ns, None)
+
+    def _select_native(self, request: RouteRequest, match: Match, pending: Match | None,
+                       cands: list[Candidate], nodes: dict[WorkerId, NodeId]
+                       ) -> tuple[int, str, CutPlan] | None:
+        """:meth:`_select`'s loop in C (:mod:`router.select_native`: the same estimates and
+        plans, no Python view), then the same pick; None where it cannot run."""
+        ns, n = request.namespace, request.num_tokens
+        queues, order = self.queues(cands)
+        fewest, work, bound, typical = self._pressure(ns, cands, queues)
+        glob = self.sharing is Sharing.GLOBAL
+        got = self._native.run(
+            match=match, pending=pending, cands=cands, nodes=nodes, private=self._private,
+            queues=queues, order=order, bound=bound,
+            typical=typical if bound is not None else None, work=work,
+            ready=self._ready if self._ready and glob else None, namespace=ns,
+            hashes=request.hashes, now=self.clock(), tokens=n, cost=self.cost,
+            tie_s=self.tie_s, remote=glob)
+        if got is None:
+            return None
+        self._note_behind(ns, fewest)
+        ests, evaluated = got
+        cost = self.cost
+        plans: dict[WorkerId, CutPlan] = {}
+        by_runs: dict[SourceRuns, CutPlan] = {}
+        for i, runs, k, total, fetch in evaluated:
+            plan = by_runs.get(runs)
+            if plan is None:
+                plan = by_runs[runs] = cost.plan_of_scan(n, runs, k, total, fetch)
+            plans[cands[i].info.worker_id] = plan
+        self._plans = plans
+        best_i, reason = self._pick(ests, plans, cands)
+        return best_i, reason, plans[cands[best_i].info.worker_id]
+
+    def _pick(self, ests: list[float], plans: dict[WorkerId, CutPlan],
+              cands: list[Candidate]) -> tuple[int, str]:
+        """The chosen candidate among the estimates and the reason (ties: fewest remote
+        blocks, then the rotation)."""
         best = min(ests)
         # Near-ties (e.g. a new prefix on idle workers) rotate, so new blocks spread over nodes;
         # a near-tie between pulling a prefix and reading it where it is goes to the fewest

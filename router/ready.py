@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
+from typing import Protocol
 
 from kvshare.cost import Source
 from kvshare.types import BlockHash, WorkerId
@@ -24,6 +25,34 @@ from router.sources import SourceRuns
 _REMOTE_HOST = int(Source.REMOTE_HOST)
 _LOCAL_GPU = int(Source.LOCAL_GPU)
 _Entry = tuple[WorkerId, float, int, bool]
+
+
+class ReadyBook(Protocol):
+    """What the cost policy reads and records of the blocks its decisions create
+    (:class:`ReadyBlocks`, or the same in C: :class:`~router.ready_native.NativeReady`)."""
+
+    def __len__(self) -> int: ...
+
+    def add(self, namespace: str, worker: WorkerId, hashes: Sequence[BlockHash],
+            ready_s: float, now: float, stored_from: int = 0) -> None: ...
+
+    def run_from(self, namespace: str, hashes: Sequence[BlockHash], start: int) -> int: ...
+
+    def extend(self, runs: SourceRuns, namespace: str, hashes: Sequence[BlockHash],
+               worker: WorkerId, now: float, start_s: float) -> tuple[SourceRuns, float]: ...
+
+
+def ready_blocks(max_entries: int = 1_000_000, native: bool = True) -> ReadyBook:
+    """The C book where it was built (and ``native``), else :class:`ReadyBlocks`: the same
+    answers either way (``tests/test_router_books.py`` runs both on random sequences)."""
+    if native:
+        try:
+            from router.ready_native import NativeReady
+        except ImportError:  # no compiler at install: the Python book
+            pass
+        else:
+            return NativeReady(max_entries)
+    return ReadyBlocks(max_entries)
 
 
 class ReadyBlocks:

@@ -1,10 +1,13 @@
 """The router's fast paths decide exactly as the paths they replaced.
 
 - A random stream of requests (prompts sharing system prompts, tails never seen, finishes,
-  new load reports with queues, waits and measured speeds, blocks stored on nodes between
-  decisions) is routed in lockstep by two routers on one fake clock: one with the C paths
-  (the cost model's cut-point scan, the xxh3 chain), one with their pure-Python fallbacks.
-  Every decision and every candidate's estimate must be equal, for sha256 and xxh3 hashing.
+  new load reports with queues, waits and measured speeds, blocks stored on nodes' pools or
+  workers' gpus between decisions) is routed in lockstep by two routers on one fake clock:
+  one with the C paths (the cost model's cut-point scan, the xxh3 chain, the pending and ready
+  books, the cost policy's candidate loop), one with their pure-Python fallbacks. Every
+  decision and every candidate's estimate (read from the view the C path builds only then)
+  must be equal, for sha256 and xxh3 hashing, under global and local sharing, with and without
+  gpu-private workers and busy periods (every worker with requests waiting).
 - ``ReadyBlocks.add`` (its stored entries dropped in one pass, each part of the prompt
   recorded in its own loop) holds and answers exactly as the version before it, kept here as
   the reference, on random sequences over one and two namespaces.
@@ -26,12 +29,21 @@ from actors.index.global_index import GlobalIndex
 from kvshare import cost, hashing
 from kvshare.events import BlockStored
 from kvshare.hashing import HashFn
-from kvshare.types import BlockHash, NodeId, Tier, WorkerId, node_location
-from kvshare.workers import WorkerInfo, WorkerLoad
+from kvshare.types import BlockHash, NodeId, Tier, WorkerId, node_location, worker_location
+from kvshare.workers import META_GPU_PRIVATE, WorkerInfo, WorkerLoad
+from router import select_native
 from router.embed import CacheAwareRouter, InProcessIndex, Routed, RouterConfig
-from router.pending import PendingBlocks
-from router.ready import ReadyBlocks
+from router.pending import PendingBlocks, pending_blocks
+from router.ready import ReadyBlocks, ready_blocks
+from router.sources import Sharing
 from router.workers_view import InFlight, StaticWorkers
+
+try:
+    import router.pending_native  # noqa: F401
+
+    NATIVE_BOOKS = True
+except ImportError:  # (not built: both routers run the Python books)
+    NATIVE_BOOKS = False
 
 NS = "fast"
 BT = 16
@@ -41,13 +53,15 @@ WORKERS = 6
 @contextmanager
 def python_paths() -> Iterator[None]:
     """The C paths switched off (each falls back to its pure-Python loop)."""
-    scan, bound = cost._native_scan, hashing._XXH3_BOUND
+    scan, bound, kernel = cost._native_scan, hashing._XXH3_BOUND, select_native.kernel
     cost._native_scan = None  # type: ignore[assignment]
     hashing._XXH3_BOUND = False
+    select_native.kernel = None
     try:
         yield
     finally:
         cost._native_scan, hashing._XXH3_BOUND = scan, bound
+        select_native.kernel = kernel
 
 
 class Clock:
@@ -58,16 +72,21 @@ class Clock:
         return self.now
 
 
-def make_router(index: GlobalIndex, clock: Clock, fn: HashFn, native: bool) -> CacheAwareRouter:
-    infos = [WorkerInfo(WorkerId(f"w{i}"), NodeId(f"n{i % 3}"), (NS,), f"http://w{i}")
+def make_router(index: GlobalIndex, clock: Clock, fn: HashFn, native: bool,
+                sharing: Sharing = Sharing.GLOBAL, private: bool = False) -> CacheAwareRouter:
+    """``private``: workers w0 and w3 keep their gpu blocks to themselves."""
+    infos = [WorkerInfo(WorkerId(f"w{i}"), NodeId(f"n{i % 3}"), (NS,), f"http://w{i}",
+                        meta={META_GPU_PRIVATE: "1"} if private and i % 3 == 0 else {})
              for i in range(WORKERS)]
     cfg = RouterConfig(namespace=NS, model_id="m", block_tokens=BT, hash_fn=fn,
-                       prefill_tokens_per_s=4000.0)
+                       prefill_tokens_per_s=4000.0, sharing=sharing)
     router = CacheAwareRouter(InProcessIndex(index), StaticWorkers(infos), cfg)
     if not native:  # the Python loops from the start (the hasher binds its chain when built)
         router.hasher._xxh3 = None
     core = router.core
-    core.pending = router.pending = PendingBlocks(cfg.pending_ttl_s, clock=clock)
+    core.pending = router.pending = pending_blocks(cfg.pending_ttl_s, clock=clock, native=native)
+    core.policy._ready = ready_blocks(native=native)  # type: ignore[attr-defined]
+    assert (type(core.pending) is PendingBlocks) is (not native or not NATIVE_BOOKS)
     core.inflight = router.inflight = InFlight(clock=clock)
     core.policy.clock = clock
     return router
@@ -83,26 +102,29 @@ def summary(r: Routed) -> tuple[Any, ...]:
              for e in r.ranking.estimates()])
 
 
-async def stream(seed: int, fn: HashFn, n: int = 40) -> list[str]:
+async def stream(seed: int, fn: HashFn, n: int = 40, sharing: Sharing = Sharing.GLOBAL,
+                 private: bool = False, busy: bool = False) -> list[str]:
+    """``busy``: every load report has requests waiting (the policy's busy-period terms)."""
     rng = random.Random(seed)
     clock = Clock()
     index = GlobalIndex()
     index.declare_namespace(NS, hash_size=HashFn(fn).digest_size)
-    fast, slow = (make_router(index, clock, fn, native) for native in (True, False))
+    fast, slow = (make_router(index, clock, fn, native, sharing, private)
+                  for native in (True, False))
     systems = [[rng.randrange(50_000) for _ in range(rng.choice((16, 48, 80)))] for _ in range(4)]
     seq = 0
     open_ids: list[str] = []
     reasons: list[str] = []
-    for _ in range(n):
+    for step in range(n):
         clock.now += rng.choice((0.0, 0.001, 0.05, 0.4, 2.0))
         ids = rng.choice(systems) + [rng.randrange(50_000) for _ in range(rng.randrange(1, 90))]
         packed = rng.random() < 0.3
-        if rng.random() < 0.3:  # a load report
-            w = WorkerId(f"w{rng.randrange(WORKERS)}")
+        for w in [WorkerId(f"w{i}") for i in range(WORKERS)] if busy and not step else [
+                WorkerId(f"w{rng.randrange(WORKERS)}")] if rng.random() < 0.3 else []:
             load = WorkerLoad(w, rng.choice((0, 800, 5000)), rng.randrange(3),
                               rng.choice((0.0, 3000.0)), clock.now - rng.random(),
-                              waiting=rng.choice((0, 0, 1, 3)))
-            for r in (fast, slow):
+                              waiting=rng.choice((1, 3) if busy else (0, 0, 1, 3)))
+            for r in (fast, slow):  # a load report (every worker's first, when busy)
                 r.report_load(load)
         got = []
         for router, native in ((fast, True), (slow, False)):
@@ -119,17 +141,21 @@ async def stream(seed: int, fn: HashFn, n: int = 40) -> list[str]:
             got.append(summary(routed))
         assert got[0] == got[1]
         reasons.append(got[0][2])
+        if select_native.kernel is not None:  # (built: the fast router chose in C, always)
+            native_loop = fast.core.policy._native  # type: ignore[attr-defined]
+            assert native_loop.declined == 0 and native_loop.ran > 0
         open_ids.append(routed.request_id)
         if rng.random() < 0.5 and open_ids:  # a request finishes
             rid = open_ids.pop(rng.randrange(len(open_ids)))
             for r in (fast, slow):
                 r.finished(rid)
-        if rng.random() < 0.3:  # its blocks reach a node's pool and the index
-            node = f"n{rng.randrange(3)}"
+        if rng.random() < 0.4:  # its blocks reach a node's pool, or the worker's gpu, and the index
+            loc, tier = (node_location(f"n{rng.randrange(3)}"), Tier.HOST) if rng.random() < 0.5 \
+                else (worker_location(got[0][1]), Tier.GPU)
             evs = []
             for h in got[0][0]:
                 seq += 1
-                evs.append(BlockStored(NS, node_location(node), Tier.HOST, h, 0, seq))
+                evs.append(BlockStored(NS, loc, tier, h, 0, seq))
             index.apply(evs)
     return reasons
 
@@ -138,6 +164,13 @@ async def stream(seed: int, fn: HashFn, n: int = 40) -> list[str]:
 @given(st.integers(0, 2**31), st.sampled_from([HashFn.SHA256, HashFn.XXH3_128]))
 def test_fast_paths_decide_as_the_python_paths(seed: int, fn: HashFn) -> None:
     asyncio.run(stream(seed, fn))
+
+
+@settings(max_examples=8, deadline=None)
+@given(st.integers(0, 2**31), st.sampled_from(list(Sharing)), st.booleans(), st.booleans())
+def test_fast_paths_decide_as_the_python_paths_in_every_setting(
+        seed: int, sharing: Sharing, private: bool, busy: bool) -> None:
+    asyncio.run(stream(seed, HashFn.XXH3_128, 30, sharing, private, busy))
 
 
 def test_the_stream_exercises_every_kind_of_plan() -> None:

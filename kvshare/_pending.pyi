@@ -1,0 +1,13 @@
+"""Type stub of the optional C extension ``kvshare._pending`` (source: ``_pending.c``)."""
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+class Book:
+    ttl_s: float
+    _clock: Callable[[], float]
+    def __init__(self, ttl_s: float, max_entries: int, clock: Callable[[], float],
+                 runs_type: Callable[[int, list[Any]], Any], tiers: tuple[Any, ...]) -> None: ...
+    def __len__(self) -> int: ...
+    def add(self, namespace: str, location: str, hashes: Sequence[bytes], tier: Any = ...) -> None: ...
+    def match_runs(self, namespace: str, hashes: Sequence[bytes]) -> Any: ...
