@@ -36,6 +36,7 @@ from kvshare.vllm import router_hint
 from kvshare.workers import META_GPU_PRIVATE, WorkerInfo, WorkerLoad
 from router.ready import ReadyBlocks
 from router.sources import Match, Sharing, SourceMap, SourceRuns
+from router.survival import Capacities, Turnover
 
 
 @dataclass(frozen=True)
@@ -441,19 +442,31 @@ class CostPolicy(Policy):
     wait outlasts their job's estimate): it will pull them (:class:`~router.ready.ReadyBlocks`);
     the creator's own plan counts them as its local gpu blocks, with its wait at least until
     their job's estimated end (it cannot start before).
+
+    With ``survival`` (off by default: measured, not adopted; README), a plan counts a block
+    only where its holder will still hold it when the job starts: where the workers report
+    their engine cache's and node pool's capacity
+    (:data:`~kvshare.workers.META_GPU_CACHE_BLOCKS`, :data:`~kvshare.workers.META_POOL_BLOCKS`),
+    a holder whose queued writes by the candidate's queue wait reach its capacity has turned
+    over, and its blocks count only where a job ahead uses them again (pending and ready
+    blocks, the ready ones by the same test from their job's end):
+    :mod:`router.survival`.
     """
 
     name = "cost"
 
     def __init__(
-        self, cost: CostModel, sharing: Sharing = Sharing.GLOBAL, tie_s: float = 0.001
+        self, cost: CostModel, sharing: Sharing = Sharing.GLOBAL, tie_s: float = 0.001,
+        survival: bool = False,
     ) -> None:
         super().__init__(cost, sharing)
         self.tie_s = tie_s
+        self.survival = survival
         self._plans: dict[WorkerId, CutPlan] = {}
         self._rotate = _Rotation()
         self._ready = ReadyBlocks()
         self._behind: dict[str, int] = {}  # per namespace: decisions since every worker fell behind
+        self._caps: Capacities | None = None  # the candidates' reported capacities (survival)
 
     def _select(self, request: RouteRequest, view: SourceMap, cands: list[Candidate]) -> tuple[int, str]:
         plans: dict[WorkerId, CutPlan] = {}
@@ -469,6 +482,8 @@ class CostPolicy(Policy):
         c_max = cost.cached_tokens(reach, n)
         floor = cost.prefill.time(n - c_max, c_max)  # no plan beats this (free fetch)
         queues, order = self.queues(cands)
+        turnover = self._turnover(cands, queues)
+        lost = turnover.lost if turnover is not None else None
         waiting = [c.load.waiting for c in cands]
         fewest = min(waiting)
         work = 1.0 + fewest  # what a second of plan costs (class docstring)
@@ -494,10 +509,12 @@ class CostPolicy(Policy):
             while pos < end and queues[order[pos]] == q:
                 i = order[pos]
                 info = cands[i].info
-                runs = view.source_runs(info.worker_id, info.node, self.sharing, fetch)
+                runs = view.source_runs(info.worker_id, info.node, self.sharing, fetch,
+                                        lost(q) if lost is not None else _KEPT)
                 wait = q
                 if ready is not None:
-                    runs, start = ready.extend(runs, ns, hashes, info.worker_id, now, now + q)
+                    runs, start = ready.extend(runs, ns, hashes, info.worker_id, now, now + q,
+                                               turnover)
                     wait = start - now
                 t = bounds.get(runs)
                 if t is None:  # (workers with equal views share the bound too)
@@ -527,6 +544,21 @@ class CostPolicy(Policy):
             ties = [i for i, r in zip(ties, remote, strict=True) if r == least]
         best_i = self._rotate.pick(ties, cands)
         return best_i, plan_reason(plans[cands[best_i].info.worker_id])
+
+    def _turnover(self, cands: list[Candidate], queues: list[float]
+                  ) -> Turnover | None:
+        """Which holders will have turned over when (:mod:`router.survival`); None when none
+        can (``survival`` off, no capacity reported, or queues too short)."""
+        if not self.survival:
+            return None
+        infos = [c.info for c in cands]
+        caps = self._caps
+        if caps is None or len(caps.infos) != len(infos) or not all(map(is_, caps.infos, infos)):
+            caps = self._caps = Capacities(infos)
+        if not caps.reported:
+            return None
+        turnover = Turnover(caps, [c.load for c in cands], queues, self.cost.block_tokens)
+        return turnover if turnover.possible else None
 
     def _bound(self, n: int, runs: SourceRuns) -> float:
         """A lower bound of ``plan_runs(n, runs).total_s``, from the runs' first source and
@@ -562,6 +594,7 @@ class CostPolicy(Policy):
 
 
 _SHRINK = 1.0 - 1e-9
+_KEPT: frozenset[str] = frozenset()  # no holder lost
 
 
 def _work_s(t: float, work: float, bound: list[float] | None, typical: list[float],
