@@ -126,6 +126,9 @@ def main() -> int:
     ap.add_argument("--cells", default="*",
                     help="comma-separated shell patterns over cell names (trace/Ww/HM), e.g. "
                          "'dynamo/32w/*'; the other cells are not run")
+    ap.add_argument("--survival", action="store_true",
+                    help="cost counts a held block only where its holder likely still holds it "
+                         "at the job's start (CostPolicy(survival=True); router/survival.py)")
     ap.add_argument("--dump", default=None, help="write every cell's mean/p99 per policy (JSON)")
     ap.add_argument("--peers-from", default=None,
                     help="a --dump file: the figures of the policies not in --policies")
@@ -159,7 +162,8 @@ def main() -> int:
             table: dict[str, list[str]] = {}
             for w, h in picked:
                 cfg = ClusterConfig(workers=w, host_tokens=h, block_tokens=block_tokens)
-                r = simulate(trace, cfg, names, "global", reference=False)
+                r = simulate(trace, cfg, names, "global", reference=False,
+                             **({"cost": {"survival": True}} if args.survival else {}))
                 s = {n: summarize(r.rows[n], r.busy[n]) for n in names}
                 cell = figures[cell_name(tname, w, h)] = {
                     n: [s[n]["ttft_mean_s"], s[n]["ttft_p99_s"]] for n in names}

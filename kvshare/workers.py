@@ -34,6 +34,17 @@ META_GPU_PRIVATE = "gpu_private"
 engine's own prefix cache with no kvshare serving path, such as vLLM's): routers credit those
 blocks to the worker itself only, never as a remote source for another."""
 
+META_GPU_CACHE_BLOCKS = "gpu_cache_blocks"
+"""``WorkerInfo.meta`` key: how many blocks the worker's engine prefix cache holds (a whole
+number; least recently used evicted first; e.g. vLLM's ``num_gpu_blocks`` x ``block_size`` /
+the share's ``block_tokens``). Absent: no limit is assumed. The cost policy stops counting
+the blocks there that the worker's queue will have pushed out before a job queued now starts
+(:mod:`router.survival`)."""
+
+META_POOL_BLOCKS = "pool_blocks"
+"""``WorkerInfo.meta`` key: how many blocks its node's pool holds over all its tiers (a whole
+number; least recently used evicted first). Absent: no limit is assumed (:mod:`router.survival`)."""
+
 
 @dataclass(frozen=True)
 class WorkerLoad:

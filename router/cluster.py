@@ -30,6 +30,7 @@ from functools import cached_property
 
 from kvshare.cost import Bandwidths, CostModel, PrefillModel
 from kvshare.layout import KVLayout, resolve_config
+from kvshare.workers import META_GPU_CACHE_BLOCKS, META_POOL_BLOCKS
 
 MAX_TOKENS = 10**15  # per node and tier: far past any real node, short of float trouble
 
@@ -129,6 +130,15 @@ class ClusterConfig:
             PrefillModel.fit(self.measured_timings()), self.bandwidths(), self.block_tokens,
             self.layout.bytes_per_token,
         )
+
+    def capacity_meta(self) -> dict[str, str]:
+        """What each worker reports of its caches' sizes in its meta, in blocks: its engine's
+        prefix cache and its node's pool (host + disk; :mod:`router.survival`)."""
+        bt = self.block_tokens
+        out = {META_POOL_BLOCKS: str((self.host_tokens + self.disk_tokens) // bt)}
+        if self.gpu_cache_capacity_tokens >= bt:
+            out[META_GPU_CACHE_BLOCKS] = str(self.gpu_cache_capacity_tokens // bt)
+        return out
 
     def describe(self) -> dict[str, float | int | str]:
         pm = self.worker_prefill()

@@ -35,9 +35,10 @@ from kvshare.cost import CostModel, CutPlan
 from kvshare.types import BlockHash, NodeId, WorkerId, worker_location
 from kvshare.vllm import router_hint
 from kvshare.workers import META_GPU_PRIVATE, WorkerInfo, WorkerLoad
-from router.ready import ReadyBook, ready_blocks
+from router.ready import ReadyBlocks, ReadyBook, ready_blocks
 from router.select_native import NativeSelect
 from router.sources import Match, Sharing, SourceMap, SourceRuns
+from router.survival import Capacities, Turnover
 
 
 @dataclass(frozen=True)
@@ -463,20 +464,33 @@ class CostPolicy(Policy):
     Where the C extensions were built, the ready blocks are kept in C and the candidate loop of
     :meth:`_select` runs in C (:meth:`_select_native`, :mod:`router.select_native`): the same
     estimates, plans and pick, which ``tests/test_router_fastpaths.py`` checks in lockstep.
+
+    With ``survival`` (off by default: measured, not adopted; README), a plan counts a block
+    only where its holder will still hold it when the job starts: where the workers report
+    their engine cache's and node pool's capacity
+    (:data:`~kvshare.workers.META_GPU_CACHE_BLOCKS`, :data:`~kvshare.workers.META_POOL_BLOCKS`),
+    a holder whose queued writes by the candidate's queue wait reach its capacity has turned
+    over, and its blocks count only where a job ahead uses them again (pending and ready
+    blocks, the ready ones by the same test from their job's end):
+    :mod:`router.survival`.
     """
 
     name = "cost"
 
     def __init__(
-        self, cost: CostModel, sharing: Sharing = Sharing.GLOBAL, tie_s: float = 0.001
+        self, cost: CostModel, sharing: Sharing = Sharing.GLOBAL, tie_s: float = 0.001,
+        survival: bool = False,
     ) -> None:
         super().__init__(cost, sharing)
         self.tie_s = tie_s
+        self.survival = survival
         self._plans: dict[WorkerId, CutPlan] = {}
         self._rotate = _Rotation()
-        self._ready: ReadyBook = ready_blocks()
+        # (survival runs the Python book and loop: the C ones do not test turnover)
+        self._ready: ReadyBook = ready_blocks(native=not survival)
         self._native = NativeSelect()
         self._behind: dict[str, int] = {}  # per namespace: decisions since every worker fell behind
+        self._caps: Capacities | None = None  # the candidates' reported capacities (survival)
 
     def _select(self, request: RouteRequest, view: SourceMap, cands: list[Candidate]) -> tuple[int, str]:
         plans: dict[WorkerId, CutPlan] = {}
@@ -492,6 +506,8 @@ class CostPolicy(Policy):
         c_max = cost.cached_tokens(reach, n)
         floor = cost.prefill.time(n - c_max, c_max)  # no plan beats this (free fetch)
         queues, order = self.queues(cands)
+        turnover = self._turnover(cands, queues)
+        lost = turnover.lost if turnover is not None else None
         fewest, work, bound, typical = self._pressure(ns, cands, queues)
         self._note_behind(ns, fewest)
         ests = [math.inf] * len(cands)
@@ -505,9 +521,15 @@ class CostPolicy(Policy):
             while pos < end and queues[order[pos]] == q:
                 i = order[pos]
                 info = cands[i].info
-                runs = view.source_runs(info.worker_id, info.node, self.sharing, fetch)
+                runs = view.source_runs(info.worker_id, info.node, self.sharing, fetch,
+                                        lost(q) if lost is not None else _KEPT)
                 wait = q
-                if ready is not None:
+                if ready is not None and turnover is not None:
+                    assert isinstance(ready, ReadyBlocks)  # (survival: the Python book)
+                    runs, start = ready.extend(runs, ns, hashes, info.worker_id, now, now + q,
+                                               turnover)
+                    wait = start - now
+                elif ready is not None:
                     runs, start = ready.extend(runs, ns, hashes, info.worker_id, now, now + q)
                     wait = start - now
                 t = bounds.get(runs)
@@ -557,7 +579,10 @@ class CostPolicy(Policy):
                        cands: list[Candidate], nodes: dict[WorkerId, NodeId]
                        ) -> tuple[int, str, CutPlan] | None:
         """:meth:`_select`'s loop in C (:mod:`router.select_native`: the same estimates and
-        plans, no Python view), then the same pick; None where it cannot run."""
+        plans, no Python view), then the same pick; None where it cannot run (and with
+        ``survival``: the C loop does not test turnover)."""
+        if self.survival:
+            return None
         ns, n = request.namespace, request.num_tokens
         queues, order = self.queues(cands)
         fewest, work, bound, typical = self._pressure(ns, cands, queues)
@@ -601,6 +626,21 @@ class CostPolicy(Policy):
         best_i = self._rotate.pick(ties, cands)
         return best_i, plan_reason(plans[cands[best_i].info.worker_id])
 
+    def _turnover(self, cands: list[Candidate], queues: list[float]
+                  ) -> Turnover | None:
+        """Which holders will have turned over when (:mod:`router.survival`); None when none
+        can (``survival`` off, no capacity reported, or queues too short)."""
+        if not self.survival:
+            return None
+        infos = [c.info for c in cands]
+        caps = self._caps
+        if caps is None or len(caps.infos) != len(infos) or not all(map(is_, caps.infos, infos)):
+            caps = self._caps = Capacities(infos)
+        if not caps.reported:
+            return None
+        turnover = Turnover(caps, [c.load for c in cands], queues, self.cost.block_tokens)
+        return turnover if turnover.possible else None
+
     def _bound(self, n: int, runs: SourceRuns) -> float:
         """A lower bound of ``plan_runs(n, runs).total_s``, from the runs' first source and
         length: any cut pays the first block's fetch and latency and prefills at least the
@@ -635,6 +675,7 @@ class CostPolicy(Policy):
 
 
 _SHRINK = 1.0 - 1e-9
+_KEPT: frozenset[str] = frozenset()  # no holder lost
 
 
 def _work_s(t: float, work: float, bound: list[float] | None, typical: list[float],

@@ -21,8 +21,10 @@ from typing import Protocol
 from kvshare.cost import Source
 from kvshare.types import BlockHash, WorkerId
 from router.sources import SourceRuns
+from router.survival import Turnover
 
 _REMOTE_HOST = int(Source.REMOTE_HOST)
+_LOCAL_HOST = int(Source.LOCAL_HOST)
 _LOCAL_GPU = int(Source.LOCAL_GPU)
 _Entry = tuple[WorkerId, float, int, bool]
 
@@ -153,7 +155,8 @@ class ReadyBlocks:
         return k - start
 
     def extend(self, runs: SourceRuns, namespace: str, hashes: Sequence[BlockHash],
-               worker: WorkerId, now: float, start_s: float) -> tuple[SourceRuns, float]:
+               worker: WorkerId, now: float, start_s: float, turnover: Turnover | None = None
+               ) -> tuple[SourceRuns, float]:
         """``worker``'s runs (its view of the index and pending blocks) followed by the blocks
         decisions are creating that it will hold or reach when it starts, at ``start_s``, and
         the time it can start at the earliest for that view (``start_s`` or later):
@@ -166,7 +169,9 @@ class ReadyBlocks:
         - other workers' stored after ``now`` and by ``start_s``, as remote host copies.
 
         An entry whose time has passed is the index's word (a block it does not show was not
-        stored)."""
+        stored). With ``turnover``, a block counts only where it is still held at ``start_s``
+        (:meth:`~router.survival.Turnover.keeps`): its creator's engine or node pool for its
+        own, the creator's node pool for others."""
         at = self._at.get(namespace) if self._size else None
         if not at:
             return runs, start_s
@@ -181,10 +186,16 @@ class ReadyBlocks:
             if entry is None or not now < entry[1]:
                 break
             if entry[0] == worker:
-                src = _LOCAL_GPU
+                if turnover is None or turnover.keeps(worker, True, entry[1] - now, start_s - now):
+                    src = _LOCAL_GPU
+                elif entry[3] and turnover.keeps(worker, False, entry[1] - now, start_s - now):
+                    src = _LOCAL_HOST
+                else:
+                    break
                 if entry[1] > begin:
                     begin = entry[1]
-            elif entry[3] and entry[1] <= start_s:
+            elif entry[3] and entry[1] <= start_s and (turnover is None or turnover.keeps(
+                    entry[0], False, entry[1] - now, start_s - now)):
                 src = _REMOTE_HOST
             else:
                 break

@@ -112,9 +112,10 @@ class _Job:
 
 
 class _Worker:
-    def __init__(self, i: int, namespace: str, kv_blocks: int) -> None:
+    def __init__(self, i: int, namespace: str, kv_blocks: int, capacities: dict[str, str]
+                 ) -> None:
         self.info = WorkerInfo(WorkerId(f"w{i}"), NodeId(f"n{i}"), (namespace,),
-                               meta={META_GPU_PRIVATE: "1"})
+                               meta={META_GPU_PRIVATE: "1", **capacities})
         self.queue: deque[_Job] = deque()
         self.running: _Job | None = None
         self.kv_blocks = kv_blocks  # blocks of KV its GPUs hold next to the weights
@@ -175,7 +176,8 @@ class Simulator:
         if config.disk_tokens:
             tiers.append(TierSpec(Tier.DISK, config.disk_tokens * bpt))
         kv_blocks = config.kv_capacity_tokens // config.block_tokens
-        self.workers = [_Worker(i, ns, kv_blocks) for i in range(config.workers)]
+        self.workers = [_Worker(i, ns, kv_blocks, config.capacity_meta())
+                        for i in range(config.workers)]
         self.pools = [
             TieredBlockPool(
                 PoolConfig(ns, layout, tuple(tiers), location=node_location(w.info.node),
