@@ -17,34 +17,9 @@
 
 #define MAX_SOURCES 16
 
-static int as_float(PyObject *o, double *out)
-{
-    if (!PyFloat_CheckExact(o)) {
-        PyErr_SetString(PyExc_TypeError, "scan needs exact floats");
-        return -1;
-    }
-    *out = PyFloat_AS_DOUBLE(o);
-    return 0;
-}
+static int as_float(PyObject *o, double *out) { return scan_float(o, out, "scan"); }
 
-static int as_count(PyObject *o, long long *out)
-{
-    if (!PyLong_Check(o)) {
-        PyErr_SetString(PyExc_TypeError, "scan needs ints");
-        return -1;
-    }
-    int overflow = 0;
-    long long v = PyLong_AsLongLongAndOverflow(o, &overflow);
-    if (v == -1 && PyErr_Occurred())
-        return -1;
-    /* |v| < 2**40: every product below stays exact in a double (and in Python's ints) */
-    if (overflow || v > (1LL << 40) || v < -(1LL << 40)) {
-        PyErr_SetString(PyExc_ValueError, "scan needs small ints");
-        return -1;
-    }
-    *out = v;
-    return 0;
-}
+static int as_count(PyObject *o, long long *out) { return scan_int(o, out, "scan", 0); }
 
 static PyObject *scan(PyObject *self, PyObject *args)
 {

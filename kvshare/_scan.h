@@ -13,6 +13,38 @@
 
 #define SCAN_FLAT 1e-12 /* kvshare.cost._FLAT */
 
+/* Argument checks for the scan's callers (include Python.h first). The scan computes exactly as
+ * Python only on exact floats and on ints with |v| <= 2**40 (every product below stays exact
+ * in a double and in Python's ints); anything else raises, naming the caller (``who``), and the
+ * caller's Python path takes over. ``exact_int``: refuse int subclasses (bool) too. */
+static int scan_float(PyObject *o, double *out, const char *who)
+{
+    if (!PyFloat_CheckExact(o)) {
+        PyErr_Format(PyExc_TypeError, "%s needs exact floats", who);
+        return -1;
+    }
+    *out = PyFloat_AS_DOUBLE(o);
+    return 0;
+}
+
+static int scan_int(PyObject *o, long long *out, const char *who, int exact_int)
+{
+    if (exact_int ? !PyLong_CheckExact(o) : !PyLong_Check(o)) {
+        PyErr_Format(PyExc_TypeError, "%s needs ints", who);
+        return -1;
+    }
+    int overflow = 0;
+    long long v = PyLong_AsLongLongAndOverflow(o, &overflow);
+    if (v == -1 && PyErr_Occurred())
+        return -1;
+    if (overflow || v > (1LL << 40) || v < -(1LL << 40)) {
+        PyErr_Format(PyExc_ValueError, "%s needs small ints", who);
+        return -1;
+    }
+    *out = v;
+    return 0;
+}
+
 typedef struct {
     long long k;  /* the best cut, in blocks */
     double total; /* its total seconds (fetch + latency + prefill of the rest) */

@@ -57,33 +57,9 @@ typedef struct {
     Py_ssize_t total;
 } Runs;
 
-static int exact_float(PyObject *o, double *out)
-{
-    if (!PyFloat_CheckExact(o)) {
-        PyErr_SetString(PyExc_TypeError, "select needs exact floats");
-        return -1;
-    }
-    *out = PyFloat_AS_DOUBLE(o);
-    return 0;
-}
+static int exact_float(PyObject *o, double *out) { return scan_float(o, out, "select"); }
 
-static int small_int(PyObject *o, long long *out)
-{
-    if (!PyLong_CheckExact(o)) {
-        PyErr_SetString(PyExc_TypeError, "select needs ints");
-        return -1;
-    }
-    int overflow = 0;
-    long long v = PyLong_AsLongLongAndOverflow(o, &overflow);
-    if (v == -1 && PyErr_Occurred())
-        return -1;
-    if (overflow || v > (1LL << 40) || v < -(1LL << 40)) {
-        PyErr_SetString(PyExc_ValueError, "select needs small ints");
-        return -1;
-    }
-    *out = v;
-    return 0;
-}
+static int small_int(PyObject *o, long long *out) { return scan_int(o, out, "select", 1); }
 
 static void runs_free(Runs *r)
 {
