@@ -119,8 +119,8 @@ class PrefillSpeed:
         self.window_s = window_s
         self.alpha = alpha
         self.tokens_per_s = 0.0
-        self._prev: tuple[float, float, float, bool] | None = None  # t, tokens, spans, busy
-        self._prev_finished: float | None = None
+        # the last sample: t, tokens, spans, busy, finished
+        self._prev: tuple[float, float, float, bool, float | None] | None = None
         self._busy = self._tokens = self._spans = self._finished = 0.0
         self._sum_tokens = self._sum_spent = self._long_span = 0.0  # decayed over the horizon
 
@@ -130,13 +130,11 @@ class PrefillSpeed:
         prefill spans, whether the engine has requests now, and (optional) the cumulative
         count of requests those tokens and spans came from. Returns the speed (0 until the
         first window closes)."""
-        prev, self._prev = self._prev, (t, computed_tokens, prefill_spans_s, busy)
-        prev_finished, self._prev_finished = self._prev_finished, finished
+        prev, self._prev = self._prev, (t, computed_tokens, prefill_spans_s, busy, finished)
         if prev is None:
             return self.tokens_per_s
         dt, dn, ds = t - prev[0], computed_tokens - prev[1], prefill_spans_s - prev[2]
-        df = (finished - prev_finished if finished is not None and prev_finished is not None
-              else 0.0)
+        df = finished - prev[4] if finished is not None and prev[4] is not None else 0.0
         if dt < 0 or dn < 0 or ds < 0 or df < 0:  # a restarted server: counters start again
             self._busy = self._tokens = self._spans = self._finished = 0.0
             return self.tokens_per_s
