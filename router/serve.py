@@ -416,7 +416,11 @@ class KVShareRequestRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         if self.settings.log_decisions:
             log.info("kvshare route %s pass %d: %d/%d blocks held, est %s -> %s (%s)",
                      rid, passes, answer.match.combined_prefix, answer.match.num_blocks,
-                     {w: round(e, 4) for w, e in est.items()}, decision.worker, decision.reason)
+                     {e.worker: (round(e.est_ttft_s, 3), f"q {e.queue_s:.3f}",
+                                 f"cached {e.plan.cached_tokens} fetch {e.plan.fetch_s:.3f} "
+                                 f"prefill {e.plan.prefill_s:.3f}",
+                                 _load_text(loads.get(e.worker)))
+                      for e in ranking.estimates()}, decision.worker, decision.reason)
         if passes == 1:
             self._count(f"decision_{decision.reason}")
             # Replicas estimated much slower than the best are held back at first.
@@ -482,3 +486,11 @@ class KVShareRequestRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         self._workers.pop(wid, None)
         self.core.inflight.drop(wid)
         self._count("replica_died")
+
+
+def _load_text(load: WorkerLoad | None) -> str:
+    """A load report in a decision log line (``log_decisions``)."""
+    if load is None:
+        return "no report"
+    return (f"queued {load.queued_prefill_tokens} tok, {load.running} running, {load.waiting} "
+            f"waiting, {load.prefill_tokens_per_s:.0f} tok/s, {time.time() - load.ts:.2f}s old")

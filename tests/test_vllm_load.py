@@ -104,6 +104,14 @@ def test_an_abort_before_the_first_token_is_forgotten_once_idle() -> None:
     assert c.count(scrape(running=2, first=3, finished=3)) == 1  # 1 decodes, 1 prefills
 
 
+def test_waiting_requests_are_prefill_work_whatever_the_counts_say() -> None:
+    c = InPrefill()
+    assert c.count(scrape(running=1, first=1)) == 0  # one decodes
+    # first tokens outran the finishes by more than are active (e.g. aborts the counts did
+    # not see end, with no idle moment since): the two waiting still have everything to do
+    assert c.count(scrape(running=5, waiting=2, first=12, finished=1)) == 2
+
+
 def test_load_counts_waiting_and_half_done_running_prefills() -> None:
     load = MetricsLoad(WorkerId("w"), "http://127.0.0.1:1")
     try:

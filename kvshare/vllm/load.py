@@ -159,7 +159,8 @@ class PrefillSpeed:
 
 class InPrefill:
     """How many of a server's requests have not produced their first token yet (module
-    docstring): from its running and waiting gauges and the first-token and finished counts."""
+    docstring): from its running and waiting gauges and the first-token and finished counts;
+    never fewer than the waiting ones."""
 
     def __init__(self) -> None:
         self._offset = 0.0  # first tokens less finished while idle: requests that never decode
@@ -172,7 +173,10 @@ class InPrefill:
             self._offset = started
             return 0
         decoding = started - self._offset
-        return max(0, min(active, active - int(round(decoding))))
+        # a waiting request has no first token (or, preempted, must compute again): the counts
+        # can say otherwise after an abort they did not see end (no idle moment re-based them)
+        waiting = int(m.get("vllm:num_requests_waiting", 0))
+        return max(waiting, min(active, active - int(round(decoding))))
 
 
 class MetricsLoad:
