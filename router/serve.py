@@ -341,10 +341,11 @@ class KVShareRequestRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         """The workers' load reports by ``deadline`` (the last ones read, if late or down);
         with ``loads_refresh_s``, the latest read, refreshed in the background."""
         every = self.settings.loads_refresh_s
+        if every and self._loads_task is None:
+            self._loads_task = self._in_background(
+                self._follow_loads(client, every, weakref.ref(self)), "_loads_task",
+                "load reports")
         if every and self._loads:
-            if time.monotonic() - self._loads_at >= every and self._loads_task is None:
-                self._loads_task = self._in_background(
-                    self._read_loads(client), "_loads_task", "load reports")
             return self._loads
         try:
             remaining = max(0.001, deadline - asyncio.get_running_loop().time())
@@ -356,6 +357,24 @@ class KVShareRequestRouter(LocalityMixin, MultiplexMixin, RequestRouter):
     async def _read_loads(self, client: Any) -> None:
         self._loads = dict(await client.loads_async())
         self._loads_at = time.monotonic()
+
+    @staticmethod
+    async def _follow_loads(client: Any, every: float,
+                            router: weakref.ref[KVShareRequestRouter]) -> None:
+        """Read the load reports every ``every`` seconds for as long as the router lives, so a
+        decision's are at most about that old however far apart decisions come (read only
+        when a decision found them old, a quiet spell left the next decision seconds-old
+        reports). A failed read keeps the last ones and is retried at the next tick."""
+        while True:
+            await asyncio.sleep(every)  # (the decision that started this has just read them)
+            me = router()
+            if me is None:
+                return
+            try:
+                await me._read_loads(client)
+            except (TimeoutError, RayError) as exc:
+                log.debug("kvshare load reports unavailable: %s", exc)
+            del me  # (the sleep must not keep the router alive)
 
     def _repass(
         self, replicas: list[RunningReplica], pr: PendingRequest

@@ -68,8 +68,9 @@ class ServeRouterSettings:
     (:class:`~actors.index.replica.IndexReplica`, polling the shards' change streams every
     ``replica_poll_s``), as Dynamo's KV router and Serve LLM's ``KVAwareRouter`` keep theirs:
     a decision then waits on no index call. ``loads_refresh_s`` > 0: the workers' load
-    reports are read in the background at most that often and a decision uses the latest
-    read (0: read for every request, within ``index_timeout_s``).
+    reports are read in the background every that many seconds (from the first decision on,
+    while the router lives) and a decision uses the latest read (0: read for every request,
+    within ``index_timeout_s``).
     ``hint_kwarg``: the keyword argument the replicas take the router hint in (what the index
     answered when the request was routed, as ``kv_transfer_params``: :mod:`kvshare.vllm.router_hint`;
     e.g. :class:`~router.serve_vllm.VllmReplica`'s ``kvshare_hint``); '' sends none (a

@@ -297,6 +297,37 @@ def test_serve_reads_load_reports_per_request_or_in_the_background(loads_refresh
     assert Counting.reads == (5 if loads_refresh_s == 0 else 1)
 
 
+def test_serve_keeps_load_reports_fresh_between_far_apart_decisions() -> None:
+    """With ``loads_refresh_s`` the reports are read on that period whether or not decisions
+    come (before: a read started only when a decision found them old, so the first decision
+    after a quiet spell was ranked on reports as old as the spell)."""
+    reps = replicas(2)
+
+    class Counting(InProcessIndex):
+        reads = 0
+
+        async def loads_async(self) -> dict[WorkerId, WorkerLoad]:
+            Counting.reads += 1
+            return await super().loads_async()
+
+    async def quiet_spell() -> float:
+        serve = KVShareRequestRouter(deployment_id=DEPLOYMENT,
+                                     handle_source=DeploymentHandleSource.UNKNOWN)
+        serve.initialize_state(namespace=NS, prefill_tokens_per_s=TPS, workers_refresh_s=0.0,
+                               loads_refresh_s=0.05)
+        serve.use_index(Counting(cluster(reps)))
+        serve.update_replicas(reps)
+        await serve.choose_replicas(reps, pending_request(0, STREAM[0]))
+        await asyncio.sleep(1.0)  # no decisions
+        age = time.monotonic() - serve._loads_at
+        await serve.choose_replicas(reps, pending_request(1, STREAM[1]))
+        return age
+
+    age = asyncio.run(quiet_spell())
+    assert Counting.reads >= 5, Counting.reads  # ~20 periods in the spell; slack for a slow machine
+    assert age < 0.5, age
+
+
 # ------------------------------------------------------------------ the core's own rules
 class SlowIndex:
     """Answers after the deadline (a real coroutine), or says it is unavailable."""
