@@ -8,7 +8,13 @@ from actors.index.runs import HolderRuns
 from kvshare.cost import Bandwidths, CostModel, PrefillModel
 from kvshare.match import MatchResult, build_match
 from kvshare.types import BlockHash, Location, NodeId, Tier, WorkerId, node_location
-from kvshare.workers import META_GPU_CACHE_BLOCKS, META_GPU_PRIVATE, META_POOL_BLOCKS, WorkerInfo, WorkerLoad
+from kvshare.workers import (
+    META_GPU_CACHE_BLOCKS,
+    META_GPU_PRIVATE,
+    META_POOL_BLOCKS,
+    WorkerInfo,
+    WorkerLoad,
+)
 from router.policy import Candidate, RouteRequest, make_policy
 from router.recency import RecencyBook, ShadowLru
 from router.sources import Sharing
