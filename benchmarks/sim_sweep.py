@@ -129,6 +129,9 @@ def main() -> int:
     ap.add_argument("--survival", action="store_true",
                     help="cost counts a held block only where its holder likely still holds it "
                          "at the job's start (CostPolicy(survival=True); router/survival.py)")
+    ap.add_argument("--recency", action="store_true",
+                    help="cost cuts each tier's holdings to what its shadow LRU still holds when "
+                         "the job starts (CostPolicy(recency=True); router/recency.py)")
     ap.add_argument("--dump", default=None, help="write every cell's mean/p99 per policy (JSON)")
     ap.add_argument("--peers-from", default=None,
                     help="a --dump file: the figures of the policies not in --policies")
@@ -162,8 +165,11 @@ def main() -> int:
             table: dict[str, list[str]] = {}
             for w, h in picked:
                 cfg = ClusterConfig(workers=w, host_tokens=h, block_tokens=block_tokens)
+                opts = {"survival": True} if args.survival else {}
+                if args.recency:
+                    opts["recency"] = True
                 r = simulate(trace, cfg, names, "global", reference=False,
-                             **({"cost": {"survival": True}} if args.survival else {}))
+                             **({"cost": opts} if opts else {}))
                 s = {n: summarize(r.rows[n], r.busy[n]) for n in names}
                 cell = figures[cell_name(tname, w, h)] = {
                     n: [s[n]["ttft_mean_s"], s[n]["ttft_p99_s"]] for n in names}

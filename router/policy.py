@@ -32,12 +32,13 @@ from operator import is_
 from typing import Any, ClassVar
 
 from kvshare.cost import CostModel, CutPlan
-from kvshare.types import BlockHash, NodeId, WorkerId, worker_location
+from kvshare.types import BlockHash, NodeId, WorkerId, node_location, worker_location
 from kvshare.vllm import router_hint
 from kvshare.workers import META_GPU_PRIVATE, WorkerInfo, WorkerLoad
 from router.ready import ReadyBlocks, ReadyBook, ready_blocks
+from router.recency import RecencyBook
 from router.select_native import NativeSelect
-from router.sources import Match, Sharing, SourceMap, SourceRuns
+from router.sources import Match, Sharing, SourceMap, SourceRuns, holder_runs
 from router.survival import Capacities, Turnover
 
 
@@ -473,17 +474,26 @@ class CostPolicy(Policy):
     over, and its blocks count only where a job ahead uses them again (pending and ready
     blocks, the ready ones by the same test from their job's end):
     :mod:`router.survival`.
+
+    With ``recency`` (off by default; README), the index's and pending holdings of each engine
+    cache and node pool whose capacity the workers report are first cut to the leading blocks
+    still held there once the jobs queued before this one have run, from a shadow LRU per tier
+    that replays this policy's decisions (:mod:`router.recency`): a block's own LRU position,
+    not a bound for any position. It changes only the match, so the C loop runs it too.
     """
 
     name = "cost"
 
     def __init__(
         self, cost: CostModel, sharing: Sharing = Sharing.GLOBAL, tie_s: float = 0.001,
-        survival: bool = False,
+        survival: bool = False, recency: bool = False,
     ) -> None:
         super().__init__(cost, sharing)
         self.tie_s = tie_s
         self.survival = survival
+        self._recency = RecencyBook() if recency else None
+        self._shadowed: dict[WorkerId, NodeId] = {}  # workers whose tiers the book keeps
+        self._trimmed: Match | None = None  # the last decision's trimmed match (recency)
         self._plans: dict[WorkerId, CutPlan] = {}
         self._rotate = _Rotation()
         # (survival runs the Python book and loop: the C ones do not test turnover)
@@ -491,6 +501,21 @@ class CostPolicy(Policy):
         self._native = NativeSelect()
         self._behind: dict[str, int] = {}  # per namespace: decisions since every worker fell behind
         self._caps: Capacities | None = None  # the candidates' reported capacities (survival)
+
+    def rank(self, request: RouteRequest, match: Match, candidates: Sequence[Candidate],
+             pending: Match | None = None) -> Ranking:
+        """:meth:`Policy.rank`; with ``recency``, on the holdings each tier will still have
+        (class docstring)."""
+        book = self._recency
+        if book is not None:
+            new = [c.info for c in candidates if c.info.worker_id not in self._shadowed]
+            if new:
+                book.add_workers(new)
+                self._shadowed.update((i.worker_id, i.node) for i in new)
+            match = self._trimmed = book.trim(match, request.hashes)
+            if pending is not None:
+                pending = book.trim(pending, request.hashes)
+        return super().rank(request, match, candidates, pending)
 
     def _select(self, request: RouteRequest, view: SourceMap, cands: list[Candidate]) -> tuple[int, str]:
         plans: dict[WorkerId, CutPlan] = {}
@@ -669,6 +694,35 @@ class CostPolicy(Policy):
             now = self.clock()
             self._ready.add(request.namespace, decision.worker, request.hashes,
                             now + decision.est_ttft_s, now, stored_from=plan.cut)
+        if plan is not None and self._recency is not None and self._trimmed is not None:
+            self._replay(request.hashes, decision.worker, plan.cut, self._trimmed)
+
+    def _replay(self, hashes: Sequence[BlockHash], worker: WorkerId, cut: int,
+                match: Match) -> None:
+        """Replay a decision's job into the tiers' shadows (:mod:`router.recency`): the
+        blocks it loads from pools (its node's, else the first other node named), what it
+        computes into its node's pool, the whole prompt into its engine cache."""
+        book = self._recency
+        assert book is not None
+        w_loc = worker_location(worker)
+        n_loc = node_location(self._shadowed[worker]) if worker in self._shadowed else None
+        reads: dict[str, list[BlockHash]] = {}
+        pos = 0
+        for holders, n in holder_runs(match):
+            if pos >= cut:
+                break
+            locs = [loc for loc, _ in holders]
+            if w_loc not in locs:  # (its engine's own copy is read there: used below)
+                src = n_loc if n_loc in locs else next(
+                    (loc for loc in locs if loc.startswith("node:")), None)
+                if src is not None:
+                    reads.setdefault(src, []).extend(hashes[pos:min(pos + n, cut)])
+            pos += n
+        for loc, hs in reads.items():
+            book.use(loc, hs)
+        if n_loc is not None:
+            book.use(n_loc, hashes[cut:])
+        book.use(w_loc, hashes)
 
     def _planned(self) -> dict[WorkerId, CutPlan]:
         return self._plans

@@ -25,7 +25,7 @@ The cost policy uses this only when asked (``CostPolicy(survival=True)``, ``sim_
 --survival``): measured on the sweep's overloaded cells it did not make ``cost`` win more
 (README). What it lacks is each block's rank: a bound that holds for any rank leaves counted
 most of what is evicted, and one that assumes a rank drops the recently used prefixes that
-do survive.
+do survive. :mod:`router.recency` keeps that rank (a shadow LRU per tier; also off).
 """
 
 from __future__ import annotations

@@ -1,0 +1,111 @@
+"""With ``recency``, the cost policy cuts each tier's holdings to the leading blocks its shadow
+LRU (a replay of the policy's own decisions, in queue order) still holds when the job starts
+(router/recency.py)."""
+
+from __future__ import annotations
+
+from actors.index.runs import HolderRuns
+from kvshare.cost import Bandwidths, CostModel, PrefillModel
+from kvshare.match import MatchResult, build_match
+from kvshare.types import BlockHash, Location, NodeId, Tier, WorkerId, node_location
+from kvshare.workers import (
+    META_GPU_CACHE_BLOCKS,
+    META_GPU_PRIVATE,
+    META_POOL_BLOCKS,
+    WorkerInfo,
+    WorkerLoad,
+)
+from router.policy import Candidate, RouteRequest, make_policy
+from router.recency import RecencyBook, ShadowLru
+from router.sources import Sharing
+
+NS = "m"
+BT = 16  # tokens per block
+
+
+def prompt(first: int) -> list[BlockHash]:
+    """8 blocks (128 tokens) with ids ``first..first+7``."""
+    return [BlockHash(i.to_bytes(32, "big")) for i in range(first, first + 8)]
+
+
+A, B, C = prompt(1), prompt(101), prompt(201)
+N0 = node_location(NodeId("n0"))
+
+
+def request(hashes: list[BlockHash]) -> RouteRequest:
+    return RouteRequest(NS, hashes, 128)
+
+
+def model() -> CostModel:
+    return CostModel(PrefillModel(1e-3, 0.0), Bandwidths(), BT, 1000)  # 1 ms a token
+
+
+def worker(i: int, queued: int, pool_blocks: int | None = 8) -> Candidate:
+    """Worker ``i`` on node ``n<i>`` with ``queued`` prefill tokens (1 ms each), reporting a
+    ``pool_blocks`` pool (None: not reported) and a 64-block engine cache."""
+    meta = {META_GPU_PRIVATE: "1", META_GPU_CACHE_BLOCKS: "64"}
+    if pool_blocks is not None:
+        meta[META_POOL_BLOCKS] = str(pool_blocks)
+    info = WorkerInfo(WorkerId(f"w{i}"), NodeId(f"n{i}"), (NS,), f"http://w{i}", meta=meta)
+    return Candidate(info, WorkerLoad(info.worker_id, queued, 1 if queued else 0))
+
+
+def held(hashes: list[BlockHash], layout: dict[Location, Tier]) -> MatchResult:
+    return build_match([dict(layout) for _ in hashes])
+
+
+def test_a_shadow_evicts_the_least_recently_used_and_keeps_a_prefix_over_its_tail() -> None:
+    """Capacity 12: A (8), then B (8) pushes out A's 4 tail blocks first (used tail first, so
+    A's head is the more recent); A again, then C: B is now the oldest and goes whole."""
+    lru = ShadowLru(12)
+    lru.use(A)
+    lru.use(B)
+    assert (lru.leading(A), lru.leading(B), len(lru)) == (4, 8, 12)
+    lru.use(A)  # a job reads A again: its 8 blocks are the most recent
+    lru.use(C[:4])
+    assert (lru.leading(A), lru.leading(B), lru.leading(C)) == (8, 0, 4)
+
+
+def test_trim_cuts_a_location_to_what_its_shadow_holds_and_leaves_the_rest() -> None:
+    """n0's pool holds A per the index, but its shadow keeps only A's first 3 blocks; n1 has
+    no shadow (no capacity reported) and keeps its whole holding."""
+    book = RecencyBook()
+    book.add_workers([worker(0, 0, pool_blocks=3).info, worker(1, 0, pool_blocks=None).info])
+    book.use(N0, A)
+    n1 = node_location(NodeId("n1"))
+    got = book.trim(held(A, {N0: Tier.HOST, n1: Tier.HOST}), A)
+    assert isinstance(got, HolderRuns)
+    assert [(sorted(loc for loc, _ in h), n) for h, n in got.runs] == [([N0, n1], 3), ([n1], 5)]
+    # nothing to cut: the same runs
+    full = book.trim(held(A[:3], {N0: Tier.HOST}), A)
+    assert [(sorted(loc for loc, _ in h), n) for h, n in full.runs] == [([N0], 3)]
+
+
+def test_a_prompt_the_queue_ahead_pushes_out_of_the_pool_is_not_counted() -> None:
+    """w0 computed A into its 8-block pool, then B (both routed by this policy, so w0's
+    queue ran A then B): when a repeat of A would start there, the pool holds B alone. The
+    index still lists A at n0, so without recency w0 is priced reading it (100.101 s) and
+    taken; with it, w0 would recompute (100.228 s) and w1, 0.1 s less behind, wins."""
+    empty = held(A, {})
+    for recency in (False, True):
+        policy = make_policy("cost", model(), Sharing.LOCAL, recency=recency)
+        for hashes in (A, B):
+            assert policy.choose(request(hashes), empty, [worker(0, 0)]).worker == "w0"
+        cands = [worker(0, 100_100), worker(1, 100_000)]
+        d = policy.choose(request(A), held(A, {N0: Tier.HOST}), cands)
+        if recency:
+            assert (d.worker, d.reason, d.cached_blocks) == ("w1", "load", 0)
+        else:
+            assert (d.worker, d.reason, d.cached_blocks) == ("w0", "cache_local", 8)
+
+
+def test_a_prompt_used_again_since_survives_where_capacity_alone_would_drop_it() -> None:
+    """The same queue (A, B on an 8-block pool) with A read again last: A is the most recent
+    and still there, so w0 reads it, where a bound from capacity alone (the queue writes more
+    than the pool holds) would count it gone."""
+    policy = make_policy("cost", model(), Sharing.LOCAL, recency=True)
+    for hashes, match in ((A, held(A, {})), (B, held(B, {})), (A, held(A, {N0: Tier.HOST}))):
+        assert policy.choose(request(hashes), match, [worker(0, 0)]).worker == "w0"
+    cands = [worker(0, 100_100), worker(1, 100_000)]
+    d = policy.choose(request(A), held(A, {N0: Tier.HOST}), cands)
+    assert (d.worker, d.reason, d.cached_blocks) == ("w0", "cache_local", 8)
