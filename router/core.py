@@ -47,6 +47,7 @@ from typing import Any
 from kvshare.cost import Bandwidths, CostModel, PrefillModel, PrefillTimings
 from kvshare.hasher import Hasher, Tokens
 from kvshare.match import EMPTY_MATCH, MatchResult
+from kvshare.quick_init import quick_init
 from kvshare.types import BlockHash, Tier, WorkerId, worker_location
 from kvshare.workers import IndexQuery, WorkerInfo, WorkerLoad
 from router.pending import PendingBook, pending_blocks
@@ -58,6 +59,7 @@ PENDING_TIER = Tier.GPU
 """Where pending blocks are recorded: the chosen worker's own gpu tier (module docstring)."""
 
 
+@quick_init
 @dataclass(frozen=True)
 class IndexAnswer:
     """The index's answer for one prompt, or why there is none.
