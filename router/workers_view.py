@@ -130,6 +130,7 @@ class InFlight:
         # (time, worker) when a kept answer's first counted drain leaves the window (a heap;
         # an entry whose answer was replaced since is skipped when it comes up)
         self._expiry: list[tuple[float, WorkerId]] = []
+        self._due: dict[WorkerId, float] = {}  # per worker: its latest time in that heap
 
     def __len__(self) -> int:
         return len(self._reqs)
@@ -213,6 +214,7 @@ class InFlight:
             self._per.setdefault(w, {})[rid] = (t, b, at)
         self._memo.clear()
         self._expiry.clear()
+        self._due.clear()
         self._last_ok = False
 
     def keep_only(self, workers: Collection[WorkerId]) -> None:
@@ -261,6 +263,8 @@ class InFlight:
         heap, cutoff, memo = self._expiry, now - self.drain_window_s, self._memo
         while heap and heap[0][0] <= cutoff:
             first, wid = heapq.heappop(heap)
+            if self._due.get(wid) == first:
+                del self._due[wid]
             m = memo.get(wid)
             if m is not None and m[2] == first:  # (else: an older answer's, already replaced)
                 self._changed.add(wid)
@@ -334,7 +338,8 @@ class InFlight:
         else:
             got = report, blocks
         self._memo[wid] = (report, got, first)
-        if first < math.inf:
+        if first < math.inf and self._due.get(wid) != first:  # (else: it is in the heap)
+            self._due[wid] = first
             heapq.heappush(self._expiry, (first, wid))
         return got
 
