@@ -26,6 +26,7 @@ from itertools import groupby
 
 import numpy as np
 
+from kvshare.quick_init import quick_init
 from kvshare.types import Tier
 
 try:  # the optional C scan (setup.py builds it where a compiler is found)
@@ -208,6 +209,7 @@ class Bandwidths:
         )
 
 
+@quick_init
 @dataclass(frozen=True)
 class CutPlan:
     """A chosen cut point and its estimated cost."""

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 from kvshare.match import MatchResult
+from kvshare.quick_init import quick_init
 from kvshare.types import BlockHash, NodeId, WorkerId
 
 
@@ -46,6 +47,7 @@ META_POOL_BLOCKS = "pool_blocks"
 number; least recently used evicted first). Absent: no limit is assumed (:mod:`router.survival`)."""
 
 
+@quick_init
 @dataclass(frozen=True)
 class WorkerLoad:
     """A worker's load report (also its liveness heartbeat).

@@ -42,11 +42,14 @@ import asyncio
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
+from itertools import compress
+from operator import is_, is_not
 from typing import Any
 
 from kvshare.cost import Bandwidths, CostModel, PrefillModel, PrefillTimings
 from kvshare.hasher import Hasher, Tokens
 from kvshare.match import EMPTY_MATCH, MatchResult
+from kvshare.quick_init import quick_init
 from kvshare.types import BlockHash, Tier, WorkerId, worker_location
 from kvshare.workers import IndexQuery, WorkerInfo, WorkerLoad
 from router.pending import PendingBook, pending_blocks
@@ -58,6 +61,7 @@ PENDING_TIER = Tier.GPU
 """Where pending blocks are recorded: the chosen worker's own gpu tier (module docstring)."""
 
 
+@quick_init
 @dataclass(frozen=True)
 class IndexAnswer:
     """The index's answer for one prompt, or why there is none.
@@ -244,14 +248,26 @@ class RoutingCore:
         cache = self._cands
         if len(cache) > 2 * len(infos) + 64:  # workers come and go: forget the departed
             cache.clear()
-        out = []
-        for info, (load, blocks) in zip(*key, strict=True):
-            c = cache.get(info.worker_id)
-            if c is None or c.info is not info or c.load is not load or c.active_blocks != blocks:
-                c = cache[info.worker_id] = Candidate(info, load, blocks)
-            out.append(c)
+        last_infos, last_loads = self._last_key
+        if len(key[0]) == len(last_infos) and all(map(is_, key[0], last_infos)):
+            # the same workers: only those whose (load, blocks) is another object changed
+            out = list(self._last_cands)
+            for i in compress(range(len(out)), map(is_not, key[1], last_loads)):
+                out[i] = self._candidate(cache, key[0][i], key[1][i])
+        else:
+            out = [self._candidate(cache, info, lb) for info, lb in zip(*key, strict=True)]
         self._last_key, self._last_cands = key, out
         return out
+
+    @staticmethod
+    def _candidate(cache: dict[WorkerId, Candidate], info: WorkerInfo,
+                   load_blocks: tuple[WorkerLoad, int]) -> Candidate:
+        """The worker's candidate: the kept one while its info, load and blocks are the same."""
+        load, blocks = load_blocks
+        c = cache.get(info.worker_id)
+        if c is None or c.info is not info or c.load is not load or c.active_blocks != blocks:
+            c = cache[info.worker_id] = Candidate(info, load, blocks)
+        return c
 
     # ------------------------------------------------------------------ deciding
     def rank(self, request: RouteRequest, answer: IndexAnswer,

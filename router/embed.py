@@ -31,6 +31,7 @@ from kvshare.hasher import Hasher
 from kvshare.hashing import DEFAULT_HASH_FN, HashFn, PackedIds, fast_ids
 from kvshare.match import MatchResult
 from kvshare.pool_types import check_namespace
+from kvshare.quick_init import quick_init
 from kvshare.tokenizer import ByteTokenizer, Tokenizer
 from kvshare.types import BlockHash, WorkerId
 from kvshare.workers import IndexQuery, WorkerInfo, WorkerLoad
@@ -112,6 +113,7 @@ class RouterConfig:
                           self.prefill_tokens_per_s, self.sharing)
 
 
+@quick_init
 @dataclass(frozen=True)
 class Routed:
     """A routing decision plus what the worker needs so it never re-tokenizes."""

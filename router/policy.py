@@ -32,6 +32,7 @@ from operator import is_
 from typing import Any, ClassVar
 
 from kvshare.cost import CostModel, CutPlan
+from kvshare.quick_init import quick_init
 from kvshare.types import BlockHash, NodeId, WorkerId, node_location, worker_location
 from kvshare.vllm import router_hint
 from kvshare.workers import META_GPU_PRIVATE, WorkerInfo, WorkerLoad
@@ -42,6 +43,7 @@ from router.sources import Match, Sharing, SourceMap, SourceRuns, holder_runs
 from router.survival import Capacities, Turnover
 
 
+@quick_init
 @dataclass(frozen=True)
 class RouteRequest:
     """What a policy knows about a request: its namespace, block hashes and token count."""
@@ -57,6 +59,7 @@ class RouteRequest:
             raise ValueError(f"a request needs at least one token, got num_tokens={self.num_tokens}")
 
 
+@quick_init
 @dataclass(frozen=True)
 class Candidate:
     """A worker the request may go to. ``active_blocks``: blocks of requests in flight there
@@ -67,6 +70,7 @@ class Candidate:
     active_blocks: int = 0
 
 
+@quick_init
 @dataclass(frozen=True)
 class Decision:
     """Where a request goes and why, with the cost model's estimate for that worker."""
@@ -90,6 +94,7 @@ class Decision:
         }
 
 
+@quick_init
 @dataclass(frozen=True)
 class Estimate:
     """One candidate's estimate: queue wait plus its best plan, and why it ranks there

@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import heapq
 import logging
 import math
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
+from operator import is_
 from typing import Any, Protocol
 
 from kvshare.types import WorkerId
@@ -116,6 +118,19 @@ class InFlight:
         # worker -> (the report, :meth:`loads`' answer from it, the time of the first drain it
         # counts: the answer changes once that leaves the window)
         self._memo: dict[WorkerId, tuple[WorkerLoad, tuple[WorkerLoad, int], float]] = {}
+        # :meth:`loads`' last call: its workers and reports (compared by identity), its answer,
+        # whether it can be updated in place, and the workers whose kept answer was dropped
+        # since (their requests or drains changed, or a drain left the window)
+        self._last_infos: tuple[WorkerInfo, ...] = ()
+        self._last_pos: dict[WorkerId, int] = {}  # their positions by worker id
+        self._last_reports: list[WorkerLoad | None] = []
+        self._last_out: list[tuple[WorkerLoad, int]] = []
+        self._last_ok = False  # (False: recompute all)
+        self._changed: set[WorkerId] = set()
+        # (time, worker) when a kept answer's first counted drain leaves the window (a heap;
+        # an entry whose answer was replaced since is skipped when it comes up)
+        self._expiry: list[tuple[float, WorkerId]] = []
+        self._due: dict[WorkerId, float] = {}  # per worker: its latest time in that heap
 
     def __len__(self) -> int:
         return len(self._reqs)
@@ -157,6 +172,7 @@ class InFlight:
         m = self._memo.get(worker)
         if m is not None:
             self._memo[worker] = (m[0], m[1], -math.inf)
+        self._changed.add(worker)
 
     def prefilled(self, rid: str) -> None:
         r = self._reqs.get(rid)
@@ -197,6 +213,9 @@ class InFlight:
         for rid, (w, t, b, at) in self._reqs.items():
             self._per.setdefault(w, {})[rid] = (t, b, at)
         self._memo.clear()
+        self._expiry.clear()
+        self._due.clear()
+        self._last_ok = False
 
     def keep_only(self, workers: Collection[WorkerId]) -> None:
         """Forget the requests of every worker not in ``workers`` (removed or dead)."""
@@ -227,31 +246,102 @@ class InFlight:
     def loads(
         self, infos: Sequence[WorkerInfo], reports: Mapping[WorkerId, WorkerLoad]
     ) -> list[tuple[WorkerLoad, int]]:
-        """:meth:`load` of every worker in ``infos`` (kept per worker: class docstring)."""
+        """:meth:`load` of every worker in ``infos`` (kept per worker: class docstring). Given
+        the same workers with the same report objects as the last call, only the workers whose
+        requests or drains changed since, or whose first counted drain left the window, are
+        looked at (a router's next decision: the worker it sent to, the one that finished)."""
         now = self._clock()
+        last = self._last_infos
+        if self._last_ok and len(infos) == len(last) and all(map(is_, infos, last)):
+            got = list(map(reports.get, self._last_pos))
+            if all(map(is_, got, self._last_reports)):
+                return self._update(got, now)
+        return self._recompute(infos, reports, now)
+
+    def _expired(self, now: float) -> None:
+        """Mark the workers whose kept answer counts a drain that has left the window now."""
+        heap, cutoff, memo = self._expiry, now - self.drain_window_s, self._memo
+        while heap and heap[0][0] <= cutoff:
+            first, wid = heapq.heappop(heap)
+            if self._due.get(wid) == first:
+                del self._due[wid]
+            m = memo.get(wid)
+            if m is not None and m[2] == first:  # (else: an older answer's, already replaced)
+                self._changed.add(wid)
+
+    def _update(self, reports: list[WorkerLoad | None], now: float
+                ) -> list[tuple[WorkerLoad, int]]:
+        """:meth:`loads` as the last call's answer, recomputed where it no longer holds."""
+        self._expired(now)
+        out = list(self._last_out)
+        if self._changed:
+            pos = self._last_pos
+            for wid in self._changed:
+                i = pos.get(wid)
+                if i is not None:
+                    out[i] = self._answer(wid, reports[i], now)
+            self._changed.clear()
+            self._last_out = out
+            out = list(out)
+        return out
+
+    def _recompute(self, infos: Sequence[WorkerInfo], reports: Mapping[WorkerId, WorkerLoad],
+                   now: float) -> list[tuple[WorkerLoad, int]]:
+        """:meth:`loads` looking at every worker (its kept answer reused where it holds)."""
+        self._expired(now)
         memo, window = self._memo, self.drain_window_s
         get = reports.get
         out: list[tuple[WorkerLoad, int]] = []
+        got: list[WorkerLoad | None] = []
         for info in infos:
             wid = info.worker_id
             report = get(wid)
+            got.append(report)
             m = memo.get(wid)
             if m is not None and m[0] is report and now - window < m[2]:
                 out.append(m[1])
-                continue
-            if report is None:  # a worker that never reported: nothing to keep
-                out.append(self.load(wid, None))
-                continue
-            fresh, first = self._fresh(report, now)
-            got = self._with_mine(wid, fresh, now)
-            if m is not None and m[0] is report and m[1] == got:
-                got = m[1]  # the same answer: its object kept, so are the candidate and its wait
-            memo[wid] = (report, got, first)
-            out.append(got)
+            else:
+                out.append(self._answer(wid, report, now))
         if len(memo) > 2 * len(infos) + 64:  # workers come and go: forget the departed
             live = {i.worker_id for i in infos}
             self._memo = {w: m for w, m in memo.items() if w in live}
-        return out
+        self._changed.clear()
+        self._last_infos, self._last_reports, self._last_out = tuple(infos), got, out
+        self._last_pos = {info.worker_id: i for i, info in enumerate(infos)}
+        # (a worker that never reported is recomputed on every call; one listed twice has no
+        # one position to update)
+        self._last_ok = None not in got and len(self._last_pos) == len(infos)
+        return list(out)
+
+    def _answer(self, wid: WorkerId, report: WorkerLoad | None, now: float
+                ) -> tuple[WorkerLoad, int]:
+        """``wid``'s load computed now (:meth:`load`'s answer), kept with its report until its
+        first counted drain leaves the window (a worker that never reported: not kept). An
+        answer equal to the kept one is the kept object; the numbers are compared before any
+        object is built (the other fields are the report's in both)."""
+        if report is None:
+            return self.load(wid, None)
+        rows = self._drained.get(wid)
+        gone, first = (0, math.inf) if rows is None else rows.since(
+            max(report.ts, now - self.drain_window_s))
+        tokens, running, blocks = self._mine(wid, report.ts)
+        queued = (max(0, report.queued_prefill_tokens - gone) if gone
+                  else report.queued_prefill_tokens) + tokens
+        m = self._memo.get(wid)
+        got: tuple[WorkerLoad, int]
+        if (m is not None and m[0] is report and m[1][1] == blocks
+                and m[1][0].queued_prefill_tokens == queued
+                and m[1][0].running == report.running + running):
+            got = m[1]
+        elif gone or running:
+            got = report.with_queue(queued, report.running + running), blocks
+        else:
+            got = report, blocks
+        self._memo[wid] = (report, got, first)
+        if first < math.inf and self._due.get(wid) != first:  # (else: it is in the heap)
+            self._due[wid] = first
+            heapq.heappush(self._expiry, (first, wid))
+        return got
 
     def load(self, worker: WorkerId, report: WorkerLoad | None) -> tuple[WorkerLoad, int]:
         """The report plus this router's in-flight work sent after it; and active blocks."""
@@ -263,22 +353,27 @@ class InFlight:
                    ) -> tuple[WorkerLoad, int]:
         """``report`` (already freshened) plus this router's requests sent after it; and the
         worker's active blocks."""
-        mine = self._per.get(worker)
-        if mine is None and report is not None:
-            return report, 0
-        since = report.ts if report is not None else -1e18
-        tokens = running = blocks = 0
-        for t, b, at in (mine or {}).values():
-            blocks += b
-            if at > since:
-                tokens += t
-                running += 1
+        tokens, running, blocks = self._mine(worker, report.ts if report is not None else -1e18)
         if report is None:
             return WorkerLoad(worker, tokens, running, 0.0, now), blocks
         if not running:
             return report, blocks
         return report.with_queue(report.queued_prefill_tokens + tokens,
                                  report.running + running), blocks
+
+    def _mine(self, worker: WorkerId, since: float) -> tuple[int, int, int]:
+        """This router's prefill tokens and requests at ``worker`` sent after ``since``, and
+        the blocks of all its requests there."""
+        mine = self._per.get(worker)
+        if mine is None:
+            return 0, 0, 0
+        tokens = running = blocks = 0
+        for t, b, at in mine.values():
+            blocks += b
+            if at > since:
+                tokens += t
+                running += 1
+        return tokens, running, blocks
 
 
 class _Drains:
