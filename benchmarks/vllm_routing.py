@@ -48,6 +48,13 @@ engine's own cache as on a busy GPU (``--pool-blocks``: each node's host pool); 
 (:mod:`kvshare.vllm.opt_out`), so each peer gets vLLM's own prefix cache only, as its users
 run it, while kvshare's router uses the pools too: the whole-system comparison.
 
+The servers compute in float32 by default (``--dtype``): vLLM-CPU emulates bfloat16 on a CPU
+without AVX512-BF16 or AMX, and prefills ~2.7x slower there (measured on these AVX2 machines:
+two servers with two cold prompts each, 220 against 587 prompt tokens/s), an engine slower
+against its loads and its queue than any GPU deployment. Ray's workers (the servers among
+them) run at niceness 0 here, not Ray's 15, so other work on the machine does not take a third
+of their CPU.
+
 Noise: a discarded warm-up run comes first (``--warmup-turns``); routers alternate order across
 ``--repeats``; ``--cores-per-server K`` pins server i to its own K cores, one OpenMP thread
 each (an engine per device; on a 2-core machine one core per server halved throughput: the
