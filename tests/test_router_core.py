@@ -268,33 +268,39 @@ def test_both_front_ends_price_a_remote_load_at_what_the_workers_measured(
     assert (decision.remote_blocks == 0) == (remote_load_s > 0), decision
 
 
+class CountingLoads(InProcessIndex):
+    """An in-process index counting its load-report reads."""
+
+    def __init__(self, index: Any) -> None:
+        super().__init__(index)
+        self.reads = 0
+
+    async def loads_async(self) -> dict[WorkerId, WorkerLoad]:
+        self.reads += 1
+        return await super().loads_async()
+
+
 @pytest.mark.parametrize("loads_refresh_s", [0.0, 60.0])
 def test_serve_reads_load_reports_per_request_or_in_the_background(loads_refresh_s: float) -> None:
     """By default every decision reads the workers' load reports; with ``loads_refresh_s``
-    only the first waits for them and later decisions use the latest read (a read is started
-    in the background once it is that old), so a decision makes no call for them."""
+    only the first waits for them and later decisions use the latest read (the reads go on in
+    the background every that many seconds), so a decision makes no call for them."""
     reps = replicas(2)
-
-    class Counting(InProcessIndex):
-        reads = 0
-
-        async def loads_async(self) -> dict[WorkerId, WorkerLoad]:
-            Counting.reads += 1
-            return await super().loads_async()
+    index = CountingLoads(cluster(reps))
 
     async def stream() -> list[Any]:
         serve = KVShareRequestRouter(deployment_id=DEPLOYMENT,
                                      handle_source=DeploymentHandleSource.UNKNOWN)
         serve.initialize_state(namespace=NS, prefill_tokens_per_s=TPS, workers_refresh_s=0.0,
                                loads_refresh_s=loads_refresh_s)
-        serve.use_index(Counting(cluster(reps)))
+        serve.use_index(index)
         serve.update_replicas(reps)
         return [(await serve.choose_replicas(reps, pending_request(i, ids)))[0][0]
                 for i, ids in enumerate(STREAM[:5])]
 
     chosen = asyncio.run(stream())
     assert len(chosen) == 5
-    assert Counting.reads == (5 if loads_refresh_s == 0 else 1)
+    assert index.reads == (5 if loads_refresh_s == 0 else 1)
 
 
 def test_serve_keeps_load_reports_fresh_between_far_apart_decisions() -> None:
@@ -302,20 +308,14 @@ def test_serve_keeps_load_reports_fresh_between_far_apart_decisions() -> None:
     come (before: a read started only when a decision found them old, so the first decision
     after a quiet spell was ranked on reports as old as the spell)."""
     reps = replicas(2)
-
-    class Counting(InProcessIndex):
-        reads = 0
-
-        async def loads_async(self) -> dict[WorkerId, WorkerLoad]:
-            Counting.reads += 1
-            return await super().loads_async()
+    index = CountingLoads(cluster(reps))
 
     async def quiet_spell() -> float:
         serve = KVShareRequestRouter(deployment_id=DEPLOYMENT,
                                      handle_source=DeploymentHandleSource.UNKNOWN)
         serve.initialize_state(namespace=NS, prefill_tokens_per_s=TPS, workers_refresh_s=0.0,
                                loads_refresh_s=0.05)
-        serve.use_index(Counting(cluster(reps)))
+        serve.use_index(index)
         serve.update_replicas(reps)
         await serve.choose_replicas(reps, pending_request(0, STREAM[0]))
         await asyncio.sleep(1.0)  # no decisions
@@ -324,7 +324,7 @@ def test_serve_keeps_load_reports_fresh_between_far_apart_decisions() -> None:
         return age
 
     age = asyncio.run(quiet_spell())
-    assert Counting.reads >= 5, Counting.reads  # ~20 periods in the spell; slack for a slow machine
+    assert index.reads >= 5, index.reads  # ~20 periods in the spell; slack for a slow machine
     assert age < 0.5, age
 
 
