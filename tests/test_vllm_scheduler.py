@@ -365,6 +365,63 @@ def test_lookup_waits_reach_vllms_scheduler_stats_once_per_lookup(model: str) ->
     assert all(not (s.kv_connector_stats or {}).get("lookups_answered") for s in later)
 
 
+def test_the_prefill_backlog_counts_exactly_the_tokens_left_to_compute(model: str) -> None:
+    """The load report's prefill work: every request the scheduler looked at owes its tokens
+    less what vLLM's cache and the cluster bring, less what steps scheduled; a request the
+    budget has not reached yet is not counted (the report prices it); a finished or
+    preempted request owes nothing. The counts leave with vLLM's scheduler stats."""
+    sched = make_scheduler(model, budget=256)
+    side = sched.connector._sched
+    sent: dict[str, float] = {}
+
+    def step(done: list[Any]) -> None:
+        """One step; ``done``: the requests whose prefill it ends (they sample a token)."""
+        from vllm.v1.outputs import ModelRunnerOutput
+
+        out = sched.schedule()
+        ids = list(out.num_scheduled_tokens)
+        firsts = {r.request_id for r in done}
+        eco = sched.update_from_output(out, ModelRunnerOutput(
+            req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
+            sampled_token_ids=[[5] if r in firsts else [] for r in ids], logprobs=None,
+            prompt_logprobs_dict={}, pooler_output=None))
+        for e in eco.values():
+            if e.scheduler_stats is not None:
+                for k, v in (e.scheduler_stats.kv_connector_stats or {}).items():
+                    sent[k] = sent.get(k, 0) + v
+
+    def reported() -> tuple[float, float]:
+        return (sent.get("backlog_tokens_added", 0) - sent.get("backlog_tokens_removed", 0),
+                sent.get("backlog_waiting_added", 0) - sent.get("backlog_waiting_removed", 0))
+
+    hit_toks = tokens(40)  # 4 blocks + 5 tokens, the 4 blocks in this node's pool
+    seed_pool(sched, hit_toks)
+    hit = request("hit", hit_toks, max_tokens=1)
+    cold = request("cold", tokens(41, 600), max_tokens=1)
+    late = request("late", tokens(42, 300), max_tokens=1)
+    for r in (hit, cold, late):
+        sched.add_request(r)
+    step([hit])  # hit: its 5 new tokens; cold: 251 of 600; late: not reached (no budget left)
+    assert (side.backlog.tokens, side.backlog.waiting) == (349, 0)
+    assert reported() == (349, 0)
+    step([])  # cold: 256 more
+    assert reported() == (93, 0)
+    step([cold])  # cold's last 93, late's first 163
+    assert reported() == (300 - 163, 0)
+    step([late])
+    assert reported() == (0, 0) and side.backlog.tokens == 0
+    assert not sched.requests or all(r.is_finished() for r in sched.requests.values())
+
+    # a request aborted while it waits owes nothing any more
+    sched.add_request(request("gone", tokens(43, 200), max_tokens=1))
+    side.backlog.seen("gone", 200)  # (as the scheduler asks before it can place it)
+    assert side.backlog.waiting == 1
+    from vllm.v1.request import RequestStatus
+
+    sched.finish_requests("gone", RequestStatus.FINISHED_ABORTED)
+    assert (side.backlog.tokens, side.backlog.waiting) == (0, 0)
+
+
 def test_a_turn_vllm_holds_but_part_of_a_block_waits_on_no_lookup(model: str) -> None:
     """The next turn of a conversation this engine served: vLLM's own cache holds all but
     part of one block of it, so the cluster could add less than a block and the request is

@@ -131,3 +131,41 @@ def test_lookup_waits_become_their_own_counters() -> None:
     assert ('vllm:kvshare_router_hints_ignored_total{engine="0",model_name="tiny",'
             'why="mismatched"} 1.0' in text)
     assert "pending" not in text
+
+
+def test_the_prefill_backlog_reaches_the_load_report_exactly() -> None:
+    """Three cold prompts of 6.4k tokens in all, one not reached by the scheduler yet: the
+    report owes the connector's exact count plus the unreached one at the mean, where the
+    estimate from vLLM's own counts (without the connector) prices them all at the mean."""
+    from kvshare.types import WorkerId
+    from kvshare.vllm.backlog import PrefillBacklog
+    from kvshare.vllm.load import MetricsLoad, parse_metrics
+    from kvshare.vllm.stats import backlog_counters
+
+    registry, prom = prometheus()
+    backlog, delta = PrefillBacklog(), CounterDelta()
+    backlog.seen("a", 3000)
+    backlog.seen("b", 2400)
+    backlog.scheduled({"a": 512})  # a prefills, b waits (seen), c waits (not reached)
+    prom.observe(delta.take(backlog_counters(backlog.counters)), 0)
+    finished = {"vllm:request_prefill_kv_computed_tokens_sum": 4000.0,
+                "vllm:request_prefill_kv_computed_tokens_count": 4.0,
+                "vllm:time_to_first_token_seconds_count": 4.0,
+                "vllm:e2e_request_latency_seconds_count": 4.0,
+                "vllm:num_requests_running": 1.0, "vllm:num_requests_waiting": 2.0}
+    load = MetricsLoad(WorkerId("w"), "http://127.0.0.1:1")
+    try:
+        exact = load.from_metrics({**finished, **parse_metrics(generate_latest(registry)
+                                                                .decode())}, 1.0)
+        guessed = load.from_metrics(finished, 1.1)
+    finally:
+        load.close()
+    assert exact.queued_prefill_tokens == (3000 - 512) + 2400 + 1000
+    assert guessed.queued_prefill_tokens == 2 * 1000 + 500  # what the estimate made of it
+    backlog.scheduled({"a": 5000, "b": 100})
+    backlog.gone("b")
+    prom.observe(delta.take(backlog_counters(backlog.counters)), 0)
+    text = generate_latest(registry).decode()
+    assert 'vllm:kvshare_backlog_tokens_added_total{engine="0",model_name="tiny"} 5400.0' in text
+    assert 'vllm:kvshare_backlog_tokens_removed_total{engine="0",model_name="tiny"} 5400.0' in text
+    assert 'vllm:kvshare_backlog_waiting_removed_total{engine="0",model_name="tiny"} 2.0' in text

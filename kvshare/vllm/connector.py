@@ -39,6 +39,7 @@ from kvshare.vllm.stats import (
     CounterDelta,
     KVSharePromMetrics,
     KVShareStats,
+    backlog_counters,
     byte_counters,
     lookup_counters,
     save_counters,
@@ -190,11 +191,12 @@ class KVShareConnector(KVConnectorBase_V1):
     # ------------------------------------------------------------------ stats (kvshare.vllm.stats)
     def get_kv_connector_stats(self) -> KVShareStats | None:
         """Since the last call: worker role, bytes loaded per transport and stored, and load
-        waits and steps held for their saves; scheduler role, lookup waits, skipped lookups
-        and finishes held for saves."""
+        waits and steps held for their saves; scheduler role, lookup waits, skipped lookups,
+        finishes held for saves and the prefill backlog."""
         if self._sched is not None:
             moved = self._moved.take({**lookup_counters(self._sched.counters),
-                                      **save_counters(self._sched.counters)})
+                                      **save_counters(self._sched.counters),
+                                      **backlog_counters(self._sched.backlog.counters)})
         elif self._worker is not None:
             moved = self._moved.take({**byte_counters(self._client.counters),
                                       **wait_counters(self._worker.counters),

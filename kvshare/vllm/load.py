@@ -4,7 +4,10 @@ vLLM exports ``vllm:num_requests_running``/``_waiting``, ``vllm:kv_cache_usage_p
 counters and per-request latency histograms. :class:`MetricsLoad` turns them into a
 :class:`~kvshare.workers.WorkerLoad`:
 
-- **Prefill work ahead of a new request** (``queued_prefill_tokens``). vLLM does not export
+- **Prefill work ahead of a new request** (``queued_prefill_tokens``). With the kvshare
+  connector: its exact count of the tokens still to compute of every request the scheduler
+  has looked at (:mod:`kvshare.vllm.backlog`), plus the waiting requests it has not reached
+  yet, each at the mean tokens below. Without it, estimated: vLLM does not export
   the prompt tokens still to compute, and with chunked prefill a request leaves ``waiting``
   as soon as part of its prompt fits a step's budget: most of the prefill work in a busy
   engine is in *running* requests that have not produced their first token. So the requests
@@ -32,6 +35,7 @@ import time
 import httpx
 
 from kvshare.types import WorkerId
+from kvshare.vllm.backlog import COUNTERS as BACKLOG_KEYS
 from kvshare.workers import WorkerLoad
 
 _LINE = re.compile(r"^(vllm:[a-z_]+)(?:\{[^}]*\})?\s+([0-9.eE+-]+|NaN)$", re.MULTILINE)
@@ -43,7 +47,8 @@ _WANTED = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_ca
            "vllm:request_prefill_kv_computed_tokens_sum",
            "vllm:request_prefill_kv_computed_tokens_count",
            "vllm:time_to_first_token_seconds_count", "vllm:e2e_request_latency_seconds_count",
-           "vllm:request_prefill_time_seconds_sum", "vllm:request_prefill_time_seconds_count")
+           "vllm:request_prefill_time_seconds_sum", "vllm:request_prefill_time_seconds_count",
+           *(f"vllm:kvshare_{k}_total" for k in BACKLOG_KEYS))
 
 
 def parse_metrics(text: str) -> dict[str, float]:
@@ -213,8 +218,12 @@ class MetricsLoad:
                           running + waiting > 0, count)
         mean_new = tokens / count if count else 0.0
         prefilling = self.in_prefill.count(m)
-        queued_waiting = min(waiting, prefilling)
-        queued = queued_waiting * mean_new + (prefilling - queued_waiting) * mean_new / 2
+        backlog = _backlog(m)
+        if backlog is not None:  # the connector's exact count, and the requests it has not seen
+            queued = backlog[0] + max(0, waiting - backlog[1]) * mean_new
+        else:
+            queued_waiting = min(waiting, prefilling)
+            queued = queued_waiting * mean_new + (prefilling - queued_waiting) * mean_new / 2
         wait = {w: lw.update(m.get(f"load_seconds:{w}", 0.0), m.get(f"loads:{w}", 0.0))
                 for w, lw in self.waits.items()}
         return WorkerLoad(self.worker_id, int(queued), running + waiting,
@@ -224,6 +233,18 @@ class MetricsLoad:
 
     def close(self) -> None:
         self._http.close()
+
+
+def _backlog(m: dict[str, float]) -> tuple[float, int] | None:
+    """The kvshare connector's prefill backlog (tokens still to compute, requests looked at and
+    not yet scheduled), or None when the server does not export it (no kvshare connector)."""
+    added = m.get("vllm:kvshare_backlog_tokens_added_total")
+    if added is None:
+        return None
+    tokens = added - m.get("vllm:kvshare_backlog_tokens_removed_total", 0.0)
+    waiting = (m.get("vllm:kvshare_backlog_waiting_added_total", 0.0)
+               - m.get("vllm:kvshare_backlog_waiting_removed_total", 0.0))
+    return max(0.0, tokens), max(0, int(round(waiting)))
 
 
 def _computed(m: dict[str, float]) -> tuple[float, float]:

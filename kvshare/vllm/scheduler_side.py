@@ -46,6 +46,7 @@ from kvshare.client_types import SOURCE_LOCAL, SOURCE_SHM, KVClient, Plan
 from kvshare.hashing import block_hashes
 from kvshare.match import MatchResult
 from kvshare.types import BlockHash
+from kvshare.vllm.backlog import PrefillBacklog
 from kvshare.vllm.config import ModelKeys
 from kvshare.vllm.lookup import Lookups
 from kvshare.vllm.metadata import KVShareMetadata, LoadSpec, SaveSpec
@@ -110,6 +111,7 @@ class SchedulerSide:
         self.lookups = lookups or Lookups()
         self._lock = threading.Lock()
         self.counters: dict[str, float] = {}
+        self.backlog = PrefillBacklog()  # tokens still to prefill, for the load report
 
     def _count(self, key: str, n: int = 1) -> None:
         with self._lock:
@@ -160,7 +162,14 @@ class SchedulerSide:
         return st
 
     def num_new_matched_tokens(self, request: Any, num_computed: int) -> tuple[int | None, bool]:
-        """``get_num_new_matched_tokens``: tokens beyond ``num_computed`` the cluster brings."""
+        """``get_num_new_matched_tokens``: tokens beyond ``num_computed`` the cluster brings
+        (None: ask again, the lookup runs). The rest is the request's prefill backlog."""
+        got = self._matched(request, num_computed)
+        self.backlog.seen(request.request_id,
+                          int(request.num_tokens) - num_computed - (got[0] or 0))
+        return got
+
+    def _matched(self, request: Any, num_computed: int) -> tuple[int | None, bool]:
         st = self._state(request)
         if st is None or not st.hashes or st.failed or st.loads >= MAX_LOADS:
             return 0, False
@@ -356,11 +365,13 @@ class SchedulerSide:
         ``page_ids_of(req_id)``: the request's pages in token order."""
         self._count("steps")
         self.lookups.step(scheduled)
+        self.backlog.scheduled(scheduled)
         meta = KVShareMetadata(loads=self._loads, busy=bool(scheduled),
                                preempted=tuple(preempted),
                                marks=self.marks.path if self.marks is not None else "")
         self._loads = []
         for rid in preempted:
+            self.backlog.gone(rid)  # recomputed from the start when it is taken up again
             st = self._reqs.get(rid)
             if st is not None:  # its pages are gone: it will look up (and save) again
                 st.saved_upto = 0
@@ -409,6 +420,7 @@ class SchedulerSide:
         workers report it in ``finished_sending``. A request that ends its answer (not
         aborted) first waits for its saves (module docstring: read-after-write)."""
         rid = request.request_id
+        self.backlog.gone(rid)
         st = self._reqs.pop(rid, None)
         self._unshared.discard(rid)
         if rid not in self._sending:

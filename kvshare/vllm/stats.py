@@ -35,6 +35,11 @@ server's ``/metrics``, next to vLLM's own:
   router sent with them (no index call, no hold); ``vllm:kvshare_router_hints_expired_used_total``:
   requests whose hint had expired and whose lookup was not back at once, answered from the
   hint instead of being held for a step;
+- ``vllm:kvshare_backlog_tokens_added_total`` / ``_removed_total`` and
+  ``vllm:kvshare_backlog_waiting_added_total`` / ``_removed_total`` (scheduler role): the
+  prompt tokens the engine still has to compute before first tokens, and the requests the
+  scheduler has looked at and not yet scheduled, each as added less removed
+  (:mod:`kvshare.vllm.backlog`; a gauge as two counters, since vLLM's stats path sums deltas);
 - ``vllm:kvshare_sync_saves_total``, ``vllm:kvshare_sync_save_seconds_total`` and
   ``vllm:kvshare_sync_saves_late_total``: finishing requests that had saves and were held
   until those ended before their last output left the engine (scheduler role; worker role:
@@ -61,6 +66,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorStats,
 )
 
+from kvshare.vllm.backlog import COUNTERS as BACKLOG_KEYS
 from kvshare.vllm.scheduler_side import LOOKUP_WAIT, LOOKUPS_ANSWERED
 from kvshare.vllm.worker_side import LOAD_STAGE
 
@@ -101,6 +107,11 @@ def save_counters(counters: Mapping[str, float]) -> dict[str, float]:
     """The read-after-write holds of a :class:`~kvshare.vllm.scheduler_side.SchedulerSide`'s
     counters."""
     return {k: float(counters[k]) for k in SAVE_KEYS if k in counters}
+
+
+def backlog_counters(counters: Mapping[str, float]) -> dict[str, float]:
+    """The prefill backlog's cumulative counters (:class:`~kvshare.vllm.backlog.PrefillBacklog`)."""
+    return {k: float(counters[k]) for k in BACKLOG_KEYS if k in counters}
 
 
 def lookup_counters(counters: Mapping[str, float]) -> dict[str, float]:
@@ -198,6 +209,20 @@ class KVSharePromMetrics(KVConnectorPromMetrics):
                 "sync_saves_unmarked", "Finishing requests with saves running that were not held: "
                 "no worker process maps the save marks (a worker on another host)."),
         }
+        self._backlog = {
+            "backlog_tokens_added": counter(
+                "backlog_tokens_added", "Prompt tokens the engine came to owe before first "
+                "tokens (less backlog_tokens_removed: still to compute)."),
+            "backlog_tokens_removed": counter(
+                "backlog_tokens_removed", "Prompt tokens of the backlog scheduled, or dropped "
+                "with their request (finished, aborted, preempted)."),
+            "backlog_waiting_added": counter(
+                "backlog_waiting_added", "Requests the scheduler looked at, not yet scheduled "
+                "(less backlog_waiting_removed: still waiting)."),
+            "backlog_waiting_removed": counter(
+                "backlog_waiting_removed", "Waiting requests of the backlog scheduled, or "
+                "dropped with their request."),
+        }
         self.skipped = counter(
             "lookups_skipped", "Requests scheduled with no kvshare lookup: vLLM's own cache "
             "(own_cache) or the router's hint (router) left the cluster nothing to add.", "why")
@@ -228,6 +253,8 @@ class KVSharePromMetrics(KVConnectorPromMetrics):
                 self._lookup_extra[key].labels(*labels).inc(value)
             elif key in self._saves:
                 self._saves[key].labels(*labels).inc(value)
+            elif key in self._backlog:
+                self._backlog[key].labels(*labels).inc(value)
             elif key in SKIPPED:
                 self.skipped.labels(*labels, SKIPPED[key]).inc(value)
             elif key in HINTS_IGNORED:

@@ -1,0 +1,97 @@
+"""The prefill work an engine has queued, counted exactly by the connector's scheduler side.
+
+vLLM exports no count of prompt tokens still to compute; from its gauges and histograms a load
+report can only guess (each request in prefill at the *mean* tokens of the finished ones: three
+cold prompts of 6.4k tokens in all read as about 1k). The scheduler side sees every request the
+scheduler looks at (``get_num_new_matched_tokens``: its tokens, what vLLM's cache and the
+cluster bring), every step's scheduled tokens and every finish, so it keeps, per request, the
+tokens it still has to compute before its first token:
+
+- set when the scheduler asks about a request (``seen``): its tokens less those computed and
+  those the connector brings (all but the computed ones while its lookup runs);
+- less each step's scheduled tokens (``scheduled``); gone at 0, at its finish or abort, and at a
+  preemption (it is recomputed when the scheduler takes it up again and asks about it anew).
+
+vLLM's stats path carries counters (deltas summed over steps), so the backlog leaves as two
+cumulative counters each, added and removed (``backlog_tokens_added`` / ``_removed``,
+``backlog_waiting_added`` / ``_removed``: requests seen and not yet scheduled a token); the
+tokens still to compute are ``added - removed``. A request the scheduler has not reached yet (a
+step's token budget ran out before it) is not counted: the load report prices the rest of
+vLLM's waiting requests (``num_requests_waiting`` less the seen ones) as before.
+"""
+
+from __future__ import annotations
+
+import threading
+
+COUNTERS = ("backlog_tokens_added", "backlog_tokens_removed",
+            "backlog_waiting_added", "backlog_waiting_removed")
+
+
+class PrefillBacklog:
+    """Per request: tokens still to compute before its first token, and whether it has been
+    scheduled yet; kept as the cumulative counters :data:`COUNTERS` (:attr:`counters`).
+
+    Called from vLLM's scheduler thread only; :attr:`counters` may be read from another."""
+
+    def __init__(self) -> None:
+        self._left: dict[str, int] = {}
+        self._waiting: set[str] = set()
+        self._lock = threading.Lock()
+        self.counters: dict[str, float] = dict.fromkeys(COUNTERS, 0.0)
+
+    @property
+    def tokens(self) -> int:
+        """Tokens the seen requests still have to compute."""
+        return sum(self._left.values())
+
+    @property
+    def waiting(self) -> int:
+        """Seen requests not yet scheduled a token."""
+        return len(self._waiting)
+
+    def seen(self, rid: str, left: int) -> None:
+        """The scheduler asked about ``rid``: it has ``left`` tokens to compute (replacing what
+        was counted for it: asked again, its lookup has answered since)."""
+        with self._lock:
+            self._set(rid, max(0, left))
+            if rid in self._left and rid not in self._waiting:
+                self._waiting.add(rid)
+                self.counters["backlog_waiting_added"] += 1
+
+    def scheduled(self, scheduled: dict[str, int]) -> None:
+        """A step scheduled ``scheduled[rid]`` tokens per request."""
+        if not self._left:
+            return
+        with self._lock:
+            for rid, n in scheduled.items():
+                left = self._left.get(rid)
+                if left is None:
+                    continue
+                self._unwait(rid)
+                self._set(rid, left - int(n))
+
+    def gone(self, rid: str) -> None:
+        """``rid`` finished, was aborted or preempted: nothing of it is counted any more."""
+        if rid in self._left:
+            with self._lock:
+                self._unwait(rid)
+                self._set(rid, 0)
+
+    def _unwait(self, rid: str) -> None:
+        if rid in self._waiting:
+            self._waiting.discard(rid)
+            self.counters["backlog_waiting_removed"] += 1
+
+    def _set(self, rid: str, left: int) -> None:
+        old = self._left.get(rid, 0)
+        if left > 0:
+            self._left[rid] = left
+        else:
+            left = 0
+            self._left.pop(rid, None)
+            self._unwait(rid)  # (a request with nothing to compute waits on nothing)
+        if left > old:
+            self.counters["backlog_tokens_added"] += left - old
+        elif old > left:
+            self.counters["backlog_tokens_removed"] += old - left
