@@ -162,6 +162,30 @@ def test_chat_reaches_vllm_as_the_gateways_token_ids(
     wait_for(lambda: held(cluster["index"], router.hasher.hashes(ids), loc, Tier.GPU))
 
 
+def test_a_real_engine_reports_its_prefill_backlog_and_empties_it(
+        cluster: dict[str, Any], gateway: tuple[Served, Any]) -> None:
+    """The load report's exact prefill work comes from a real engine's scheduler: a cold
+    prompt adds its tokens to the backlog, its prefill takes them off again."""
+    gw, router = gateway
+    text = "A backlog counts every prompt token still to compute. " * 30
+    ids = router.tokenize(prompt=text)
+    endpoints = [i["endpoint"] for i in cluster["infos"]]
+
+    def backlog() -> tuple[float, float]:
+        """Tokens added to the engines' backlogs, and still in them."""
+        added = sum(metric(e, "vllm:kvshare_backlog_tokens_added_total") for e in endpoints)
+        removed = sum(metric(e, "vllm:kvshare_backlog_tokens_removed_total") for e in endpoints)
+        return added, added - removed
+
+    wait_for(lambda: backlog()[1] == 0, timeout_s=10)
+    before = backlog()[0]
+    r = httpx.post(f"{gw.url}/v1/completions", timeout=120,
+                   json={"model": NS, "prompt": text, "max_tokens": 1})
+    assert r.status_code == 200, r.text
+    # the whole cold prompt (less the last token vLLM never caches) was owed, then computed
+    wait_for(lambda: backlog()[0] - before >= len(ids) - 1 and backlog()[1] == 0, timeout_s=10)
+
+
 def test_a_prompt_only_in_a_pool_goes_where_loading_is_cheapest_and_is_loaded(
         cluster: dict[str, Any], gateway: tuple[Served, Any]) -> None:
     gw, router = gateway
