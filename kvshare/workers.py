@@ -58,7 +58,11 @@ class WorkerLoad:
     ``waiting``: requests queued but not yet scheduled (engines that say so, e.g. vLLM);
     ``kv_usage``: fraction of the engine's own KV cache in use (0..1, 0 = unknown);
     ``local_load_s`` / ``remote_load_s``: measured seconds a request waits for its KV to load
-    from this node's pool / another node's (0 = unknown; e.g. vLLM's kvshare connector).
+    from this node's pool / another node's (0 = unknown; e.g. vLLM's kvshare connector);
+    ``as_of``: when the engine was in the state the queue counts describe, if earlier than
+    ``ts`` (wall clock; 0 = at ``ts``): a vLLM engine's counts are from its last step's
+    scheduling, and its steps can last seconds, so a request that reached it after ``as_of``
+    is not in them (a router counts its own sent after ``as_of``).
     """
 
     worker_id: WorkerId
@@ -70,13 +74,19 @@ class WorkerLoad:
     kv_usage: float = 0.0
     local_load_s: float = 0.0
     remote_load_s: float = 0.0
+    as_of: float = 0.0
+
+    @property
+    def state_ts(self) -> float:
+        """When the engine was in the reported state (``as_of``, else ``ts``)."""
+        return self.as_of or self.ts
 
     def with_queue(self, queued_prefill_tokens: int, running: int) -> WorkerLoad:
         """This report with other queued prefill tokens and running requests (a router's
         view adding its own in-flight work); every other field kept."""
         return WorkerLoad(self.worker_id, queued_prefill_tokens, running,
                           self.prefill_tokens_per_s, self.ts, self.waiting, self.kv_usage,
-                          self.local_load_s, self.remote_load_s)
+                          self.local_load_s, self.remote_load_s, self.as_of)
 
 
 @runtime_checkable

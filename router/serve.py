@@ -512,4 +512,5 @@ def _load_text(load: WorkerLoad | None) -> str:
     if load is None:
         return "no report"
     return (f"queued {load.queued_prefill_tokens} tok, {load.running} running, {load.waiting} "
-            f"waiting, {load.prefill_tokens_per_s:.0f} tok/s, {time.time() - load.ts:.2f}s old")
+            f"waiting, {load.prefill_tokens_per_s:.0f} tok/s, {time.time() - load.ts:.2f}s old"
+            + (f" (state {time.time() - load.as_of:.2f}s old)" if load.as_of else ""))

@@ -92,7 +92,10 @@ class IndexWorkers:
 
 
 class InFlight:
-    """Requests this router routed: prefill tokens until first token, blocks until done.
+    """Requests this router routed: prefill tokens until first token, blocks until done;
+    counted on top of a worker's report when sent after the state it describes
+    (:attr:`~kvshare.workers.WorkerLoad.state_ts`: a vLLM engine's last step, else the report's
+    time).
 
     The other way round too: prefill work that drained (first token, or done) within
     ``drain_window_s`` after a worker's last report is taken off that report's queued tokens
@@ -324,7 +327,7 @@ class InFlight:
         rows = self._drained.get(wid)
         gone, first = (0, math.inf) if rows is None else rows.since(
             max(report.ts, now - self.drain_window_s))
-        tokens, running, blocks = self._mine(wid, report.ts)
+        tokens, running, blocks = self._mine(wid, report.state_ts)
         queued = (max(0, report.queued_prefill_tokens - gone) if gone
                   else report.queued_prefill_tokens) + tokens
         m = self._memo.get(wid)
@@ -353,7 +356,7 @@ class InFlight:
                    ) -> tuple[WorkerLoad, int]:
         """``report`` (already freshened) plus this router's requests sent after it; and the
         worker's active blocks."""
-        tokens, running, blocks = self._mine(worker, report.ts if report is not None else -1e18)
+        tokens, running, blocks = self._mine(worker, report.state_ts if report is not None else -1e18)
         if report is None:
             return WorkerLoad(worker, tokens, running, 0.0, now), blocks
         if not running:

@@ -45,7 +45,7 @@ class Recomputing(InFlight):
             tokens = running = blocks = 0
             for t, b, at in mine:
                 blocks += b
-                if at > report.ts:
+                if at > report.state_ts:
                     tokens += t
                     running += 1
             if running:
@@ -57,7 +57,7 @@ class Recomputing(InFlight):
     def load(self, worker: WorkerId, report: WorkerLoad | None) -> tuple[WorkerLoad, int]:
         if report is not None:
             report = self._fresh_now(report)
-        since = report.ts if report is not None else -1e18
+        since = report.state_ts if report is not None else -1e18
         tokens = running = blocks = 0
         for w, t, b, at in self._reqs.values():
             if w == worker:
@@ -105,8 +105,10 @@ def test_kept_loads_answer_as_recomputing_every_worker() -> None:
                 fast.done(rid)
                 ref.done(rid)
             elif op < 0.8:  # a report, taken a little while ago
+                ts = now[0] - rng.random() * 3  # (as_of: a vLLM engine's last step, earlier)
                 reports[w] = WorkerLoad(w, rng.randrange(0, 20000), rng.randrange(0, 5), 2000.0,
-                                        now[0] - rng.random() * 3, waiting=rng.randrange(0, 3))
+                                        ts, waiting=rng.randrange(0, 3),
+                                        as_of=rng.choice((0.0, ts - rng.random() * 4)))
             elif op < 0.83:
                 gone = rng.choice(infos).worker_id
                 fast.drop(gone)

@@ -449,6 +449,25 @@ def test_in_flight_work_adds_to_a_report_and_drained_work_comes_off_a_stale_one(
     assert load.queued_prefill_tokens == 1300
 
 
+def test_requests_sent_after_the_engine_state_a_report_describes_count_on_top() -> None:
+    """A vLLM report scraped at 100.5 describes the engine as its last step was scheduled, at
+    98 (``as_of``): a request sent at 99 is not in it (it reached the engine during that
+    step), so the router still counts it; one sent before 98 is in the report."""
+    now = [97.0]
+    inflight = InFlight(clock=lambda: now[0])
+    w = WORKERS[0]
+    inflight.add("before", w.worker_id, 700, 2)
+    now[0] = 99.0
+    inflight.add("during", w.worker_id, 2000, 3)
+    now[0] = 100.6
+    report = WorkerLoad(w.worker_id, 700, 1, TPS, 100.5, as_of=98.0)
+    [(load, blocks)] = inflight.loads([w], {w.worker_id: report})
+    assert (load.queued_prefill_tokens, load.running, blocks) == (2700, 2, 5)
+    assert load.as_of == 98.0  # (kept with the router's view)
+    plain = WorkerLoad(w.worker_id, 2700, 2, TPS, 100.5)  # the same, scraped with no as_of
+    assert inflight.loads([w], {w.worker_id: plain})[0][0].queued_prefill_tokens == 2700
+
+
 def test_drained_work_off_a_report_matches_summing_every_drain() -> None:
     """Thousands of drains (a busy router): what comes off each report is the plain sum of
     the drains after it and inside the window, however old the report is."""

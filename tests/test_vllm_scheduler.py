@@ -401,16 +401,17 @@ def test_the_prefill_backlog_counts_exactly_the_tokens_left_to_compute(model: st
     late = request("late", tokens(42, 300), max_tokens=1)
     for r in (hit, cold, late):
         sched.add_request(r)
-    step([hit])  # hit: its 5 new tokens; cold: 251 of 600; late: not reached (no budget left)
+    step([hit])  # hit: its 5 new tokens (done: finished); cold: 251 of 600; late: not reached
     assert (side.backlog.tokens, side.backlog.waiting) == (349, 0)
     assert reported() == (349, 0)
     step([])  # cold: 256 more
     assert reported() == (93, 0)
-    step([cold])  # cold's last 93, late's first 163
+    step([cold])  # cold's last 93, late's first 163 (seen in this step)
     assert reported() == (300 - 163, 0)
     step([late])
     assert reported() == (0, 0) and side.backlog.tokens == 0
     assert not sched.requests or all(r.is_finished() for r in sched.requests.values())
+    assert 0 < time.time() - sent["backlog_as_of_seconds"] < 60
 
     # a request aborted while it waits owes nothing any more
     sched.add_request(request("gone", tokens(43, 200), max_tokens=1))

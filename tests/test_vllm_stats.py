@@ -146,7 +146,7 @@ def test_the_prefill_backlog_reaches_the_load_report_exactly() -> None:
     backlog, delta = PrefillBacklog(), CounterDelta()
     backlog.seen("a", 3000)
     backlog.seen("b", 2400)
-    backlog.scheduled({"a": 512})  # a prefills, b waits (seen), c waits (not reached)
+    backlog.step({"a": 512})  # a prefills, b waits (seen), c waits (not reached)
     prom.observe(delta.take(backlog_counters(backlog.counters)), 0)
     finished = {"vllm:request_prefill_kv_computed_tokens_sum": 4000.0,
                 "vllm:request_prefill_kv_computed_tokens_count": 4.0,
@@ -162,7 +162,10 @@ def test_the_prefill_backlog_reaches_the_load_report_exactly() -> None:
         load.close()
     assert exact.queued_prefill_tokens == (3000 - 512) + 2400 + 1000
     assert guessed.queued_prefill_tokens == 2 * 1000 + 500  # what the estimate made of it
-    backlog.scheduled({"a": 5000, "b": 100})
+    # the report describes the engine as its last step was scheduled, not as scraped
+    assert exact.as_of == backlog.counters["backlog_as_of_seconds"] < exact.ts
+    assert guessed.as_of == 0 and guessed.state_ts == guessed.ts
+    backlog.step({"a": 5000, "b": 100})
     backlog.gone("b")
     prom.observe(delta.take(backlog_counters(backlog.counters)), 0)
     text = generate_latest(registry).decode()

@@ -7,25 +7,37 @@ scheduler looks at (``get_num_new_matched_tokens``: its tokens, what vLLM's cach
 cluster bring), every step's scheduled tokens and every finish, so it keeps, per request, the
 tokens it still has to compute before its first token:
 
-- set when the scheduler asks about a request (``seen``): its tokens less those computed and
-  those the connector brings (all but the computed ones while its lookup runs);
-- less each step's scheduled tokens (``scheduled``); gone at 0, at its finish or abort, and at a
+- set when the scheduler asks about a request (:meth:`PrefillBacklog.seen`): its tokens less
+  those computed and those the connector brings (all but the computed ones while its lookup
+  runs);
+- less each step's scheduled tokens (:meth:`PrefillBacklog.step`: vLLM's stats leave at the
+  end of that step, when they are computed); gone at 0, at its finish or abort, and at a
   preemption (it is recomputed when the scheduler takes it up again and asks about it anew).
 
-vLLM's stats path carries counters (deltas summed over steps), so the backlog leaves as two
-cumulative counters each, added and removed (``backlog_tokens_added`` / ``_removed``,
-``backlog_waiting_added`` / ``_removed``: requests seen and not yet scheduled a token); the
-tokens still to compute are ``added - removed``. A request the scheduler has not reached yet (a
-step's token budget ran out before it) is not counted: the load report prices the rest of
-vLLM's waiting requests (``num_requests_waiting`` less the seen ones) as before.
+So the counts vLLM's stats carry at the end of a step hold every request the engine had when
+that step was scheduled (``backlog_as_of_seconds``, wall clock), and none that arrived during
+it (vLLM adds them after the step): on a CPU a step of ``max_num_batched_tokens`` lasts
+seconds, so a router counts its own requests sent after that time on top
+(:class:`router.workers_view.InFlight`, :attr:`kvshare.workers.WorkerLoad.as_of`), not only
+those sent after the scrape.
+
+vLLM's stats path carries counters (deltas summed over steps), so each count leaves as two
+cumulative counters, added and removed (``backlog_tokens_added`` / ``_removed``,
+``backlog_waiting_added`` / ``_removed``: requests seen and not yet scheduled a token; the
+count is ``added - removed``), and the time as a counter whose value is the time
+(``backlog_as_of_seconds``: each step adds the seconds since the last). A request the scheduler
+has not reached yet (a step's token budget ran out before it) is not counted: the load report
+prices the rest of vLLM's waiting requests (``num_requests_waiting`` less the seen ones).
 """
 
 from __future__ import annotations
 
 import threading
+import time
+from collections.abc import Callable
 
 COUNTERS = ("backlog_tokens_added", "backlog_tokens_removed",
-            "backlog_waiting_added", "backlog_waiting_removed")
+            "backlog_waiting_added", "backlog_waiting_removed", "backlog_as_of_seconds")
 
 
 class PrefillBacklog:
@@ -34,7 +46,8 @@ class PrefillBacklog:
 
     Called from vLLM's scheduler thread only; :attr:`counters` may be read from another."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.time) -> None:
+        self._clock = clock
         self._left: dict[str, int] = {}
         self._waiting: set[str] = set()
         self._lock = threading.Lock()
@@ -59,23 +72,24 @@ class PrefillBacklog:
                 self._waiting.add(rid)
                 self.counters["backlog_waiting_added"] += 1
 
-    def scheduled(self, scheduled: dict[str, int]) -> None:
-        """A step scheduled ``scheduled[rid]`` tokens per request."""
-        if not self._left:
-            return
+    def step(self, scheduled: dict[str, int]) -> None:
+        """A step scheduled ``scheduled[rid]`` tokens per request: off the backlog (they are
+        computed by the time vLLM's stats for the step leave); the step's time is the count's
+        ``backlog_as_of_seconds``."""
         with self._lock:
             for rid, n in scheduled.items():
                 left = self._left.get(rid)
-                if left is None:
-                    continue
-                self._unwait(rid)
-                self._set(rid, left - int(n))
+                if left is not None:
+                    self._unwait(rid)
+                    self._set(rid, left - int(n))
+            now = self._clock()
+            self.counters["backlog_as_of_seconds"] = max(
+                self.counters["backlog_as_of_seconds"], now)
 
     def gone(self, rid: str) -> None:
         """``rid`` finished, was aborted or preempted: nothing of it is counted any more."""
         if rid in self._left:
             with self._lock:
-                self._unwait(rid)
                 self._set(rid, 0)
 
     def _unwait(self, rid: str) -> None:

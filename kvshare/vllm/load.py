@@ -7,7 +7,9 @@ counters and per-request latency histograms. :class:`MetricsLoad` turns them int
 - **Prefill work ahead of a new request** (``queued_prefill_tokens``). With the kvshare
   connector: its exact count of the tokens still to compute of every request the scheduler
   has looked at (:mod:`kvshare.vllm.backlog`), plus the waiting requests it has not reached
-  yet, each at the mean tokens below. Without it, estimated: vLLM does not export
+  yet, each at the mean tokens below; the report's ``as_of`` is then the time the engine's
+  last step was scheduled, which those counts describe (vLLM's steps can last seconds: a
+  request sent after it is not in them). Without it, estimated: vLLM does not export
   the prompt tokens still to compute, and with chunked prefill a request leaves ``waiting``
   as soon as part of its prompt fits a step's budget: most of the prefill work in a busy
   engine is in *running* requests that have not produced their first token. So the requests
@@ -51,12 +53,17 @@ _WANTED = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_ca
            *(f"vllm:kvshare_{k}_total" for k in BACKLOG_KEYS))
 
 
+AS_OF = "vllm:kvshare_backlog_as_of_seconds_total"
+
+
 def parse_metrics(text: str) -> dict[str, float]:
     """The vLLM gauges and counters this module uses, summed over engines (label sets); the
     connector's load waits as ``loads:<where>`` and ``load_seconds:<where>``."""
     out: dict[str, float] = {}
     for name, value in _LINE.findall(text):
-        if name in _WANTED and value != "NaN":
+        if name == AS_OF and value != "NaN":  # a time: the latest engine's
+            out[name] = max(out.get(name, 0.0), float(value))
+        elif name in _WANTED and value != "NaN":
             out[name] = out.get(name, 0.0) + float(value)
     for kind, where, value in _WAIT.findall(text):
         key = f"load{kind}:{where}"
@@ -226,8 +233,13 @@ class MetricsLoad:
             queued = queued_waiting * mean_new + (prefilling - queued_waiting) * mean_new / 2
         wait = {w: lw.update(m.get(f"load_seconds:{w}", 0.0), m.get(f"loads:{w}", 0.0))
                 for w, lw in self.waits.items()}
+        now_wall = time.time()
+        # the connector's counts describe the engine as its last step was scheduled: a request
+        # that arrived after is not in them (a router adds its own sent after ``as_of``)
+        as_of = m.get(AS_OF, 0.0) if backlog is not None else 0.0
         return WorkerLoad(self.worker_id, int(queued), running + waiting,
-                          self.speed.tokens_per_s, time.time(), waiting=waiting,
+                          self.speed.tokens_per_s, now_wall, waiting=waiting,
+                          as_of=as_of if 0 < as_of < now_wall else 0.0,
                           kv_usage=float(m.get("vllm:kv_cache_usage_perc", 0.0)),
                           local_load_s=wait["local"], remote_load_s=wait["remote"])
 

@@ -365,7 +365,7 @@ class SchedulerSide:
         ``page_ids_of(req_id)``: the request's pages in token order."""
         self._count("steps")
         self.lookups.step(scheduled)
-        self.backlog.scheduled(scheduled)
+        self.backlog.step(scheduled)
         meta = KVShareMetadata(loads=self._loads, busy=bool(scheduled),
                                preempted=tuple(preempted),
                                marks=self.marks.path if self.marks is not None else "")

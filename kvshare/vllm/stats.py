@@ -38,8 +38,9 @@ server's ``/metrics``, next to vLLM's own:
 - ``vllm:kvshare_backlog_tokens_added_total`` / ``_removed_total`` and
   ``vllm:kvshare_backlog_waiting_added_total`` / ``_removed_total`` (scheduler role): the
   prompt tokens the engine still has to compute before first tokens, and the requests the
-  scheduler has looked at and not yet scheduled, each as added less removed
-  (:mod:`kvshare.vllm.backlog`; a gauge as two counters, since vLLM's stats path sums deltas);
+  scheduler has looked at and not yet scheduled, each as added less removed, as of the step
+  scheduled at ``vllm:kvshare_backlog_as_of_seconds_total`` (wall clock) (:mod:`kvshare.vllm.
+  backlog`; gauges as counters, since vLLM's stats path sums deltas);
 - ``vllm:kvshare_sync_saves_total``, ``vllm:kvshare_sync_save_seconds_total`` and
   ``vllm:kvshare_sync_saves_late_total``: finishing requests that had saves and were held
   until those ended before their last output left the engine (scheduler role; worker role:
@@ -222,6 +223,9 @@ class KVSharePromMetrics(KVConnectorPromMetrics):
             "backlog_waiting_removed": counter(
                 "backlog_waiting_removed", "Waiting requests of the backlog scheduled, or "
                 "dropped with their request."),
+            "backlog_as_of_seconds": counter(
+                "backlog_as_of_seconds", "When the step the backlog counts describe was "
+                "scheduled (Unix seconds; a counter whose value is the time)."),
         }
         self.skipped = counter(
             "lookups_skipped", "Requests scheduled with no kvshare lookup: vLLM's own cache "
