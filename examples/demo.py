@@ -4,7 +4,8 @@
    trained tokenizer; no model hub), starts a local Ray cluster (head + 2 nodes,
    ``ray.cluster_utils.Cluster``) and deploys kvshare (index + one pool actor per node);
 2. starts one vLLM-CPU OpenAI server per node as a Ray actor pinned to it
-   (``actors.vllm_workers``, what ``kvshare vllm start --connector`` runs): prefix caching on,
+   (``actors.vllm_workers``, what ``kvshare vllm start --connector --dtype float32`` runs;
+   float32 because vLLM-CPU emulates the model's bfloat16 on AVX2 CPUs): prefix caching on,
    its KV events feeding the index as the worker's gpu tier, and the kvshare KV connector
    loading from / saving to the pools;
 3. starts the OpenAI-compatible gateway (cache-aware ``cost`` policy) on loopback;
@@ -170,7 +171,7 @@ def main() -> int:
     from kvshare.vllm.worker import VllmKeys
 
     t0 = time.monotonic()
-    model = timed("tiny Llama (24M parameters, bf16) ready",
+    model = timed(f"tiny Llama (24M parameters, bf16 weights, served in {DTYPE}) ready",
                   lambda: os.path.abspath(build_tiny_llama(MODEL_DIR)))
     print("starting a local Ray cluster with 2 emulated nodes ...", flush=True)
     with demo_common.cluster() as cluster:
