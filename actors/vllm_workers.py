@@ -180,7 +180,10 @@ def register(sub: Any) -> None:
     st.add_argument("--block-size", type=int, default=32, help="vLLM --block-size")
     st.add_argument("--kv-cache-gb", type=float, default=1.0, help="VLLM_CPU_KVCACHE_SPACE")
     st.add_argument("--max-model-len", type=int, default=4096)
-    st.add_argument("--dtype", default="", help="vLLM --dtype (default: the model's)")
+    st.add_argument("--dtype", default="",
+                    help="vLLM --dtype (default: the model's); the namespace's layout must be "
+                         "in the same dtype (kvshare up --dtype). float32 prefills faster than "
+                         "bfloat16 on CPUs without AVX512-BF16 or AMX, which emulate bfloat16")
     st.add_argument("--connector", action="store_true",
                     help="load/store KV through the kvshare connector (kvshare.vllm.connector)")
     st.add_argument("--connector-settings", type=_json_object, default={},

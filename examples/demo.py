@@ -4,7 +4,8 @@
    trained tokenizer; no model hub), starts a local Ray cluster (head + 2 nodes,
    ``ray.cluster_utils.Cluster``) and deploys kvshare (index + one pool actor per node);
 2. starts one vLLM-CPU OpenAI server per node as a Ray actor pinned to it
-   (``actors.vllm_workers``, what ``kvshare vllm start --connector`` runs): prefix caching on,
+   (``actors.vllm_workers``, what ``kvshare vllm start --connector --dtype float32`` runs;
+   float32 because vLLM-CPU emulates the model's bfloat16 on AVX2 CPUs): prefix caching on,
    its KV events feeding the index as the worker's gpu tier, and the kvshare KV connector
    loading from / saving to the pools;
 3. starts the OpenAI-compatible gateway (cache-aware ``cost`` policy) on loopback;
@@ -40,6 +41,10 @@ from demo_common import drive, serve_gateway, timed
 NAMESPACE = "demo-vllm"
 BLOCK = 256  # kvshare share block: 8 vLLM pages of 32 tokens
 MODEL_DIR = os.path.join("out", "tiny-llama")
+# The servers compute in float32, not the model's bfloat16: vLLM-CPU emulates bfloat16 on CPUs
+# without AVX512-BF16 or AMX (AVX2 machines such as these), 2.7x slower prefill measured here.
+# The pools' layout and the gateway's keys follow the same dtype (VllmKeys.from_model).
+DTYPE = "float32"
 
 _SAMPLE = re.compile(r'^(vllm:[a-z0-9_]+)(?:\{([^}]*)\})?\s+([0-9.eE+-]+)$', re.MULTILINE)
 _LABEL = re.compile(r'(source|transport)="([a-z0-9_]+)"')  # p2p has a digit
@@ -55,7 +60,7 @@ def start_workers(model: str) -> list[dict[str, Any]]:
                    if n["Alive"] and any(k.startswith("node_") for k in n["Resources"]))
     infos = start_vllm(model, [n for n, _ in sorted(nodes, key=lambda x: x[1])],
                        namespace=NAMESPACE, block_tokens=BLOCK, kv_cache_gb=1.0,
-                       max_model_len=4096, connector=True)
+                       max_model_len=4096, connector=True, dtype=DTYPE)
     for info in infos:
         print(f"  {info['worker_id']} on node {info['node'][:8]}  {info['endpoint']}")
     return infos
@@ -71,7 +76,7 @@ def start_gateway(model: str) -> tuple[str, Any]:
     from router.gateway import create_app
     from router.workers_view import IndexWorkers
 
-    keys = VllmKeys.from_model(model, BLOCK)  # what the workers' blocks are keyed by
+    keys = VllmKeys.from_model(model, BLOCK, DTYPE)  # what the workers' blocks are keyed by
     index = get_index_client()
     measured = measured_bandwidths(wait_s=20.0)  # bytes/s the pools probed at start
     print("  measured bandwidths (GB/s): "
@@ -166,12 +171,12 @@ def main() -> int:
     from kvshare.vllm.worker import VllmKeys
 
     t0 = time.monotonic()
-    model = timed("tiny Llama (24M parameters, bf16) ready",
+    model = timed(f"tiny Llama (24M parameters, bf16 weights, served in {DTYPE}) ready",
                   lambda: os.path.abspath(build_tiny_llama(MODEL_DIR)))
     print("starting a local Ray cluster with 2 emulated nodes ...", flush=True)
     with demo_common.cluster() as cluster:
         try:
-            layout = VllmKeys.from_model(model, BLOCK).layout  # 2 MiB per 256-token block
+            layout = VllmKeys.from_model(model, BLOCK, DTYPE).layout  # 4 MiB per 256-token block
             deploy(cluster.address, namespace=NAMESPACE, layout=layout, host_gb=0.25,
                    disk_gb=0.5, disk_dir=tempfile.mkdtemp(prefix="kvshare-demo-disk-"))
             print("kvshare deployed; starting a vLLM-CPU worker per node (connector on) ...",

@@ -22,7 +22,7 @@ from kvshare.hashing import shared_block_tokens  # noqa: E402
 from kvshare.types import Tier  # noqa: E402
 from kvshare.vllm.launch import reset_prefix_cache  # noqa: E402
 from tests.http_helpers import Served, wait_idle  # noqa: E402
-from tests.vllm_helpers import tiny_model, wait_for  # noqa: E402
+from tests.vllm_helpers import DTYPE, tiny_model, wait_for  # noqa: E402
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 RAY_NS = "kvshare-vllm-cluster"
@@ -45,14 +45,15 @@ def cluster(ray_cluster: Any, tmp_path_factory: pytest.TempPathFactory) -> Itera
     from kvshare.vllm.worker import VllmKeys
 
     model = tiny_model(str(tmp_path_factory.mktemp("model")))
-    keys = VllmKeys.from_model(model, BLOCK)
+    keys = VllmKeys.from_model(model, BLOCK, DTYPE)  # float32: see DTYPE
     bb = keys.layout.bytes_per_block
     deploy(namespaces=[NamespaceSpec(NS, keys.layout, host_bytes=64 * bb)], ray_namespace=RAY_NS)
     nodes = sorted(n["NodeID"] for n in ray.nodes()
                    if n["Alive"] and any(k.startswith("node_") for k in n["Resources"]))
     try:
         infos = start_workers(model, nodes, namespace=NS, block_tokens=BLOCK,
-                              max_model_len=2048, connector=True, ray_namespace=RAY_NS)
+                              max_model_len=2048, connector=True, dtype=DTYPE,
+                              ray_namespace=RAY_NS)
         yield {"model": model, "keys": keys, "infos": infos,
                "index": get_index_client(RAY_NS), "stop": stop_workers}
     finally:

@@ -51,6 +51,18 @@ def test_a_bad_connector_setting_is_refused_naming_it(model: str, settings: dict
         config(model, connector_settings=settings)
 
 
+def test_the_models_own_dtype_by_default_and_dtype_reaches_vllm_and_the_layout(model: str) -> None:
+    own = VllmWorker(config(model), _NoIndex())  # the tiny model is bfloat16
+    assert "--dtype" not in own.spec.argv() and own.keys.layout.dtype == "bf16"
+    f32 = VllmWorker(config(model, dtype="float32"), _NoIndex())
+    argv = f32.spec.argv()
+    assert argv[argv.index("--dtype") + 1] == "float32" and f32.keys.layout.dtype == "fp32"
+    # the registration (what a gateway and the connector's namespace check compare) follows
+    assert f32.keys.layout.bytes_per_token == 2 * own.keys.layout.bytes_per_token
+    assert f32.info.layout_fingerprint != own.info.layout_fingerprint
+    assert f32.keys.identity != own.keys.identity  # float32 KV is other bytes: other hashes
+
+
 def test_connector_settings_without_the_connector_are_refused(tmp_path: Path) -> None:
     spec = VllmSpec(model=str(tmp_path), port=18124, events_dir="/tmp", block_size=32)
     with pytest.raises(ValueError, match="without the connector"):

