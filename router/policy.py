@@ -594,16 +594,13 @@ class CostPolicy(Policy):
         and [] with a worker idle); class docstring. Changes nothing (:meth:`_note_behind`)."""
         waiting = list(map(_WAITING, cands))
         fewest = min(waiting)
-        if not fewest:  # a worker with nothing waiting: no busy-period terms
-            return fewest, 1.0 + fewest, None, []
         work = 1.0 + fewest  # what a second of plan costs (class docstring)
-        if fewest:  # every worker behind: a busy period (class docstring)
-            work += self._behind.get(ns, 0) / len(cands)
-        bound: list[float] | None = None  # per candidate: the rate of requests bound to it
-        typical: list[float] = []  # and the service time of a request queued there
-        if fewest:  # (none with a worker idle: class docstring)
-            bound = [(w - fewest) / q if q > 0 else 0.0 for w, q in zip(waiting, queues, strict=True)]
-            typical = [q / w if w else 0.0 for w, q in zip(waiting, queues, strict=True)]
+        if not fewest:  # a worker idle: no busy period, no bound requests (class docstring)
+            return fewest, work, None, []
+        work += self._behind.get(ns, 0) / len(cands)  # every worker behind: a busy period
+        # per candidate: the rate of requests bound to it and the service time of one queued there
+        bound = [(w - fewest) / q if q > 0 else 0.0 for w, q in zip(waiting, queues, strict=True)]
+        typical = [q / w if w else 0.0 for w, q in zip(waiting, queues, strict=True)]
         return fewest, work, bound, typical
 
     def _note_behind(self, ns: str, fewest: int) -> None:

@@ -24,6 +24,7 @@ Runs = list[tuple[NamedItems, int]]
 Holders = Sequence[tuple[str, int]]
 """``((location, tier code), ...)``: who holds a block, in which tier (codes of
 :data:`~actors.index.holders.TIER_CODES`, equal to ``Tier.rank``)."""
+_COUNT = itemgetter(1)  # a run's block count
 
 
 class HolderRuns(NamedTuple):
@@ -43,7 +44,8 @@ class HolderRuns(NamedTuple):
     @property
     def available(self) -> bool:
         return not self.unavailable
-_COUNT = itemgetter(1)
+
+
 Row = tuple[Tier | None, ...]
 Segs = tuple[tuple[int, int, int], ...]
 
