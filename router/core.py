@@ -198,20 +198,41 @@ class RoutingCore:
         """The index's match under ``index_timeout_s`` (an in-process index, ``inline``, runs
         without one, its ``match_runs`` called directly); in run form when the index offers
         ``match_runs_async``."""
+        now = self.query_inline(namespace, hashes)
+        if now is not None:
+            return now
         index = self.index
-        if index is None or not hashes:
-            return IndexAnswer(EMPTY_MATCH)
         t = time.perf_counter()
         try:
             if getattr(index, "inline", False):  # in-process: no I/O, no deadline needed
-                runs = getattr(index, "match_runs", None)  # (called as is: no coroutine)
-                match = runs(namespace, hashes) if runs is not None else await self._ask(
-                    index, namespace, hashes)
+                match = await self._ask(index, namespace, hashes)
             else:
                 match = await asyncio.wait_for(self._ask(index, namespace, hashes),
                                                self.index_timeout_s)
         except TimeoutError:
             return IndexAnswer(EMPTY_MATCH, "index_timeout", time.perf_counter() - t)
+        except KeyError:  # namespace not declared yet: nothing cached anywhere
+            return IndexAnswer(EMPTY_MATCH, "", time.perf_counter() - t, answered=True)
+        except Exception:  # noqa: BLE001 - any index failure means load-only routing
+            return IndexAnswer(EMPTY_MATCH, "index_error", time.perf_counter() - t)
+        dt = time.perf_counter() - t
+        if not match.available:
+            return IndexAnswer(EMPTY_MATCH, "index_unavailable", dt, True)
+        return IndexAnswer(match, "", dt, True, True)
+
+    def query_inline(self, namespace: str, hashes: Sequence[BlockHash]) -> IndexAnswer | None:
+        """:meth:`query`'s answer computed now, without a coroutine, where no await is needed
+        (no index, no hashes, or an ``inline`` index with ``match_runs``: an in-process
+        index or a replica); None: await :meth:`query`."""
+        index = self.index
+        if index is None or not hashes:
+            return IndexAnswer(EMPTY_MATCH)
+        runs = getattr(index, "match_runs", None) if getattr(index, "inline", False) else None
+        if runs is None:
+            return None
+        t = time.perf_counter()
+        try:
+            match: Match = runs(namespace, hashes)
         except KeyError:  # namespace not declared yet: nothing cached anywhere
             return IndexAnswer(EMPTY_MATCH, "", time.perf_counter() - t, answered=True)
         except Exception:  # noqa: BLE001 - any index failure means load-only routing

@@ -28,7 +28,8 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from operator import is_
+from itertools import compress
+from operator import attrgetter, is_, is_not
 from typing import Any, ClassVar
 
 from kvshare.cost import CostModel, CutPlan
@@ -316,7 +317,7 @@ class Policy(ABC):
         if (same_request and last is not None and len(last[0]) == len(candidates)
                 and all(map(is_, last[0], candidates))):
             return self._last_out
-        infos = [c.info for c in candidates]
+        infos = list(map(_INFO, candidates))
         if (same_request and len(infos) == len(self._last_infos)
                 and all(map(is_, self._last_infos, infos))):
             # the same workers with other loads: who is eligible, their nodes and private
@@ -347,8 +348,13 @@ class Policy(ABC):
             return self._queues
         if last is not None and last[1] is self.cost and len(last[0]) == len(cands):
             # (a router's next decision: mostly the same candidates, one or two new loads)
-            queue_s, prev, pw = self.queue_s, last[0], self._queues[0]
-            waits = [pw[i] if c is prev[i] else queue_s(c.load) for i, c in enumerate(cands)]
+            queue_s, (pw, po) = self.queue_s, self._queues
+            waits = list(pw)
+            for i in compress(range(len(cands)), map(is_not, cands, last[0])):
+                waits[i] = queue_s(cands[i].load)
+            if waits == pw:  # (the same waits: the same stable sort)
+                self._queues, self._queues_for = (waits, po), (cands, self.cost)
+                return self._queues
         else:
             waits = [self.queue_s(c.load) for c in cands]
         self._queues = (waits, sorted(range(len(cands)), key=waits.__getitem__))
@@ -586,16 +592,15 @@ class CostPolicy(Policy):
         """The fewest requests waiting at any candidate, what a second of plan costs, and per
         candidate the rate of requests bound to it and a queued request's service time (None
         and [] with a worker idle); class docstring. Changes nothing (:meth:`_note_behind`)."""
-        waiting = [c.load.waiting for c in cands]
+        waiting = list(map(_WAITING, cands))
         fewest = min(waiting)
         work = 1.0 + fewest  # what a second of plan costs (class docstring)
-        if fewest:  # every worker behind: a busy period (class docstring)
-            work += self._behind.get(ns, 0) / len(cands)
-        bound: list[float] | None = None  # per candidate: the rate of requests bound to it
-        typical: list[float] = []  # and the service time of a request queued there
-        if fewest:  # (none with a worker idle: class docstring)
-            bound = [(w - fewest) / q if q > 0 else 0.0 for w, q in zip(waiting, queues, strict=True)]
-            typical = [q / w if w else 0.0 for w, q in zip(waiting, queues, strict=True)]
+        if not fewest:  # a worker idle: no busy period, no bound requests (class docstring)
+            return fewest, work, None, []
+        work += self._behind.get(ns, 0) / len(cands)  # every worker behind: a busy period
+        # per candidate: the rate of requests bound to it and the service time of one queued there
+        bound = [(w - fewest) / q if q > 0 else 0.0 for w, q in zip(waiting, queues, strict=True)]
+        typical = [q / w if w else 0.0 for w, q in zip(waiting, queues, strict=True)]
         return fewest, work, bound, typical
 
     def _note_behind(self, ns: str, fewest: int) -> None:
@@ -637,6 +642,11 @@ class CostPolicy(Policy):
                 plan = by_runs[runs] = cost.plan_of_scan(n, runs, k, total, fetch)
             plans[cands[i].info.worker_id] = plan
         self._plans = plans
+        if len(evaluated) == 1 and ests[evaluated[0][0]] < math.inf:
+            # one plan computed, every other candidate pruned (inf): it is the only tie
+            best_i = self._rotate.pick((evaluated[0][0],), cands)
+            plan = plans[cands[best_i].info.worker_id]
+            return best_i, plan_reason(plan), plan
         best_i, reason = self._pick(ests, plans, cands)
         return best_i, reason, plans[cands[best_i].info.worker_id]
 
@@ -734,6 +744,8 @@ class CostPolicy(Policy):
 
 
 _SHRINK = 1.0 - 1e-9
+_INFO = attrgetter("info")  # (C-level reads over the candidates)
+_WAITING = attrgetter("load.waiting")
 _KEPT: frozenset[str] = frozenset()  # no holder lost
 
 

@@ -4,10 +4,15 @@
   new load reports with queues, waits and measured speeds, blocks stored on nodes' pools or
   workers' gpus between decisions) is routed in lockstep by two routers on one fake clock:
   one with the C paths (the cost model's cut-point scan, the xxh3 chain, the pending and ready
-  books, the cost policy's candidate loop), one with their pure-Python fallbacks. Every
+  books, the cost policy's candidate loop) and the index answering inline
+  (:meth:`RoutingCore.query_inline`), one with their pure-Python fallbacks and the index
+  awaited under its deadline. Every
   decision and every candidate's estimate (read from the view the C path builds only then)
   must be equal, for sha256 and xxh3 hashing, under global and local sharing, with and without
   gpu-private workers and busy periods (every worker with requests waiting).
+- The inline index answer is the awaited one, for an index that answers, fails, does not know
+  the namespace or is not synced; the policy's queue waits, kept between calls and recomputed
+  only for the candidates that changed, equal computing them all again.
 - ``ReadyBlocks.add`` (its stored entries dropped in one pass, each part of the prompt
   recorded in its own loop) holds and answers exactly as the version before it, kept here as
   the reference, on random sequences over one and two namespaces.
@@ -26,14 +31,18 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from actors.index.global_index import GlobalIndex
+from actors.index.replica import NOT_SYNCED, IndexReplica
 from kvshare import cost, hashing
+from kvshare.cost import Bandwidths
 from kvshare.events import BlockStored
 from kvshare.hashing import HashFn
 from kvshare.types import BlockHash, NodeId, Tier, WorkerId, node_location, worker_location
 from kvshare.workers import META_GPU_PRIVATE, WorkerInfo, WorkerLoad
 from router import select_native
+from router.core import CostInputs, IndexAnswer, RoutingCore
 from router.embed import CacheAwareRouter, InProcessIndex, Routed, RouterConfig
 from router.pending import PendingBlocks, pending_blocks
+from router.policy import Candidate, CostPolicy
 from router.ready import ReadyBlocks, ready_blocks
 from router.sources import Sharing
 from router.workers_view import InFlight, StaticWorkers
@@ -72,6 +81,12 @@ class Clock:
         return self.now
 
 
+class AwaitedIndex(InProcessIndex):
+    """The same index, not answering inline: the router awaits it under its deadline."""
+
+    inline = False
+
+
 def make_router(index: GlobalIndex, clock: Clock, fn: HashFn, native: bool,
                 sharing: Sharing = Sharing.GLOBAL, private: bool = False) -> CacheAwareRouter:
     """``private``: workers w0 and w3 keep their gpu blocks to themselves."""
@@ -79,8 +94,9 @@ def make_router(index: GlobalIndex, clock: Clock, fn: HashFn, native: bool,
                         meta={META_GPU_PRIVATE: "1"} if private and i % 3 == 0 else {})
              for i in range(WORKERS)]
     cfg = RouterConfig(namespace=NS, model_id="m", block_tokens=BT, hash_fn=fn,
-                       prefill_tokens_per_s=4000.0, sharing=sharing)
-    router = CacheAwareRouter(InProcessIndex(index), StaticWorkers(infos), cfg)
+                       prefill_tokens_per_s=4000.0, sharing=sharing, index_timeout_s=5.0)
+    adapter = InProcessIndex(index) if native else AwaitedIndex(index)
+    router = CacheAwareRouter(adapter, StaticWorkers(infos), cfg)
     if not native:  # the Python loops from the start (the hasher binds its chain when built)
         router.hasher._xxh3 = None
     core = router.core
@@ -233,3 +249,76 @@ def test_ready_add_holds_as_before(seed: int, namespaces: int, cap: int) -> None
             k: list(v.items()) for k, v in ref._at.items()}
         probe = [rng.choice(pool) for _ in range(6)]
         assert fast.run_from(ns, probe, 0) == ref.run_from(ns, probe, 0)
+
+
+class FailingIndex(InProcessIndex):
+    def match_runs(self, namespace: str, hashes: Sequence[BlockHash]) -> Any:
+        raise RuntimeError("index down")
+
+
+class AwaitedFailingIndex(FailingIndex):
+    inline = False
+
+
+def same_answer(a: IndexAnswer, b: IndexAnswer) -> bool:
+    """Equal but for the time waited."""
+    return (a.match, a.fallback, a.timed, a.answered) == (b.match, b.fallback, b.timed, b.answered)
+
+
+@settings(max_examples=20, deadline=None)
+@given(st.integers(0, 2**31))
+def test_the_inline_answer_is_the_awaited_one(seed: int) -> None:
+    rng = random.Random(seed)
+    index = GlobalIndex()
+    index.declare_namespace(NS)
+    pool = [bytes([i]) * 32 for i in range(1, 40)]
+    seq = 0
+    for _ in range(rng.randrange(0, 30)):
+        seq += 1
+        loc = node_location(f"n{rng.randrange(3)}") if rng.random() < 0.5 else worker_location(
+            f"w{rng.randrange(3)}")
+        index.apply([BlockStored(NS, loc, rng.choice((Tier.HOST, Tier.GPU)), rng.choice(pool),
+                                 0, seq)])
+    replica = IndexReplica([object()], start=False)  # never synced: unavailable
+    for inline, awaited in ((InProcessIndex(index), AwaitedIndex(index)),
+                            (FailingIndex(index), AwaitedFailingIndex(index)),
+                            (replica, None)):
+        fast = RoutingCore(inline, CostInputs(BT, 1024, Bandwidths(), 4000.0), policy="cost")
+        slow = RoutingCore(awaited, CostInputs(BT, 1024, Bandwidths(), 4000.0), policy="cost",
+                           index_timeout_s=5.0)
+        for ns in (NS, "undeclared"):
+            hashes = [rng.choice(pool) for _ in range(rng.randrange(0, 8))]
+            got = fast.query_inline(ns, hashes)
+            assert got is not None and same_answer(got, asyncio.run(fast.query(ns, hashes)))
+            if awaited is not None:
+                assert slow.query_inline(ns, hashes) is None or not hashes
+                assert same_answer(got, asyncio.run(slow.query(ns, hashes)))
+            elif hashes:  # the replica before its first sync
+                assert got.fallback == "index_unavailable"
+                assert replica.match_runs(ns, hashes).unavailable == NOT_SYNCED
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(0, 2**31))
+def test_kept_queue_waits_equal_computing_them_all_again(seed: int) -> None:
+    rng = random.Random(seed)
+    model = cost.CostModel(cost.PrefillModel.from_tokens_per_s(4000.0), Bandwidths(), BT, 1024)
+    policy = CostPolicy(model)
+    infos = [WorkerInfo(WorkerId(f"w{i}"), NodeId(f"n{i}"), (NS,), f"http://w{i}")
+             for i in range(rng.randrange(1, 9))]
+
+    def candidate(info: WorkerInfo) -> Candidate:
+        return Candidate(info, WorkerLoad(info.worker_id, rng.choice((0, 0, 800, 5000, 12_000)),
+                                          0, rng.choice((0.0, 2000.0, 8000.0))))
+
+    cands = [candidate(i) for i in infos]
+    for _ in range(40):
+        cands = list(cands)  # (a new list each call, as the policy's eligible list is)
+        for _ in range(rng.choice((0, 0, 1, 2))):
+            i = rng.randrange(len(cands))
+            cands[i] = candidate(infos[i])
+        if rng.random() < 0.1:  # a refitted cost model: every wait again
+            policy.cost = cost.CostModel(cost.PrefillModel.from_tokens_per_s(
+                rng.choice((2000.0, 4000.0))), Bandwidths(), BT, 1024)
+        waits = [policy.queue_s(c.load) for c in cands]
+        assert policy.queues(cands) == (waits, sorted(range(len(cands)), key=waits.__getitem__))

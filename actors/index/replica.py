@@ -144,10 +144,11 @@ class IndexReplica:
     def match_runs(self, namespace: str, hashes: Sequence[BlockHash]) -> HolderRuns:
         """The match in run form, from the local copy. KeyError for an unknown namespace;
         empty (and counted in ``unavailable``) while not :attr:`ready`."""
-        if not self.ready:
+        last = self.last_sync
+        if not (last > 0 and time.monotonic() - last < self.stale_after_s):  # (ready)
             self.unavailable += 1
             return HolderRuns(len(hashes), [], NOT_SYNCED)
-        if isinstance(hashes, bytes | str):
+        if type(hashes) is not list and isinstance(hashes, bytes | str):
             raise ValueError("hashes must be a list of block hashes (bytes), not one value")
         table = self._tables[1].get(namespace)
         if table is None:

@@ -12,6 +12,7 @@ answer as one typed value (routers score it without expanding it).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from operator import itemgetter
 from typing import NamedTuple
 
 from actors.index.holders import TIERS
@@ -23,6 +24,7 @@ Runs = list[tuple[NamedItems, int]]
 Holders = Sequence[tuple[str, int]]
 """``((location, tier code), ...)``: who holds a block, in which tier (codes of
 :data:`~actors.index.holders.TIER_CODES`, equal to ``Tier.rank``)."""
+_COUNT = itemgetter(1)  # a run's block count
 
 
 class HolderRuns(NamedTuple):
@@ -37,11 +39,13 @@ class HolderRuns(NamedTuple):
 
     @property
     def combined_prefix(self) -> int:
-        return sum(n for _, n in self.runs)
+        return sum(map(_COUNT, self.runs))  # (C-level: read on every routing decision)
 
     @property
     def available(self) -> bool:
         return not self.unavailable
+
+
 Row = tuple[Tier | None, ...]
 Segs = tuple[tuple[int, int, int], ...]
 

@@ -98,7 +98,9 @@ class BlockTable:
     def match_runs(self, hashes: Sequence[BlockHash] | bytes) -> tuple[int, Runs]:
         """``(num_blocks, runs)`` of the combined prefix (see :mod:`actors.index.runs`);
         ``hashes`` may also be one bytes object of packed hashes (a wire query)."""
-        if isinstance(hashes, bytes):
+        if type(hashes) is list:  # (the common case first)
+            n = len(hashes)
+        elif isinstance(hashes, bytes):
             n = len(hashes) // self.hash_size
         elif isinstance(hashes, list):
             n = len(hashes)
