@@ -31,46 +31,119 @@ this one started) counts as gone there: one router's book sees only its own traf
 
 from __future__ import annotations
 
-from collections import OrderedDict
+import math
+from bisect import bisect_left, insort
 from collections.abc import Sequence
 
 from actors.index.runs import HolderRuns, Holders
 from kvshare.types import BlockHash, node_location, worker_location
 from kvshare.workers import META_GPU_CACHE_BLOCKS, META_POOL_BLOCKS, WorkerInfo
-from router.sources import Match, holder_runs
+from router.sources import Match, SourceMap, holder_runs
 from router.survival import capacity
 
 
 class ShadowLru:
-    """The keys of an LRU tier of ``capacity`` blocks, least recently used first."""
+    """The keys of an LRU tier of ``capacity`` blocks, each stamped with the (estimated) time
+    of its last use, so the tier's content can be read at any time, not only once every use
+    replayed so far has happened.
+
+    A block used at ``tau`` is still held at ``t`` while fewer than ``capacity`` other blocks
+    were used there in ``(tau, t]``: it leaves at the time of the ``capacity``-th use after its
+    own (:meth:`evicted_at`). Uses are ordered by time, then by the order they were replayed
+    in (so one job's blocks, used tail first, leave its prefix the most recent). A block whose
+    last replayed use is after ``t`` counts as held at ``t`` (its use before that is not
+    kept; it was recent enough to be used again). A key leaves the shadow once it is gone at
+    every time from ``now`` on.
+    """
 
     def __init__(self, capacity: int) -> None:
         assert capacity > 0
         self.capacity = capacity
-        self._keys: OrderedDict[BlockHash, None] = OrderedDict()
+        self._at: dict[BlockHash, _Use] = {}  # key -> its last use
+        self._order: list[_Use] = []  # every kept key's last use, oldest first
+        self._seq = 0
 
     def __len__(self) -> int:
-        return len(self._keys)
+        return len(self._at)
 
-    def use(self, hashes: Sequence[BlockHash]) -> None:
-        """A job uses (stores or reads) these blocks of one prompt: tail first, so the prefix
-        ends most recently used; the least recently used go past the capacity."""
-        keys = self._keys
+    def take(self, other: ShadowLru) -> None:
+        """Start from ``other``'s uses (same times and order), cut to this capacity."""
+        self._at.update(other._at)
+        self._order = sorted(self._at.values())
+        self._seq = max(self._seq, other._seq)
+        self.use((), now=-math.inf)
+
+    def keys(self) -> list[BlockHash]:
+        """The kept keys, least recently used first."""
+        return [u[2] for u in self._order]
+
+    def use(self, hashes: Sequence[BlockHash], at: float = 0.0, now: float = math.inf) -> None:
+        """A job uses (stores or reads) these blocks of one prompt at time ``at``: tail first,
+        so the prefix ends most recently used. Keys gone at every time from ``now`` on are
+        dropped (the default, ``inf``: the state once every use so far has happened, a plain
+        LRU of ``capacity``)."""
+        at_, order = self._at, self._order
         for h in reversed(hashes):
-            if h in keys:
-                keys.move_to_end(h)
+            self._seq += 1
+            u = (at, self._seq, h)
+            old = at_.get(h)
+            if old is not None:
+                if old > u:
+                    continue  # (its later use stands)
+                del order[bisect_left(order, old)]
+            at_[h] = u
+            if not order or order[-1] < u:
+                order.append(u)
             else:
-                keys[h] = None
-        while len(keys) > self.capacity:
-            keys.popitem(last=False)
+                insort(order, u)
+        cap = self.capacity
+        drop = 0
+        while len(order) - drop > cap and order[drop + cap][0] <= now:
+            drop += 1
+        if drop:
+            for u in order[:drop]:
+                del at_[u[2]]
+            del order[:drop]
 
-    def leading(self, hashes: Sequence[BlockHash]) -> int:
-        """How many leading blocks of ``hashes`` the tier holds."""
-        keys = self._keys
-        for i, h in enumerate(hashes):
-            if h not in keys:
-                return i
-        return len(hashes)
+    def evicted_at(self, h: BlockHash) -> float:
+        """When ``h`` leaves the tier (``inf``: not within the uses replayed; ``-inf``: not
+        held)."""
+        u = self._at.get(h)
+        if u is None:
+            return -math.inf
+        j = bisect_left(self._order, u) + self.capacity
+        return self._order[j][0] if j < len(self._order) else math.inf
+
+    def held_until(self, hashes: Sequence[BlockHash]) -> list[float]:
+        """Per leading block ``i`` of ``hashes``, up to the first one the shadow does not
+        keep: the time until which blocks ``0..i`` are all held (non-increasing)."""
+        out: list[float] = []
+        low = math.inf
+        for h in hashes:
+            e = self.evicted_at(h)
+            if e == -math.inf:
+                break
+            low = min(low, e)
+            out.append(low)
+        return out
+
+    def leading(self, hashes: Sequence[BlockHash], at: float = math.inf) -> int:
+        """How many leading blocks of ``hashes`` the tier holds at time ``at`` (default: once
+        every use replayed so far has happened)."""
+        return held_at(self.held_until(hashes), at)
+
+
+_Use = tuple[float, int, BlockHash]  # (time, replay order, key)
+
+
+def held_at(until: Sequence[float], at: float) -> int:
+    """How many leading blocks a :meth:`ShadowLru.held_until` list holds at time ``at``."""
+    n = 0
+    for u in until:
+        if u <= at and u != math.inf:  # (inf: never evicted, held even once all have run)
+            break
+        n += 1
+    return n
 
 
 class RecencyBook:
@@ -91,46 +164,118 @@ class RecencyBook:
                 if cap and (tier is None or tier.capacity < cap):
                     new = self._tiers[loc] = ShadowLru(cap)
                     if tier is not None:  # (a node's workers may report different sizes)
-                        new.use(list(tier._keys)[::-1])
+                        new.take(tier)
 
     def tier(self, loc: str) -> ShadowLru | None:
         return self._tiers.get(loc)
 
-    def use(self, loc: str, hashes: Sequence[BlockHash]) -> None:
-        """A job uses these blocks at ``loc`` (nothing where it has no shadow)."""
+    def use(self, loc: str, hashes: Sequence[BlockHash], at: float = 0.0,
+            now: float = math.inf) -> None:
+        """A job uses these blocks at ``loc`` at time ``at`` (nothing where it has no
+        shadow); :meth:`ShadowLru.use`."""
         tier = self._tiers.get(loc)
         if tier is not None and hashes:
-            tier.use(hashes)
+            tier.use(hashes, at, now)
 
-    def trim(self, match: Match, hashes: Sequence[BlockHash]) -> HolderRuns:
-        """``match`` in run form with each shadowed location's holding cut to the leading
-        blocks its shadow still holds; unchanged where nothing is cut."""
-        runs = holder_runs(match)
-        limits: dict[str, int] = {}
-        ends: dict[str, int] = {}  # where each location's holding ends
-        pos = 0
-        for holders, n in runs:
-            pos += n
+    def schedule(self, match: Match, hashes: Sequence[BlockHash]) -> dict[str, list[float]]:
+        """Per shadowed location ``match`` names, :meth:`ShadowLru.held_until` of
+        ``hashes``: how many leading blocks it holds at any time is :func:`held_at`."""
+        out: dict[str, list[float]] = {}
+        for holders, _ in holder_runs(match):
             for loc, _ in holders:
-                ends[loc] = pos
-                if loc not in limits:
+                if loc not in out:
                     tier = self._tiers.get(loc)
-                    limits[loc] = tier.leading(hashes) if tier is not None else len(hashes)
-        cut = any(limits[loc] < e for loc, e in ends.items())
-        if not cut:
-            return match if isinstance(match, HolderRuns) else HolderRuns(match.num_blocks, runs)
-        out: list[tuple[Holders, int]] = []
-        pos = 0
-        for holders, n in runs:
-            end = pos + n
-            bounds = sorted({pos, *(k for loc, _ in holders if pos < (k := limits[loc]) < end)})
-            for s, e in zip(bounds, [*bounds[1:], end], strict=True):
-                kept = tuple((loc, r) for loc, r in holders if limits[loc] > s)
-                if kept and out and out[-1][0] == kept:
-                    out[-1] = (kept, out[-1][1] + e - s)
-                else:
-                    out.append((kept, e - s))
-            pos = end
-        gap = next((j for j, (h, _) in enumerate(out) if not h), len(out))
-        del out[gap:]  # (nothing past a gap is reachable: a view stops at the first)
-        return HolderRuns(match.num_blocks, tuple(out), getattr(match, "unavailable", ""))
+                    if tier is not None:
+                        out[loc] = tier.held_until(hashes)
+        return out
+
+    def trim(self, match: Match, hashes: Sequence[BlockHash], at: float = math.inf
+             ) -> HolderRuns:
+        """``match`` in run form with each shadowed location's holding cut to the leading
+        blocks its shadow holds at time ``at`` (default: once every use replayed so far has
+        happened); unchanged where nothing is cut."""
+        limits = {loc: held_at(until, at) for loc, until in self.schedule(match, hashes).items()}
+        return cut(match, limits)
+
+
+def cut(match: Match, limits: dict[str, int]) -> HolderRuns:
+    """``match`` in run form with each location of ``limits`` cut to that many leading blocks
+    (the rest kept whole); unchanged where nothing is cut."""
+    runs = holder_runs(match)
+    ends: dict[str, int] = {}  # where each location's holding ends
+    pos = 0
+    for holders, n in runs:
+        pos += n
+        for loc, _ in holders:
+            ends[loc] = pos
+    if not any(limits.get(loc, e) < e for loc, e in ends.items()):
+        return match if isinstance(match, HolderRuns) else HolderRuns(match.num_blocks, runs)
+    big = 1 << 62
+    out: list[tuple[Holders, int]] = []
+    pos = 0
+    for holders, n in runs:
+        end = pos + n
+        bounds = sorted({pos, *(k for loc, _ in holders
+                                if pos < (k := limits.get(loc, big)) < end)})
+        for s, e in zip(bounds, [*bounds[1:], end], strict=True):
+            kept = tuple((loc, r) for loc, r in holders if limits.get(loc, big) > s)
+            if kept and out and out[-1][0] == kept:
+                out[-1] = (kept, out[-1][1] + e - s)
+            else:
+                out.append((kept, e - s))
+        pos = end
+    gap = next((j for j, (h, _) in enumerate(out) if not h), len(out))
+    del out[gap:]  # (nothing past a gap is reachable: a view stops at the first)
+    return HolderRuns(match.num_blocks, tuple(out), getattr(match, "unavailable", ""))
+
+
+class TimedHoldings:
+    """One request's index match and pending blocks as the shadowed locations will hold them
+    at a given time: each candidate is priced on the holdings at its own start (a node's pool
+    read from another node as it will be when the reader starts, not once that node's queue
+    has drained). Views are built once per distinct cut."""
+
+    def __init__(self, book: RecencyBook, hashes: Sequence[BlockHash], match: Match,
+                 pending: Match | None) -> None:
+        self.match, self.pending = match, pending
+        until = book.schedule(match, hashes)
+        if pending is not None:
+            until.update(book.schedule(pending, hashes))
+        self._until = until
+        self._ends: dict[str, int] = {}  # where each shadowed location's holding ends
+        for m in (match, pending):
+            pos = 0
+            for holders, n in holder_runs(m) if m is not None else ():
+                pos += n
+                for loc, _ in holders:
+                    if loc in until:
+                        self._ends[loc] = max(self._ends.get(loc, 0), pos)
+        self._cuts: dict[float, tuple[tuple[str, int], ...]] = {}
+        self._views: dict[tuple[tuple[str, int], ...], SourceMap] = {}
+
+    def limits(self, at: float) -> tuple[tuple[str, int], ...]:
+        """The locations whose holding is cut at time ``at``, each with what it keeps."""
+        got = self._cuts.get(at)
+        if got is None:
+            ends = self._ends
+            got = self._cuts[at] = tuple(
+                (loc, k) for loc, until in self._until.items()
+                if (k := held_at(until, at)) < ends.get(loc, 0))
+        return got
+
+    def match_at(self, at: float) -> Match:
+        """The index match as held at time ``at``."""
+        lim = self.limits(at)
+        return cut(self.match, dict(lim)) if lim else self.match
+
+    def view(self, base: SourceMap, at: float) -> SourceMap:
+        """``base`` (the view of the whole match) as held at time ``at``."""
+        lim = self.limits(at)
+        if not lim:
+            return base
+        got = self._views.get(lim)
+        if got is None:
+            cuts = dict(lim)
+            pending = cut(self.pending, cuts) if self.pending is not None else None
+            got = self._views[lim] = base.with_match(cut(self.match, cuts), pending)
+        return got
