@@ -481,10 +481,11 @@ class CostPolicy(Policy):
     :mod:`router.survival`.
 
     With ``recency`` (off by default; README), the index's and pending holdings of each engine
-    cache and node pool whose capacity the workers report are first cut to the leading blocks
-    still held there once the jobs queued before this one have run, from a shadow LRU per tier
-    that replays this policy's decisions (:mod:`router.recency`): a block's own LRU position,
-    not a bound for any position. It changes only the match, so the C loop runs it too.
+    cache and node pool whose capacity the workers report are cut, per candidate, to the
+    leading blocks still held there when that candidate would start, from a shadow LRU per
+    tier that replays this policy's decisions at their estimated times (:mod:`router.recency`):
+    a block's own LRU position, not a bound for any position. It runs the Python loop (the C
+    loop prices every candidate on one view).
     """
 
     name = "cost"
@@ -500,6 +501,7 @@ class CostPolicy(Policy):
         self._shadowed: dict[WorkerId, NodeId] = {}  # workers whose tiers the book keeps
         self._timed: TimedHoldings | None = None  # this request's holdings by time (recency)
         self._waits: dict[WorkerId, float] = {}  # the last decision's candidates' waits
+        self._last_end: dict[WorkerId, float] = {}  # per worker: its last job's replay end
         self._plans: dict[WorkerId, CutPlan] = {}
         self._rotate = _Rotation()
         # (survival runs the Python book and loop: the C ones do not test turnover)
@@ -552,7 +554,8 @@ class CostPolicy(Policy):
             while pos < end and queues[order[pos]] == q:
                 i = order[pos]
                 info = cands[i].info
-                seen = timed.view(view, now + q) if timed is not None else view
+                seen = view if timed is None else timed.view(
+                    view, max(now + q, self._last_end.get(info.worker_id, now)))
                 runs = seen.source_runs(info.worker_id, info.node, self.sharing, fetch,
                                         lost(q) if lost is not None else _KEPT)
                 wait = q
@@ -706,9 +709,11 @@ class CostPolicy(Policy):
         timed = self._timed
         if plan is not None and timed is not None:
             now = self.clock()
-            start = now + self._waits.get(decision.worker, 0.0)
-            self._replay(request.hashes, decision.worker, plan.cut, timed.match_at(start),
-                         start, start + plan.total_s, now)
+            w = decision.worker
+            start = now + self._waits.get(w, 0.0)
+            read = max(start, self._last_end.get(w, now))  # (the time it was priced at)
+            end = self._last_end[w] = max(read, start + plan.total_s)
+            self._replay(request.hashes, w, plan.cut, timed.match_at(read), read, end, now)
 
     def _replay(self, hashes: Sequence[BlockHash], worker: WorkerId, cut: int,
                 match: Match, start: float, end: float, now: float) -> None:

@@ -7,20 +7,27 @@ its LRU stack distance. :mod:`router.survival` bounds that from the capacity alo
 rank; this module keeps the rank. The router sees every job it sends, in each worker's queue
 order, so it replays them into a shadow LRU per tier (a key per block, no bytes):
 
-- the chosen worker's engine cache uses every block of the prompt (it keeps what it loads and
-  what it computes);
-- its node's pool stores the blocks the plan computes (past the cut);
-- a block the plan loads from a pool is used there (the pool's LRU touch when it is pinned):
-  its own node's pool, else the first other node the index names as holding it.
+- the chosen worker's engine cache uses every block of the prompt at the job's estimated end
+  (it keeps what it loads and what it computes);
+- its node's pool stores the blocks the plan computes (past the cut), at the job's end;
+- a block the plan loads from a pool is used there at the job's estimated start (the pool's
+  LRU touch when it is pinned): its own node's pool, else the first other node the index
+  names as holding it.
 
-Blocks are used tail first, so a prefix outlives its tail, as the pools stamp them.
+Blocks are used tail first, so a prefix outlives its tail, as the pools stamp them. A job's
+start is the later of the router's estimate of its queue wait and its worker's previous
+job's replayed end, so a worker's own uses stay in queue order.
 
-When a job is routed, each shadow already holds the state after every job queued before it,
-so the leading blocks of a prompt still in the shadow of location ``L`` are what ``L`` will
-hold when the job starts, and :meth:`RecencyBook.trim` cuts the index's (and the pending
-blocks') holdings of ``L`` to that prefix before the candidates are priced. That is exact for
-a worker's own engine cache (its jobs run in queue order); for a node's pool read by a worker
-on another node it is the state when that node's queue has drained, not when the reader starts.
+Each use keeps its time, so a shadow answers for any moment (:class:`ShadowLru`): a block
+used at ``tau`` is held at ``t`` while fewer than ``capacity`` blocks were used there in
+``(tau, t]``. A candidate is priced on each tier as it will be at the candidate's own start
+(:class:`TimedHoldings` cuts the index's and the pending holdings of each location to the
+leading blocks its shadow holds then): for the candidate's own engine cache that is the state
+once its queue has run (exact: only its jobs use it); for a node's pool read from another node
+it is the pool at the moment the reader starts, with the uses of the pool's own queue that
+come later left out (reading it once that queue had drained dropped blocks a reader starting
+sooner still finds). A location's later uses are the router's estimates, as its queue waits
+are.
 Nothing is tuned: the capacities are the ones the workers report
 (:data:`~kvshare.workers.META_GPU_CACHE_BLOCKS`, :data:`~kvshare.workers.META_POOL_BLOCKS`).
 
