@@ -122,35 +122,28 @@ class ShadowLru:
         return self._order[j][0] if j < len(self._order) else math.inf
 
     def held_until(self, hashes: Sequence[BlockHash]) -> list[float]:
-        """Per leading block ``i`` of ``hashes``, up to the first one the shadow does not
-        keep: the time until which blocks ``0..i`` are all held (non-increasing)."""
-        out: list[float] = []
-        low = math.inf
-        for h in hashes:
-            e = self.evicted_at(h)
-            if e == -math.inf:
-                break
-            low = min(low, e)
-            out.append(low)
-        return out
+        """:meth:`evicted_at` of each block of ``hashes``."""
+        return [self.evicted_at(h) for h in hashes]
 
     def leading(self, hashes: Sequence[BlockHash], at: float = math.inf) -> int:
         """How many leading blocks of ``hashes`` the tier holds at time ``at`` (default: once
         every use replayed so far has happened)."""
-        return held_at(self.held_until(hashes), at)
+        return next((i for i, u in enumerate(self.held_until(hashes)) if not _held(u, at)),
+                    len(hashes))
 
 
 _Use = tuple[float, int, BlockHash]  # (time, replay order, key)
 
 
-def held_at(until: Sequence[float], at: float) -> int:
-    """How many leading blocks a :meth:`ShadowLru.held_until` list holds at time ``at``."""
-    n = 0
-    for u in until:
-        if u <= at and u != math.inf:  # (inf: never evicted, held even once all have run)
-            break
-        n += 1
-    return n
+def _held(until: float, at: float) -> bool:
+    """Whether a block held until ``until`` is held at ``at`` (``inf``: never evicted, held
+    even once every use has happened)."""
+    return until > at or until == math.inf
+
+
+def dropped_at(until: dict[int, float], at: float) -> tuple[int, ...]:
+    """The positions of a :meth:`RecencyBook.schedule` entry not held at time ``at``."""
+    return tuple(i for i, u in until.items() if not _held(u, at))
 
 
 class RecencyBook:
@@ -184,53 +177,54 @@ class RecencyBook:
         if tier is not None and hashes:
             tier.use(hashes, at, now)
 
-    def schedule(self, match: Match, hashes: Sequence[BlockHash]) -> dict[str, list[float]]:
-        """Per shadowed location ``match`` names, :meth:`ShadowLru.held_until` of
-        ``hashes``: how many leading blocks it holds at any time is :func:`held_at`."""
-        out: dict[str, list[float]] = {}
-        for holders, _ in holder_runs(match):
+    def schedule(self, match: Match, hashes: Sequence[BlockHash]
+                 ) -> dict[str, dict[int, float]]:
+        """Per shadowed location ``match`` names, each position it holds there (a location's
+        holding need not be one run from the first block) and until when
+        (:meth:`ShadowLru.evicted_at`)."""
+        out: dict[str, dict[int, float]] = {}
+        pos = 0
+        for holders, n in holder_runs(match):
             for loc, _ in holders:
-                if loc not in out:
-                    tier = self._tiers.get(loc)
-                    if tier is not None:
-                        out[loc] = tier.held_until(hashes)
+                tier = self._tiers.get(loc)
+                if tier is not None:
+                    got = out.setdefault(loc, {})
+                    for i in range(pos, pos + n):
+                        got[i] = tier.evicted_at(hashes[i])
+            pos += n
         return out
 
     def trim(self, match: Match, hashes: Sequence[BlockHash], at: float = math.inf
              ) -> HolderRuns:
-        """``match`` in run form with each shadowed location's holding cut to the leading
-        blocks its shadow holds at time ``at`` (default: once every use replayed so far has
-        happened); unchanged where nothing is cut."""
-        limits = {loc: held_at(until, at) for loc, until in self.schedule(match, hashes).items()}
-        return cut(match, limits)
+        """``match`` in run form without the blocks each shadowed location no longer holds
+        at time ``at`` (default: once every use replayed so far has happened); unchanged where
+        nothing is cut."""
+        drops = {loc: d for loc, until in self.schedule(match, hashes).items()
+                 if (d := dropped_at(until, at))}
+        return cut(match, drops)
 
 
-def cut(match: Match, limits: dict[str, int]) -> HolderRuns:
-    """``match`` in run form with each location of ``limits`` cut to that many leading blocks
-    (the rest kept whole); unchanged where nothing is cut."""
+def cut(match: Match, drops: dict[str, tuple[int, ...]]) -> HolderRuns:
+    """``match`` in run form without each location's holding of the positions ``drops``
+    names for it; unchanged where nothing is cut."""
     runs = holder_runs(match)
-    ends: dict[str, int] = {}  # where each location's holding ends
-    pos = 0
-    for holders, n in runs:
-        pos += n
-        for loc, _ in holders:
-            ends[loc] = pos
-    if not any(limits.get(loc, e) < e for loc, e in ends.items()):
+    if not drops:
         return match if isinstance(match, HolderRuns) else HolderRuns(match.num_blocks, runs)
-    big = 1 << 62
+    gone = {(loc, i) for loc, ps in drops.items() for i in ps}
     out: list[tuple[Holders, int]] = []
     pos = 0
     for holders, n in runs:
-        end = pos + n
-        bounds = sorted({pos, *(k for loc, _ in holders
-                                if pos < (k := limits.get(loc, big)) < end)})
-        for s, e in zip(bounds, [*bounds[1:], end], strict=True):
-            kept = tuple((loc, r) for loc, r in holders if limits.get(loc, big) > s)
-            if kept and out and out[-1][0] == kept:
-                out[-1] = (kept, out[-1][1] + e - s)
+        if not any(loc in drops for loc, _ in holders):
+            kept_runs: list[tuple[Holders, int]] = [(holders, n)]
+        else:
+            kept_runs = [(tuple((loc, r) for loc, r in holders if (loc, i) not in gone), 1)
+                         for i in range(pos, pos + n)]
+        for kept, k in kept_runs:
+            if out and out[-1][0] == kept:
+                out[-1] = (kept, out[-1][1] + k)
             else:
-                out.append((kept, e - s))
-        pos = end
+                out.append((kept, k))
+        pos += n
     gap = next((j for j, (h, _) in enumerate(out) if not h), len(out))
     del out[gap:]  # (nothing past a gap is reachable: a view stops at the first)
     return HolderRuns(match.num_blocks, tuple(out), getattr(match, "unavailable", ""))
@@ -247,27 +241,19 @@ class TimedHoldings:
         self.match, self.pending = match, pending
         until = book.schedule(match, hashes)
         if pending is not None:
-            until.update(book.schedule(pending, hashes))
+            for loc, got in book.schedule(pending, hashes).items():
+                until.setdefault(loc, {}).update(got)
         self._until = until
-        self._ends: dict[str, int] = {}  # where each shadowed location's holding ends
-        for m in (match, pending):
-            pos = 0
-            for holders, n in holder_runs(m) if m is not None else ():
-                pos += n
-                for loc, _ in holders:
-                    if loc in until:
-                        self._ends[loc] = max(self._ends.get(loc, 0), pos)
-        self._cuts: dict[float, tuple[tuple[str, int], ...]] = {}
-        self._views: dict[tuple[tuple[str, int], ...], SourceMap] = {}
+        self._cuts: dict[float, tuple[tuple[str, tuple[int, ...]], ...]] = {}
+        self._views: dict[tuple[tuple[str, tuple[int, ...]], ...], SourceMap] = {}
 
-    def limits(self, at: float) -> tuple[tuple[str, int], ...]:
-        """The locations whose holding is cut at time ``at``, each with what it keeps."""
+    def limits(self, at: float) -> tuple[tuple[str, tuple[int, ...]], ...]:
+        """The locations whose holding is cut at time ``at``, each with the positions it no
+        longer holds."""
         got = self._cuts.get(at)
         if got is None:
-            ends = self._ends
             got = self._cuts[at] = tuple(
-                (loc, k) for loc, until in self._until.items()
-                if (k := held_at(until, at)) < ends.get(loc, 0))
+                (loc, d) for loc, until in self._until.items() if (d := dropped_at(until, at)))
         return got
 
     def match_at(self, at: float) -> Match:
