@@ -155,3 +155,21 @@ def test_a_remote_pool_is_priced_as_it_will_be_when_the_reader_starts() -> None:
     book = policy._recency
     assert book is not None and book.tier(N0) is not None
     assert [n for _, n in book.trim(match, A).runs] == []  # drained: A gone from n0
+
+
+def test_a_pool_holding_a_prompt_past_a_head_it_never_held_keeps_it() -> None:
+    """n1's 7-block pool holds A's blocks 1-7 (it computed them after reading block 0
+    elsewhere); n0 holds block 0. Nothing is cut: n1 is not dropped for lacking a block 0 it
+    never held. One more block stored at n1 pushes out its least recent, A's last: only that
+    block is cut."""
+    book = RecencyBook()
+    book.add_workers([worker(0, 0, pool_blocks=64).info, worker(1, 0, pool_blocks=7).info])
+    n1 = node_location(NodeId("n1"))
+    book.use(N0, A[:1])
+    book.use(n1, A[1:])
+    match = build_match([{N0: Tier.HOST}] + [{n1: Tier.HOST} for _ in A[1:]])
+    assert [(sorted(loc for loc, _ in h), n) for h, n in book.trim(match, A).runs] == [
+        ([N0], 1), ([n1], 7)]
+    book.use(n1, B[:1])
+    assert [(sorted(loc for loc, _ in h), n) for h, n in book.trim(match, A).runs] == [
+        ([N0], 1), ([n1], 6)]
