@@ -131,7 +131,8 @@ def main() -> int:
                          "at the job's start (CostPolicy(survival=True); router/survival.py)")
     ap.add_argument("--recency", action="store_true",
                     help="cost cuts each tier's holdings to what its shadow LRU still holds when "
-                         "the job starts (CostPolicy(recency=True); router/recency.py)")
+                         "each candidate would start (CostPolicy(recency=True); "
+                         "router/recency.py)")
     ap.add_argument("--dump", default=None, help="write every cell's mean/p99 per policy (JSON)")
     ap.add_argument("--peers-from", default=None,
                     help="a --dump file: the figures of the policies not in --policies")

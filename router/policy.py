@@ -38,7 +38,7 @@ from kvshare.types import BlockHash, NodeId, WorkerId, node_location, worker_loc
 from kvshare.vllm import router_hint
 from kvshare.workers import META_GPU_PRIVATE, WorkerInfo, WorkerLoad
 from router.ready import ReadyBlocks, ReadyBook, ready_blocks
-from router.recency import RecencyBook
+from router.recency import RecencyBook, TimedHoldings
 from router.select_native import NativeSelect
 from router.sources import Match, Sharing, SourceMap, SourceRuns, holder_runs
 from router.survival import Capacities, Turnover
@@ -487,10 +487,11 @@ class CostPolicy(Policy):
     :mod:`router.survival`.
 
     With ``recency`` (off by default; README), the index's and pending holdings of each engine
-    cache and node pool whose capacity the workers report are first cut to the leading blocks
-    still held there once the jobs queued before this one have run, from a shadow LRU per tier
-    that replays this policy's decisions (:mod:`router.recency`): a block's own LRU position,
-    not a bound for any position. It changes only the match, so the C loop runs it too.
+    cache and node pool whose capacity the workers report are cut, per candidate, to the
+    leading blocks still held there when that candidate would start, from a shadow LRU per
+    tier that replays this policy's decisions at their estimated times (:mod:`router.recency`):
+    a block's own LRU position, not a bound for any position. It runs the Python loop (the C
+    loop prices every candidate on one view).
     """
 
     name = "cost"
@@ -504,7 +505,9 @@ class CostPolicy(Policy):
         self.survival = survival
         self._recency = RecencyBook() if recency else None
         self._shadowed: dict[WorkerId, NodeId] = {}  # workers whose tiers the book keeps
-        self._trimmed: Match | None = None  # the last decision's trimmed match (recency)
+        self._timed: TimedHoldings | None = None  # this request's holdings by time (recency)
+        self._waits: dict[WorkerId, float] = {}  # the last decision's candidates' waits
+        self._last_end: dict[WorkerId, float] = {}  # per worker: its last job's replay end
         self._plans: dict[WorkerId, CutPlan] = {}
         self._rotate = _Rotation()
         # (survival runs the Python book and loop: the C ones do not test turnover)
@@ -523,9 +526,7 @@ class CostPolicy(Policy):
             if new:
                 book.add_workers(new)
                 self._shadowed.update((i.worker_id, i.node) for i in new)
-            match = self._trimmed = book.trim(match, request.hashes)
-            if pending is not None:
-                pending = book.trim(pending, request.hashes)
+            self._timed = TimedHoldings(book, request.hashes, match, pending)
         return super().rank(request, match, candidates, pending)
 
     def _select(self, request: RouteRequest, view: SourceMap, cands: list[Candidate]) -> tuple[int, str]:
@@ -542,6 +543,8 @@ class CostPolicy(Policy):
         c_max = cost.cached_tokens(reach, n)
         floor = cost.prefill.time(n - c_max, c_max)  # no plan beats this (free fetch)
         queues, order = self.queues(cands)
+        timed = self._timed
+        waits = self._waits = {}
         turnover = self._turnover(cands, queues)
         lost = turnover.lost if turnover is not None else None
         fewest, work, bound, typical = self._pressure(ns, cands, queues)
@@ -557,7 +560,9 @@ class CostPolicy(Policy):
             while pos < end and queues[order[pos]] == q:
                 i = order[pos]
                 info = cands[i].info
-                runs = view.source_runs(info.worker_id, info.node, self.sharing, fetch,
+                seen = view if timed is None else timed.view(
+                    view, max(now + q, self._last_end.get(info.worker_id, now)))
+                runs = seen.source_runs(info.worker_id, info.node, self.sharing, fetch,
                                         lost(q) if lost is not None else _KEPT)
                 wait = q
                 if ready is not None and turnover is not None:
@@ -582,6 +587,7 @@ class CostPolicy(Policy):
                 if plan is None:
                     plan = by_runs[runs] = cost.plan_runs(n, runs)
                 plans[cands[i].info.worker_id] = plan
+                waits[cands[i].info.worker_id] = wait
                 t = plan.total_s
                 ests[i] = wait + _work_s(t, work, bound, typical, i)
                 best = min(best, ests[i])
@@ -615,8 +621,9 @@ class CostPolicy(Policy):
                        ) -> tuple[int, str, CutPlan] | None:
         """:meth:`_select`'s loop in C (:mod:`router.select_native`: the same estimates and
         plans, no Python view), then the same pick; None where it cannot run (and with
-        ``survival``: the C loop does not test turnover)."""
-        if self.survival:
+        ``survival`` or ``recency``: the C loop does not test turnover or read holdings at
+        each candidate's start)."""
+        if self.survival or self._recency is not None:
             return None
         ns, n = request.namespace, request.num_tokens
         queues, order = self.queues(cands)
@@ -709,14 +716,21 @@ class CostPolicy(Policy):
             now = self.clock()
             self._ready.add(request.namespace, decision.worker, request.hashes,
                             now + decision.est_ttft_s, now, stored_from=plan.cut)
-        if plan is not None and self._recency is not None and self._trimmed is not None:
-            self._replay(request.hashes, decision.worker, plan.cut, self._trimmed)
+        timed = self._timed
+        if plan is not None and timed is not None:
+            now = self.clock()
+            w = decision.worker
+            start = now + self._waits.get(w, 0.0)
+            read = max(start, self._last_end.get(w, now))  # (the time it was priced at)
+            end = self._last_end[w] = max(read, start + plan.total_s)
+            self._replay(request.hashes, w, plan.cut, timed.match_at(read), read, end, now)
 
     def _replay(self, hashes: Sequence[BlockHash], worker: WorkerId, cut: int,
-                match: Match) -> None:
-        """Replay a decision's job into the tiers' shadows (:mod:`router.recency`): the
-        blocks it loads from pools (its node's, else the first other node named), what it
-        computes into its node's pool, the whole prompt into its engine cache."""
+                match: Match, start: float, end: float, now: float) -> None:
+        """Replay a decision's job into the tiers' shadows (:mod:`router.recency`): at its
+        start, the blocks it loads from pools (its node's, else the first other node named);
+        at its end, what it computes into its node's pool and the whole prompt into its
+        engine cache."""
         book = self._recency
         assert book is not None
         w_loc = worker_location(worker)
@@ -734,10 +748,10 @@ class CostPolicy(Policy):
                     reads.setdefault(src, []).extend(hashes[pos:min(pos + n, cut)])
             pos += n
         for loc, hs in reads.items():
-            book.use(loc, hs)
+            book.use(loc, hs, start, now)
         if n_loc is not None:
-            book.use(n_loc, hashes[cut:])
-        book.use(w_loc, hashes)
+            book.use(n_loc, hashes[cut:], end, now)
+        book.use(w_loc, hashes, end, now)
 
     def _planned(self) -> dict[WorkerId, CutPlan]:
         return self._plans

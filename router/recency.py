@@ -7,20 +7,27 @@ its LRU stack distance. :mod:`router.survival` bounds that from the capacity alo
 rank; this module keeps the rank. The router sees every job it sends, in each worker's queue
 order, so it replays them into a shadow LRU per tier (a key per block, no bytes):
 
-- the chosen worker's engine cache uses every block of the prompt (it keeps what it loads and
-  what it computes);
-- its node's pool stores the blocks the plan computes (past the cut);
-- a block the plan loads from a pool is used there (the pool's LRU touch when it is pinned):
-  its own node's pool, else the first other node the index names as holding it.
+- the chosen worker's engine cache uses every block of the prompt at the job's estimated end
+  (it keeps what it loads and what it computes);
+- its node's pool stores the blocks the plan computes (past the cut), at the job's end;
+- a block the plan loads from a pool is used there at the job's estimated start (the pool's
+  LRU touch when it is pinned): its own node's pool, else the first other node the index
+  names as holding it.
 
-Blocks are used tail first, so a prefix outlives its tail, as the pools stamp them.
+Blocks are used tail first, so a prefix outlives its tail, as the pools stamp them. A job's
+start is the later of the router's estimate of its queue wait and its worker's previous
+job's replayed end, so a worker's own uses stay in queue order.
 
-When a job is routed, each shadow already holds the state after every job queued before it,
-so the leading blocks of a prompt still in the shadow of location ``L`` are what ``L`` will
-hold when the job starts, and :meth:`RecencyBook.trim` cuts the index's (and the pending
-blocks') holdings of ``L`` to that prefix before the candidates are priced. That is exact for
-a worker's own engine cache (its jobs run in queue order); for a node's pool read by a worker
-on another node it is the state when that node's queue has drained, not when the reader starts.
+Each use keeps its time, so a shadow answers for any moment (:class:`ShadowLru`): a block
+used at ``tau`` is held at ``t`` while fewer than ``capacity`` blocks were used there in
+``(tau, t]``. A candidate is priced on each tier as it will be at the candidate's own start
+(:class:`TimedHoldings` cuts the index's and the pending holdings of each location to the
+leading blocks its shadow holds then): for the candidate's own engine cache that is the state
+once its queue has run (exact: only its jobs use it); for a node's pool read from another node
+it is the pool at the moment the reader starts, with the uses of the pool's own queue that
+come later left out (reading it once that queue had drained dropped blocks a reader starting
+sooner still finds). A location's later uses are the router's estimates, as its queue waits
+are.
 Nothing is tuned: the capacities are the ones the workers report
 (:data:`~kvshare.workers.META_GPU_CACHE_BLOCKS`, :data:`~kvshare.workers.META_POOL_BLOCKS`).
 
@@ -31,46 +38,112 @@ this one started) counts as gone there: one router's book sees only its own traf
 
 from __future__ import annotations
 
-from collections import OrderedDict
+import math
+from bisect import bisect_left, insort
 from collections.abc import Sequence
 
 from actors.index.runs import HolderRuns, Holders
 from kvshare.types import BlockHash, node_location, worker_location
 from kvshare.workers import META_GPU_CACHE_BLOCKS, META_POOL_BLOCKS, WorkerInfo
-from router.sources import Match, holder_runs
+from router.sources import Match, SourceMap, holder_runs
 from router.survival import capacity
 
 
 class ShadowLru:
-    """The keys of an LRU tier of ``capacity`` blocks, least recently used first."""
+    """The keys of an LRU tier of ``capacity`` blocks, each stamped with the (estimated) time
+    of its last use, so the tier's content can be read at any time, not only once every use
+    replayed so far has happened.
+
+    A block used at ``tau`` is still held at ``t`` while fewer than ``capacity`` other blocks
+    were used there in ``(tau, t]``: it leaves at the time of the ``capacity``-th use after its
+    own (:meth:`evicted_at`). Uses are ordered by time, then by the order they were replayed
+    in (so one job's blocks, used tail first, leave its prefix the most recent). A block whose
+    last replayed use is after ``t`` counts as held at ``t`` (its use before that is not
+    kept; it was recent enough to be used again). A key leaves the shadow once it is gone at
+    every time from ``now`` on.
+    """
 
     def __init__(self, capacity: int) -> None:
         assert capacity > 0
         self.capacity = capacity
-        self._keys: OrderedDict[BlockHash, None] = OrderedDict()
+        self._at: dict[BlockHash, _Use] = {}  # key -> its last use
+        self._order: list[_Use] = []  # every kept key's last use, oldest first
+        self._seq = 0
 
     def __len__(self) -> int:
-        return len(self._keys)
+        return len(self._at)
 
-    def use(self, hashes: Sequence[BlockHash]) -> None:
-        """A job uses (stores or reads) these blocks of one prompt: tail first, so the prefix
-        ends most recently used; the least recently used go past the capacity."""
-        keys = self._keys
+    def take(self, other: ShadowLru) -> None:
+        """Start from ``other``'s uses (same times and order), cut to this capacity."""
+        self._at.update(other._at)
+        self._order = sorted(self._at.values())
+        self._seq = max(self._seq, other._seq)
+        self.use((), now=-math.inf)
+
+    def keys(self) -> list[BlockHash]:
+        """The kept keys, least recently used first."""
+        return [u[2] for u in self._order]
+
+    def use(self, hashes: Sequence[BlockHash], at: float = 0.0, now: float = math.inf) -> None:
+        """A job uses (stores or reads) these blocks of one prompt at time ``at``: tail first,
+        so the prefix ends most recently used. Keys gone at every time from ``now`` on are
+        dropped (the default, ``inf``: the state once every use so far has happened, a plain
+        LRU of ``capacity``)."""
+        at_, order = self._at, self._order
         for h in reversed(hashes):
-            if h in keys:
-                keys.move_to_end(h)
+            self._seq += 1
+            u = (at, self._seq, h)
+            old = at_.get(h)
+            if old is not None:
+                if old > u:
+                    continue  # (its later use stands)
+                del order[bisect_left(order, old)]
+            at_[h] = u
+            if not order or order[-1] < u:
+                order.append(u)
             else:
-                keys[h] = None
-        while len(keys) > self.capacity:
-            keys.popitem(last=False)
+                insort(order, u)
+        cap = self.capacity
+        drop = 0
+        while len(order) - drop > cap and order[drop + cap][0] <= now:
+            drop += 1
+        if drop:
+            for u in order[:drop]:
+                del at_[u[2]]
+            del order[:drop]
 
-    def leading(self, hashes: Sequence[BlockHash]) -> int:
-        """How many leading blocks of ``hashes`` the tier holds."""
-        keys = self._keys
-        for i, h in enumerate(hashes):
-            if h not in keys:
-                return i
-        return len(hashes)
+    def evicted_at(self, h: BlockHash) -> float:
+        """When ``h`` leaves the tier (``inf``: not within the uses replayed; ``-inf``: not
+        held)."""
+        u = self._at.get(h)
+        if u is None:
+            return -math.inf
+        j = bisect_left(self._order, u) + self.capacity
+        return self._order[j][0] if j < len(self._order) else math.inf
+
+    def held_until(self, hashes: Sequence[BlockHash]) -> list[float]:
+        """:meth:`evicted_at` of each block of ``hashes``."""
+        return [self.evicted_at(h) for h in hashes]
+
+    def leading(self, hashes: Sequence[BlockHash], at: float = math.inf) -> int:
+        """How many leading blocks of ``hashes`` the tier holds at time ``at`` (default: once
+        every use replayed so far has happened)."""
+        return next((i for i, u in enumerate(self.held_until(hashes)) if not _held(u, at)),
+                    len(hashes))
+
+
+_Use = tuple[float, int, BlockHash]  # (time, replay order, key)
+
+
+def _held(until: float, at: float) -> bool:
+    """Whether a block held until ``until`` is held at ``at`` (``inf``: never evicted, held
+    even once every use has happened)."""
+    return until > at or until == math.inf
+
+
+def dropped_at(until: dict[int, float], at: float) -> tuple[int, ...]:
+    """The positions of a :meth:`RecencyBook.schedule` entry not held at time ``at``."""
+    return tuple(i for i, u in until.items() if not _held(u, at))
 
 
 class RecencyBook:
@@ -91,46 +164,111 @@ class RecencyBook:
                 if cap and (tier is None or tier.capacity < cap):
                     new = self._tiers[loc] = ShadowLru(cap)
                     if tier is not None:  # (a node's workers may report different sizes)
-                        new.use(list(tier._keys)[::-1])
+                        new.take(tier)
 
     def tier(self, loc: str) -> ShadowLru | None:
         return self._tiers.get(loc)
 
-    def use(self, loc: str, hashes: Sequence[BlockHash]) -> None:
-        """A job uses these blocks at ``loc`` (nothing where it has no shadow)."""
+    def use(self, loc: str, hashes: Sequence[BlockHash], at: float = 0.0,
+            now: float = math.inf) -> None:
+        """A job uses these blocks at ``loc`` at time ``at`` (nothing where it has no
+        shadow); :meth:`ShadowLru.use`."""
         tier = self._tiers.get(loc)
         if tier is not None and hashes:
-            tier.use(hashes)
+            tier.use(hashes, at, now)
 
-    def trim(self, match: Match, hashes: Sequence[BlockHash]) -> HolderRuns:
-        """``match`` in run form with each shadowed location's holding cut to the leading
-        blocks its shadow still holds; unchanged where nothing is cut."""
-        runs = holder_runs(match)
-        limits: dict[str, int] = {}
-        ends: dict[str, int] = {}  # where each location's holding ends
+    def schedule(self, match: Match, hashes: Sequence[BlockHash]
+                 ) -> dict[str, dict[int, float]]:
+        """Per shadowed location ``match`` names, each position it holds there (a location's
+        holding need not be one run from the first block) and until when
+        (:meth:`ShadowLru.evicted_at`)."""
+        out: dict[str, dict[int, float]] = {}
         pos = 0
-        for holders, n in runs:
-            pos += n
+        for holders, n in holder_runs(match):
             for loc, _ in holders:
-                ends[loc] = pos
-                if loc not in limits:
-                    tier = self._tiers.get(loc)
-                    limits[loc] = tier.leading(hashes) if tier is not None else len(hashes)
-        cut = any(limits[loc] < e for loc, e in ends.items())
-        if not cut:
-            return match if isinstance(match, HolderRuns) else HolderRuns(match.num_blocks, runs)
-        out: list[tuple[Holders, int]] = []
-        pos = 0
-        for holders, n in runs:
-            end = pos + n
-            bounds = sorted({pos, *(k for loc, _ in holders if pos < (k := limits[loc]) < end)})
-            for s, e in zip(bounds, [*bounds[1:], end], strict=True):
-                kept = tuple((loc, r) for loc, r in holders if limits[loc] > s)
-                if kept and out and out[-1][0] == kept:
-                    out[-1] = (kept, out[-1][1] + e - s)
-                else:
-                    out.append((kept, e - s))
-            pos = end
-        gap = next((j for j, (h, _) in enumerate(out) if not h), len(out))
-        del out[gap:]  # (nothing past a gap is reachable: a view stops at the first)
-        return HolderRuns(match.num_blocks, tuple(out), getattr(match, "unavailable", ""))
+                tier = self._tiers.get(loc)
+                if tier is not None:
+                    got = out.setdefault(loc, {})
+                    for i in range(pos, pos + n):
+                        got[i] = tier.evicted_at(hashes[i])
+            pos += n
+        return out
+
+    def trim(self, match: Match, hashes: Sequence[BlockHash], at: float = math.inf
+             ) -> HolderRuns:
+        """``match`` in run form without the blocks each shadowed location no longer holds
+        at time ``at`` (default: once every use replayed so far has happened); unchanged where
+        nothing is cut."""
+        drops = {loc: d for loc, until in self.schedule(match, hashes).items()
+                 if (d := dropped_at(until, at))}
+        return cut(match, drops)
+
+
+def cut(match: Match, drops: dict[str, tuple[int, ...]]) -> HolderRuns:
+    """``match`` in run form without each location's holding of the positions ``drops``
+    names for it; unchanged where nothing is cut."""
+    runs = holder_runs(match)
+    if not drops:
+        return match if isinstance(match, HolderRuns) else HolderRuns(match.num_blocks, runs)
+    gone = {(loc, i) for loc, ps in drops.items() for i in ps}
+    out: list[tuple[Holders, int]] = []
+    pos = 0
+    for holders, n in runs:
+        if not any(loc in drops for loc, _ in holders):
+            kept_runs: list[tuple[Holders, int]] = [(holders, n)]
+        else:
+            kept_runs = [(tuple((loc, r) for loc, r in holders if (loc, i) not in gone), 1)
+                         for i in range(pos, pos + n)]
+        for kept, k in kept_runs:
+            if out and out[-1][0] == kept:
+                out[-1] = (kept, out[-1][1] + k)
+            else:
+                out.append((kept, k))
+        pos += n
+    gap = next((j for j, (h, _) in enumerate(out) if not h), len(out))
+    del out[gap:]  # (nothing past a gap is reachable: a view stops at the first)
+    return HolderRuns(match.num_blocks, tuple(out), getattr(match, "unavailable", ""))
+
+
+class TimedHoldings:
+    """One request's index match and pending blocks as the shadowed locations will hold them
+    at a given time: each candidate is priced on the holdings at its own start (a node's pool
+    read from another node as it will be when the reader starts, not once that node's queue
+    has drained). Views are built once per distinct cut."""
+
+    def __init__(self, book: RecencyBook, hashes: Sequence[BlockHash], match: Match,
+                 pending: Match | None) -> None:
+        self.match, self.pending = match, pending
+        until = book.schedule(match, hashes)
+        if pending is not None:
+            for loc, got in book.schedule(pending, hashes).items():
+                until.setdefault(loc, {}).update(got)
+        self._until = until
+        self._cuts: dict[float, tuple[tuple[str, tuple[int, ...]], ...]] = {}
+        self._views: dict[tuple[tuple[str, tuple[int, ...]], ...], SourceMap] = {}
+
+    def limits(self, at: float) -> tuple[tuple[str, tuple[int, ...]], ...]:
+        """The locations whose holding is cut at time ``at``, each with the positions it no
+        longer holds."""
+        got = self._cuts.get(at)
+        if got is None:
+            got = self._cuts[at] = tuple(
+                (loc, d) for loc, until in self._until.items() if (d := dropped_at(until, at)))
+        return got
+
+    def match_at(self, at: float) -> Match:
+        """The index match as held at time ``at``."""
+        lim = self.limits(at)
+        return cut(self.match, dict(lim)) if lim else self.match
+
+    def view(self, base: SourceMap, at: float) -> SourceMap:
+        """``base`` (the view of the whole match) as held at time ``at``."""
+        lim = self.limits(at)
+        if not lim:
+            return base
+        got = self._views.get(lim)
+        if got is None:
+            cuts = dict(lim)
+            pending = cut(self.pending, cuts) if self.pending is not None else None
+            got = self._views[lim] = base.with_match(cut(self.match, cuts), pending)
+        return got

@@ -214,6 +214,10 @@ class SourceMap:
         self._holder_nodes = {nd for nd in best1_node if nd is not None}
         self._remote_only: SourceRuns | None = None
 
+    def with_match(self, match: Match, pending: Match | None = None) -> SourceMap:
+        """A view of another match (and pending blocks) for the same workers."""
+        return SourceMap(match, self._worker_nodes, pending, self._private)
+
     def _own(self, loc: str) -> list[int] | None:
         """``loc``'s own rank per segment (its index holding, else _NONE, lowered by its
         pending blocks); None if it holds nothing in either."""

@@ -50,6 +50,17 @@ def worker(i: int, queued: int, pool_blocks: int | None = 8) -> Candidate:
     return Candidate(info, WorkerLoad(info.worker_id, queued, 1 if queued else 0))
 
 
+class Clock:
+    """A policy clock that moves a second forward each time it is read."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        self.now += 1.0
+        return self.now
+
+
 def held(hashes: list[BlockHash], layout: dict[Location, Tier]) -> MatchResult:
     return build_match([dict(layout) for _ in hashes])
 
@@ -104,8 +115,61 @@ def test_a_prompt_used_again_since_survives_where_capacity_alone_would_drop_it()
     and still there, so w0 reads it, where a bound from capacity alone (the queue writes more
     than the pool holds) would count it gone."""
     policy = make_policy("cost", model(), Sharing.LOCAL, recency=True)
+    policy.clock = Clock()  # (a second between requests: each job ends before the next)
     for hashes, match in ((A, held(A, {})), (B, held(B, {})), (A, held(A, {N0: Tier.HOST}))):
         assert policy.choose(request(hashes), match, [worker(0, 0)]).worker == "w0"
     cands = [worker(0, 100_100), worker(1, 100_000)]
     d = policy.choose(request(A), held(A, {N0: Tier.HOST}), cands)
     assert (d.worker, d.reason, d.cached_blocks) == ("w0", "cache_local", 8)
+
+
+def test_a_shadow_reads_a_tier_at_any_time_by_when_each_use_happens() -> None:
+    """An 8-block pool: A stored at t=10, B at t=50. At t=30 the pool still holds A (a block
+    used later, B, counts as held: whether it exists yet is the index's answer); from t=50
+    on it holds B alone, as it does once every use has happened."""
+    lru = ShadowLru(8)
+    lru.use(A, at=10.0, now=0.0)
+    lru.use(B, at=50.0, now=0.0)
+    assert (lru.leading(A, at=30.0), lru.leading(B, at=30.0)) == (8, 8)
+    assert (lru.leading(A, at=50.0), lru.leading(B, at=50.0)) == (0, 8)
+    assert (lru.leading(A), lru.leading(B)) == (0, 8)
+    assert len(lru) == 16  # A is still needed for times before 50
+    lru.use(C[:1], at=60.0, now=55.0)  # from t=55 on A is gone at every time: dropped
+    assert len(lru) == 9
+
+
+def test_a_remote_pool_is_priced_as_it_will_be_when_the_reader_starts() -> None:
+    """n0's 8-block pool holds A; w0's queue will store B there about 100 s from now,
+    pushing A out. An idle w1 starting now reads A from n0 (cache_remote, 8 blocks): the
+    pool still holds it then. Priced on n0's state once its queue has drained, A would count
+    as gone and w1 would recompute it."""
+    policy = make_policy("cost", model(), Sharing.GLOBAL, recency=True)
+    policy.clock = Clock()
+    solo = [worker(0, 0)]
+    assert policy.choose(request(A), held(A, {}), solo).worker == "w0"  # A stored at ~1.1 s
+    behind = [worker(0, 100_000)]  # 100 s of queue: B stored at ~102.1 s
+    assert policy.choose(request(B), held(B, {}), behind).worker == "w0"
+    match = held(A, {N0: Tier.HOST})
+    d = policy.choose(request(A), match, [worker(0, 200_000), worker(1, 0)])
+    assert (d.worker, d.reason, d.cached_blocks) == ("w1", "cache_remote", 8)
+    book = policy._recency
+    assert book is not None and book.tier(N0) is not None
+    assert [n for _, n in book.trim(match, A).runs] == []  # drained: A gone from n0
+
+
+def test_a_pool_holding_a_prompt_past_a_head_it_never_held_keeps_it() -> None:
+    """n1's 7-block pool holds A's blocks 1-7 (it computed them after reading block 0
+    elsewhere); n0 holds block 0. Nothing is cut: n1 is not dropped for lacking a block 0 it
+    never held. One more block stored at n1 pushes out its least recent, A's last: only that
+    block is cut."""
+    book = RecencyBook()
+    book.add_workers([worker(0, 0, pool_blocks=64).info, worker(1, 0, pool_blocks=7).info])
+    n1 = node_location(NodeId("n1"))
+    book.use(N0, A[:1])
+    book.use(n1, A[1:])
+    match = build_match([{N0: Tier.HOST}] + [{n1: Tier.HOST} for _ in A[1:]])
+    assert [(sorted(loc for loc, _ in h), n) for h, n in book.trim(match, A).runs] == [
+        ([N0], 1), ([n1], 7)]
+    book.use(n1, B[:1])
+    assert [(sorted(loc for loc, _ in h), n) for h, n in book.trim(match, A).runs] == [
+        ([N0], 1), ([n1], 6)]
