@@ -215,10 +215,7 @@ class RoutingCore:
             return IndexAnswer(EMPTY_MATCH, "", time.perf_counter() - t, answered=True)
         except Exception:  # noqa: BLE001 - any index failure means load-only routing
             return IndexAnswer(EMPTY_MATCH, "index_error", time.perf_counter() - t)
-        dt = time.perf_counter() - t
-        if not match.available:
-            return IndexAnswer(EMPTY_MATCH, "index_unavailable", dt, True)
-        return IndexAnswer(match, "", dt, True, True)
+        return _answered(match, time.perf_counter() - t)
 
     def query_inline(self, namespace: str, hashes: Sequence[BlockHash]) -> IndexAnswer | None:
         """:meth:`query`'s answer computed now, without a coroutine, where no await is needed
@@ -237,10 +234,7 @@ class RoutingCore:
             return IndexAnswer(EMPTY_MATCH, "", time.perf_counter() - t, answered=True)
         except Exception:  # noqa: BLE001 - any index failure means load-only routing
             return IndexAnswer(EMPTY_MATCH, "index_error", time.perf_counter() - t)
-        dt = time.perf_counter() - t
-        if not match.available:
-            return IndexAnswer(EMPTY_MATCH, "index_unavailable", dt, True)
-        return IndexAnswer(match, "", dt, True, True)
+        return _answered(match, time.perf_counter() - t)
 
     @staticmethod
     async def _ask(index: Any, namespace: str, hashes: Sequence[BlockHash]) -> Match:
@@ -338,6 +332,13 @@ class RoutingCore:
     def finished(self, request_id: str) -> None:
         """The request is complete (or failed): stop counting it as load."""
         self.inflight.done(request_id)
+
+
+def _answered(match: Match, seconds: float) -> IndexAnswer:
+    """The answer for an index that matched in ``seconds`` (a pool-less index: unavailable)."""
+    if not match.available:
+        return IndexAnswer(EMPTY_MATCH, "index_unavailable", seconds, True)
+    return IndexAnswer(match, "", seconds, True, True)
 
 
 def _relabel(ranking: Ranking, reason: str, *, keep_estimate: bool, policy: str = "") -> Ranking:
