@@ -135,6 +135,10 @@ class Routed:
     (:mod:`kvshare.breakdown`)."""
     block_tokens: int = field(default=0, compare=False)
     """The router's block size (what :attr:`hashes` cover each)."""
+    info: WorkerInfo | None = field(default=None, compare=False, repr=False)
+    """The chosen worker's registration as the router saw it when deciding (its engine and
+    model say what body to send): a later snapshot may no longer list it (its lease lapsed
+    for a moment), and the request must still go to it in its engine's form."""
 
     def vllm_hint(self) -> dict[str, Any] | None:
         """What the index answered when this was routed (None: it did not answer, or no
@@ -319,8 +323,9 @@ class CacheAwareRouter:
         self._count(d, tenant, len(ids), cached, answer.fallback, t4 - t0)
         self.recent.add(rid, d, tenant.name, len(ids), answer.fallback)
         timings = {"tokenize": t1 - t0, "hash": t2 - t1, "index": t3 - t2, "score": t4 - t3}
+        info = next((i for i in infos if i.worker_id == d.worker), None)
         return Routed(rid, d, tenant, ns, ids, hashes, answer.index_s, answer.fallback, ranking,
-                      timings, self.config.block_tokens)
+                      timings, self.config.block_tokens, info)
 
     def mark_down(self, worker: WorkerId, for_s: float = 5.0) -> None:
         """Avoid ``worker`` for ``for_s`` seconds (it refused a connection)."""

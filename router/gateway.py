@@ -32,8 +32,6 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvshare.asgi import unless_disconnected
 from kvshare.auth import WorkerAuth, cluster_secret
-from kvshare.types import WorkerId
-from kvshare.workers import WorkerInfo
 from router import stream_resume, timing, upstream
 from router.admin_routes import add_admin_routes, checked_body, json_object
 from router.admission import Admission, AdmissionConfig
@@ -197,10 +195,6 @@ def create_app(
         timing.observe(metrics.ttft_stages, timing.json_reply(data, routed.timings, upstream_s))
         return json.dumps(data).encode()
 
-    async def worker_info(worker: WorkerId) -> WorkerInfo | None:
-        infos, _ = await router.workers.snapshot()
-        return next((i for i in infos if i.worker_id == worker), None)
-
     async def proxy(request: Request, path: str, chat: bool) -> Response:
         t_in = time.perf_counter()
         got = await read(request, chat)
@@ -234,9 +228,9 @@ def create_app(
         stream = bool(body.get("stream"))
 
         def body_for(r: Routed, deadline_s: float) -> dict[str, Any]:
-            return forward_body(body, r, infos.get(r.decision.worker), chat, deadline_s)
+            # the worker as routed: a snapshot taken now may have lost it (a lapsed lease)
+            return forward_body(body, r, r.info, chat, deadline_s)
 
-        infos = {i.worker_id: i for i in (await router.workers.snapshot())[0]}
         out = Outgoing(path, to_worker, stream, time.monotonic() + float(seconds), body_for)
         t_send = time.perf_counter()
         answered, outcome = await unless_disconnected(
@@ -266,7 +260,7 @@ def create_app(
         live: Routed = routed  # the worker streaming now (another after a resume)
         stages = timing.stream_stages(live.timings, first_s)
         headers["x-kvshare-breakdown"] = timing.header(stages)
-        vllm = is_vllm(infos.get(d.worker))
+        vllm = is_vllm(routed.info)
         if vllm:  # no worker stages will come: what the gateway saw is the whole breakdown
             timing.observe(metrics.ttft_stages, stages)
 

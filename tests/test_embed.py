@@ -197,3 +197,22 @@ def test_index_actor_down_means_load_only_routing(local_ray: None) -> None:
     assert (dead.available, dead.unavailable, dead.combined_prefix) == (False, "index_down", 0)
     runs = run(client.match_runs_async(NS, hashes))
     assert (runs.available, runs.unavailable, runs.runs) == (False, "index_down", [])
+
+
+def test_a_decision_carries_the_worker_as_routed_when_the_list_changes_after() -> None:
+    """The gateway forwards in the chosen worker's engine form (a vLLM server gets vLLM's
+    fields and its served model name): that comes from the registration the router decided
+    with, so a worker that a later listing lacks (its lease lapsed for a moment) still gets
+    the right body."""
+    from router.forward import forward_body
+
+    vllm = WorkerInfo(WorkerId("v0"), NodeId("n0"), (NS,), "http://v0", 1, "fp",
+                      {"engine": "vllm", "model": "/models/tiny"})
+    source = StaticWorkers([vllm])
+    r = CacheAwareRouter(None, source, CFG)
+    routed = run(r.route(prompt=PROMPT))
+    source.workers = []  # listed no more
+    assert routed.decision.worker == "v0" and routed.info == vllm
+    body = forward_body({"model": NS, "prompt": PROMPT}, routed, routed.info, chat=False)
+    assert body["model"] == "/models/tiny" and body["prompt"] == r.tokenize(PROMPT)
+    assert "kvshare" not in body

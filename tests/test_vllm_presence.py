@@ -75,3 +75,63 @@ def test_an_index_that_does_not_answer_yet_does_not_fail_the_start() -> None:
         assert index.loads()[WID].ts > 0
     finally:
         presence.stop()
+
+
+class _Engine:
+    """What the presence reads: a load (None: ``/metrics`` did not answer) and liveness."""
+
+    def __init__(self) -> None:
+        self.answers = True
+        self.alive = True
+
+    def load(self) -> WorkerLoad | None:
+        return _load() if self.answers else None
+
+
+def test_a_busy_engine_keeps_its_lease_while_alive_and_a_dead_or_hung_one_loses_it() -> None:
+    """An engine that answers ``/metrics`` late (a long step on a loaded host) is still
+    listed, with its last load, past the index's lease: dropping it would drop its cache
+    entries and strand the requests routed to it. A dead process loses the lease at once, a
+    live one silent past ``silent_grace_s`` too."""
+    now = [0.0]
+    index = GlobalIndex(worker_ttl_s=3.0, clock=lambda: now[0])
+    index.declare_namespace("ns")
+    engine = _Engine()
+    presence = Presence(INFO, index, engine.load, alive_fn=lambda: engine.alive,
+                        silent_grace_s=10.0, clock=lambda: now[0])
+
+    def run(seconds: float) -> None:  # the lease thread's ticks, every 100 ms
+        for _ in range(int(seconds * 10)):
+            now[0] += 0.1
+            presence.tick()
+
+    presence.tick()
+    first = index.loads()[WID]
+    engine.answers = False
+    run(8.0)  # silent for more than two leases, within the grace
+    assert [w.worker_id for w in index.workers()] == [WID]
+    assert index.loads()[WID] == first  # the last load, as it was
+    assert presence.counters["silent_renewals"] == 80
+    run(6.0)  # past the grace (and its last lease): a hung engine is dropped
+    assert index.workers() == []
+
+    engine.answers = True
+    presence.tick()  # it answers again: registered again
+    assert [w.worker_id for w in index.workers()] == [WID]
+    engine.answers, engine.alive = False, False
+    run(3.5)  # dead: not renewed at all
+    assert index.workers() == []
+
+
+def test_without_a_liveness_check_a_silent_engine_is_not_renewed() -> None:
+    now = [0.0]
+    index = GlobalIndex(worker_ttl_s=3.0, clock=lambda: now[0])
+    index.declare_namespace("ns")
+    engine = _Engine()
+    presence = Presence(INFO, index, engine.load, clock=lambda: now[0])
+    presence.tick()
+    engine.answers = False
+    for _ in range(35):
+        now[0] += 0.1
+        presence.tick()
+    assert index.workers() == [] and presence.counters["silent_renewals"] == 0

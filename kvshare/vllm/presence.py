@@ -2,9 +2,13 @@
 
 :class:`Presence` registers :class:`~kvshare.workers.WorkerInfo` and, every
 ``interval_s`` (<= 100 ms), reports :class:`~kvshare.workers.WorkerLoad` from ``load_fn`` (e.g.
-:func:`kvshare.vllm.load.scrape_load` reading vLLM's ``/metrics``). When ``load_fn`` returns
-None (the engine does not answer) the lease is *not* renewed, so a dead engine's entries expire
-with it. When the index answers that it does not know the worker (lease lost, index restarted)
+:meth:`kvshare.vllm.load.MetricsLoad.load` reading vLLM's ``/metrics``). When ``load_fn``
+returns None (the engine does not answer) the lease is renewed with the last load only while
+``alive_fn`` says the engine's process lives and for at most ``silent_grace_s`` since its last
+answer: an engine busy with a long step on a loaded host answers ``/metrics`` late, and
+dropping it from the index would throw its cache entries away and send requests elsewhere in
+the wrong form. A dead engine (or a live one silent past the grace) is not renewed, so its
+entries expire with it. When the index answers that it does not know the worker (lease lost, index restarted)
 the presence registers again: a new generation, which drops the old incarnation's entries at
 once; the events consumer sees the new :attr:`generation` and republishes its inventory.
 """
@@ -13,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -44,10 +49,18 @@ class Presence:
 
     def __init__(self, info: WorkerInfo, index: IndexSink,
                  load_fn: Callable[[], WorkerLoad | None] | None = None,
-                 interval_s: float = 0.1) -> None:
+                 interval_s: float = 0.1, alive_fn: Callable[[], bool] | None = None,
+                 silent_grace_s: float = 30.0, clock: Callable[[], float] = time.monotonic,
+                 ) -> None:
         if not 0 < interval_s <= 0.1:
             raise ValueError("interval_s must be in (0, 0.1] s: the worker lease renews on it")
+        if silent_grace_s < 0:
+            raise ValueError(f"silent_grace_s must be >= 0, got {silent_grace_s}")
         self.info = info
+        self.alive_fn = alive_fn
+        self.silent_grace_s = silent_grace_s
+        self._clock = clock
+        self._answered_at = -float("inf")
         self.index = index
         self.load_fn = load_fn or (lambda: WorkerLoad(info.worker_id))
         self.interval_s = interval_s
@@ -56,7 +69,7 @@ class Presence:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.counters = dict.fromkeys(
-            ("registrations", "reports", "report_errors", "engine_silent"), 0)
+            ("registrations", "reports", "report_errors", "engine_silent", "silent_renewals"), 0)
         self.last_load: WorkerLoad | None = None
 
     @property
@@ -100,19 +113,34 @@ class Presence:
             log.debug("load report of %s failed: %s", self.worker_id, exc)
 
     def tick(self) -> None:
-        """Register if needed, then report one load (renewing the lease) if the engine answers."""
+        """Register if needed, then report one load (renewing the lease): the engine's, or while
+        it is silent but alive within the grace its last one."""
         if self._gen == 0:
             self.new_incarnation()
         load = self.load_fn()
         if load is None:
             self.counters["engine_silent"] += 1
-            return
-        self.last_load = load
+            load = self._silent_load()
+            if load is None:
+                return
+            self.counters["silent_renewals"] += 1
+        else:
+            self._answered_at = self._clock()
+            self.last_load = load
         self.counters["reports"] += 1
         if not self.index.report_load(load):
             log.info("index forgot worker %s (lease lost or index restarted): registering again",
                      self.worker_id)
             self.new_incarnation()
+
+    def _silent_load(self) -> WorkerLoad | None:
+        """The last load, to renew the lease with while the engine is silent but alive and
+        within the grace; None: let the lease lapse."""
+        if self.alive_fn is None or self.last_load is None:
+            return None
+        if self._clock() - self._answered_at > self.silent_grace_s or not self.alive_fn():
+            return None
+        return self.last_load
 
     def stop(self, unregister: bool = True) -> None:
         self._stop.set()

@@ -148,7 +148,8 @@ class VllmWorker:
         self.process.start()
         self.process.wait_ready(timeout_s)
         self.load = MetricsLoad(self.info.worker_id, self.spec.endpoint)
-        self.presence = Presence(self.info, self.index, self.load.load)
+        self.presence = Presence(self.info, self.index, self.load.load,
+                                 alive_fn=self.process.alive)
         events = EventsConfig(self.spec.events_endpoint, self.config.namespace,
                               self.config.block_tokens, self.spec.block_size,
                               replay_endpoint=self.spec.replay_endpoint)
