@@ -262,7 +262,12 @@ def test_policies_respect_namespace_and_tenant_restrictions() -> None:
 
 
 def test_cost_policy_spreads_ties_over_idle_workers() -> None:
+    """The same prompt 8 times on 4 idle workers: a tie each time, spread over all four. The
+    clock stands still: each pick records the prompt as pending at its worker, ready when its
+    prefill ends, so with time passing between picks (a stalled test process) that worker
+    would rightly win the next pick by the time elapsed, and no tie would be left to spread."""
     pol = make_policy("cost", cost_model())
+    pol.clock = lambda: 100.0
     req = RouteRequest(NS, HASHES, 128)
     cands = [cand(i) for i in range(4)]
     picks = [pol.choose(req, EMPTY_MATCH, cands).worker for _ in range(8)]
@@ -276,6 +281,7 @@ def test_cost_policy_breaks_a_near_tie_between_reading_and_pulling_for_the_reade
     from router.policy import CostPolicy
 
     pol = CostPolicy(cost_model(a=1e-3), Sharing.GLOBAL, tie_s=0.05)
+    pol.clock = lambda: 100.0  # (a stall between picks must not break the tie: see above)
     match = held({node_location("n0"): (8, Tier.HOST)})
     req = RouteRequest(NS, HASHES, 128)
     cands = [cand(0, queued=5), cand(1)]  # w0 5 ms behind: within the tie
