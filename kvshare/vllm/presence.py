@@ -6,11 +6,11 @@
 returns None (the engine does not answer) the lease is renewed with the last load only while
 ``alive_fn`` says the engine's process lives and for at most ``silent_grace_s`` since its last
 answer: an engine busy with a long step on a loaded host answers ``/metrics`` late, and
-dropping it from the index would throw its cache entries away and send requests elsewhere in
-the wrong form. A dead engine (or a live one silent past the grace) is not renewed, so its
-entries expire with it. When the index answers that it does not know the worker (lease lost, index restarted)
-the presence registers again: a new generation, which drops the old incarnation's entries at
-once; the events consumer sees the new :attr:`generation` and republishes its inventory.
+dropping it from the index would throw its cache entries away. A dead engine (or a live one
+silent past the grace) is not renewed, so its entries expire with it. When the index answers
+that it does not know the worker (lease lost, index restarted) the presence registers again:
+a new generation, which drops the old incarnation's entries at once; the events consumer sees
+the new :attr:`generation` and republishes its inventory.
 """
 
 from __future__ import annotations
