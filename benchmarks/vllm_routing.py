@@ -583,7 +583,14 @@ def main() -> int:
                         kwargs["hint_kwarg"] = ""
                     app = vllm_app(ROUTERS[name], len(infos), NS, router_kwargs=kwargs,
                                    replica_resources={"vllm_slot": 1})
-                    handle = serve.run(app, name=name, route_prefix=None)
+                    # a new app per run: Serve keeps a handle's router, and what it learned
+                    # (kvshare's pending blocks and in-flight work, the prefix router's tree),
+                    # per app in this process, and every run starts cold. kv_aware keeps its
+                    # app: its state is the process's one tracker, bound to that deployment
+                    # (as Serve LLM's ingress builds it) and fed by the servers' KV events,
+                    # which the cache reset above clears
+                    app_name = name if name == "kv_aware" else f"{name}-{rep}"
+                    handle = serve.run(app, name=app_name, route_prefix=None)
                     t0 = time.perf_counter()
                     run = asyncio.run_coroutine_threadsafe(
                         run_router(name, handle, convs, args, endpoints), loop).result()
@@ -597,7 +604,7 @@ def main() -> int:
                     if records is not None:
                         for r in run["records"]:
                             records.write(json.dumps({"router": name, "run": rep, **r}) + "\n")
-                    serve.delete(name)
+                    serve.delete(app_name)
         finally:
             serve.shutdown()  # type: ignore[no-untyped-call]
             stop_workers()

@@ -45,3 +45,40 @@ def test_counters_are_the_backlog_after_any_calls(calls: list[tuple]) -> None:  
         assert b.waiting == len(waiting) == c["backlog_waiting_added"] - c["backlog_waiting_removed"]
         assert c["backlog_as_of_seconds"] == steps  # the clock's reading at the last step
         assert all(v >= 0 for v in c.values())
+        # the drain counts only backlog tokens that were computed
+        assert c["backlog_drained_tokens"] <= c["backlog_tokens_removed"]
+
+
+def test_the_drain_counts_the_steps_that_computed_backlog_and_ran_on() -> None:
+    now = [0.0]
+    b = PrefillBacklog(clock=lambda: now[0])
+    b.seen("a", 3000)
+    b.seen("b", 2400)
+    now[0] = 1.0
+    b.step({"a": 2048})  # a full step: 952 of a and all of b left
+    now[0] = 4.0
+    b.step({"a": 952, "b": 1096, "d": 1})  # the last ran 3 s; d decodes (not backlog)
+    b.gone("a")  # a finished at its first token: b and d go on
+    now[0] = 5.0
+    b.step({"b": 1304})  # the last ran 1 s (b and d were still there)
+    c = b.counters
+    assert (c["backlog_drained_tokens"], c["backlog_drain_seconds"]) == (4096, 4.0)
+    b.gone("b")  # every request of that step ended: an idle gap may follow, not counted
+    now[0] = 60.0
+    b.step({"d": 1})  # decode only: nothing drained
+    b.seen("e", 500)
+    now[0] = 61.0
+    b.step({})  # e waits on a load
+    now[0] = 62.0
+    b.step({"e": 100})
+    now[0] = 62.5
+    b.gone("e")  # aborted mid-prefill
+    now[0] = 63.0
+    b.step({})
+    assert (c["backlog_drained_tokens"], c["backlog_drain_seconds"]) == (4096, 4.0)
+    b.seen("f", 200)
+    now[0] = 70.0
+    b.step({"f": 200})  # empties the backlog; f decodes on
+    now[0] = 70.5
+    b.step({"f": 1})
+    assert (c["backlog_drained_tokens"], c["backlog_drain_seconds"]) == (4296, 4.5)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
@@ -185,6 +186,28 @@ def test_a_real_engine_reports_its_prefill_backlog_and_empties_it(
     assert r.status_code == 200, r.text
     # the whole cold prompt (less the last token vLLM never caches) was owed, then computed
     wait_for(lambda: backlog()[0] - before >= len(ids) - 1 and backlog()[1] == 0, timeout_s=10)
+
+    # two cold prompts at once: the steps that compute them (and go on to decode) count in how
+    # fast the engine drains its backlog
+    one = endpoints[0]
+
+    def drain() -> tuple[float, float]:
+        return (metric(one, "vllm:kvshare_backlog_drained_tokens_total"),
+                metric(one, "vllm:kvshare_backlog_drain_seconds_total"))
+
+    tokens0, seconds0 = drain()
+    long_ids = [router.tokenize(prompt=f"Prompt {k} drains the backlog step by step. " * 45)
+                for k in (1, 2)]
+    assert all(1100 < len(x) < 2000 for x in long_ids), [len(x) for x in long_ids]
+    with ThreadPoolExecutor(2) as pool:
+        answers = list(pool.map(lambda x: httpx.post(
+            f"{one}/v1/completions", timeout=120,
+            json={"model": cluster["model"], "prompt": x, "max_tokens": 3}), long_ids))
+    assert all(a.status_code == 200 for a in answers), [a.text for a in answers]
+    tokens, seconds = drain()
+    assert 0 < tokens - tokens0 <= sum(map(len, long_ids)) and seconds > seconds0
+    rate = (tokens - tokens0) / (seconds - seconds0)
+    assert 50 < rate < 1e6, rate  # tokens per second of those steps: a speed, not a glitch
 
 
 def test_a_prompt_only_in_a_pool_goes_where_loading_is_cheapest_and_is_loaded(

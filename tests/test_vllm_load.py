@@ -9,7 +9,7 @@ import math
 import pytest
 
 from kvshare.types import WorkerId
-from kvshare.vllm.load import InPrefill, MetricsLoad, PrefillSpeed, parse_metrics
+from kvshare.vllm.load import DrainSpeed, InPrefill, MetricsLoad, PrefillSpeed, parse_metrics
 
 
 def test_concurrent_prefills_are_not_counted_twice() -> None:
@@ -157,3 +157,49 @@ def test_load_waits_are_read_per_kind_and_smoothed() -> None:
         assert r.remote_load_s == pytest.approx(0.7 * 1.5 + 0.3 * 0.5)
     finally:
         load.close()
+
+
+def test_the_drain_rate_is_the_recent_steps_tokens_over_their_seconds() -> None:
+    d = DrainSpeed(horizon_s=10.0, min_s=1.0)
+    assert d.update(0, 0.0) == 0
+    assert d.update(300, 0.5) == 0  # half a second of steps: not enough to say
+    half = math.exp(-0.05)  # (each half second decays the sums by this)
+    assert d.update(600, 1.0) == pytest.approx((300 * half + 300) / (0.5 * half + 0.5))
+    # 10 s more at 100 tok/s: the first second decays by e^-1 and weighs in little
+    r = d.update(1600, 11.0)
+    keep = math.exp(-1.0)
+    assert r == pytest.approx(((300 * half + 300) * keep + 1000) / ((0.5 * half + 0.5) * keep + 10))
+    assert 100 < r < 600 * 0.25
+    assert d.update(1600, 11.0) == pytest.approx(r)  # no step since: the rate stays
+    assert d.update(50, 0.25) == pytest.approx(r)  # restarted engine: too little of its own yet
+    keep = math.exp(-0.1)
+    assert d.update(250, 1.25) == pytest.approx((50 * keep + 200) / (0.25 * keep + 1.0))
+    with pytest.raises(ValueError, match="horizon_s"):
+        DrainSpeed(horizon_s=0)
+
+
+def test_the_report_divides_the_backlog_by_the_drain_rate() -> None:
+    load = MetricsLoad(WorkerId("w"), "http://127.0.0.1:1")
+    backlog = {"vllm:kvshare_backlog_tokens_added_total": 6000.0,
+               "vllm:kvshare_backlog_tokens_removed_total": 0.0}
+    try:
+        # finished requests say 2,000 tok/s; the connector's steps computed 1,200 in 4 s
+        first = load.from_metrics({**scrape(running=2, finished=0, computed=0, spans=0.0),
+                                   **backlog}, 0.0)
+        assert first.prefill_tokens_per_s == 0  # nothing measured yet either way
+        r = load.from_metrics({**scrape(running=2, first=1, finished=1, computed=4000, spans=2.0),
+                               **backlog, "vllm:kvshare_backlog_tokens_removed_total": 1200.0,
+                               "vllm:kvshare_backlog_drained_tokens_total": 1200.0,
+                               "vllm:kvshare_backlog_drain_seconds_total": 4.0}, 2.0)
+        assert r.prefill_tokens_per_s == pytest.approx(300)
+        assert r.queued_prefill_tokens == 4800
+    finally:
+        load.close()
+    # no connector: the estimate from finished requests, as before
+    plain = MetricsLoad(WorkerId("v"), "http://127.0.0.1:1")
+    try:
+        plain.from_metrics(scrape(running=2, finished=0, computed=0, spans=0.0), 0.0)
+        r = plain.from_metrics(scrape(running=2, first=1, finished=1, computed=4000, spans=2.0), 2.0)
+        assert r.prefill_tokens_per_s == pytest.approx(2000)
+    finally:
+        plain.close()

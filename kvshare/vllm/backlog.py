@@ -21,6 +21,16 @@ seconds, so a router counts its own requests sent after that time on top
 (:class:`router.workers_view.InFlight`, :attr:`kvshare.workers.WorkerLoad.as_of`), not only
 those sent after the scrape.
 
+How fast the backlog drains is counted the same way, exactly: the backlog tokens each step
+scheduled (``backlog_drained_tokens``) and the step's seconds (``backlog_drain_seconds``), for
+every step that scheduled backlog tokens and one of whose requests was still there when the
+next step was scheduled (not finished, aborted or preempted in between): the engine then went
+straight on to that step, so the time to it is this step's run (its decode tokens included:
+what a queued prompt really waits behind). A step all of whose requests ended is left out,
+tokens and time (an idle gap may follow it), as is one that scheduled no backlog tokens
+(decode only, or waiting on loads). A load report divides the backlog by that rate (:class:`kvshare.vllm.load.DrainSpeed`)
+instead of guessing a speed from when requests finished.
+
 vLLM's stats path carries counters (deltas summed over steps), so each count leaves as two
 cumulative counters, added and removed (``backlog_tokens_added`` / ``_removed``,
 ``backlog_waiting_added`` / ``_removed``: requests seen and not yet scheduled a token; the
@@ -37,7 +47,8 @@ import time
 from collections.abc import Callable
 
 COUNTERS = ("backlog_tokens_added", "backlog_tokens_removed",
-            "backlog_waiting_added", "backlog_waiting_removed", "backlog_as_of_seconds")
+            "backlog_waiting_added", "backlog_waiting_removed", "backlog_as_of_seconds",
+            "backlog_drained_tokens", "backlog_drain_seconds")
 
 
 class PrefillBacklog:
@@ -52,6 +63,9 @@ class PrefillBacklog:
         self._waiting: set[str] = set()
         self._lock = threading.Lock()
         self.counters: dict[str, float] = dict.fromkeys(COUNTERS, 0.0)
+        # the last step, if it scheduled backlog tokens: its time, those tokens, and its
+        # requests not gone since (module docstring)
+        self._draining: tuple[float, int, set[str]] | None = None
 
     @property
     def tokens(self) -> int:
@@ -75,19 +89,29 @@ class PrefillBacklog:
     def step(self, scheduled: dict[str, int]) -> None:
         """A step scheduled ``scheduled[rid]`` tokens per request: off the backlog (they are
         computed by the time vLLM's stats for the step leave); the step's time is the count's
-        ``backlog_as_of_seconds``."""
+        ``backlog_as_of_seconds``, and it ends the last step's run (module docstring)."""
         with self._lock:
+            now = self._clock()
+            last, self._draining = self._draining, None
+            if last is not None and last[2]:  # the last step ran until now (module docstring)
+                self.counters["backlog_drain_seconds"] += max(0.0, now - last[0])
+                self.counters["backlog_drained_tokens"] += last[1]
+            drained = 0
             for rid, n in scheduled.items():
                 left = self._left.get(rid)
                 if left is not None:
                     self._unwait(rid)
+                    drained += min(left, max(0, int(n)))
                     self._set(rid, left - int(n))
-            now = self._clock()
+            if drained:
+                self._draining = (now, drained, set(scheduled))
             self.counters["backlog_as_of_seconds"] = max(
                 self.counters["backlog_as_of_seconds"], now)
 
     def gone(self, rid: str) -> None:
         """``rid`` finished, was aborted or preempted: nothing of it is counted any more."""
+        if self._draining is not None:
+            self._draining[2].discard(rid)
         if rid in self._left:
             with self._lock:
                 self._set(rid, 0)

@@ -20,7 +20,10 @@ counters and per-request latency histograms. :class:`MetricsLoad` turns them int
   (its prompt less what vLLM's cache and the KV connector supplied; a turn of a long
   conversation costs its new suffix, not its whole prompt), a running one half that (on
   average half its prefill is done). An estimate; the router adds its own in-flight work.
-- **Prefill speed** (``prefill_tokens_per_s``), by :class:`PrefillSpeed`.
+- **Prefill speed** (``prefill_tokens_per_s``): with the kvshare connector, how fast the
+  engine's steps computed its backlog (exact per step: :class:`DrainSpeed`), the rate the
+  backlog above drains at; without it (or before a second of draining was seen), estimated
+  from when requests finished (:class:`PrefillSpeed`).
 - **What a load costs** (``local_load_s``, ``remote_load_s``): the mean seconds a request
   waited for the kvshare connector to load its KV, from this node's pool or with blocks from
   another node (``vllm:kvshare_load_seconds_total{where}`` over ``vllm:kvshare_loads_total``,
@@ -169,6 +172,45 @@ class PrefillSpeed:
         return self.tokens_per_s
 
 
+class DrainSpeed:
+    """Backlog tokens an engine computes per second of its steps, from the connector's
+    cumulative ``backlog_drained_tokens`` and ``backlog_drain_seconds``
+    (:mod:`kvshare.vllm.backlog`: exact per step, decode tokens in the same steps included).
+
+    Each sample's tokens and seconds join sums that decay by ``exp(-seconds / horizon_s)``,
+    so the rate is the last ~``horizon_s`` seconds of draining steps (one step's mix of
+    prefill and decode does not swing it); 0 until ``min_s`` seconds were seen. An
+    engine restarted (a counter went back) starts the sums again from its own counters, and
+    keeps the last rate until its own steps add up to ``min_s`` seconds."""
+
+    def __init__(self, horizon_s: float = 10.0, min_s: float = 1.0) -> None:
+        if horizon_s <= 0 or min_s < 0:
+            raise ValueError("horizon_s must be positive and min_s >= 0 seconds")
+        self.horizon_s = horizon_s
+        self.min_s = min_s
+        self.tokens_per_s = 0.0
+        self._prev: tuple[float, float] | None = None
+        self._tokens = self._seconds = 0.0  # decayed sums
+        self._seen = 0.0  # seconds of draining summed since the engine (re)started
+
+    def update(self, drained_tokens: float, drain_seconds: float) -> float:
+        """One sample of the cumulative counters; returns the rate (0: not enough seen)."""
+        prev, self._prev = self._prev, (drained_tokens, drain_seconds)
+        dn, ds = ((drained_tokens - prev[0], drain_seconds - prev[1]) if prev is not None
+                  else (drained_tokens, drain_seconds))
+        if dn < 0 or ds < 0:  # a restarted engine: its counters start again (the rate
+            self._tokens = self._seconds = self._seen = 0.0  # stays until its steps say)
+            dn, ds = drained_tokens, drain_seconds
+        if ds > 0:
+            keep = math.exp(-ds / self.horizon_s)
+            self._tokens = self._tokens * keep + dn
+            self._seconds = self._seconds * keep + ds
+            self._seen += ds
+            if self._seen >= self.min_s and self._tokens > 0:
+                self.tokens_per_s = self._tokens / self._seconds
+        return self.tokens_per_s
+
+
 class InPrefill:
     """How many of a server's requests have not produced their first token yet (module
     docstring): from its running and waiting gauges and the first-token and finished counts;
@@ -199,12 +241,15 @@ class MetricsLoad:
         self.url = endpoint.rstrip("/") + "/metrics"
         self._http = httpx.Client(timeout=timeout_s)
         self.speed = PrefillSpeed()
+        self.drain = DrainSpeed()
         self.in_prefill = InPrefill()
         self.waits = {w: LoadWait() for w in ("local", "remote")}
 
     @property
     def prefill_tokens_per_s(self) -> float:
-        return self.speed.tokens_per_s
+        """The drain rate where the connector reports one (module docstring), else the
+        estimate from finished requests."""
+        return self.drain.tokens_per_s or self.speed.tokens_per_s
 
     def load(self) -> WorkerLoad | None:
         try:
@@ -225,6 +270,9 @@ class MetricsLoad:
                           running + waiting > 0, count)
         mean_new = tokens / count if count else 0.0
         prefilling = self.in_prefill.count(m)
+        drained = m.get("vllm:kvshare_backlog_drained_tokens_total")
+        if drained is not None:
+            self.drain.update(drained, m.get("vllm:kvshare_backlog_drain_seconds_total", 0.0))
         backlog = _backlog(m)
         if backlog is not None:  # the connector's exact count, and the requests it has not seen
             queued = backlog[0] + max(0, waiting - backlog[1]) * mean_new
@@ -238,7 +286,7 @@ class MetricsLoad:
         # that arrived after is not in them (a router adds its own sent after ``as_of``)
         as_of = m.get(AS_OF, 0.0) if backlog is not None else 0.0
         return WorkerLoad(self.worker_id, int(queued), running + waiting,
-                          self.speed.tokens_per_s, now_wall, waiting=waiting,
+                          self.prefill_tokens_per_s, now_wall, waiting=waiting,
                           as_of=as_of if 0 < as_of < now_wall else 0.0,
                           kv_usage=float(m.get("vllm:kv_cache_usage_perc", 0.0)),
                           local_load_s=wait["local"], remote_load_s=wait["remote"])

@@ -40,7 +40,9 @@ server's ``/metrics``, next to vLLM's own:
   prompt tokens the engine still has to compute before first tokens, and the requests the
   scheduler has looked at and not yet scheduled, each as added less removed, as of the step
   scheduled at ``vllm:kvshare_backlog_as_of_seconds_total`` (wall clock) (:mod:`kvshare.vllm.
-  backlog`; gauges as counters, since vLLM's stats path sums deltas);
+  backlog`; gauges as counters, since vLLM's stats path sums deltas), and how fast it drains:
+  ``vllm:kvshare_backlog_drained_tokens_total`` over ``vllm:kvshare_backlog_drain_seconds_total``
+  (backlog tokens the engine's steps computed, and those steps' seconds);
 - ``vllm:kvshare_sync_saves_total``, ``vllm:kvshare_sync_save_seconds_total`` and
   ``vllm:kvshare_sync_saves_late_total``: finishing requests that had saves and were held
   until those ended before their last output left the engine (scheduler role; worker role:
@@ -226,6 +228,12 @@ class KVSharePromMetrics(KVConnectorPromMetrics):
             "backlog_as_of_seconds": counter(
                 "backlog_as_of_seconds", "When the step the backlog counts describe was "
                 "scheduled (Unix seconds; a counter whose value is the time)."),
+            "backlog_drained_tokens": counter(
+                "backlog_drained_tokens", "Backlog tokens computed by engine steps that left "
+                "some (over backlog_drain_seconds: how fast the backlog drains)."),
+            "backlog_drain_seconds": counter(
+                "backlog_drain_seconds", "Seconds those engine steps ran (each from its "
+                "scheduling to the next step's)."),
         }
         self.skipped = counter(
             "lookups_skipped", "Requests scheduled with no kvshare lookup: vLLM's own cache "
