@@ -21,7 +21,10 @@ of its node's server); only the deployment's ``request_router_class`` changes:
 Workload: the first ``--turns`` requests of ``--conversations`` conversations from
 ``../shared/traces/agentic/`` (read in place), concurrent, each turn sent when the previous
 one answered plus the trace's think time x ``--time-scale`` (capped at ``--max-think-s``):
-the same offered load for every router. Each trace block id becomes a fixed chunk of
+the same users for every router (a closed loop: a router that answers sooner gets its next
+turns sooner, so it is offered more load and serves more requests a second). With
+``--turn-interval-s S`` the load offered is the same too: each conversation's turn k is due
+``k * S`` after its first and sent then (or when turn k - 1 is answered, if later). Each trace block id becomes a fixed chunk of
 ``--chunk-tokens`` tokens (the traces' 1,024-token blocks scaled down), so conversations share
 exactly the prefixes the traces share. Between routers every server's prefix cache is reset.
 
@@ -187,8 +190,11 @@ def stages(d: dict[str, float], prefix: str = "") -> dict[str, float]:
 
 async def drive(handle: Any, convs: list[list[Turn]], max_tokens: int,
                 tracker: Any, timeout_s: float = 120.0,
-                extra: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Every conversation's turns in order (think time between), all conversations at once;
+                extra: dict[str, Any] | None = None, interval_s: float = 0.0) -> dict[str, Any]:
+    """Every conversation's turns in order (think time between; with ``interval_s`` > 0,
+    turn k due ``k * interval_s`` after the conversation's first, sent then or when turn
+    k - 1 is answered if that is later: an offered load that does not depend on the router),
+    all conversations at once;
     one record per request: when it was sent and answered (``done_s``: a conversation's last
     one is when it ended; the run's completed/s is its requests over the last conversation's
     end), its TTFT end to end and at the replica (the
@@ -235,8 +241,13 @@ async def drive(handle: Any, convs: list[list[Turn]], max_tokens: int,
                 rec["cached_tokens"] = piece["usage"]["cached_tokens"]
 
     async def conversation(turns: list[Turn]) -> None:
+        due = time.perf_counter()
         for k, turn in enumerate(turns):
-            await asyncio.sleep(turn.think_s)
+            if interval_s > 0:
+                await asyncio.sleep(max(0.0, due - time.perf_counter()))
+                due += interval_s
+            else:
+                await asyncio.sleep(turn.think_s)
             await one(turn, k)
 
     await asyncio.gather(*(conversation(c) for c in convs))
@@ -277,7 +288,8 @@ async def run_router(name: str, handle: Any, convs: list[list[Turn]], args: argp
     load0 = os.getloadavg()[0]
     own_cache = args.peers_own_cache and name not in OURS  # as their users run them
     out = await drive(handle, convs, args.max_tokens, tracker,
-                      extra={"kv_transfer_params": opt_out.encode(False)} if own_cache else None)
+                      extra={"kv_transfer_params": opt_out.encode(False)} if own_cache else None,
+                      interval_s=args.turn_interval_s)
     after = counters(endpoints)
     out["load"] = (round(load0, 1), round(os.getloadavg()[0], 1))
     d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
@@ -437,6 +449,7 @@ def report(runs: dict[str, list[dict[str, Any]]], args: argparse.Namespace, t_st
                            "pool_blocks": args.pool_blocks,
                            "connector_settings": args.connector_settings,
                            "peers_own_cache": args.peers_own_cache,
+                           "turn_interval_s": args.turn_interval_s,
                            "total_s": round(time.perf_counter() - t_start, 1)}
     if "kvshare" in results and peers:
         best = min(peers, key=lambda r: r["ttft_p50_s"])
@@ -467,6 +480,11 @@ def main() -> int:
     ap.add_argument("--chunk-tokens", type=int, default=32, help="tokens per 1,024-token trace block")
     ap.add_argument("--time-scale", type=float, default=0.05)
     ap.add_argument("--max-think-s", type=float, default=1.0)
+    ap.add_argument("--turn-interval-s", type=float, default=0.0,
+                    help="> 0: each conversation's turn k is due k times this after its first "
+                         "(sent then, or when the previous turn is answered if later), instead "
+                         "of a think time after each answer: the same offered load for every "
+                         "router (a router that answers sooner does not get more requests)")
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--routers", default=",".join(n for n in ROUTERS if n != "kvshare_nohint"))
