@@ -23,8 +23,9 @@ Workload: the first ``--turns`` requests of ``--conversations`` conversations fr
 one answered plus the trace's think time x ``--time-scale`` (capped at ``--max-think-s``):
 the same users for every router (a closed loop: a router that answers sooner gets its next
 turns sooner, so it is offered more load and serves more requests a second). With
-``--turn-interval-s S`` the load offered is the same too: each conversation's turn k is due
-``k * S`` after its first and sent then (or when turn k - 1 is answered, if later). Each trace block id becomes a fixed chunk of
+``--turn-interval-s S`` the load offered is the same too: conversation c of n sends its
+first turn ``c / n * S`` into the run and turn k ``k * S`` after that (or when turn k - 1 is
+answered, if later): one turn every ``S / n`` seconds in all. Each trace block id becomes a fixed chunk of
 ``--chunk-tokens`` tokens (the traces' 1,024-token blocks scaled down), so conversations share
 exactly the prefixes the traces share. Between routers every server's prefix cache is reset.
 
@@ -192,9 +193,9 @@ async def drive(handle: Any, convs: list[list[Turn]], max_tokens: int,
                 tracker: Any, timeout_s: float = 120.0,
                 extra: dict[str, Any] | None = None, interval_s: float = 0.0) -> dict[str, Any]:
     """Every conversation's turns in order (think time between; with ``interval_s`` > 0,
-    turn k due ``k * interval_s`` after the conversation's first, sent then or when turn
-    k - 1 is answered if that is later: an offered load that does not depend on the router),
-    all conversations at once;
+    conversation c's turn k due ``(k + c / len(convs)) * interval_s`` after the start, sent
+    then or when turn k - 1 is answered if that is later: an offered load that does not depend
+    on the router), all conversations at once;
     one record per request: when it was sent and answered (``done_s``: a conversation's last
     one is when it ended; the run's completed/s is its requests over the last conversation's
     end), its TTFT end to end and at the replica (the
@@ -240,8 +241,10 @@ async def drive(handle: Any, convs: list[list[Turn]], max_tokens: int,
             if piece.get("usage"):
                 rec["cached_tokens"] = piece["usage"]["cached_tokens"]
 
-    async def conversation(turns: list[Turn]) -> None:
-        due = time.perf_counter()
+    async def conversation(turns: list[Turn], c: int) -> None:
+        # (fixed schedule: conversation c starts c / n of an interval in, so the turns of the
+        # conversations do not all fall due at the same instants)
+        due = time.perf_counter() + interval_s * c / len(convs)
         for k, turn in enumerate(turns):
             if interval_s > 0:
                 await asyncio.sleep(max(0.0, due - time.perf_counter()))
@@ -250,7 +253,7 @@ async def drive(handle: Any, convs: list[list[Turn]], max_tokens: int,
                 await asyncio.sleep(turn.think_s)
             await one(turn, k)
 
-    await asyncio.gather(*(conversation(c) for c in convs))
+    await asyncio.gather(*(conversation(t, c) for c, t in enumerate(convs)))
     return {"records": records, "wall_s": time.perf_counter() - start, "failed": failed}
 
 
@@ -482,7 +485,8 @@ def main() -> int:
     ap.add_argument("--max-think-s", type=float, default=1.0)
     ap.add_argument("--turn-interval-s", type=float, default=0.0,
                     help="> 0: each conversation's turn k is due k times this after its first "
-                         "(sent then, or when the previous turn is answered if later), instead "
+                         "(sent then, or when the previous turn is answered if later; the "
+                         "conversations' first turns spread over one interval), instead "
                          "of a think time after each answer: the same offered load for every "
                          "router (a router that answers sooner does not get more requests)")
     ap.add_argument("--max-tokens", type=int, default=8)
