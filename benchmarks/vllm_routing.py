@@ -25,9 +25,9 @@ the same users for every router (a closed loop: a router that answers sooner get
 turns sooner, so it is offered more load and serves more requests a second). With
 ``--turn-interval-s S`` the load offered is the same too: conversation c of n sends its
 first turn ``c / n * S`` into the run and turn k ``k * S`` after that (or when turn k - 1 is
-answered, if later): one turn every ``S / n`` seconds in all. Each trace block id becomes a fixed chunk of
-``--chunk-tokens`` tokens (the traces' 1,024-token blocks scaled down), so conversations share
-exactly the prefixes the traces share. Between routers every server's prefix cache is reset.
+answered, if later): one turn every ``S / n`` seconds in all. Each trace block id becomes a
+fixed chunk of ``--chunk-tokens`` tokens (the traces' 1,024-token blocks scaled down), so
+conversations share exactly the prefixes the traces share. Between routers every server's prefix cache is reset.
 
 Hit rates are fractions of all prompt tokens, from the servers' own counters
 (``vllm:prompt_tokens_cached_by_source`` over ``vllm:prompt_tokens``): ``device`` is vLLM's own

@@ -28,8 +28,9 @@ next step was scheduled (not finished, aborted or preempted in between): the eng
 straight on to that step, so the time to it is this step's run (its decode tokens included:
 what a queued prompt really waits behind). A step all of whose requests ended is left out,
 tokens and time (an idle gap may follow it), as is one that scheduled no backlog tokens
-(decode only, or waiting on loads). A load report divides the backlog by that rate (:class:`kvshare.vllm.load.DrainSpeed`)
-instead of guessing a speed from when requests finished.
+(decode only, or waiting on loads). A load report divides the backlog by that rate
+(:class:`kvshare.vllm.load.DrainSpeed`) instead of guessing a speed from when requests
+finished.
 
 vLLM's stats path carries counters (deltas summed over steps), so each count leaves as two
 cumulative counters, added and removed (``backlog_tokens_added`` / ``_removed``,

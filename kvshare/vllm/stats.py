@@ -229,8 +229,9 @@ class KVSharePromMetrics(KVConnectorPromMetrics):
                 "backlog_as_of_seconds", "When the step the backlog counts describe was "
                 "scheduled (Unix seconds; a counter whose value is the time)."),
             "backlog_drained_tokens": counter(
-                "backlog_drained_tokens", "Backlog tokens computed by engine steps that left "
-                "some (over backlog_drain_seconds: how fast the backlog drains)."),
+                "backlog_drained_tokens", "Backlog tokens computed by engine steps with a "
+                "request still there at the next step (over backlog_drain_seconds: how fast "
+                "the backlog drains)."),
             "backlog_drain_seconds": counter(
                 "backlog_drain_seconds", "Seconds those engine steps ran (each from its "
                 "scheduling to the next step's)."),
