@@ -60,3 +60,30 @@ def test_cores_that_do_not_exist_are_refused_before_anything_starts(tmp_path: Pa
     assert proc.proc is None and not (tmp_path / "report").exists()
     unpinned = ReportingSpec(model=str(tmp_path), port=1, events_dir=str(tmp_path))
     assert unpinned.environ().get("OMP_NUM_THREADS") == os.environ.get("OMP_NUM_THREADS")
+
+
+FAILING = """
+import sys
+print("ERROR EngineCore failed to start: ValueError: the root cause, printed first", flush=True)
+for i in range(400):
+    print(f"an API-server traceback line {i}", flush=True)
+sys.exit(1)
+"""
+
+
+@dataclass(frozen=True)
+class FailingSpec(VllmSpec):
+    """A server that prints its root cause first, then a long unrelated traceback, and exits."""
+
+    def argv(self) -> list[str]:
+        return [sys.executable, "-c", FAILING]
+
+
+def test_a_failed_start_names_the_root_cause_printed_long_before_the_end(tmp_path: Path) -> None:
+    proc = VllmProcess(FailingSpec(model=str(tmp_path), port=1, events_dir=str(tmp_path))).start()
+    with pytest.raises(RuntimeError, match="vLLM exited with 1") as err:
+        proc.wait_ready(timeout_s=60)
+    text = str(err.value)
+    assert "the root cause, printed first" in text
+    assert "an API-server traceback line 399" in text  # and the end of the log
+    assert "an API-server traceback line 100\n" not in text  # not the whole log

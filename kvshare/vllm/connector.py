@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -52,6 +53,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+STARTUP_S = 60.0  # how long an engine's start waits for the index to answer
 _CLIENTS: dict[tuple[Any, ...], Any] = {}
 _CLIENTS_LOCK = threading.Lock()
 _SIDES: list[SchedulerSide | WorkerSide] = []
@@ -76,13 +78,25 @@ def connect_ray(settings: ConnectorSettings) -> None:
                          "(`ray start --head`) and kvshare on it (`kvshare up`)") from exc
 
 
-def check_namespace(index: Any, settings: ConnectorSettings, keys: ModelKeys) -> None:
-    """ValueError naming the fix unless the deployment serves this namespace with our layout."""
-    try:
-        known: dict[str, dict[str, Any]] = index.namespaces()
-    except Exception as exc:
-        raise ValueError(f"KVShareConnector: kvshare's index does not answer ({exc}): is "
-                         "kvshare deployed on this Ray cluster (`kvshare up`)?") from exc
+def check_namespace(index: Any, settings: ConnectorSettings, keys: ModelKeys,
+                    startup_s: float = STARTUP_S) -> None:
+    """ValueError naming the fix unless the deployment serves this namespace with our layout.
+
+    The index is asked again until ``startup_s`` has passed: each ask is bounded by the
+    lookup deadline (``index_timeout_s``, sized for a request's hot path), and a process that
+    has just joined Ray on a busy node (engines loading) can take longer for its first actor
+    call; an engine must not fail to start over that."""
+    deadline = time.monotonic() + startup_s
+    while True:
+        try:
+            known: dict[str, dict[str, Any]] = index.namespaces()
+            break
+        except Exception as exc:
+            if time.monotonic() >= deadline:
+                raise ValueError(f"KVShareConnector: kvshare's index does not answer ({exc}) "
+                                 f"within {startup_s:g} s: is kvshare deployed on this Ray "
+                                 "cluster (`kvshare up`)?") from exc
+            time.sleep(0.5)
     lay = keys.layout
     fix = (f"kvshare up --namespace {settings.namespace} --layout MODEL/config.json "
            f"--dtype {lay.dtype} --block-tokens {lay.block_tokens}")

@@ -132,13 +132,22 @@ class VllmProcess:
             time.sleep(0.5)
         raise RuntimeError(f"vLLM not ready after {timeout_s:.0f} s:\n{self.log_tail()}")
 
-    def log_tail(self, n: int = 4000) -> str:
+    def log_tail(self, n: int = 4000, cause: int = 3000) -> str:
+        """The log's last ``n`` bytes, preceded by up to ``cause`` bytes from its first
+        traceback or ERROR line when that lies before them: vLLM's EngineCore prints the root
+        cause of a failed start long before the API server's own traceback ends the log."""
         try:
             with open(self.log_path, "rb") as f:
-                f.seek(max(0, os.path.getsize(self.log_path) - n))
-                return f.read().decode("utf-8", "replace")
+                text = f.read().decode("utf-8", "replace")
         except OSError:
             return ""
+        tail_at = max(0, len(text) - n)
+        marks = [i for i in (text.find("Traceback"), text.find("ERROR")) if i >= 0]
+        first = min(marks) if marks else -1
+        if 0 <= first < tail_at:
+            head = text[text.rfind("\n", 0, first) + 1:][:cause]
+            return f"{head}\n[...]\n{text[tail_at:]}"
+        return text[tail_at:]
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
