@@ -31,6 +31,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from kvshare.ray_env import stop_error_listener
 from kvshare.types import BlockHash
 from kvshare.vllm.config import ConnectorSettings, ModelKeys, model_keys
 from kvshare.vllm.lookup import Lookups
@@ -76,6 +77,7 @@ def connect_ray(settings: ConnectorSettings) -> None:
     except ConnectionError as exc:
         raise ValueError(f"KVShareConnector: no Ray cluster at {address!r} ({exc}): start one "
                          "(`ray start --head`) and kvshare on it (`kvshare up`)") from exc
+    stop_error_listener()
 
 
 def check_namespace(index: Any, settings: ConnectorSettings, keys: ModelKeys,
