@@ -3,6 +3,7 @@
  *     Book(ttl_s, max_entries, clock, runs_type, tiers)     # tiers[code]: the Tier of a code
  *     book.add(namespace, location, hashes, tier=tiers[0]) # location will hold them, ttl_s
  *     book.match_runs(namespace, hashes) -> runs_type(len(hashes), [(((loc, code), ...), n), ...])
+ *     book.forget(location)                                # it holds none of them after all
  *     len(book)
  *
  * Per (namespace, hash): its pending holders, an immutable set of (location, tier code, expiry)
@@ -259,6 +260,98 @@ done:
     return out;
 }
 
+/* PendingBlocks.forget: drop ``location`` from every entry's holders; an entry left with none
+ * goes. The others, their expiries and the order stay; an entry's earliest expiry is its
+ * remaining holders' earliest. Entries that shared a holder set share the smaller one. */
+static PyObject *book_forget(Book *self, PyObject *loc_obj)
+{
+    if (!PyUnicode_Check(loc_obj)) {
+        PyErr_SetString(PyExc_TypeError, "forget needs a location (str)");
+        return NULL;
+    }
+    Py_ssize_t loc = bk_intern(self->loc_ids, self->loc_names, loc_obj, 0);
+    if (loc == -2)
+        return NULL;
+    if (loc < 0) /* never held anything here */
+        Py_RETURN_NONE;
+    BkTable *t = &self->t;
+    Grown *done = NULL;
+    Py_ssize_t n_done = 0, cap_done = 0;
+    PyObject *out = NULL;
+    for (int32_t i = t->head; i != BK_NONE;) {
+        BkEntry *e = &t->e[i];
+        int32_t next = e->next;
+        HSet *old = (HSet *)e->p;
+        int32_t at = -1;
+        for (int32_t j = 0; j < old->n; j++) {
+            if (old->h[j].loc == (int32_t)loc) {
+                at = j;
+                break;
+            }
+        }
+        if (at < 0) {
+            i = next;
+            continue;
+        }
+        if (old->n == 1) {
+            hset_release(old);
+            bk_remove(t, i);
+            i = next;
+            continue;
+        }
+        Grown *g = NULL;
+        for (Py_ssize_t j = 0; j < n_done; j++) {
+            if (done[j].old == old) {
+                g = &done[j];
+                break;
+            }
+        }
+        if (!g) {
+            HSet *s = hset_new(old->n - 1);
+            if (!s)
+                goto end;
+            double first = 0.0;
+            for (int32_t j = 0, m = 0; j < old->n; j++) {
+                if (j == at)
+                    continue;
+                s->h[m] = old->h[j];
+                if (m == 0 || s->h[m].exp < first)
+                    first = s->h[m].exp;
+                m++;
+            }
+            s->refs = 1; /* held by done until the end of the call */
+            if (n_done == cap_done) {
+                cap_done = cap_done ? cap_done * 2 : 4;
+                Grown *gr = (Grown *)realloc(done, (size_t)cap_done * sizeof(Grown));
+                if (!gr) {
+                    hset_release(s);
+                    PyErr_NoMemory();
+                    goto end;
+                }
+                done = gr;
+            }
+            old->refs++; /* kept alive (and its address unique) while this call runs */
+            g = &done[n_done++];
+            g->old = old;
+            g->new = s;
+            g->first = first;
+        }
+        g->new->refs++;
+        e->p = g->new;
+        e->t = g->first;
+        hset_release(old);
+        i = next;
+    }
+    out = Py_NewRef(Py_None);
+end:
+    for (Py_ssize_t j = 0; j < n_done; j++) {
+        hset_release(done[j].old);
+        hset_release(done[j].new);
+    }
+    free(done);
+    return out;
+}
+
 typedef struct {
     Py_ssize_t start, end, off, n; /* live holders: buf[off .. off + n) */
 } Run;
@@ -447,6 +540,8 @@ static void book_dealloc(Book *self)
 static PyMethodDef book_methods[] = {
     {"add", (PyCFunction)book_add, METH_VARARGS,
      "add(namespace, location, hashes, tier=tiers[0]): location will hold hashes for ttl_s."},
+    {"forget", (PyCFunction)book_forget, METH_O,
+     "forget(location): location will hold none of its pending blocks (its cache was emptied)."},
     {"match_runs", (PyCFunction)book_match_runs, METH_VARARGS,
      "match_runs(namespace, hashes) -> runs_type(len(hashes), runs): live pending holders."},
     {NULL, NULL, 0, NULL},

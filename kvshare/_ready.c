@@ -5,6 +5,7 @@
  *     book.run_from(namespace, hashes, start) -> int
  *     book.extend(runs, namespace, hashes, worker, now, start_s) -> (runs, start_s)
  *     book.entries() -> [(namespace, hash, worker, ready_s, pullable), ...] in drop order
+ *     book.forget(worker)                          # its entries go
  *     len(book)
  *
  * Per (namespace, hash): the worker creating the block, when it is stored, the number of the
@@ -79,6 +80,27 @@ static PyObject *book_add(Book *self, PyObject *args, PyObject *kwds)
 fail:
     Py_DECREF(hashes);
     return NULL;
+}
+
+/* ReadyBlocks.forget: drop every entry ``worker`` was creating (its queue and cache are gone);
+ * the others and their order stay. */
+static PyObject *book_forget(Book *self, PyObject *w_obj)
+{
+    if (!PyUnicode_Check(w_obj)) {
+        PyErr_SetString(PyExc_TypeError, "forget needs a worker id (str)");
+        return NULL;
+    }
+    Py_ssize_t w = bk_intern(self->w_ids, self->w_names, w_obj, 0);
+    if (w == -2)
+        return NULL;
+    BkTable *t = &self->t;
+    for (int32_t i = t->head; w >= 0 && i != BK_NONE;) {
+        int32_t next = t->e[i].next;
+        if (t->e[i].a == (int32_t)w)
+            bk_remove(t, i);
+        i = next;
+    }
+    Py_RETURN_NONE;
 }
 
 static PyObject *book_run_from(Book *self, PyObject *args)
@@ -253,6 +275,8 @@ static void book_dealloc(Book *self)
 }
 
 static PyMethodDef book_methods[] = {
+    {"forget", (PyCFunction)book_forget, METH_O,
+     "forget(worker): drop every block worker was creating (its queue and cache are gone)."},
     {"add", (PyCFunction)(void (*)(void))book_add, METH_VARARGS | METH_KEYWORDS,
      "add(namespace, worker, hashes, ready_s, now, stored_from=0): ReadyBlocks.add."},
     {"run_from", (PyCFunction)book_run_from, METH_VARARGS,

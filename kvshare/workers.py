@@ -62,7 +62,10 @@ class WorkerLoad:
     ``as_of``: when the engine was in the state the queue counts describe, if earlier than
     ``ts`` (wall clock; 0 = at ``ts``): a vLLM engine's counts are from its last step's
     scheduling, and its steps can last seconds, so a request that reached it after ``as_of``
-    is not in them (a router counts its own sent after ``as_of``).
+    is not in them (a router counts its own sent after ``as_of``);
+    ``cache_epoch``: how many times the worker's own cache (its gpu tier) was emptied (its
+    engine restarted, its prefix cache reset); when it changes, a router forgets the blocks it
+    expected the worker to hold from the requests it sent it before.
     """
 
     worker_id: WorkerId
@@ -75,6 +78,7 @@ class WorkerLoad:
     local_load_s: float = 0.0
     remote_load_s: float = 0.0
     as_of: float = 0.0
+    cache_epoch: int = 0
 
     @property
     def state_ts(self) -> float:
@@ -86,7 +90,7 @@ class WorkerLoad:
         view adding its own in-flight work); every other field kept."""
         return WorkerLoad(self.worker_id, queued_prefill_tokens, running,
                           self.prefill_tokens_per_s, self.ts, self.waiting, self.kv_usage,
-                          self.local_load_s, self.remote_load_s, self.as_of)
+                          self.local_load_s, self.remote_load_s, self.as_of, self.cache_epoch)
 
 
 @runtime_checkable

@@ -135,6 +135,7 @@ class RoutingCore:
         self._base = cost  # the front end's inputs; _inputs: with the reports' measurements
         self._inputs = cost
         self._reports: tuple[WorkerLoad, ...] = ()
+        self._epochs: dict[WorkerId, int] = {}  # each worker's last reported cache_epoch
         self._prefill: PrefillModel | None = None  # refitted from measured timings
         self._timings = PrefillTimings(refit_every)
         model = self._model(cost)
@@ -257,6 +258,7 @@ class RoutingCore:
         if reports != self._reports:  # new reports: what they measured prices the plans
             self._reports = reports
             self._use(self._base.measured(reports))
+            self._forget_emptied(reports)
         key = (tuple(infos), self.inflight.loads(infos, loads))
         if key == self._last_key:  # nothing changed (compared by identity first): same list
             return self._last_cands
@@ -273,6 +275,20 @@ class RoutingCore:
             out = [self._candidate(cache, info, lb) for info, lb in zip(*key, strict=True)]
         self._last_key, self._last_cands = key, out
         return out
+
+    def _forget_emptied(self, reports: Iterable[WorkerLoad]) -> None:
+        """A worker whose ``cache_epoch`` changed since its last report here had its own cache
+        emptied (its engine restarted, its prefix cache was reset): the blocks this router's
+        earlier requests were to leave there are not pending there any more, and its queued
+        jobs' blocks (the policy's ready blocks) will not be made."""
+        seen = self._epochs
+        for r in reports:
+            last = seen.get(r.worker_id)
+            if last != r.cache_epoch:
+                if last is not None:
+                    self.pending.forget(worker_location(r.worker_id))
+                    self.policy.forget(r.worker_id)
+                seen[r.worker_id] = r.cache_epoch
 
     @staticmethod
     def _candidate(cache: dict[WorkerId, Candidate], info: WorkerInfo,

@@ -42,6 +42,8 @@ class PendingBook(Protocol):
 
     def match_runs(self, namespace: str, hashes: Sequence[BlockHash]) -> HolderRuns: ...
 
+    def forget(self, location: Location) -> None: ...
+
 
 def pending_blocks(ttl_s: float = 10.0, clock: Callable[[], float] = time.monotonic,
                    max_entries: int = 1_000_000, native: bool = True) -> PendingBook:
@@ -119,6 +121,30 @@ class PendingBlocks:
         while self._size > self._max:
             self._oldest()[1].popitem(last=False)
             self._size -= 1
+
+    def forget(self, location: Location) -> None:
+        """``location`` will hold none of the blocks it was about to hold: its own cache was
+        emptied (the engine restarted, its prefix cache was reset), so what it was sent before
+        is gone. Each block's other holders, their expiries and the order stay; a block no
+        other location is about to hold goes."""
+        for entries in self._ns.values():
+            done: dict[int, tuple[_Holders, _Holders, float]] = {}  # id(old) -> (old, new, first)
+            changed: list[tuple[BlockHash, _Entry | None]] = []
+            for h, (holders, call, _) in entries.items():
+                if location not in holders:
+                    continue
+                got = done.get(id(holders))
+                if got is None or got[0] is not holders:
+                    rest = {loc: v for loc, v in holders.items() if loc != location}
+                    first = min([v[1] for v in rest.values()]) if rest else 0.0
+                    got = done[id(holders)] = (holders, rest, first)
+                changed.append((h, (got[1], call, got[2]) if got[1] else None))
+            for h, entry in changed:  # (after the walk: an OrderedDict must not change in it)
+                if entry is None:
+                    del entries[h]
+                    self._size -= 1
+                else:
+                    entries[h] = entry  # an existing key keeps its place
 
     def match(self, namespace: str, hashes: Sequence[BlockHash]) -> MatchResult:
         """Pending holders of ``hashes`` as a match result (only pending, never the index's).

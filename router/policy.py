@@ -241,6 +241,11 @@ class Policy(ABC):
         self._queues_for: tuple[list[Candidate], CostModel] | None = None
         self._queues: tuple[list[float], list[int]] = ([], [])
 
+    def forget(self, worker: WorkerId) -> None:
+        """``worker``'s own cache was emptied and its queue is gone (its engine restarted, or
+        its prefix cache was reset while it was idle): forget what this policy expected it to
+        hold. Stateless policies keep nothing."""
+
     def choose(
         self,
         request: RouteRequest,
@@ -515,6 +520,10 @@ class CostPolicy(Policy):
         self._native = NativeSelect()
         self._behind: dict[str, int] = {}  # per namespace: decisions since every worker fell behind
         self._caps: Capacities | None = None  # the candidates' reported capacities (survival)
+
+    def forget(self, worker: WorkerId) -> None:
+        """The blocks ``worker``'s queued jobs were creating (its ready blocks) go."""
+        self._ready.forget(worker)
 
     def rank(self, request: RouteRequest, match: Match, candidates: Sequence[Candidate],
              pending: Match | None = None) -> Ranking:

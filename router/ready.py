@@ -43,6 +43,8 @@ class ReadyBook(Protocol):
     def extend(self, runs: SourceRuns, namespace: str, hashes: Sequence[BlockHash],
                worker: WorkerId, now: float, start_s: float) -> tuple[SourceRuns, float]: ...
 
+    def forget(self, worker: WorkerId) -> None: ...
+
 
 def ready_blocks(max_entries: int = 1_000_000, native: bool = True) -> ReadyBook:
     """The C book where it was built (and ``native``), else :class:`ReadyBlocks`: the same
@@ -106,6 +108,15 @@ class ReadyBlocks:
         while self._size > self._max:
             self._oldest()[0].popitem(last=False)
             self._size -= 1
+
+    def forget(self, worker: WorkerId) -> None:
+        """Drop every block ``worker`` was creating: its engine restarted or its cache was
+        emptied, so its queued jobs' blocks will not be there (the others' stay, in order)."""
+        for at in self._at.values():
+            gone = [h for h, entry in at.items() if entry[0] == worker]
+            for h in gone:
+                del at[h]
+            self._size -= len(gone)
 
     def _drop_stored(self, now: float) -> None:
         """Drop the entries stored by ``now`` from the front (roughly in time order)."""

@@ -3,8 +3,8 @@ the Python books they stand in for (``router/pending.py``, ``router/ready.py``: 
 
 Random sequences over one and two namespaces, a small hash pool (blocks recorded again, by
 other locations, twice in one call), a clock that stands still or jumps past the TTL, and caps
-small enough to evict: after every step both books have the same size and give the same
-answers (pending: ``match_runs`` and ``match``; ready: every entry in drop order,
+small enough to evict, and locations forgotten (a worker's cache emptied): after every step
+both books have the same size and give the same answers (pending: ``match_runs`` and ``match``; ready: every entry in drop order,
 ``run_from`` and ``extend``). Where the books are not built these tests skip, unless
 ``KVSHARE_REQUIRE_NATIVE=1``.
 """
@@ -70,6 +70,14 @@ def test_pending_book_answers_as_the_python_one(seed: int, names: str, cap: int)
         fast.add(ns, loc, hashes, tier)
         ref.add(ns, loc, hashes, tier)
         assert len(fast) == len(ref)
+        if rng.random() < 0.15:  # a worker's cache emptied (or one never sent anything)
+            gone = rng.choice([*locs, Location("worker:w9")])
+            fast.forget(gone)
+            ref.forget(gone)
+            assert len(fast) == len(ref)
+            q = pool[rng.randrange(len(pool)):][:rng.randrange(1, 16)]
+            assert all(gone not in (loc for loc, _ in holders)
+                       for holders, _ in fast.match_runs(rng.choice(names), q).runs)
         for _ in range(3):
             q = pool[rng.randrange(len(pool)):][:rng.randrange(1, 16)]
             qns = rng.choice("abc")
@@ -120,6 +128,12 @@ def test_ready_book_answers_as_the_python_one(seed: int, names: str, cap: int) -
         ref.add(ns, w, hashes, ready_s, now, stored_from=stored_from)
         assert len(fast) == len(ref)
         assert fast.entries() == held(ref)
+        if rng.random() < 0.15:  # a worker's engine restarted (or one never recorded)
+            gone = rng.choice([*workers, WorkerId("w9")])
+            fast.forget(gone)
+            ref.forget(gone)
+            assert fast.entries() == held(ref)
+            assert all(entry[2] != gone for entry in fast.entries())
         for _ in range(3):
             q = pool[rng.randrange(len(pool)):][:rng.randrange(1, 12)]
             qns, qw = rng.choice("abc"), rng.choice([*workers, WorkerId("w9")])

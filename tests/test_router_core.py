@@ -379,6 +379,36 @@ def test_pending_blocks_are_the_chosen_workers_gpu_blocks_and_help_only_it() -> 
     assert [e.est_ttft_s for e in est[1:]] == sorted(e.est_ttft_s for e in est[1:])
 
 
+def test_a_worker_whose_cache_was_emptied_loses_the_blocks_it_was_about_to_hold() -> None:
+    c = core()
+    loads = {w.worker_id: WorkerLoad(w.worker_id, 0, 0, TPS, 0.0) for w in WORKERS}
+    req = request(SYSTEMS[0])
+    first = c.rank(req, IndexAnswer(EMPTY), c.candidates(WORKERS, loads))
+    c.routed("a", first)
+    c.prefilled("a")
+    chosen = first.decision.worker
+    other = next(w.worker_id for w in WORKERS if w.worker_id != chosen)
+    c.routed("b", c.rank(request(SYSTEMS[1]), IndexAnswer(EMPTY), c.candidates(WORKERS, loads)),
+             other)
+    c.prefilled("b")
+    again = request(SYSTEMS[0] + [1] * BT)
+    assert c.rank(again, IndexAnswer(EMPTY), c.candidates(WORKERS, loads)).decision.reason == \
+        "cache_local"
+    # the chosen worker's engine restarted (or reset its prefix cache): its report says so
+    loads = {**loads, chosen: WorkerLoad(chosen, 0, 0, TPS, 1.0, cache_epoch=1)}
+    after = c.rank(again, IndexAnswer(EMPTY), c.candidates(WORKERS, loads))
+    assert after.decision.reason == "load"  # nothing pending anywhere for this prompt now
+    assert not c.pending.match(NS, req.hashes).locations
+    # another worker's pending blocks stay; a report with the same epoch forgets nothing
+    assert list(c.pending.match(NS, request(SYSTEMS[1]).hashes).locations) == [
+        worker_location(other)]
+    c.routed("c", after)
+    loads = {**loads, chosen: WorkerLoad(chosen, 0, 0, TPS, 2.0, cache_epoch=1)}
+    c.candidates(WORKERS, loads)
+    assert list(c.pending.match(NS, again.hashes).locations) == [
+        worker_location(after.decision.worker)]
+
+
 @pytest.mark.parametrize("index, cause", [(SlowIndex(), "index_timeout"),
                                            (SlowIndex("index_down"), "index_unavailable")])
 def test_a_slow_or_unavailable_index_falls_back_to_pending_then_to_load(index: Any, cause: str) -> None:

@@ -219,12 +219,16 @@ def test_a_prompt_only_in_a_pool_goes_where_loading_is_cheapest_and_is_loaded(
     hashes = prefill_directly(cluster, a, router, text)
     pool = f"node:{a['node']}"
     wait_for(lambda: held(index, hashes, pool, Tier.HOST))  # the connector stored it
+    epochs = {w: load.cache_epoch for w, load in index.loads().items()}
     for info in cluster["infos"]:  # empty every vLLM's own cache; a step publishes the reset
         assert reset_prefix_cache(info["endpoint"]), info  # refused while a save holds pages
         httpx.post(f"{info['endpoint']}/v1/completions", timeout=120,
                    json={"model": cluster["model"], "prompt": [7, 8, 9], "max_tokens": 1})
     for info in cluster["infos"]:
         wait_for(lambda i=info: held(index, hashes, f"worker:{i['worker_id']}", None))
+        # its load reports say its cache was emptied (routers forget what they sent it)
+        wait_for(lambda i=info: index.loads()[i["worker_id"]].cache_epoch
+                 > epochs[i["worker_id"]])
     assert held(index, hashes, pool, Tier.HOST)
     wait_all_idle(cluster, time.time())
     before = metric(a["endpoint"], "vllm:external_prefix_cache_hits_total")

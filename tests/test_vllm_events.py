@@ -143,23 +143,26 @@ def test_reset_prefix_cache_clears_the_workers_entries(worker: Worker) -> None:
     before = prompt_tokens(6, 2 * BLOCK)
     worker.complete(before)
     wait_for(lambda: worker.held(before) == 2)
+    epoch = worker.consumer.cache_epoch
     assert reset_prefix_cache(worker.spec.endpoint)  # refused while a save holds pages: retried
     after = prompt_tokens(7, 2 * BLOCK)
     worker.complete(after)  # vLLM publishes the clear with its next step
     wait_for(lambda: worker.held(after) == 2)
     assert worker.held(before) == 0
     assert worker.entries() == 2
+    assert worker.consumer.cache_epoch == epoch + 1  # one clear: the load report says so
 
 
 def test_killed_engine_is_fenced_and_its_restart_publishes_afresh(worker: Worker) -> None:
     old = prompt_tokens(8, 3 * BLOCK)
     worker.complete(old)
     wait_for(lambda: worker.held(old) == 3)
-    fences = worker.consumer.counters["fences"]
+    fences, epoch = worker.consumer.counters["fences"], worker.consumer.cache_epoch
     worker.proc.kill()
     _, gone_s = wait_for(lambda: worker.entries() == 0)
     print(f"stale entries gone {gone_s * 1000:.0f} ms after the kill")
     assert worker.consumer.counters["fences"] > fences
+    assert worker.consumer.cache_epoch > epoch  # the load report says its cache is gone
     worker.proc = VllmProcess(worker.spec).start()  # same endpoint, seq starts again at 0
     worker.proc.wait_ready()
     new = prompt_tokens(9, 2 * BLOCK)

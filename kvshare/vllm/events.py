@@ -122,7 +122,7 @@ class KVEventsConsumer:
         self.counters = dict.fromkeys(
             ("frames", "events", "page_hashes", "malformed", "unknown_events", "gaps",
              "replayed", "replay_failures", "resyncs", "fences", "disconnects",
-             "published", "publish_errors", "inventories"), 0)
+             "published", "publish_errors", "inventories", "clears"), 0)
 
     # ------------------------------------------------------------------ lifecycle
     def open(self) -> None:
@@ -251,6 +251,7 @@ class KVEventsConsumer:
             self.counters["page_hashes"] += len(ev.block_hashes)
             self._emit(self.blocks.removed(ev))
         elif isinstance(ev, AllPagesCleared):
+            self.counters["clears"] += 1
             self._emit(self.blocks.cleared())
         else:
             self.counters["unknown_events"] += 1
@@ -321,6 +322,13 @@ class KVEventsConsumer:
                 pend.append((removed, old, h))
             if new is not None:
                 pend.append((stored, new, h))
+
+    @property
+    def cache_epoch(self) -> int:
+        """How many times the engine's own cache was emptied as far as its events tell: a
+        prefix-cache reset (``AllBlocksCleared``) or a fence (a restarted engine, lost events).
+        Reported in the worker's load (:attr:`~kvshare.workers.WorkerLoad.cache_epoch`)."""
+        return int(self.counters["clears"] + self.counters["fences"])
 
     @property
     def location(self) -> Location:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kvshare.hasher import Hasher
@@ -25,7 +25,7 @@ from kvshare.vllm.events import EventsConfig, KVEventsConsumer
 from kvshare.vllm.launch import VllmProcess, VllmSpec
 from kvshare.vllm.load import MetricsLoad
 from kvshare.vllm.presence import IndexSink, Presence
-from kvshare.workers import META_GPU_PRIVATE, WorkerInfo
+from kvshare.workers import META_GPU_PRIVATE, WorkerInfo, WorkerLoad
 
 
 @dataclass(frozen=True)
@@ -148,14 +148,21 @@ class VllmWorker:
         self.process.start()
         self.process.wait_ready(timeout_s)
         self.load = MetricsLoad(self.info.worker_id, self.spec.endpoint)
-        self.presence = Presence(self.info, self.index, self.load.load,
-                                 alive_fn=self.process.alive)
+        self.presence = Presence(self.info, self.index, self._load, alive_fn=self.process.alive)
         events = EventsConfig(self.spec.events_endpoint, self.config.namespace,
                               self.config.block_tokens, self.spec.block_size,
                               replay_endpoint=self.spec.replay_endpoint)
         self.consumer = KVEventsConsumer(events, self.presence, self.keys.hasher()).start()
         self.presence.start()
         return self.spec.endpoint
+
+    def _load(self) -> WorkerLoad | None:
+        """The engine's load report, stamped with how many times its cache was emptied (as its
+        KV events tell: routers then forget what they expected it to hold)."""
+        load = self.load.load() if self.load is not None else None
+        if load is None or self.consumer is None:
+            return load
+        return replace(load, cache_epoch=self.consumer.cache_epoch)
 
     def stats(self) -> dict[str, Any]:
         return {"worker_id": self.info.worker_id, "endpoint": self.spec.endpoint,
