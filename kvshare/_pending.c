@@ -143,6 +143,62 @@ typedef struct {
     double first;
 } Grown;
 
+/* The position of location ``loc`` among ``s``'s holders, or -1. */
+static int32_t hset_find(const HSet *s, int32_t loc)
+{
+    for (int32_t j = 0; j < s->n; j++) {
+        if (s->h[j].loc == loc)
+            return j;
+    }
+    return -1;
+}
+
+/* The set ``old`` was already turned into during this call, or NULL. */
+static Grown *grown_find(Grown *grown, Py_ssize_t n, const HSet *old)
+{
+    for (Py_ssize_t j = 0; j < n; j++) {
+        if (grown[j].old == old)
+            return &grown[j];
+    }
+    return NULL;
+}
+
+/* Record that ``old`` becomes ``s`` (earliest expiry ``first``) for the rest of this call:
+ * ``old`` is kept alive (so its address stays unique) and ``s`` held until the caller releases
+ * both. NULL with MemoryError (``s`` released) when the list cannot grow. */
+static Grown *grown_push(Grown **grown, Py_ssize_t *n, Py_ssize_t *cap, HSet *old, HSet *s,
+                         double first)
+{
+    s->refs = 1;
+    if (*n == *cap) {
+        Py_ssize_t want = *cap ? *cap * 2 : 4;
+        Grown *gr = (Grown *)realloc(*grown, (size_t)want * sizeof(Grown));
+        if (!gr) {
+            hset_release(s);
+            PyErr_NoMemory();
+            return NULL;
+        }
+        *grown = gr;
+        *cap = want;
+    }
+    old->refs++;
+    Grown *g = &(*grown)[(*n)++];
+    g->old = old;
+    g->new = s;
+    g->first = first;
+    return g;
+}
+
+/* Release what :func:`grown_push` held, and the list. */
+static void grown_free(Grown *grown, Py_ssize_t n)
+{
+    for (Py_ssize_t j = 0; j < n; j++) {
+        hset_release(grown[j].old);
+        hset_release(grown[j].new);
+    }
+    free(grown);
+}
+
 static PyObject *book_add(Book *self, PyObject *args)
 {
     PyObject *ns_obj, *loc_obj, *hashes_obj, *tier_obj = PyTuple_GET_ITEM(self->tiers, 0);
@@ -203,42 +259,17 @@ static PyObject *book_add(Book *self, PyObject *args)
         bk_to_end(t, i);
         BkEntry *e = &t->e[i];
         HSet *old = (HSet *)e->p;
-        Grown *g = NULL;
-        for (Py_ssize_t j = 0; j < n_grown; j++) {
-            if (grown[j].old == old) {
-                g = &grown[j];
-                break;
-            }
-        }
+        Grown *g = grown_find(grown, n_grown, old);
         if (!g) {
-            int32_t at = -1;
-            for (int32_t j = 0; j < old->n; j++) {
-                if (old->h[j].loc == (int32_t)loc) {
-                    at = j;
-                    break;
-                }
-            }
+            int32_t at = hset_find(old, (int32_t)loc);
             HSet *s = hset_new(old->n + (at < 0));
             if (!s)
                 goto done;
             memcpy(s->h, old->h, (size_t)old->n * sizeof(Holder));
             s->h[at < 0 ? old->n : at] = (Holder){(int32_t)loc, tier, exp};
-            s->refs = 1; /* held by grown until the end of the call */
-            if (n_grown == cap_grown) {
-                cap_grown = cap_grown ? cap_grown * 2 : 4;
-                Grown *gr = (Grown *)realloc(grown, (size_t)cap_grown * sizeof(Grown));
-                if (!gr) {
-                    hset_release(s);
-                    PyErr_NoMemory();
-                    goto done;
-                }
-                grown = gr;
-            }
-            old->refs++; /* kept alive (and its address unique) while this call runs */
-            g = &grown[n_grown++];
-            g->old = old;
-            g->new = s;
-            g->first = e->t < exp ? e->t : exp;
+            g = grown_push(&grown, &n_grown, &cap_grown, old, s, e->t < exp ? e->t : exp);
+            if (!g)
+                goto done;
         }
         g->new->refs++;
         e->p = g->new;
@@ -250,11 +281,7 @@ static PyObject *book_add(Book *self, PyObject *args)
         drop_oldest(self);
     out = Py_NewRef(Py_None);
 done:
-    for (Py_ssize_t j = 0; j < n_grown; j++) {
-        hset_release(grown[j].old);
-        hset_release(grown[j].new);
-    }
-    free(grown);
+    grown_free(grown, n_grown);
     hset_release(fresh);
     Py_DECREF(hashes);
     return out;
@@ -263,12 +290,11 @@ done:
 /* PendingBlocks.forget: drop ``location`` from every entry's holders; an entry left with none
  * goes. The others, their expiries and the order stay; an entry's earliest expiry is its
  * remaining holders' earliest. Entries that shared a holder set share the smaller one. */
-static PyObject *book_forget(Book *self, PyObject *loc_obj)
+static PyObject *book_forget(Book *self, PyObject *args)
 {
-    if (!PyUnicode_Check(loc_obj)) {
-        PyErr_SetString(PyExc_TypeError, "forget needs a location (str)");
+    PyObject *loc_obj;
+    if (!PyArg_ParseTuple(args, "U:forget", &loc_obj))
         return NULL;
-    }
     Py_ssize_t loc = bk_intern(self->loc_ids, self->loc_names, loc_obj, 0);
     if (loc == -2)
         return NULL;
@@ -282,73 +308,39 @@ static PyObject *book_forget(Book *self, PyObject *loc_obj)
         BkEntry *e = &t->e[i];
         int32_t next = e->next;
         HSet *old = (HSet *)e->p;
-        int32_t at = -1;
-        for (int32_t j = 0; j < old->n; j++) {
-            if (old->h[j].loc == (int32_t)loc) {
-                at = j;
-                break;
-            }
-        }
-        if (at < 0) {
-            i = next;
-            continue;
-        }
-        if (old->n == 1) {
+        int32_t at = hset_find(old, (int32_t)loc);
+        if (at >= 0 && old->n == 1) {
             hset_release(old);
             bk_remove(t, i);
-            i = next;
-            continue;
-        }
-        Grown *g = NULL;
-        for (Py_ssize_t j = 0; j < n_done; j++) {
-            if (done[j].old == old) {
-                g = &done[j];
-                break;
-            }
-        }
-        if (!g) {
-            HSet *s = hset_new(old->n - 1);
-            if (!s)
-                goto end;
-            double first = 0.0;
-            for (int32_t j = 0, m = 0; j < old->n; j++) {
-                if (j == at)
-                    continue;
-                s->h[m] = old->h[j];
-                if (m == 0 || s->h[m].exp < first)
-                    first = s->h[m].exp;
-                m++;
-            }
-            s->refs = 1; /* held by done until the end of the call */
-            if (n_done == cap_done) {
-                cap_done = cap_done ? cap_done * 2 : 4;
-                Grown *gr = (Grown *)realloc(done, (size_t)cap_done * sizeof(Grown));
-                if (!gr) {
-                    hset_release(s);
-                    PyErr_NoMemory();
+        } else if (at >= 0) {
+            Grown *g = grown_find(done, n_done, old);
+            if (!g) {
+                HSet *s = hset_new(old->n - 1);
+                if (!s)
                     goto end;
+                double first = 0.0;
+                for (int32_t j = 0, m = 0; j < old->n; j++) {
+                    if (j == at)
+                        continue;
+                    s->h[m] = old->h[j];
+                    if (m == 0 || s->h[m].exp < first)
+                        first = s->h[m].exp;
+                    m++;
                 }
-                done = gr;
+                g = grown_push(&done, &n_done, &cap_done, old, s, first);
+                if (!g)
+                    goto end;
             }
-            old->refs++; /* kept alive (and its address unique) while this call runs */
-            g = &done[n_done++];
-            g->old = old;
-            g->new = s;
-            g->first = first;
+            g->new->refs++;
+            e->p = g->new;
+            e->t = g->first;
+            hset_release(old);
         }
-        g->new->refs++;
-        e->p = g->new;
-        e->t = g->first;
-        hset_release(old);
         i = next;
     }
     out = Py_NewRef(Py_None);
 end:
-    for (Py_ssize_t j = 0; j < n_done; j++) {
-        hset_release(done[j].old);
-        hset_release(done[j].new);
-    }
-    free(done);
+    grown_free(done, n_done);
     return out;
 }
 
@@ -540,7 +532,7 @@ static void book_dealloc(Book *self)
 static PyMethodDef book_methods[] = {
     {"add", (PyCFunction)book_add, METH_VARARGS,
      "add(namespace, location, hashes, tier=tiers[0]): location will hold hashes for ttl_s."},
-    {"forget", (PyCFunction)book_forget, METH_O,
+    {"forget", (PyCFunction)book_forget, METH_VARARGS,
      "forget(location): location will hold none of its pending blocks (its cache was emptied)."},
     {"match_runs", (PyCFunction)book_match_runs, METH_VARARGS,
      "match_runs(namespace, hashes) -> runs_type(len(hashes), runs): live pending holders."},

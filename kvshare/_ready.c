@@ -84,12 +84,11 @@ fail:
 
 /* ReadyBlocks.forget: drop every entry ``worker`` was creating (its queue and cache are gone);
  * the others and their order stay. */
-static PyObject *book_forget(Book *self, PyObject *w_obj)
+static PyObject *book_forget(Book *self, PyObject *args)
 {
-    if (!PyUnicode_Check(w_obj)) {
-        PyErr_SetString(PyExc_TypeError, "forget needs a worker id (str)");
+    PyObject *w_obj;
+    if (!PyArg_ParseTuple(args, "U:forget", &w_obj))
         return NULL;
-    }
     Py_ssize_t w = bk_intern(self->w_ids, self->w_names, w_obj, 0);
     if (w == -2)
         return NULL;
@@ -275,7 +274,7 @@ static void book_dealloc(Book *self)
 }
 
 static PyMethodDef book_methods[] = {
-    {"forget", (PyCFunction)book_forget, METH_O,
+    {"forget", (PyCFunction)book_forget, METH_VARARGS,
      "forget(worker): drop every block worker was creating (its queue and cache are gone)."},
     {"add", (PyCFunction)(void (*)(void))book_add, METH_VARARGS | METH_KEYWORDS,
      "add(namespace, worker, hashes, ready_s, now, stored_from=0): ReadyBlocks.add."},
