@@ -8,6 +8,7 @@ talk to the index through :class:`IndexQuery`, implemented by the (sharded) inde
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
@@ -63,9 +64,10 @@ class WorkerLoad:
     ``ts`` (wall clock; 0 = at ``ts``): a vLLM engine's counts are from its last step's
     scheduling, and its steps can last seconds, so a request that reached it after ``as_of``
     is not in them (a router counts its own sent after ``as_of``);
-    ``cache_epoch``: how many times the worker's own cache (its gpu tier) was emptied (its
-    engine restarted, its prefix cache reset); when it changes, a router forgets the blocks it
-    expected the worker to hold from the requests it sent it before.
+    ``cache_epoch``: changes whenever the worker's own cache (its gpu tier) was emptied (its
+    engine or worker process restarted, its prefix cache reset): a start value unique to the
+    worker's start (:func:`epoch_base`) plus the clears seen since; when it changes, a router
+    forgets the blocks it expected the worker to hold from the requests it sent it before.
     """
 
     worker_id: WorkerId
@@ -91,6 +93,14 @@ class WorkerLoad:
         return WorkerLoad(self.worker_id, queued_prefill_tokens, running,
                           self.prefill_tokens_per_s, self.ts, self.waiting, self.kv_usage,
                           self.local_load_s, self.remote_load_s, self.as_of, self.cache_epoch)
+
+
+def epoch_base() -> int:
+    """A :attr:`WorkerLoad.cache_epoch` start value for a worker starting now (the wall clock
+    in milliseconds): a restarted worker process counts its clears from another base, so its
+    reports show the restart even before its cache is emptied again (a count from 0 would
+    repeat the last incarnation's value)."""
+    return time.time_ns() // 1_000_000
 
 
 @runtime_checkable

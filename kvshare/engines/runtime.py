@@ -39,7 +39,7 @@ from kvshare.engines.openai_api import BadRequest, ParsedRequest
 from kvshare.engines.text_out import TextOut
 from kvshare.engines.worker import Completion, ReferenceWorker, RequestStats
 from kvshare.types import WorkerId
-from kvshare.workers import WorkerInfo, WorkerLoad, WorkerRegistrar
+from kvshare.workers import WorkerInfo, WorkerLoad, WorkerRegistrar, epoch_base
 
 log = logging.getLogger(__name__)
 
@@ -47,7 +47,9 @@ CUT_POLICIES = ("cost", "local", "all")
 
 
 class LoadTracker:
-    """Prompt tokens admitted but not yet prefilled, requests in flight, prefill speed.
+    """Prompt tokens admitted but not yet prefilled, requests in flight, prefill speed, and
+    the ``cache_epoch`` of this worker's start (:func:`~kvshare.workers.epoch_base`: a
+    reference worker keeps no cache of its own to reset, so only a restart changes it).
 
     Prefills that computed fewer than ``min_speed_sample_tokens`` tokens do not move the
     speed (a router turns queued tokens into seconds with it; a 10-token prefill measures
@@ -60,6 +62,7 @@ class LoadTracker:
         self.queued_prefill_tokens = 0
         self.running = 0
         self.prefill_tokens_per_s = 0.0
+        self.cache_epoch = epoch_base()
 
     def admit(self, tokens: int) -> None:
         with self._lock:
@@ -83,7 +86,7 @@ class LoadTracker:
             # one request runs at a time: the others in flight wait
             return WorkerLoad(WorkerId(worker_id), max(0, self.queued_prefill_tokens),
                               self.running, self.prefill_tokens_per_s, time.time(),
-                              max(0, self.running - 1))
+                              max(0, self.running - 1), cache_epoch=self.cache_epoch)
 
     def as_dict(self) -> dict[str, float]:
         """The current load as JSON-ready numbers."""

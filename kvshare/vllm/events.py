@@ -54,6 +54,7 @@ from kvshare.vllm.event_wire import (
 )
 from kvshare.vllm.presence import Presence
 from kvshare.vllm.share_blocks import Change, ShareBlocks
+from kvshare.workers import epoch_base
 
 log = logging.getLogger(__name__)
 
@@ -112,6 +113,7 @@ class KVEventsConsumer:
         self._monitor: zmq.Socket[Any] | None = None
         self._expected: int | None = None  # next vLLM seq; None: take whatever comes
         self._gen = 0  # generation our published events carry
+        self._epoch_base = epoch_base()  # (cache_epoch: this consumer's start)
         self._seq = 0  # our last published seq under _gen
         self._pending: list[tuple[int, str, bytes]] = []  # (kind, tier, hash) to publish
         self._dirty = True  # the index must get our whole inventory (start, resync, errors)
@@ -325,10 +327,11 @@ class KVEventsConsumer:
 
     @property
     def cache_epoch(self) -> int:
-        """How many times the engine's own cache was emptied as far as its events tell: a
+        """This consumer's start value (:func:`~kvshare.workers.epoch_base`) plus how many
+        times the engine's own cache was emptied as far as its events tell since: a
         prefix-cache reset (``AllBlocksCleared``) or a fence (a restarted engine, lost events).
         Reported in the worker's load (:attr:`~kvshare.workers.WorkerLoad.cache_epoch`)."""
-        return int(self.counters["clears"] + self.counters["fences"])
+        return self._epoch_base + int(self.counters["clears"] + self.counters["fences"])
 
     @property
     def location(self) -> Location:
