@@ -8,6 +8,7 @@ same in front of them."""
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -92,6 +93,45 @@ def test_workers_register_with_node_endpoint_namespace_and_layout(cluster: dict[
         assert w.namespaces == (NS,) and w.layout_fingerprint == keys.layout.fingerprint()
         assert w.meta["engine"] == "vllm"
     wait_for(lambda: all(ld.ts > 0 for ld in index.loads().values()))
+
+
+def cpu_ticks(group: int) -> dict[int, int]:
+    """CPU clock ticks (user + system) of every process in process group ``group``."""
+    out = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:  # (gone meanwhile)
+                continue
+            if int(fields[2]) == group:  # pgrp; then utime, stime
+                out[int(entry)] = int(fields[11]) + int(fields[12])
+    return out
+
+
+def test_idle_vllm_engine_processes_do_not_spin(cluster: dict[str, Any]) -> None:
+    """An idle server's engine processes use next to no CPU. The connector joins Ray as a
+    driver inside vLLM's processes, where Ray's error-listener thread polled the GCS in a loop
+    (~20-33% of a core each, and the GCS ~57%) until ``kvshare.ray_env.stop_error_listener``;
+    the API server itself is left out (the worker's load reports scrape it every 100 ms)."""
+    from actors.vllm_workers import list_workers
+
+    wait_all_idle(cluster, time.time())
+    pids = [w["pid"] for w in list_workers(RAY_NS)]
+    assert len(pids) == 2 and all(pids)
+    before = {pid: cpu_ticks(pid) for pid in pids}
+    t0 = time.monotonic()
+    time.sleep(4.0)
+    seconds = time.monotonic() - t0
+    tick = os.sysconf("SC_CLK_TCK")
+    for pid in pids:
+        after = cpu_ticks(pid)
+        engine = [p for p in after if p != pid and p in before[pid]]
+        assert engine, f"no engine process beside the API server {pid}"
+        for p in engine:
+            share = (after[p] - before[pid][p]) / tick / seconds
+            assert share < 0.1, f"process {p} of server {pid} used {share:.0%} of a core idle"
 
 
 def test_gateway_routes_a_prompt_to_the_vllm_worker_whose_cache_holds_it(

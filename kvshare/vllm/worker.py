@@ -165,8 +165,10 @@ class VllmWorker:
         return replace(load, cache_epoch=self.consumer.cache_epoch)
 
     def stats(self) -> dict[str, Any]:
+        proc = self.process.proc
         return {"worker_id": self.info.worker_id, "endpoint": self.spec.endpoint,
                 "alive": self.process.alive(),
+                "pid": proc.pid if proc is not None else None,  # (its process group's too)
                 "events": self.consumer.stats() if self.consumer else {},
                 "lease": dict(self.presence.counters) if self.presence else {}}
 
