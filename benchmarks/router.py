@@ -18,6 +18,9 @@ and ``finished`` when done. Every decision gets a new prompt (:class:`Traffic`):
 prompt the index holds + a tail never seen before, fresh int objects, cold in cache. The
 router keeps its verified hash memo (``RouterConfig.hash_memo_blocks``), which can save only
 the system prompts' blocks; the replica leg is run again without it (``replica_no_memo_*``).
+The replica leg is also run on multi-turn conversations (:class:`Conversations`: each decision
+a conversation's next turn, lists of fresh ints, sha256; ``replica_multiturn_*``), the traffic
+chat clients and agents send, where the hash memo answers every block but the new message's.
 The replica leg is run a third time on the same kind of prompts handed over packed (a numpy
 ``uint32`` array per prompt, as a gateway that keeps its tokenizer's ids packed would pass them:
 ``replica_packed_*``): hashed from their bytes, and no int objects for the collector to walk.
@@ -92,6 +95,35 @@ class Traffic:
             ids = np.concatenate([head, tail])
             out.append(ids.astype(np.uint32) if self.packed else ids.tolist())
         return out
+
+
+class Conversations(Traffic):
+    """Multi-turn traffic, as chat clients and agents send it: ``CONVERSATIONS`` conversations
+    at once, each starting from one of the system prompts and growing by a new user message of
+    256-767 tokens a turn (a conversation past ``TOKENS`` starts over on another system
+    prompt); each decision is a random conversation's next turn, a fresh list of fresh ints
+    (a JSON body re-sends the whole conversation). Every block but the new message's repeats
+    the conversation's previous turn: what the hash memo is for."""
+
+    def __init__(self, seed: int, systems: list[list[int]]) -> None:
+        super().__init__(seed, systems)
+        self.convs = [self._start() for _ in range(CONVERSATIONS)]
+
+    def _start(self) -> np.ndarray:
+        return self.heads[int(self.rng.integers(len(self.heads)))]
+
+    def batch(self, n: int) -> list[list[int]]:  # type: ignore[override]
+        out = []
+        for _ in range(n):
+            i = int(self.rng.integers(len(self.convs)))
+            turn = np.concatenate([self.convs[i], self.rng.integers(0, 32000, int(
+                self.rng.integers(256, 768)))])
+            self.convs[i] = turn if len(turn) < TOKENS else self._start()
+            out.append(turn.tolist())
+        return out
+
+
+CONVERSATIONS = 64
 
 
 def make_router(index: object, policy: str, memo: bool = True, ns: str = NS,
@@ -272,6 +304,7 @@ def main() -> None:
              namespace="kvshare-bench-router", object_store_memory=200 * 2**20)
     try:
         actor = GlobalIndexActor.remote(IndexConfig())
+        ray.get(actor.ready.remote(), timeout=300)  # (its start, before the 2 s call deadline)
         client = IndexClient([actor], timeout_s=2.0)
         client.declare_namespace(NS)
         remote = make_router(client, "cost")
@@ -305,6 +338,12 @@ def main() -> None:
             asyncio.run(sequential(bare, traffic, 300))  # warm-up
             bare_rate, bare_lat = asyncio.run(sequential(bare, traffic, 3000, "replica_no_memo"))
             memo = near.hasher.memo.stats() if getattr(near.hasher, "memo", None) else None
+            turns = make_router(replica, "cost")  # multi-turn conversations, lists, sha256
+            turn_traffic = Conversations(4, systems)
+            asyncio.run(sequential(turns, turn_traffic, 300))  # warm-up
+            turns_rate, turns_lat = asyncio.run(sequential(turns, turn_traffic, 3000,
+                                                           "replica_multiturn"))
+            turns_memo = turns.hasher.memo.stats() if getattr(turns.hasher, "memo", None) else None
             packed = make_router(replica, "cost")  # the same ids, handed over as uint32 arrays
             packed_traffic = Traffic(3, systems, packed=True)
             asyncio.run(sequential(packed, packed_traffic, 300))  # warm-up
@@ -333,6 +372,10 @@ def main() -> None:
     print(f"the same without the hash memo:    {bare_rate:8.0f} decisions/s sequential  "
           f"p50 {ms(bare_lat, 50):.3f} ms  p99 {ms(bare_lat, 99):.3f} ms "
           f"({CPU_RATES['replica_no_memo']:.0f}/CPU-s); memo {memo}")
+    print(f"the same on multi-turn chats:      {turns_rate:8.0f} decisions/s sequential  "
+          f"p50 {ms(turns_lat, 50):.3f} ms  p99 {ms(turns_lat, 99):.3f} ms "
+          f"({CPU_RATES['replica_multiturn']:.0f}/CPU-s); stages "
+          f"{STAGES_US['replica_multiturn']} us; memo {turns_memo}")
     print(f"the same on packed ids (uint32): {packed_rate:8.0f} decisions/s sequential  "
           f"p50 {ms(packed_lat, 50):.3f} ms  p99 {ms(packed_lat, 99):.3f} ms "
           f"({CPU_RATES['replica_packed']:.0f}/CPU-s); stages {STAGES_US['replica_packed']} us; "
@@ -365,6 +408,10 @@ def main() -> None:
         "replica_xxh3_packed_p99_ms": round(ms(xxh3_lat, 99), 3),
         "replica_xxh3_packed_decisions_per_cpu_s": round(CPU_RATES["replica_xxh3_packed"], 1),
         "replica_xxh3_packed_stage_us": STAGES_US["replica_xxh3_packed"],
+        "replica_multiturn_decisions_per_s": round(turns_rate, 1),
+        "replica_multiturn_p99_ms": round(ms(turns_lat, 99), 3),
+        "replica_multiturn_decisions_per_cpu_s": round(CPU_RATES["replica_multiturn"], 1),
+        "replica_multiturn_stage_us": STAGES_US["replica_multiturn"],
         "replica_no_memo_decisions_per_s": round(bare_rate, 1),
         "replica_no_memo_p99_ms": round(ms(bare_lat, 99), 3),
         "replica_no_memo_decisions_per_cpu_s": round(CPU_RATES["replica_no_memo"], 1),
