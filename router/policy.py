@@ -535,7 +535,8 @@ class CostPolicy(Policy):
             if new:
                 book.add_workers(new)
                 self._shadowed.update((i.worker_id, i.node) for i in new)
-            self._timed = TimedHoldings(book, request.hashes, match, pending)
+            # (no worker reports a capacity: nothing to shadow, the plain path and its C loop)
+            self._timed = TimedHoldings(book, request.hashes, match, pending) if book else None
         return super().rank(request, match, candidates, pending)
 
     def _select(self, request: RouteRequest, view: SourceMap, cands: list[Candidate]) -> tuple[int, str]:
@@ -632,7 +633,7 @@ class CostPolicy(Policy):
         plans, no Python view), then the same pick; None where it cannot run (and with
         ``survival`` or ``recency``: the C loop does not test turnover or read holdings at
         each candidate's start)."""
-        if self.survival or self._recency is not None:
+        if self.survival or self._timed is not None:
             return None
         ns, n = request.namespace, request.num_tokens
         queues, order = self.queues(cands)

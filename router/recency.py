@@ -166,6 +166,10 @@ class RecencyBook:
                     if tier is not None:  # (a node's workers may report different sizes)
                         new.take(tier)
 
+    def __bool__(self) -> bool:
+        """Whether any tier is shadowed (some worker reported a capacity)."""
+        return bool(self._tiers)
+
     def tier(self, loc: str) -> ShadowLru | None:
         return self._tiers.get(loc)
 

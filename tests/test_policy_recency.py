@@ -4,6 +4,8 @@ LRU (a replay of the policy's own decisions, in queue order) still holds when th
 
 from __future__ import annotations
 
+import random
+
 from actors.index.runs import HolderRuns
 from kvshare.cost import Bandwidths, CostModel, PrefillModel
 from kvshare.match import MatchResult, build_match
@@ -15,8 +17,9 @@ from kvshare.workers import (
     WorkerInfo,
     WorkerLoad,
 )
-from router.policy import Candidate, RouteRequest, make_policy
+from router.policy import Candidate, CostPolicy, RouteRequest, make_policy
 from router.recency import RecencyBook, ShadowLru
+from router.select_native import kernel
 from router.sources import Sharing
 
 NS = "m"
@@ -173,3 +176,29 @@ def test_a_pool_holding_a_prompt_past_a_head_it_never_held_keeps_it() -> None:
     book.use(n1, B[:1])
     assert [(sorted(loc for loc, _ in h), n) for h, n in book.trim(match, A).runs] == [
         ([N0], 1), ([n1], 6)]
+
+
+def bare(i: int, queued: int) -> Candidate:
+    """Worker ``i`` reporting no capacity (as a vLLM worker does today)."""
+    info = WorkerInfo(WorkerId(f"w{i}"), NodeId(f"n{i}"), (NS,), f"http://w{i}",
+                      meta={META_GPU_PRIVATE: "1"})
+    return Candidate(info, WorkerLoad(info.worker_id, queued, 1 if queued else 0))
+
+
+def test_with_no_capacity_reported_recency_decides_as_without_it_on_the_c_loop() -> None:
+    """Nothing to shadow: the same decisions and estimates as the plain policy, and the C loop
+    (where built) makes them, so turning recency on costs a router nothing until its workers
+    report capacities."""
+    rng = random.Random(3)
+    plain = make_policy("cost", model(), Sharing.GLOBAL)
+    timed = make_policy("cost", model(), Sharing.GLOBAL, recency=True)
+    for _ in range(200):
+        hashes = prompt(rng.choice((1, 101, 201)))[: rng.randrange(1, 9)]
+        layout = {N0: Tier.HOST} if rng.random() < 0.5 else {}
+        cands = [bare(i, rng.randrange(0, 5000)) for i in range(3)]
+        got = [p.rank(request(hashes), held(hashes, layout), cands) for p in (plain, timed)]
+        assert got[0].decision == got[1].decision
+        assert [e.est_ttft_s for e in got[0].estimates()] == [e.est_ttft_s for e in got[1].estimates()]
+    assert isinstance(plain, CostPolicy) and isinstance(timed, CostPolicy)
+    if kernel is not None:  # (built by the install: the C loop made every decision of both)
+        assert timed._native.ran == plain._native.ran == 200
