@@ -129,10 +129,9 @@ def main() -> int:
     ap.add_argument("--survival", action="store_true",
                     help="cost counts a held block only where its holder likely still holds it "
                          "at the job's start (CostPolicy(survival=True); router/survival.py)")
-    ap.add_argument("--recency", action="store_true",
-                    help="cost cuts each tier's holdings to what its shadow LRU still holds when "
-                         "each candidate would start (CostPolicy(recency=True); "
-                         "router/recency.py)")
+    ap.add_argument("--no-recency", action="store_true",
+                    help="cost without its recency rule (the shadow LRU per tier: "
+                         "CostPolicy(recency=False); router/recency.py)")
     ap.add_argument("--dump", default=None, help="write every cell's mean/p99 per policy (JSON)")
     ap.add_argument("--peers-from", default=None,
                     help="a --dump file: the figures of the policies not in --policies")
@@ -167,8 +166,8 @@ def main() -> int:
             for w, h in picked:
                 cfg = ClusterConfig(workers=w, host_tokens=h, block_tokens=block_tokens)
                 opts = {"survival": True} if args.survival else {}
-                if args.recency:
-                    opts["recency"] = True
+                if args.no_recency:
+                    opts["recency"] = False
                 r = simulate(trace, cfg, names, "global", reference=False,
                              **({"cost": opts} if opts else {}))
                 s = {n: summarize(r.rows[n], r.busy[n]) for n in names}

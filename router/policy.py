@@ -491,19 +491,23 @@ class CostPolicy(Policy):
     blocks, the ready ones by the same test from their job's end):
     :mod:`router.survival`.
 
-    With ``recency`` (off by default; README), the index's and pending holdings of each engine
+    With ``recency`` (on by default; README), the index's and pending holdings of each engine
     cache and node pool whose capacity the workers report are cut, per candidate, to the
     leading blocks still held there when that candidate would start, from a shadow LRU per
     tier that replays this policy's decisions at their estimated times (:mod:`router.recency`):
     a block's own LRU position, not a bound for any position. It runs the Python loop (the C
-    loop prices every candidate on one view).
+    loop prices every candidate on one view). Where no worker reports a capacity (kvshare's
+    vLLM and reference workers do not: a router's shadow sees only its own traffic, so a
+    deployment with several routers or a restarted one would count other blocks as gone) there
+    is nothing to shadow, and the policy is the plain one, C loop included; the simulator's
+    workers report theirs (one router sees all of the cluster's traffic there).
     """
 
     name = "cost"
 
     def __init__(
         self, cost: CostModel, sharing: Sharing = Sharing.GLOBAL, tie_s: float = 0.001,
-        survival: bool = False, recency: bool = False,
+        survival: bool = False, recency: bool = True,
     ) -> None:
         super().__init__(cost, sharing)
         self.tie_s = tie_s

@@ -190,8 +190,8 @@ def test_with_no_capacity_reported_recency_decides_as_without_it_on_the_c_loop()
     (where built) makes them, so turning recency on costs a router nothing until its workers
     report capacities."""
     rng = random.Random(3)
-    plain = make_policy("cost", model(), Sharing.GLOBAL)
-    timed = make_policy("cost", model(), Sharing.GLOBAL, recency=True)
+    plain = make_policy("cost", model(), Sharing.GLOBAL, recency=False)
+    timed = make_policy("cost", model(), Sharing.GLOBAL)  # (on by default)
     for _ in range(200):
         hashes = prompt(rng.choice((1, 101, 201)))[: rng.randrange(1, 9)]
         layout = {N0: Tier.HOST} if rng.random() < 0.5 else {}

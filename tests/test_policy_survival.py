@@ -1,6 +1,6 @@
 """With ``survival``, the cost policy counts a held block only where its holder will still hold
 it when the job starts: a tier whose queued writes by then reach its reported capacity has
-turned over (router/survival.py)."""
+turned over (router/survival.py). Recency is off here: these are survival's own answers."""
 
 from __future__ import annotations
 
@@ -62,23 +62,23 @@ def test_a_pool_the_queue_turns_over_before_the_job_starts_is_not_counted() -> N
     (before), w0 is priced reading its pool (100.101 s) and taken."""
     match = held({node_location("n0"): Tier.HOST})
     cands = [worker(0, 100_100), worker(1, 100_000)]
-    assert make_policy("cost", model(), Sharing.LOCAL).choose(REQ, match, cands).worker == "w0"
-    d = make_policy("cost", model(), Sharing.LOCAL, survival=True).choose(REQ, match, cands)
+    assert make_policy("cost", model(), Sharing.LOCAL, recency=False).choose(REQ, match, cands).worker == "w0"
+    d = make_policy("cost", model(), Sharing.LOCAL, survival=True, recency=False).choose(REQ, match, cands)
     assert (d.worker, d.reason, d.cached_blocks) == ("w1", "load", 0)
     # a pool larger than the queue's writes keeps them: read there, as before
     roomy = [worker(0, 100_100, pool_blocks=20_000), worker(1, 100_000, pool_blocks=20_000)]
-    d = make_policy("cost", model(), Sharing.LOCAL, survival=True).choose(REQ, match, roomy)
+    d = make_policy("cost", model(), Sharing.LOCAL, survival=True, recency=False).choose(REQ, match, roomy)
     assert (d.worker, d.reason, d.cached_blocks) == ("w0", "cache_local", 8)
     # no capacity reported: nothing is assumed lost
     blind = [worker(0, 100_100, None), worker(1, 100_000, None)]
-    assert make_policy("cost", model(), Sharing.LOCAL, survival=True).choose(REQ, match, blind).worker == "w0"
+    assert make_policy("cost", model(), Sharing.LOCAL, survival=True, recency=False).choose(REQ, match, blind).worker == "w0"
 
 
 def test_the_queue_estimate_counts_the_recompute() -> None:
     """The decision's plan (what the worker's queue estimate adds up) recomputes the evicted
     prompt: 100 s behind on both, w0's plan takes the full 128 ms, not ~1 ms."""
     match = held({node_location("n0"): Tier.HOST})
-    d = make_policy("cost", model(), Sharing.LOCAL, survival=True).choose(
+    d = make_policy("cost", model(), Sharing.LOCAL, survival=True, recency=False).choose(
         REQ, match, [worker(0, 100_000), worker(1, 200_000)])
     assert d.worker == "w0" and d.plan is not None
     assert (d.plan.cut, round(d.plan.total_s, 3)) == (0, 0.128)
@@ -91,7 +91,7 @@ def test_blocks_a_job_ahead_uses_again_still_count() -> None:
     pending.add(NS, worker_location("w0"), HASHES, Tier.GPU)
     match = held({node_location("n0"): Tier.HOST, worker_location("w0"): Tier.GPU})
     cands = [worker(0, 100_100, gpu_blocks=64), worker(1, 100_000, gpu_blocks=64)]
-    pol = make_policy("cost", model(), Sharing.LOCAL, survival=True)
+    pol = make_policy("cost", model(), Sharing.LOCAL, survival=True, recency=False)
     d = pol.choose(REQ, match, cands, pending.match(NS, HASHES))
     assert (d.worker, d.reason, d.cached_blocks) == ("w0", "cache_local", 8)
     assert d.plan is not None and d.plan.fetch_s == 0.0
@@ -102,14 +102,14 @@ def test_a_remote_pool_counts_only_until_its_own_queue_turns_it_over() -> None:
     62.5 blocks a second into its 64-block pool: a job starting now still finds the prompt
     there (pull), one starting in 2 s does not (125 blocks written: turned over)."""
     match = held({node_location("n0"): Tier.HOST})
-    d = make_policy("cost", model(), survival=True).choose(REQ, match, [worker(0, 1_000_000), worker(1, 0)])
+    d = make_policy("cost", model(), survival=True, recency=False).choose(REQ, match, [worker(0, 1_000_000), worker(1, 0)])
     assert (d.worker, d.reason, d.remote_blocks) == ("w1", "cache_remote", 8)
     caps = Capacities([worker(0, 0).info, worker(1, 0).info])
     loads = [worker(0, 1_000_000).load, worker(1, 2_000).load]
     turnover = Turnover(caps, loads, [1_000.0, 2.0], BT)
     assert turnover.lost(0.5) == frozenset()
     assert turnover.lost(2.0) == {node_location("n0"), node_location("n1")}
-    d = make_policy("cost", model(), survival=True).choose(REQ, match, [worker(0, 1_000_000), worker(1, 2_000)])
+    d = make_policy("cost", model(), survival=True, recency=False).choose(REQ, match, [worker(0, 1_000_000), worker(1, 2_000)])
     assert (d.worker, d.reason) == ("w1", "load")
 
 
