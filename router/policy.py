@@ -635,8 +635,8 @@ class CostPolicy(Policy):
                        ) -> tuple[int, str, CutPlan] | None:
         """:meth:`_select`'s loop in C (:mod:`router.select_native`: the same estimates and
         plans, no Python view), then the same pick; None where it cannot run (and with
-        ``survival`` or ``recency``: the C loop does not test turnover or read holdings at
-        each candidate's start)."""
+        ``survival``, or ``recency`` with a tier to shadow: the C loop does not test turnover
+        or read holdings at each candidate's start)."""
         if self.survival or self._timed is not None:
             return None
         ns, n = request.namespace, request.num_tokens
