@@ -23,6 +23,7 @@ from ray.serve._private.request_router.common import PendingRequest
 
 from actors.index.global_index import GlobalIndex
 from kvshare.cost import Bandwidths
+from kvshare.engines.runtime import LoadReporter, LoadTracker
 from kvshare.events import BlockStored
 from kvshare.hasher import Hasher
 from kvshare.match import EMPTY_MATCH as EMPTY
@@ -42,6 +43,7 @@ from router.serve_request import (
     replica_worker_id,
 )
 from router.workers_view import IndexWorkers, InFlight
+from tests.vllm_helpers import wait_for
 
 NS = "llm"
 BT = 16
@@ -407,6 +409,52 @@ def test_a_worker_whose_cache_was_emptied_loses_the_blocks_it_was_about_to_hold(
     c.candidates(WORKERS, loads)
     assert list(c.pending.match(NS, again.hashes).locations) == [
         worker_location(after.decision.worker)]
+
+
+def reference_worker(index: GlobalIndex, info: WorkerInfo) -> LoadReporter:
+    """One start of a reference worker's load reports (its runtime's tracker and thread)."""
+    reporter = LoadReporter(index, info, LoadTracker(), interval_s=0.02)
+    reporter.start()
+    return reporter
+
+
+def test_a_restarted_reference_worker_reports_another_epoch_and_routers_forget_its_blocks() -> None:
+    """A reference worker's restart shows in its load reports (``cache_epoch``: a base per
+    start), and a router then forgets what it expected the earlier incarnation to hold."""
+    index = GlobalIndex()
+    index.declare_namespace(NS)
+    reporters = [reference_worker(index, info) for info in WORKERS]
+    try:
+        wait_for(lambda: len(index.loads()) == len(WORKERS))
+        first = index.loads()
+        time.sleep(0.1)  # reports keep coming: the epoch of one start does not move
+        assert {w: r.cache_epoch for w, r in index.loads().items()} == {
+            w: r.cache_epoch for w, r in first.items()}
+
+        c = core()
+        loads = {w: WorkerLoad(w, 0, 0, TPS, 0.0, cache_epoch=r.cache_epoch)
+                 for w, r in first.items()}
+        req = request(SYSTEMS[0])
+        chosen = c.rank(req, IndexAnswer(EMPTY), c.candidates(WORKERS, loads))
+        c.routed("a", chosen)
+        c.prefilled("a")
+        w = chosen.decision.worker
+        assert list(c.pending.match(NS, req.hashes).locations) == [worker_location(w)]
+
+        # the chosen worker's process dies and starts again under the same id
+        i = next(k for k, info in enumerate(WORKERS) if info.worker_id == w)
+        reporters[i].stop()
+        time.sleep(0.002)  # (a restart takes far longer than the epoch's 1 ms grain)
+        reporters[i] = reference_worker(index, WORKERS[i])
+        wait_for(lambda: index.loads()[w].cache_epoch != first[w].cache_epoch)
+        again = index.loads()[w]
+        assert again.cache_epoch > first[w].cache_epoch  # a later start, a later base
+        c.candidates(WORKERS, {**loads, w: WorkerLoad(w, 0, 0, TPS, 1.0,
+                                                      cache_epoch=again.cache_epoch)})
+        assert not c.pending.match(NS, req.hashes).locations  # nothing pending there now
+    finally:
+        for r in reporters:
+            r.stop()
 
 
 @pytest.mark.parametrize("index, cause", [(SlowIndex(), "index_timeout"),
