@@ -159,6 +159,10 @@ def report(turns: list[demo_common.Turn], counters: dict[str, float],
     if not loaded:
         print("  loaded                 0.0 MiB")
     print(f"  stored to the pools    {counters.get('vllm:kvshare_stored_bytes_total', 0.0) / 2**20:10.1f} MiB")
+    registry = (pool_status.get("index") or [{}])[0]  # shard 0 keeps the workers' leases
+    print(f"worker leases: {registry.get('workers_expired', '?')} lapsed; "
+          f"{registry.get('lease_stalls', '?')} index pauses bridged (a starved host; longest "
+          f"{registry.get('longest_lease_stall_s', 0.0):.1f} s)")
     return demo_common.finish_report(turns, pool_status, path,
                                      "kvshare demo (vLLM workers): time to first token per request")
 

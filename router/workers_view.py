@@ -56,16 +56,18 @@ class IndexWorkers:
     When the index cannot answer (dead, restarting, timed out: any error) the last list it gave
     stays in use, so routing goes on from loads alone; ``failures`` counts those refreshes. The
     next refresh is tried after ``refresh_s`` again. An index that lists no workers at all
-    right after listing some (a recreated index before the workers registered again) is not
-    believed for ``empty_grace_s``: a worker that did leave fails to connect, and the gateway
-    then tries another."""
+    after listing some (a recreated index before the workers registered again, leases that
+    lapsed on a starved host before their workers registered again) is not believed until it
+    has listed none for ``empty_grace_s``, counted from the first empty listing (a gateway
+    with sparse traffic refreshes only when it routes): a worker that did leave fails to
+    connect, and the gateway then tries another."""
 
     def __init__(self, client: Any, refresh_s: float = 0.5, empty_grace_s: float = 5.0) -> None:
         self.client = client
         self.refresh_s = refresh_s
         self.empty_grace_s = empty_grace_s
         self.failures = 0
-        self._listed_at = -1e18  # when the index last listed at least one worker
+        self._empty_since: float | None = None  # the first empty listing after some workers
         self._at = -1e18
         self._cache: tuple[list[WorkerInfo], dict[WorkerId, WorkerLoad]] = ([], {})
 
@@ -84,9 +86,12 @@ class IndexWorkers:
                 return self._cache
             self._at = now
             if infos:
-                self._listed_at = now
-            elif self._cache[0] and now - self._listed_at < self.empty_grace_s:
-                return self._cache
+                self._empty_since = None
+            elif self._cache[0]:
+                if self._empty_since is None:
+                    self._empty_since = now
+                if now - self._empty_since < self.empty_grace_s:
+                    return self._cache
             self._cache = (list(infos), dict(loads))
         return self._cache
 

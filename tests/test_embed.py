@@ -18,6 +18,7 @@ from kvshare.match import MatchResult
 from kvshare.types import BlockHash, NodeId, Tier, WorkerId, node_location
 from kvshare.workers import IndexQuery, WorkerInfo, WorkerLoad
 from router.embed import CacheAwareRouter, InProcessIndex, RouterConfig, Tenant
+from router.policy import NoEligibleWorker
 from router.workers_view import IndexWorkers, StaticWorkers
 
 NS = "llm"
@@ -216,3 +217,27 @@ def test_a_decision_carries_the_worker_as_routed_when_the_list_changes_after() -
     body = forward_body({"model": NS, "prompt": PROMPT}, routed, routed.info, chat=False)
     assert body["model"] == "/models/tiny" and body["prompt"] == r.tokenize(PROMPT)
     assert "kvshare" not in body
+
+
+def test_an_index_that_lists_no_workers_is_believed_only_after_the_grace_from_its_first_empty_answer() -> None:
+    """A gateway with sparse traffic refreshes its worker list only when it routes: the
+    workers' leases lapsing on a starved host (they register again moments later) must not
+    make the first request after a quiet spell a 503, however long ago the last listing was."""
+    index = GlobalIndex(worker_ttl_s=3600)
+    index.declare_namespace(NS)
+    info = WorkerInfo(WorkerId("w0"), NodeId("n0"), (NS,), "http://w0")
+    index.register_worker(info)
+    view = IndexWorkers(InProcessIndex(index), refresh_s=0.0, empty_grace_s=0.3)
+    r = CacheAwareRouter(None, view, CFG)
+    assert run(r.route(prompt=PROMPT)).decision.worker == "w0"
+    time.sleep(0.5)  # no traffic for longer than the grace
+    index.unregister_worker("w0")  # the lease lapsed
+    assert run(r.route(prompt=PROMPT)).decision.worker == "w0"  # not believed yet
+    index.register_worker(info)  # registered again within the grace: as if nothing happened
+    assert run(view.snapshot())[0] == [info]
+    index.unregister_worker("w0")  # gone for good this time
+    run(view.snapshot())
+    time.sleep(0.35)
+    assert run(view.snapshot())[0] == []
+    with pytest.raises(NoEligibleWorker, match="no worker serves namespace"):
+        run(r.route(prompt=PROMPT))

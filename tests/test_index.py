@@ -176,17 +176,47 @@ def test_worker_lease_expires_and_drops_its_entries() -> None:
     with pytest.raises(ValueError, match="layout"):
         index.register_worker(WorkerInfo("w1", "n1", ("m",), layout_fingerprint="L2"))
     gen = index.register_worker(WorkerInfo("w1", "n1", ("m",), layout_fingerprint="L1"))
+    index.register_worker(WorkerInfo("w2", "n2", ("m",), layout_fingerprint="L1"))
     hs = hashes(2)
     index.apply([BlockStored("m", Location("worker:w1"), Tier.GPU, h, gen, i + 1)
                  for i, h in enumerate(hs)])
-    now[0] = 0.8
+
+    def at(t: float) -> None:  # w2 goes on reporting every 100 ms up to t
+        while now[0] < t - 1e-9:
+            now[0] = min(t, now[0] + 0.1)
+            assert index.report_load(WorkerLoad("w2"))
+
+    at(0.8)
     assert index.report_load(WorkerLoad("w1", queued_prefill_tokens=7))
-    now[0] = 1.5  # renewed at 0.8: still alive
+    at(1.5)  # renewed at 0.8: still alive
     assert index.loads()["w1"].queued_prefill_tokens == 7
     assert index.match("m", hs).prefix_for(Location("worker:w1")) == 2
-    now[0] = 2.0
+    at(2.0)
     assert index.match("m", hs).combined_prefix == 0
-    assert index.workers() == [] and not index.report_load(WorkerLoad("w1"))
+    assert [w.worker_id for w in index.workers()] == ["w2"]
+    assert not index.report_load(WorkerLoad("w1"))
+    assert index.stats()["workers_expired"] == 1
+
+
+def test_a_stalled_index_does_not_expire_the_workers_whose_reports_queued_behind_it() -> None:
+    """The index's process got no CPU for 5 leases (a loaded host): the first call it runs
+    after that must not find every worker expired, since their reports wait in its queue."""
+    now = [0.0]
+    index = GlobalIndex(worker_ttl_s=1.0, clock=lambda: now[0])
+    index.declare_namespace("m")
+    gen = index.register_worker(WorkerInfo("w1", "n1", ("m",)))
+    index.register_worker(WorkerInfo("w2", "n2", ("m",)))
+    index.apply([BlockStored("m", Location("worker:w1"), Tier.GPU, hashes(1)[0], gen, 1)])
+    now[0] = 5.0  # nothing ran since 0.0; a router's call comes first in the queue
+    assert sorted(w.worker_id for w in index.workers()) == ["w1", "w2"]
+    assert index.report_load(WorkerLoad("w1")) and index.report_load(WorkerLoad("w2"))
+    assert index.match("m", hashes(1)).prefix_for(Location("worker:w1")) == 1
+    assert index.stats()["lease_stalls"] == 1
+    for _ in range(15):  # then w1 died: w2 keeps the index listening, w1 expires on time
+        now[0] += 0.1
+        assert index.report_load(WorkerLoad("w2"))
+    assert [w.worker_id for w in index.workers()] == ["w2"]
+    assert index.match("m", hashes(1)).combined_prefix == 0
 
 
 def test_generations_increase(index: GlobalIndex) -> None:

@@ -100,10 +100,12 @@ def test_a_busy_engine_keeps_its_lease_while_alive_and_a_dead_or_hung_one_loses_
     presence = Presence(INFO, index, engine.load, alive_fn=lambda: engine.alive,
                         silent_grace_s=10.0, clock=lambda: now[0])
 
-    def run(seconds: float) -> None:  # the lease thread's ticks, every 100 ms
-        for _ in range(int(seconds * 10)):
+    def run(seconds: float) -> None:  # the lease thread's ticks, every 100 ms; a router
+        for i in range(int(seconds * 10)):  # lists the workers every 500 ms
             now[0] += 0.1
             presence.tick()
+            if i % 5 == 4:
+                index.workers()
 
     presence.tick()
     first = index.loads()[WID]
@@ -119,8 +121,10 @@ def test_a_busy_engine_keeps_its_lease_while_alive_and_a_dead_or_hung_one_loses_
     presence.tick()  # it answers again: registered again
     assert [w.worker_id for w in index.workers()] == [WID]
     engine.answers, engine.alive = False, False
-    run(3.5)  # dead: not renewed at all
-    assert index.workers() == []
+    presence.tick()  # dead: unregistered at once, not registered again
+    assert index.workers() == [] and presence.counters["engine_dead"] == 1
+    run(1.0)
+    assert index.workers() == [] and presence.counters["engine_dead"] == 1
 
 
 def test_without_a_liveness_check_a_silent_engine_is_not_renewed() -> None:
@@ -131,7 +135,9 @@ def test_without_a_liveness_check_a_silent_engine_is_not_renewed() -> None:
     presence = Presence(INFO, index, engine.load, clock=lambda: now[0])
     presence.tick()
     engine.answers = False
-    for _ in range(35):
+    for i in range(35):
         now[0] += 0.1
         presence.tick()
+        if i % 5 == 4:
+            index.workers()  # a router's refresh
     assert index.workers() == [] and presence.counters["silent_renewals"] == 0

@@ -438,6 +438,9 @@ class GlobalIndex:
             "generations": dict(self.fences.gen),
             "holder_states": len(self._s),
             "workers": len(self.registry.workers()),
+            "workers_expired": self.registry.expired,
+            "lease_stalls": self.registry.stalls,
+            "longest_lease_stall_s": round(self.registry.longest_stall_s, 3),
             "pending_resync": sorted(self.fences.resync),
             **self.counters,
         }

@@ -2,6 +2,16 @@
 
 Plain class, no Ray. The index owns one; a worker whose reports stop for ``ttl_s`` is expired
 (the index then drops its ``worker:<id>`` entries).
+
+A lease does not run out while the index itself was not listening: workers report every
+<= 100 ms, so a gap of more than half a lease between two calls into the registry means the
+index was not running (its process starved of CPU on a loaded host, a long GC, a big call ahead
+in its queue) or nobody called it, not that every worker stopped at once. The reports queued
+behind such a gap are about to renew their leases, so every lease still running when the gap
+began runs until at least half a lease after it ends, instead of all expiring on the first call
+after it.
+A worker that did die is expired ``ttl_s`` after its last report while the index hears others,
+and at most ``ttl_s / 2`` after the first call that ends a silence.
 """
 
 from __future__ import annotations
@@ -25,6 +35,24 @@ class WorkerRegistry:
         self._load: dict[WorkerId, WorkerLoad] = {}
         self._deadline: dict[WorkerId, float] = {}
         self._next = float("inf")
+        self._heard = clock()  # the last call into the registry (:meth:`_listen`)
+        self.stalls = 0  # gaps the leases were extended over
+        self.longest_stall_s = 0.0
+        self.expired = 0  # workers expired (their reports stopped)
+
+    def _listen(self) -> float:
+        """The time now, after giving every lease still running when a silence began at least
+        half a lease past its end (module docstring)."""
+        now = self._clock()
+        began, self._heard = self._heard, now
+        if now - began > self.ttl_s / 2 and self._deadline:
+            self.stalls += 1
+            self.longest_stall_s = max(self.longest_stall_s, now - began)
+            until = now + self.ttl_s / 2
+            self._deadline = {w: max(d, until) if d > began else d
+                              for w, d in self._deadline.items()}
+            self._next = min(self._deadline.values())
+        return now
 
     @staticmethod
     def check(info: WorkerInfo) -> None:
@@ -58,18 +86,19 @@ class WorkerRegistry:
         return True
 
     def _renew(self, wid: WorkerId) -> None:
-        deadline = self._clock() + self.ttl_s
+        deadline = self._listen() + self.ttl_s
         self._deadline[wid] = deadline
         self._next = min(self._next, deadline)
 
     def expire(self) -> list[WorkerId]:
         """Remove workers whose lease ended; returns their ids."""
-        now = self._clock()
+        now = self._listen()
         if now < self._next:
             return []
         gone = [w for w, d in self._deadline.items() if d <= now]
         for w in gone:
             self.remove(w)
+        self.expired += len(gone)
         self._next = min(self._deadline.values(), default=float("inf"))
         return gone
 

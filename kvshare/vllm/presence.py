@@ -6,8 +6,9 @@
 returns None (the engine does not answer) the lease is renewed with the last load only while
 ``alive_fn`` says the engine's process lives and for at most ``silent_grace_s`` since its last
 answer: an engine busy with a long step on a loaded host answers ``/metrics`` late, and
-dropping it from the index would throw its cache entries away. A dead engine (or a live one
-silent past the grace) is not renewed, so its entries expire with it. When the index answers
+dropping it from the index would throw its cache entries away. A dead engine is unregistered
+at once (its entries go with it; it registers again if it answers again); a live one silent
+past the grace is not renewed, so its entries expire with its lease. When the index answers
 that it does not know the worker (lease lost, index restarted) the presence registers again:
 a new generation, which drops the old incarnation's entries at once; the events consumer sees
 the new :attr:`generation` and republishes its inventory.
@@ -69,7 +70,8 @@ class Presence:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.counters = dict.fromkeys(
-            ("registrations", "reports", "report_errors", "engine_silent", "silent_renewals"), 0)
+            ("registrations", "reports", "report_errors", "engine_silent", "silent_renewals",
+             "engine_dead"), 0)
         self.last_load: WorkerLoad | None = None
 
     @property
@@ -114,12 +116,15 @@ class Presence:
 
     def tick(self) -> None:
         """Register if needed, then report one load (renewing the lease): the engine's, or while
-        it is silent but alive within the grace its last one."""
-        if self._gen == 0:
-            self.new_incarnation()
+        it is silent but alive within the grace its last one. A dead engine is unregistered."""
         load = self.load_fn()
         if load is None:
             self.counters["engine_silent"] += 1
+            if self.alive_fn is not None and not self.alive_fn():
+                self._dead()
+                return
+            if self._gen == 0:  # not registered: register once it answers
+                return
             load = self._silent_load()
             if load is None:
                 return
@@ -127,18 +132,30 @@ class Presence:
         else:
             self._answered_at = self._clock()
             self.last_load = load
+        if self._gen == 0:
+            self.new_incarnation()
         self.counters["reports"] += 1
         if not self.index.report_load(load):
             log.info("index forgot worker %s (lease lost or index restarted): registering again",
                      self.worker_id)
             self.new_incarnation()
 
+    def _dead(self) -> None:
+        """The engine's process is gone: unregister now rather than at the lease's end."""
+        with self._lock:
+            if self._gen == 0:
+                return
+            self._gen = 0
+            self.counters["engine_dead"] += 1
+        log.warning("engine of %s is dead: unregistering it", self.worker_id)
+        self.index.unregister_worker(self.worker_id)
+
     def _silent_load(self) -> WorkerLoad | None:
         """The last load, to renew the lease with while the engine is silent but alive and
         within the grace; None: let the lease lapse."""
         if self.alive_fn is None or self.last_load is None:
             return None
-        if self._clock() - self._answered_at > self.silent_grace_s or not self.alive_fn():
+        if self._clock() - self._answered_at > self.silent_grace_s:
             return None
         return self.last_load
 
