@@ -18,6 +18,7 @@ everything before it) beats recomputing it.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -224,7 +225,7 @@ class CutPlan:
     def total_s(self) -> float:
         return self.fetch_s + self.prefill_s
 
-    @property
+    @functools.cached_property
     def remote_blocks(self) -> int:
         """Blocks the plan fetches from other nodes (:attr:`Source.remote` sources)."""
         return sum([v for s, v in self.sources.items() if s >= REMOTE_OFFSET])

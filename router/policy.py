@@ -280,6 +280,7 @@ class Policy(ABC):
                 + (f" for tenant {request.tenant!r}" if request.tenant else "")
                 + ": register one with that namespace"
             )
+        self._prepare(request, match, pending)
         native = self._select_native(request, match, pending, cands, nodes)
         if native is None:
             view = SourceMap(match, nodes, pending, self._private)
@@ -313,6 +314,14 @@ class Policy(ABC):
         """Plans :meth:`_select` computed for this request (reused by the ranking)."""
         return {}
 
+    def _prepare(self, request: RouteRequest, match: Match, pending: Match | None) -> None:
+        """Per-request state a policy's selection reads, set once the eligible workers are
+        known (nothing by default)."""
+
+    def _roster(self, candidates: Sequence[Candidate]) -> None:
+        """The workers offered changed (another list of :class:`~kvshare.workers.WorkerInfo`
+        objects than the last call's); nothing by default."""
+
     def _eligible(
         self, candidates: Sequence[Candidate], namespace: str, tenant: str
     ) -> tuple[list[Candidate], dict[WorkerId, NodeId]]:
@@ -332,6 +341,8 @@ class Policy(ABC):
             self._last = (tuple(candidates), namespace, tenant)
             self._last_out = (cands, self._last_out[1])
             return self._last_out
+        if len(infos) != len(self._last_infos) or not all(map(is_, self._last_infos, infos)):
+            self._roster(candidates)
         cands = eligible(candidates, namespace, tenant)
         self._last = (tuple(candidates), namespace, tenant)
         self._last_out = (cands, {c.info.worker_id: c.info.node for c in cands})
@@ -529,19 +540,23 @@ class CostPolicy(Policy):
         """The blocks ``worker``'s queued jobs were creating (its ready blocks) go."""
         self._ready.forget(worker)
 
-    def rank(self, request: RouteRequest, match: Match, candidates: Sequence[Candidate],
-             pending: Match | None = None) -> Ranking:
-        """:meth:`Policy.rank`; with ``recency``, on the holdings each tier will still have
-        (class docstring)."""
+    def _prepare(self, request: RouteRequest, match: Match, pending: Match | None) -> None:
+        """With ``recency``, price this request on the holdings each tier will still have
+        (class docstring); no worker reports a capacity: nothing to shadow, the plain path
+        and its C loop."""
         book = self._recency
         if book is not None:
-            new = [c.info for c in candidates if c.info.worker_id not in self._shadowed]
-            if new:
-                book.add_workers(new)
-                self._shadowed.update((i.worker_id, i.node) for i in new)
-            # (no worker reports a capacity: nothing to shadow, the plain path and its C loop)
             self._timed = TimedHoldings(book, request.hashes, match, pending) if book else None
-        return super().rank(request, match, candidates, pending)
+
+    def _roster(self, candidates: Sequence[Candidate]) -> None:
+        """The recency book starts shadowing the workers it has not seen."""
+        book = self._recency
+        if book is None:
+            return
+        new = [c.info for c in candidates if c.info.worker_id not in self._shadowed]
+        if new:
+            book.add_workers(new)
+            self._shadowed.update((i.worker_id, i.node) for i in new)
 
     def _select(self, request: RouteRequest, view: SourceMap, cands: list[Candidate]) -> tuple[int, str]:
         plans: dict[WorkerId, CutPlan] = {}
