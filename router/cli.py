@@ -108,6 +108,9 @@ def register(subparsers: Any) -> None:
                     "the cluster's pools measured at start")
     gw.add_argument("--prefill-tokens-per-s", type=float, default=5000.0,
                     help="initial prefill speed; refitted from the workers' measured timings")
+    gw.add_argument("--no-worker-wait-s", type=float, default=10.0,
+                    help="how long a request waits for a worker of its namespace to appear "
+                    "(starting, re-registering) before a 503; 0: answer 503 at once")
     gw.set_defaults(func=_gateway)
 
 

@@ -17,6 +17,7 @@ traceback.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -47,6 +48,9 @@ from router.web import add_web_routes
 
 log = logging.getLogger(__name__)
 _FORWARD_HEADERS = ("content-type", "cache-control")
+NO_WORKER_POLL_S = 0.1
+"""How often a request waiting for a worker of its namespace asks the router again (the
+index's worker list itself refreshes at :class:`~router.workers_view.IndexWorkers`' pace)."""
 
 
 def error(status: int, message: str, etype: str = "invalid_request_error", code: str | None = None,
@@ -64,11 +68,17 @@ def create_app(
     limits: Limits | None = None,
     worker_auth: WorkerAuth | None = None,
     admission: AdmissionConfig | None = None,
+    no_worker_wait_s: float = 10.0,
 ) -> FastAPI:
     """The gateway app around ``router``; ``api_keys`` empty = open (tenant ``default``);
     ``admin`` (an :class:`actors.admin.ClusterAdmin`) serves ``/v1/kvshare/*`` (501 without);
     ``limits`` bound every request body (:mod:`router.limits`, :mod:`router.requests`);
-    ``admission`` bounds requests in flight, in all and per tenant (:mod:`router.admission`)."""
+    ``admission`` bounds requests in flight, in all and per tenant (:mod:`router.admission`).
+    A request that finds no worker serving its namespace waits up to ``no_worker_wait_s`` for
+    one to appear (workers still starting, a lease that lapsed on a loaded host and is being
+    renewed) before its 503, as Ray Serve holds requests while it has no replica."""
+    if not 0 <= no_worker_wait_s < float("inf"):
+        raise ValueError(f"no_worker_wait_s must be finite seconds >= 0, got {no_worker_wait_s}")
     keys = dict(api_keys or {})
     limits = limits or Limits()
     gate = Admission(admission)
@@ -154,17 +164,22 @@ def create_app(
         return tenant, body
 
     async def route_body(body: dict[str, Any], tenant: Tenant, chat: bool) -> Routed | JSONResponse:
-        try:
-            if chat:
-                return await router.route(messages=body["messages"], tenant=tenant)
-            prompt = body["prompt"]
-            if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
-                prompt = prompt[0]
-            return await router.route(prompt=prompt, tenant=tenant)
-        except NoEligibleWorker as exc:
-            return fail(503, str(exc), "service_unavailable", "no_worker")
-        except (ValueError, TypeError) as exc:
-            return fail(400, str(exc))
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+            prompt = prompt[0]
+        until = time.monotonic() + no_worker_wait_s
+        while True:
+            try:
+                if chat:
+                    return await router.route(messages=body["messages"], tenant=tenant)
+                return await router.route(prompt=prompt, tenant=tenant)
+            except NoEligibleWorker as exc:
+                if time.monotonic() >= until:
+                    waited = f" (waited {no_worker_wait_s:g} s for one)" if no_worker_wait_s else ""
+                    return fail(503, f"{exc}{waited}", "service_unavailable", "no_worker")
+                await asyncio.sleep(min(NO_WORKER_POLL_S, max(0.0, until - time.monotonic())))
+            except (ValueError, TypeError) as exc:
+                return fail(400, str(exc))
 
     async def parse(request: Request, chat: bool) -> tuple[dict[str, Any], Routed] | JSONResponse:
         got = await read(request, chat)

@@ -100,6 +100,7 @@ def serve_from_args(args: argparse.Namespace) -> int:
         log.warning("no cluster secret (KVSHARE_CLUSTER_SECRET): tenant salts are this "
                     "process's own and no worker token is sent")
     app = create_app(router, load_api_keys(args.api_keys, secret), admin=admin,
-                     worker_auth=WorkerAuth.from_secret(secret))
+                     worker_auth=WorkerAuth.from_secret(secret),
+                     no_worker_wait_s=args.no_worker_wait_s)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0

@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -229,6 +230,34 @@ def test_unreachable_worker_is_a_502_not_a_crash() -> None:
         assert len(router.inflight) == 0
     finally:
         gw.stop()
+
+
+def test_a_request_waits_for_a_worker_to_appear_then_a_503_names_the_wait(
+        worker_urls: list[str]) -> None:
+    """Workers still starting (or re-registering after a lapsed lease) hold a request for a
+    bounded time instead of failing it; with none at the end, a 503 that says it waited."""
+    source = StaticWorkers([])
+    router = CacheAwareRouter(None, source, RouterConfig(namespace=NS))
+    gw = Served(create_app(router, no_worker_wait_s=20.0))
+    late = threading.Timer(0.5, lambda: setattr(source, "workers", [
+        WorkerInfo(WorkerId("late"), NodeId("n0"), (NS,), worker_urls[0])]))
+    late.start()
+    try:
+        r = httpx.post(gw.url + "/v1/completions", json={"prompt": "hello " * 30}, timeout=30)
+        assert r.status_code == 200 and r.headers["x-kvshare-worker"] == "late", r.text
+    finally:
+        late.cancel()
+        gw.stop()
+    gw = Served(create_app(CacheAwareRouter(None, StaticWorkers([]), RouterConfig(namespace=NS)),
+                           no_worker_wait_s=0.3))
+    try:
+        r = httpx.post(gw.url + "/v1/completions", json={"prompt": "hello"}, timeout=20)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "no_worker", r.text
+        assert "waited 0.3 s" in r.json()["error"]["message"] and NS in r.json()["error"]["message"]
+    finally:
+        gw.stop()
+    with pytest.raises(ValueError, match="no_worker_wait_s"):
+        create_app(router, no_worker_wait_s=-1)
 
 
 def test_a_dead_worker_is_routed_around(worker_urls: list[str]) -> None:
