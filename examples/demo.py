@@ -37,6 +37,7 @@ from typing import Any
 
 import demo_common
 from demo_common import drive, serve_gateway, timed
+from engine_times import EngineTimes
 
 NAMESPACE = "demo-vllm"
 BLOCK = 256  # kvshare share block: 8 vLLM pages of 32 tokens
@@ -134,9 +135,10 @@ def vllm_counters(endpoints: list[str], dump_dir: str) -> dict[str, float]:
 
 
 def report(turns: list[demo_common.Turn], counters: dict[str, float],
-           pool_status: dict[str, Any], path: str) -> bool:
+           pool_status: dict[str, Any], path: str, engine: EngineTimes) -> bool:
     print("\n== kvshare demo (vLLM workers) ==")
     demo_common.ttft_table(turns)
+    print(engine.table())
     prompt = counters.get("vllm:prompt_tokens_total", 0.0)
     by = "vllm:prompt_tokens_cached_by_source_total:"
     print(f"prompt tokens by where their KV came from (vLLM counters, {prompt:,.0f} in all)")
@@ -190,11 +192,14 @@ def main() -> int:
             print(f"gateway at {base_url}; driving {demo_common.USERS} users x "
                   f"{demo_common.TURNS} turns ...", flush=True)
             warm_up(infos, model)
+            engine = EngineTimes([i["endpoint"] for i in infos])
+            engine.start()
             turns = drive(base_url, NAMESPACE, usage=True,  # the gateway serves its namespace
-                          before_turn=evict_before(demo_common.TURNS - 1, infos))
+                          before_turn=evict_before(demo_common.TURNS - 1, infos),
+                          after_wave=engine.after_wave)
             time.sleep(1.0)  # vLLM's stat loggers publish the last step's counters
             counters = vllm_counters([i["endpoint"] for i in infos], "out")
-            ok = report(turns, counters, status(), os.path.join("out", "demo.png"))
+            ok = report(turns, counters, status(), os.path.join("out", "demo.png"), engine)
             return demo_common.wrap_up(ok, base_url, server, os.path.join("out", "dashboard.png"),
                                        t0)
         finally:

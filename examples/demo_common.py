@@ -115,11 +115,13 @@ def run_turn(client: Any, t: Turn, messages: list[dict[str, str]], model: str,
 
 
 def drive(base_url: str, model: str, usage: bool = False,
-          before_turn: Callable[[int], None] | None = None) -> list[Turn]:
+          before_turn: Callable[[int], None] | None = None,
+          after_wave: Callable[[list[Turn]], None] | None = None) -> list[Turn]:
     """USERS users x TURNS turns sharing two system prompts + documents. Turn 0 seeds the two
     prompts two users at a time; later turns run every user at once, so load spreads requests
     over both nodes and some prefixes are pulled from the other node. ``before_turn(t)`` runs
-    before the first request of turn ``t``."""
+    before the first request of turn ``t``; ``after_wave(turns)`` once a wave's requests all
+    ended, with them."""
     from openai import OpenAI
 
     client = OpenAI(base_url=base_url, api_key="demo", max_retries=0, timeout=300)
@@ -146,12 +148,16 @@ def drive(base_url: str, model: str, usage: bool = False,
         for turn, users in waves:
             if before_turn is not None and users[0] == 0:
                 before_turn(turn)
+            wave = []
             for f in [pool.submit(one, u, turn) for u in users]:
                 t = f.result()
                 done.append(t)
+                wave.append(t)
                 print(f"  [{len(done):2d}/{total}] user {t.user} turn {t.turn} -> {t.worker}: "
                       f"{t.prompt_tokens:5d} prompt tokens, {t.reused_tokens:5d} reused, "
                       f"TTFT {t.ttft_s * 1000:7.1f} ms", flush=True)
+            if after_wave is not None:
+                after_wave(wave)
     return done
 
 
