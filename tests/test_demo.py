@@ -31,3 +31,12 @@ def test_the_demo_runs_and_reuses_most_of_its_prefill(tmp_path: Path) -> None:
     warm = re.search(r"requests\s+(\d+) \((\d+) cold, (\d+) warm\)", out)
     assert warm and int(warm.group(3)) > int(warm.group(2)), warm and warm.group(0)
     assert os.path.exists(os.path.join(tmp_path, "out", "demo.png"))
+    # where the TTFT went inside vLLM: read from the servers' own histograms, for cold and warm
+    # requests, and within what the client measured
+    engine = re.search(r"inside vLLM .*cold \((\d+)\)\s+warm \((\d+)\)", out)
+    assert engine and int(engine.group(1)) >= 1 and int(engine.group(2)) >= 1, out[-4000:]
+    ttft = re.search(r"engine TTFT\s+([\d.]+)\s+([\d.]+)\n\s+client TTFT\s+([\d.]+)\s+([\d.]+)",
+                     out)
+    assert ttft, out[-4000:]
+    cold_engine, warm_engine, cold_client, warm_client = map(float, ttft.groups())
+    assert 0 < warm_engine <= warm_client and 0 < cold_engine <= cold_client, ttft.group(0)
