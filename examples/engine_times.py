@@ -4,8 +4,9 @@ vLLM's responses carry no timings, but its servers keep Prometheus histograms pe
 ``vllm:request_queue_time_seconds`` (waiting for a slot in the running batch),
 ``vllm:request_prefill_time_seconds`` (scheduled to first token: the connector's KV load and the
 prompt's computed part) and ``vllm:time_to_first_token_seconds`` (arrival to first token; what
-it has beyond the other two is the request's way into the engine core and the first token's
-way out, and time waiting for KV the connector loads asynchronously).
+it has beyond the other two is the request's way into the engine core, which takes new requests
+only between two steps, so a request that arrives during another's long prefill step waits for
+it, and the first token's way out).
 :class:`EngineTimes` reads their sums and counts on every server after each wave of requests
 (a wave ends only when all its requests have), so a wave's deltas are its requests' own; the
 waves whose requests all reused nothing are the cold ones, those whose requests all reused a
@@ -88,7 +89,7 @@ class EngineTimes:
             m = means[g]
             m["other"] = m["engine_ttft"] - m["queue"] - m["prefill"]
             m["outside"] = m["client"] - m["engine_ttft"]
-        rows[2:2] = [("rest: its way in and out, KV waits", "other")]
+        rows[2:2] = [("rest: into the core (its step ends), out", "other")]
         rows += [("client TTFT", "client"), ("outside: gateway, API server, network", "outside")]
         for label, key in rows:
             lines.append(f"  {label:36s}{means['cold'][key]:9.1f}  {means['warm'][key]:9.1f}")
