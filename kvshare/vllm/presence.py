@@ -7,8 +7,8 @@ returns None (the engine does not answer) the lease is renewed with the last loa
 ``alive_fn`` says the engine's process lives and for at most ``silent_grace_s`` since its last
 answer: an engine busy with a long step on a loaded host answers ``/metrics`` late, and
 dropping it from the index would throw its cache entries away. A dead engine is unregistered
-at once (its entries go with it; it registers again if it answers again); a live one silent
-past the grace is not renewed, so its entries expire with its lease. When the index answers
+at once (its entries go with it; it registers again if its process lives again); a live one
+silent past the grace is not renewed, so its entries expire with its lease. When the index answers
 that it does not know the worker (lease lost, index restarted) the presence registers again:
 a new generation, which drops the old incarnation's entries at once; the events consumer sees
 the new :attr:`generation` and republishes its inventory.
@@ -117,14 +117,14 @@ class Presence:
     def tick(self) -> None:
         """Register if needed, then report one load (renewing the lease): the engine's, or while
         it is silent but alive within the grace its last one. A dead engine is unregistered."""
+        if self.alive_fn is not None and not self.alive_fn():
+            self._dead()
+            return
+        if self._gen == 0:
+            self.new_incarnation()
         load = self.load_fn()
         if load is None:
             self.counters["engine_silent"] += 1
-            if self.alive_fn is not None and not self.alive_fn():
-                self._dead()
-                return
-            if self._gen == 0:  # not registered: register once it answers
-                return
             load = self._silent_load()
             if load is None:
                 return
@@ -132,8 +132,6 @@ class Presence:
         else:
             self._answered_at = self._clock()
             self.last_load = load
-        if self._gen == 0:
-            self.new_incarnation()
         self.counters["reports"] += 1
         if not self.index.report_load(load):
             log.info("index forgot worker %s (lease lost or index restarted): registering again",
