@@ -89,8 +89,8 @@ class EngineTimes:
             m = means[g]
             m["other"] = m["engine_ttft"] - m["queue"] - m["prefill"]
             m["outside"] = m["client"] - m["engine_ttft"]
-        rows[2:2] = [("rest: into the core (its step ends), out", "other")]
-        rows += [("client TTFT", "client"), ("outside: gateway, API server, network", "outside")]
+        rows[2:2] = [("rest: into the engine core, out", "other")]
+        rows += [("client TTFT", "client"), ("outside: gateway, API server, net", "outside")]
         for label, key in rows:
             lines.append(f"  {label:36s}{means['cold'][key]:9.1f}  {means['warm'][key]:9.1f}")
         mixed = len(self.waves) - len(groups["cold"]) - len(groups["warm"])
