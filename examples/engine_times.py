@@ -17,17 +17,17 @@ the network.
 
 from __future__ import annotations
 
-import re
 import time
 from typing import Any
+
+from kvshare.vllm.load import parse_metrics
 
 HISTOGRAMS = {
     "queue": "vllm:request_queue_time_seconds",
     "prefill": "vllm:request_prefill_time_seconds",
     "engine_ttft": "vllm:time_to_first_token_seconds",
 }
-_SUM_COUNT = re.compile(r"^(vllm:[a-z_]+)_(sum|count)(?:\{[^}]*\})?\s+([0-9.eE+-]+)$",
-                        re.MULTILINE)
+_SERIES = frozenset(f"{name}_{kind}" for name in HISTOGRAMS.values() for kind in ("sum", "count"))
 SETTLE_S = 0.3
 """How long after a wave vLLM's API server is given to record its last requests' stats."""
 
@@ -36,16 +36,12 @@ def read(endpoints: list[str]) -> dict[str, tuple[float, int]]:
     """``{part: (seconds summed, requests)}`` over the servers, for :data:`HISTOGRAMS`."""
     import httpx
 
-    names = {v: k for k, v in HISTOGRAMS.items()}
     out = {k: (0.0, 0) for k in HISTOGRAMS}
     for url in endpoints:
-        page = httpx.get(f"{url}/metrics", timeout=30).text
-        for name, kind, value in _SUM_COUNT.findall(page):
-            part = names.get(name)
-            if part is None:
-                continue
+        m = parse_metrics(httpx.get(f"{url}/metrics", timeout=30).text, _SERIES)
+        for part, name in HISTOGRAMS.items():
             s, n = out[part]
-            out[part] = (s + float(value), n) if kind == "sum" else (s, n + int(float(value)))
+            out[part] = (s + m.get(f"{name}_sum", 0.0), n + int(m.get(f"{name}_count", 0.0)))
     return out
 
 

@@ -332,8 +332,9 @@ class Policy(ABC):
                 and all(map(is_, last[0], candidates))):
             return self._last_out
         infos = list(map(_INFO, candidates))
-        if (same_request and len(infos) == len(self._last_infos)
-                and all(map(is_, self._last_infos, infos))):
+        same_workers = len(infos) == len(self._last_infos) and all(
+            map(is_, self._last_infos, infos))
+        if same_request and same_workers:
             # the same workers with other loads: who is eligible, their nodes and private
             # locations are the same (they depend on the workers alone)
             keep = self._keep
@@ -341,7 +342,7 @@ class Policy(ABC):
             self._last = (tuple(candidates), namespace, tenant)
             self._last_out = (cands, self._last_out[1])
             return self._last_out
-        if len(infos) != len(self._last_infos) or not all(map(is_, self._last_infos, infos)):
+        if not same_workers:
             self._roster(candidates)
         cands = eligible(candidates, namespace, tenant)
         self._last = (tuple(candidates), namespace, tenant)
@@ -544,9 +545,8 @@ class CostPolicy(Policy):
         """With ``recency``, price this request on the holdings each tier will still have
         (class docstring); no worker reports a capacity: nothing to shadow, the plain path
         and its C loop."""
-        book = self._recency
-        if book is not None:
-            self._timed = TimedHoldings(book, request.hashes, match, pending) if book else None
+        book = self._recency  # (None without recency; empty, so false, with nothing to shadow)
+        self._timed = TimedHoldings(book, request.hashes, match, pending) if book else None
 
     def _roster(self, candidates: Sequence[Candidate]) -> None:
         """The recency book starts shadowing the workers it has not seen."""

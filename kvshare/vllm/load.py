@@ -36,6 +36,7 @@ from __future__ import annotations
 import math
 import re
 import time
+from collections.abc import Collection
 
 import httpx
 
@@ -59,14 +60,15 @@ _WANTED = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_ca
 AS_OF = "vllm:kvshare_backlog_as_of_seconds_total"
 
 
-def parse_metrics(text: str) -> dict[str, float]:
-    """The vLLM gauges and counters this module uses, summed over engines (label sets); the
-    connector's load waits as ``loads:<where>`` and ``load_seconds:<where>``."""
+def parse_metrics(text: str, wanted: Collection[str] = _WANTED) -> dict[str, float]:
+    """The vLLM gauges and counters this module uses (or those named in ``wanted``), summed
+    over engines (label sets); the connector's load waits as ``loads:<where>`` and
+    ``load_seconds:<where>``."""
     out: dict[str, float] = {}
     for name, value in _LINE.findall(text):
         if name == AS_OF and value != "NaN":  # a time: the latest engine's
             out[name] = max(out.get(name, 0.0), float(value))
-        elif name in _WANTED and value != "NaN":
+        elif name in wanted and value != "NaN":
             out[name] = out.get(name, 0.0) + float(value)
     for kind, where, value in _WAIT.findall(text):
         key = f"load{kind}:{where}"
