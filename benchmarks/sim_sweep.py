@@ -21,6 +21,16 @@ the figures of the policies not in ``--policies`` from such a file (a run of the
 in the same session, e.g. before a change to ``cost``: the peers' rules do not change with
 it), so ``--policies cost --peers-from before.json`` replays only ``cost``.
 
+``--replicas K`` replays every cell K times (replica 0 the trace as it is, replica k its
+arrivals moved within +-``--jitter-ms``, 0.5 ms by default: :mod:`router.replicas`) and
+reports each policy's figures averaged over the replicas. A single replay is chaotic: arrivals
+moved by less than the traces' millisecond resolution move a cell's mean TTFT by up to ~10%
+(p99 more), more than many gaps a single replay shows between two policies. So with K >= 2 the
+JSON line also names ``lost_beyond_noise``: the cells where some peer beats ``cost`` on mean or
+p99 beyond that noise: a paired t-test at 95% over the same replicas
+(:func:`router.replicas.beats`; ``beyond_noise`` gives each such gap and its standard error in
+percent).
+
 ``--cells`` keeps only the cells whose name (``trace/Ww/HM``, as the JSON line names them)
 matches one of its comma-separated shell patterns, so one lost cell can be rerun alone.
 
@@ -52,10 +62,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo's router, not ./router.py
 
 from router.cluster import ClusterConfig  # noqa: E402
 from router.policy import POLICIES  # noqa: E402
+from router.replicas import beats, jittered, paired_gap  # noqa: E402
 from router.report import summarize  # noqa: E402
 from router.sim import simulate  # noqa: E402
 from router.trace import Trace, TraceRequest, read_trace  # noqa: E402
@@ -108,6 +121,27 @@ def load(name: str, tmp: Path, limit: int | None) -> Sequence[TraceRequest] | Tr
         path.unlink()
 
 
+def beyond_noise(cell: dict[str, list[Any]]) -> dict[str, dict[str, float]]:
+    """The peers that beat ``cost`` beyond the replay's noise over the same replicas (a paired
+    t-test at 95%: :func:`router.replicas.beats`), per metric (``mean``, ``p99``): their gap
+    and its standard error in percent of the peer's figure. Empty where no peer does, or with
+    fewer than two replicas on both sides."""
+    out: dict[str, dict[str, float]] = {}
+    mine = cell["cost"][2] if len(cell.get("cost", ())) > 2 else []
+    for name, fig in cell.items():
+        theirs = fig[2] if len(fig) > 2 else []
+        if name == "cost" or len(theirs) != len(mine) or len(mine) < 2:
+            continue
+        for m, metric in enumerate(("mean", "p99")):
+            a, b = [f[m] for f in mine], [f[m] for f in theirs]
+            if beats(a, b):
+                gap, se = paired_gap(a, b)
+                base = fig[m] or 1.0
+                out[f"{name} {metric}"] = {"gap_pct": round(100 * gap / base, 3),
+                                           "se_pct": round(100 * se / base, 3)}
+    return out
+
+
 def cell_name(trace: str, workers: int, host_tokens: int) -> str:
     """A cell's name in the JSON line and for ``--cells``: ``trace/Ww/HM``."""
     return f"{trace}/{workers}w/{host_tokens // 1_000_000}M"
@@ -132,18 +166,26 @@ def main() -> int:
     ap.add_argument("--no-recency", action="store_true",
                     help="cost without its recency rule (the shadow LRU per tier: "
                          "CostPolicy(recency=False); router/recency.py)")
+    ap.add_argument("--replicas", type=int, default=1,
+                    help="replays per cell, arrivals jittered (module docstring); figures are "
+                         "their averages")
+    ap.add_argument("--jitter-ms", type=float, default=0.5,
+                    help="how far a replica may move each arrival, in ms (default 0.5: half "
+                         "the Mooncake traces' timestamp resolution)")
     ap.add_argument("--dump", default=None, help="write every cell's mean/p99 per policy (JSON)")
     ap.add_argument("--peers-from", default=None,
                     help="a --dump file: the figures of the policies not in --policies")
     args = ap.parse_args()
     if args.heldout and args.fresh:
         ap.error("--heldout and --fresh are two different cell sets: choose one")
+    if args.replicas < 1 or not 0 <= args.jitter_ms < 1e6:
+        ap.error("--replicas must be >= 1 and --jitter-ms a number of ms >= 0")
     names = args.policies.split(",")
-    peers: dict[str, dict[str, list[float]]] = {}
+    peers: dict[str, dict[str, list[Any]]] = {}
     if args.peers_from:
         with open(args.peers_from, encoding="utf-8") as f:
             peers = json.load(f)
-    figures: dict[str, dict[str, list[float]]] = {}
+    figures: dict[str, dict[str, list[Any]]] = {}
     traces = HELDOUT if args.heldout else FRESH if args.fresh else args.traces.split(",")
     hosts = HOST_TOKENS[:1] if args.heldout or args.fresh else HOST_TOKENS
     workers = list(FRESH_WORKERS) if args.fresh else [int(w) for w in args.workers.split(",")]
@@ -165,14 +207,19 @@ def main() -> int:
             table: dict[str, list[str]] = {}
             for w, h in picked:
                 cfg = ClusterConfig(workers=w, host_tokens=h, block_tokens=block_tokens)
-                opts = {"survival": True} if args.survival else {}
+                opts: dict[str, Any] = {"survival": True} if args.survival else {}
                 if args.no_recency:
                     opts["recency"] = False
-                r = simulate(trace, cfg, names, "global", reference=False,
-                             **({"cost": opts} if opts else {}))
-                s = {n: summarize(r.rows[n], r.busy[n]) for n in names}
+                per: dict[str, list[list[float]]] = {n: [] for n in names}  # per replica
+                for k in range(args.replicas):
+                    r = simulate(jittered(trace, k, args.jitter_ms / 1000), cfg, names, "global",
+                                 reference=False, **({"cost": opts} if opts else {}))  # type: ignore[arg-type]
+                    for n in names:
+                        s = summarize(r.rows[n], r.busy[n])
+                        per[n].append([s["ttft_mean_s"], s["ttft_p99_s"]])
                 cell = figures[cell_name(tname, w, h)] = {
-                    n: [s[n]["ttft_mean_s"], s[n]["ttft_p99_s"]] for n in names}
+                    n: [float(np.mean([f[0] for f in per[n]])),
+                        float(np.mean([f[1] for f in per[n]])), per[n]] for n in names}
                 for n, fig in peers.get(cell_name(tname, w, h), {}).items():
                     cell.setdefault(n, fig)
                 mean = {n: fig[0] for n, fig in cell.items()}
@@ -189,6 +236,7 @@ def main() -> int:
                     "cost_best_mean": mean["cost"] <= om, "cost_best_p99": p99["cost"] <= op,
                     "gap_pct": [round(100 * (mean["cost"] / om - 1), 3),
                                 round(100 * (p99["cost"] / op - 1), 3)],
+                    "beyond_noise": beyond_noise(cell),
                 }
             for n, row in table.items():
                 print(f"| {n} | " + " | ".join(row) + " |")
@@ -197,14 +245,18 @@ def main() -> int:
         with open(args.dump, "w", encoding="utf-8") as f:
             json.dump(figures, f)
     both = sum(c["cost_best_mean"] and c["cost_best_p99"] for c in cells.values())
+    lost = [k for k, c in cells.items() if not (c["cost_best_mean"] and c["cost_best_p99"])]
     print(json.dumps({"benchmark": "sim_sweep", "cells": len(cells), "cost_best_both": both,
+                      "replicas": args.replicas, "jitter_ms": args.jitter_ms,
                       "cost_best_mean": sum(c["cost_best_mean"] for c in cells.values()),
                       "cost_best_p99": sum(c["cost_best_p99"] for c in cells.values()),
                       "cpu_s": round(time.process_time() - t0, 1),
-                      "lost": [k for k, c in cells.items()
-                               if not (c["cost_best_mean"] and c["cost_best_p99"])],
-                      "gap_pct": {k: c["gap_pct"] for k, c in cells.items()
-                                  if not (c["cost_best_mean"] and c["cost_best_p99"])}}))
+                      "lost": lost,
+                      "lost_beyond_noise": [k for k, c in cells.items() if c["beyond_noise"]]
+                      if args.replicas > 1 else None,
+                      "gap_pct": {k: cells[k]["gap_pct"] for k in lost},
+                      "beyond_noise": {k: c["beyond_noise"] for k, c in cells.items()
+                                       if c["beyond_noise"]}}))
     return 0
 
 
