@@ -29,6 +29,16 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _jitter_ms(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of milliseconds, got {text!r}") from None
+    if not 0 <= value <= 60_000:  # also refuses inf and nan
+        raise argparse.ArgumentTypeError(f"must be a number of ms in [0, 60000], got {text}")
+    return value
+
+
 def register(subparsers: Any) -> None:
     """Add ``sim`` and ``gateway`` to the ``kvshare`` command."""
     from router.policy import DEFAULT_POLICY, policy_names
@@ -61,6 +71,13 @@ def register(subparsers: Any) -> None:
                      help="each engine's own prefix cache, tokens (every block it computes or "
                      "loads; default: the KV room next to the weights; 0: none)")
     sim.add_argument("--limit", type=_positive_int, default=None, help="first N requests only")
+    sim.add_argument("--replicas", type=_positive_int, default=1,
+                     help="replay each policy N times, arrivals moved within --jitter-ms from the "
+                     "second on, and print each policy's average, spread and which gaps stand "
+                     "out of that noise (a single replay is chaotic: default 1)")
+    sim.add_argument("--jitter-ms", type=_jitter_ms, default=0.5,
+                     help="how far a replica may move each arrival, ms (default 0.5: within "
+                     "a Mooncake trace's millisecond timestamps)")
     agentic = sim.add_argument_group("agentic traces (kv-cache-tester's replay knobs)")
     agentic.add_argument("--users", type=_positive_int, default=None,
                          help="concurrent users (default: one per conversation)")

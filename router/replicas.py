@@ -86,3 +86,30 @@ def paired_gap(a: Sequence[float], b: Sequence[float]) -> tuple[float, float]:
     d = np.asarray(a, dtype=float) - np.asarray(b, dtype=float)
     se = float(d.std(ddof=1) / math.sqrt(len(d))) if len(d) > 1 else math.nan
     return float(d.mean()), se
+
+
+def replica_table(figures: dict[str, list[tuple[float, float]]], jitter_ms: float) -> str:
+    """A markdown table of each policy's mean and p99 TTFT over the replicas (average and
+    standard deviation), and how far each is behind the best on that metric: ``noise`` where
+    the best does not beat it beyond the replay's noise (:func:`beats`), else the gap alone.
+    ``figures``: per policy, ``(mean, p99)`` per replica, replica 0 first."""
+    k = len(next(iter(figures.values())))
+    lines = [f"replicas: {k} (replica 0: the trace as it is; 1-{k - 1}: each arrival moved "
+             f"within +-{jitter_ms:g} ms)", "",
+             "| policy | mean TTFT s (sd) | vs best | p99 TTFT s (sd) | vs best |",
+             "|---|---|---|---|---|"]
+    cols: dict[str, list[str]] = {n: [] for n in figures}
+    for m in (0, 1):
+        series = {n: [f[m] for f in figs] for n, figs in figures.items()}
+        avg = {n: float(np.mean(v)) for n, v in series.items()}
+        best = min(avg, key=avg.__getitem__)
+        for n, v in series.items():
+            sd = float(np.std(v, ddof=1)) if len(v) > 1 else 0.0
+            cols[n].append(f"{avg[n]:.3f} ({sd:.3f})")
+            if n == best:
+                cols[n].append("best")
+            else:
+                gap = 100 * (avg[n] / avg[best] - 1) if avg[best] else 0.0
+                cols[n].append(f"+{gap:.1f}%" + ("" if beats(v, series[best]) else ", noise"))
+    lines += [f"| {n} | " + " | ".join(c) + " |" for n, c in cols.items()]
+    return "\n".join(lines)

@@ -64,13 +64,40 @@ def run_sim(args: argparse.Namespace) -> int:
         rows[n] = r.rows[n]
         results[n] = summarize(r.rows[n], r.busy[n], len(r.unfit[n]))
     print(format_table(reference, results, args.sharing))
+    replicas = _replicas(args, trace, cfg, names, results, quiet)
     if args.parquet:
         write_parquet(args.parquet, rows)
     if args.plot:
         _plot(args, trace, cfg, names, results, quiet)
     if args.json:
-        print(json.dumps(json_summary(reference, results) | {"cpu_s": cpu}))
+        print(json.dumps(json_summary(reference, results) | {"cpu_s": cpu}
+                         | ({"replicas": replicas} if replicas else {})))
     return 0
+
+
+def _replicas(args: argparse.Namespace, trace: Any, cfg: Any, names: list[str],
+              results: dict[str, dict[str, Any]], quiet: bool | None) -> dict[str, Any] | None:
+    """With ``--replicas`` > 1, replay every policy on replicas 1..N-1 of the trace
+    (:mod:`router.replicas`), print the replica table and return its figures (None with one)."""
+    if args.replicas < 2:
+        return None
+    from router.replicas import jittered, replica_table
+    from router.report import summarize
+    from router.sim import simulate
+
+    figures = {n: [(results[n]["ttft_mean_s"], results[n]["ttft_p99_s"])] for n in names}
+    for k in range(1, args.replicas):
+        with _bar(quiet, len(trace) * len(names), f"replica {k}", "req") as tick:
+            r = simulate(jittered(trace, k, args.jitter_ms / 1000), cfg, names, args.sharing,
+                         tick, reference=False)
+        for n in names:
+            s = summarize(r.rows[n], r.busy[n], len(r.unfit[n]))
+            figures[n].append((s["ttft_mean_s"], s["ttft_p99_s"]))
+    print()
+    print(replica_table(figures, args.jitter_ms))
+    return {"count": args.replicas, "jitter_ms": args.jitter_ms,
+            "ttft_mean_s": {n: [f[0] for f in figs] for n, figs in figures.items()},
+            "ttft_p99_s": {n: [f[1] for f in figs] for n, figs in figures.items()}}
 
 
 def _fit_notes(trace: Any, cfg: Any) -> None:

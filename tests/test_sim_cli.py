@@ -25,7 +25,8 @@ def _sim(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
 @pytest.mark.parametrize("args", [
     ("--host-tokens", "1e3000"), ("--host-tokens", "inf"), ("--disk-tokens", "nan"),
     ("--limit", "0"), ("--limit", "-5"), ("--block-tokens", "0"), ("--users", "0"),
-    ("--gpu-cache-tokens", "-1"),
+    ("--gpu-cache-tokens", "-1"), ("--replicas", "0"), ("--jitter-ms", "-1"),
+    ("--jitter-ms", "nan"),
 ])
 def test_bad_numbers_are_refused_without_a_traceback(args: tuple[str, str]) -> None:
     proc = _sim(str(DYNAMO), *args, "--no-progress", timeout=60)
@@ -69,3 +70,25 @@ def test_engines_prefix_caches_can_be_sized_or_left_out() -> None:
         assert proc.returncode == 0, proc.stderr
         gpu[value] = json.loads(proc.stdout.strip().splitlines()[-1])["policies"]["cost"]["hit_gpu"]
     assert gpu["0"] == 0 and gpu[None] > 0
+
+
+def test_replicas_show_each_policys_spread_and_which_gaps_are_noise() -> None:
+    proc = _sim(str(DYNAMO), "--limit", "300", "--workers", "6", "--replicas", "3", "--json",
+                "--no-progress")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    reps = out["replicas"]
+    assert reps["count"] == 3 and reps["jitter_ms"] == 0.5
+    for name, fig in out["policies"].items():  # replica 0 is the replay the main table shows
+        assert len(reps["ttft_mean_s"][name]) == 3 and len(reps["ttft_p99_s"][name]) == 3
+        assert reps["ttft_mean_s"][name][0] == fig["ttft_mean_s"]
+        assert reps["ttft_p99_s"][name][0] == fig["ttft_p99_s"]
+        assert f"| {name} | " in proc.stdout
+    assert "replicas: 3 (replica 0: the trace as it is; 1-2: each arrival moved within +-0.5 ms)" in proc.stdout
+    assert len(set(reps["ttft_mean_s"]["cost"])) > 1  # the replicas are different replays
+    table = proc.stdout.split("replicas: 3", 1)[1]
+    rows = [line.split(" | ") for line in table.splitlines() if line.startswith("| ")][1:]
+    assert len(rows) == len(out["policies"])
+    for col in (2, 4):  # mean and p99: one best each, the others a gap (noise or not)
+        marks = [r[col].strip(" |") for r in rows]
+        assert marks.count("best") == 1 and all(m == "best" or m.startswith("+") for m in marks)
