@@ -27,8 +27,8 @@ Exits non-zero if no prefix was reused. About 2-3 minutes on 2 CPU cores.
 from __future__ import annotations
 
 import logging
+import math
 import os
-import re
 import sys
 import tempfile
 import time
@@ -47,8 +47,6 @@ MODEL_DIR = os.path.join("out", "tiny-llama")
 # The pools' layout and the gateway's keys follow the same dtype (VllmKeys.from_model).
 DTYPE = "float32"
 
-_SAMPLE = re.compile(r'^(vllm:[a-z0-9_]+)(?:\{([^}]*)\})?\s+([0-9.eE+-]+)$', re.MULTILINE)
-_LABEL = re.compile(r'(source|transport)="([a-z0-9_]+)"')  # p2p has a digit
 
 
 def start_workers(model: str) -> list[dict[str, Any]]:
@@ -121,16 +119,20 @@ def vllm_counters(endpoints: list[str], dump_dir: str) -> dict[str, float]:
     """The servers' ``vllm:`` counters summed; per ``source`` / ``transport`` label. Each
     server's whole ``/metrics`` text is saved under ``dump_dir``."""
     import httpx
+    from prometheus_client.parser import text_string_to_metric_families
 
     out: dict[str, float] = {}
     for i, url in enumerate(endpoints):
         page = httpx.get(f"{url}/metrics", timeout=30).text
         with open(os.path.join(dump_dir, f"vllm-metrics-{i}.txt"), "w") as f:
             f.write(page)
-        for name, labels, value in _SAMPLE.findall(page):
-            label = _LABEL.search(labels or "")
-            key = f"{name}:{label.group(2)}" if label else name
-            out[key] = out.get(key, 0.0) + float(value)
+        for family in text_string_to_metric_families(page):
+            for sample in family.samples:
+                if not sample.name.startswith("vllm:") or math.isnan(sample.value):
+                    continue
+                label = sample.labels.get("source") or sample.labels.get("transport")
+                key = f"{sample.name}:{label}" if label else sample.name
+                out[key] = out.get(key, 0.0) + sample.value
     return out
 
 
