@@ -35,7 +35,8 @@ percent).
 matches one of its comma-separated shell patterns, so one lost cell can be rerun alone.
 
 ``--heldout`` runs the cells no policy change is measured on first (the honest test): the
-synthetic trace's requests 1000-3993 in three slices of ~1000, and three generated
+synthetic trace from its request 1000, 2000 and 3000 on (``synthetic@K``: to the trace's end,
+2,993 / 1,993 / 993 requests; with ``--limit N``, N requests from K), and three generated
 conversation traces of other shapes and seeds (``conv_many``: 3000 conversations, seed 5,
 overloading small clusters; ``conv_long``: 12 turns of 1500-token user messages, 10 s think
 time, seed 7; ``conv_wide``: 32 system prompts of 2-12k tokens, seed 9), at 4/10/32 workers
