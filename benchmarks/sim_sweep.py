@@ -69,9 +69,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo's route
 
 from router.cluster import ClusterConfig  # noqa: E402
 from router.policy import POLICIES  # noqa: E402
-from router.replicas import beats, jittered, paired_gap  # noqa: E402
-from router.report import summarize  # noqa: E402
-from router.sim import simulate  # noqa: E402
+from router.replicas import beats, paired_gap, replay_figures  # noqa: E402
 from router.trace import Trace, TraceRequest, read_trace  # noqa: E402
 from router.trace_conversations import ConversationShape, conversation_rows, write_jsonl  # noqa: E402
 
@@ -213,11 +211,10 @@ def main() -> int:
                     opts["recency"] = False
                 per: dict[str, list[list[float]]] = {n: [] for n in names}  # per replica
                 for k in range(args.replicas):
-                    r = simulate(jittered(trace, k, args.jitter_ms / 1000), cfg, names, "global",
-                                 reference=False, **({"cost": opts} if opts else {}))  # type: ignore[arg-type]
+                    got = replay_figures(trace, k, args.jitter_ms / 1000, cfg, names,
+                                         policy_options={"cost": opts} if opts else None)
                     for n in names:
-                        s = summarize(r.rows[n], r.busy[n])
-                        per[n].append([s["ttft_mean_s"], s["ttft_p99_s"]])
+                        per[n].append(list(got[n]))
                 cell = figures[cell_name(tname, w, h)] = {
                     n: [float(np.mean([f[0] for f in per[n]])),
                         float(np.mean([f[1] for f in per[n]])), per[n]] for n in names}

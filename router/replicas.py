@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -51,6 +52,27 @@ def jittered(requests: Trace | Sequence[TraceRequest], seed: int, within_s: floa
     moved = [dataclasses.replace(r, arrival_s=max(0.0, r.arrival_s + float(d)))
              for r, d in zip(requests, shift, strict=True)]
     return sorted(moved, key=lambda r: r.arrival_s)  # (stable: ties keep the trace's order)
+
+
+def replay_figures(requests: Trace | Sequence[TraceRequest], seed: int, within_s: float,
+                   config: Any, names: Sequence[str], sharing: str = "global",
+                   progress: Callable[[int], None] | None = None,
+                   policy_options: Mapping[str, dict[str, Any]] | None = None,
+                   ) -> dict[str, tuple[float, float]]:
+    """Replica ``seed`` of ``requests`` (:func:`jittered`) replayed by every policy in ``names``
+    on ``config`` (a :class:`~router.cluster.ClusterConfig`; :func:`router.sim.simulate`, no
+    reference run; ``policy_options``: per policy name, its options): per policy, its
+    ``(mean, p99)`` TTFT in seconds."""
+    from router.report import summarize
+    from router.sim import simulate
+
+    r = simulate(jittered(requests, seed, within_s), config, names, sharing, progress,
+                 reference=False, **dict(policy_options or {}))
+    out = {}
+    for n in names:
+        s = summarize(r.rows[n], r.busy[n], len(r.unfit[n]))
+        out[n] = (s["ttft_mean_s"], s["ttft_p99_s"])
+    return out
 
 
 _T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306,

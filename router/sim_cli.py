@@ -81,18 +81,14 @@ def _replicas(args: argparse.Namespace, trace: Any, cfg: Any, names: list[str],
     (:mod:`router.replicas`), print the replica table and return its figures (None with one)."""
     if args.replicas < 2:
         return None
-    from router.replicas import jittered, replica_table
-    from router.report import summarize
-    from router.sim import simulate
+    from router.replicas import replay_figures, replica_table
 
     figures = {n: [(results[n]["ttft_mean_s"], results[n]["ttft_p99_s"])] for n in names}
     for k in range(1, args.replicas):
         with _bar(quiet, len(trace) * len(names), f"replica {k}", "req") as tick:
-            r = simulate(jittered(trace, k, args.jitter_ms / 1000), cfg, names, args.sharing,
-                         tick, reference=False)
+            got = replay_figures(trace, k, args.jitter_ms / 1000, cfg, names, args.sharing, tick)
         for n in names:
-            s = summarize(r.rows[n], r.busy[n], len(r.unfit[n]))
-            figures[n].append((s["ttft_mean_s"], s["ttft_p99_s"]))
+            figures[n].append(got[n])
     print()
     print(replica_table(figures, args.jitter_ms))
     return {"count": args.replicas, "jitter_ms": args.jitter_ms,
