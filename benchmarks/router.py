@@ -112,7 +112,7 @@ class Conversations(Traffic):
     def _start(self) -> np.ndarray:
         return self.heads[int(self.rng.integers(len(self.heads)))]
 
-    def batch(self, n: int) -> list[list[int]]:  # type: ignore[override]
+    def batch(self, n: int) -> list[list[int]]:
         out = []
         for _ in range(n):
             i = int(self.rng.integers(len(self.convs)))
@@ -337,13 +337,13 @@ def main() -> None:
             bare = make_router(replica, "cost", memo=False)  # every block hashed
             asyncio.run(sequential(bare, traffic, 300))  # warm-up
             bare_rate, bare_lat = asyncio.run(sequential(bare, traffic, 3000, "replica_no_memo"))
-            memo = near.hasher.memo.stats() if getattr(near.hasher, "memo", None) else None
+            memo = near.hasher.memo.stats() if near.hasher.memo is not None else None
             turns = make_router(replica, "cost")  # multi-turn conversations, lists, sha256
             turn_traffic = Conversations(4, systems)
             asyncio.run(sequential(turns, turn_traffic, 300))  # warm-up
             turns_rate, turns_lat = asyncio.run(sequential(turns, turn_traffic, 3000,
                                                            "replica_multiturn"))
-            turns_memo = turns.hasher.memo.stats() if getattr(turns.hasher, "memo", None) else None
+            turns_memo = turns.hasher.memo.stats() if turns.hasher.memo is not None else None
             packed = make_router(replica, "cost")  # the same ids, handed over as uint32 arrays
             packed_traffic = Traffic(3, systems, packed=True)
             asyncio.run(sequential(packed, packed_traffic, 300))  # warm-up

@@ -168,8 +168,11 @@ def create_app(
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
             prompt = prompt[0]
         until = time.monotonic() + no_worker_wait_s
+        ids: list[int] | None = None  # tokenized once, when it has to wait for a worker
         while True:
             try:
+                if ids is not None:
+                    return await router.route(token_ids=ids, tenant=tenant)
                 if chat:
                     return await router.route(messages=body["messages"], tenant=tenant)
                 return await router.route(prompt=prompt, tenant=tenant)
@@ -177,6 +180,9 @@ def create_app(
                 if time.monotonic() >= until:
                     waited = f" (waited {no_worker_wait_s:g} s for one)" if no_worker_wait_s else ""
                     return fail(503, f"{exc}{waited}", "service_unavailable", "no_worker")
+                if ids is None:  # (each retry would tokenize the prompt again)
+                    ids = (router.tokenize(messages=body["messages"]) if chat
+                           else router.tokenize(prompt=prompt))
                 await asyncio.sleep(min(NO_WORKER_POLL_S, max(0.0, until - time.monotonic())))
             except (ValueError, TypeError) as exc:
                 return fail(400, str(exc))

@@ -21,6 +21,7 @@ from http_helpers import Served
 from actors.index.global_index import GlobalIndex
 from kvshare.engines.server import free_port
 from kvshare.events import BlockStored
+from kvshare.tokenizer import ByteTokenizer
 from kvshare.types import NodeId, Tier, WorkerId, node_location
 from kvshare.workers import WorkerInfo
 from router.embed import CacheAwareRouter, InProcessIndex, RouterConfig
@@ -235,9 +236,18 @@ def test_unreachable_worker_is_a_502_not_a_crash() -> None:
 def test_a_request_waits_for_a_worker_to_appear_then_a_503_names_the_wait(
         worker_urls: list[str]) -> None:
     """Workers still starting (or re-registering after a lapsed lease) hold a request for a
-    bounded time instead of failing it; with none at the end, a 503 that says it waited."""
+    bounded time instead of failing it, tokenizing its prompt once however long it waits;
+    with none at the end, a 503 that says it waited."""
+
+    class Counting(ByteTokenizer):
+        calls = 0
+
+        def encode(self, text: str) -> list[int]:
+            Counting.calls += 1
+            return super().encode(text)
+
     source = StaticWorkers([])
-    router = CacheAwareRouter(None, source, RouterConfig(namespace=NS))
+    router = CacheAwareRouter(None, source, RouterConfig(namespace=NS), tokenizer=Counting())
     gw = Served(create_app(router, no_worker_wait_s=20.0))
     late = threading.Timer(0.5, lambda: setattr(source, "workers", [
         WorkerInfo(WorkerId("late"), NodeId("n0"), (NS,), worker_urls[0])]))
@@ -245,6 +255,7 @@ def test_a_request_waits_for_a_worker_to_appear_then_a_503_names_the_wait(
     try:
         r = httpx.post(gw.url + "/v1/completions", json={"prompt": "hello " * 30}, timeout=30)
         assert r.status_code == 200 and r.headers["x-kvshare-worker"] == "late", r.text
+        assert Counting.calls == 2  # the first try, then once for all the retries (5 or more)
     finally:
         late.cancel()
         gw.stop()
