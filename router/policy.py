@@ -484,6 +484,17 @@ class CostPolicy(Policy):
     stop queuing behind long prompts they do not share); a plan of the worker's typical size
     adds nothing.
 
+    With a worker idle (nothing queued or running) the score is the TTFT estimate, and a
+    request whose estimate is lowest at a worker where requests already wait (one whose cache
+    serves it best) would start a convoy: the requests that join that worker behind it, about
+    ``waiting / queue`` a second (Little's law at its queue) for as long as it stays busy
+    (``queue + plan``), each wait for its plan, or go to an idle worker instead at about the
+    ``saved`` seconds this request gains by not going there (the best idle worker's estimate
+    minus its own). So it goes to the best idle worker when ``waiting / queue * (queue +
+    plan) * min(plan, saved) > saved``: its own TTFT grows by at most ``saved``, and a hot
+    prefix gets a second holder instead of a queue at its first. Nothing waiting at the
+    worker, or no worker idle: the lowest estimate, as before.
+
     Under global sharing a worker's plan also counts the blocks this policy's earlier
     decisions are creating on other workers that will be stored before it starts (its queue
     wait outlasts their job's estimate): it will pull them (:class:`~router.ready.ReadyBlocks`);
@@ -559,6 +570,20 @@ class CostPolicy(Policy):
             self._shadowed.update((i.worker_id, i.node) for i in new)
 
     def _select(self, request: RouteRequest, view: SourceMap, cands: list[Candidate]) -> tuple[int, str]:
+        i, reason, est = self._cheapest(request, view, cands)
+        idle = self._idle_instead(cands, i)
+        if idle:
+            plans, waits = self._plans, self._waits
+            j, why, alt = self._cheapest(request, view, [cands[k] for k in idle])
+            if self._convoy(cands[i], plans[cands[i].info.worker_id].total_s, est, alt):
+                self._plans, self._waits = {**plans, **self._plans}, {**waits, **self._waits}
+                return idle[j], why
+            self._plans, self._waits = plans, waits
+        return i, reason
+
+    def _cheapest(self, request: RouteRequest, view: SourceMap, cands: list[Candidate]
+                  ) -> tuple[int, str, float]:
+        """The candidate with the lowest score (class docstring), the reason and the score."""
         plans: dict[WorkerId, CutPlan] = {}
         self._plans = plans
         by_runs: dict[SourceRuns, CutPlan] = {}  # workers with equal views share a plan
@@ -620,7 +645,8 @@ class CostPolicy(Policy):
                 t = plan.total_s
                 ests[i] = wait + _work_s(t, work, bound, typical, i)
                 best = min(best, ests[i])
-        return self._pick(ests, plans, cands)
+        best_i, reason = self._pick(ests, plans, cands)
+        return best_i, reason, ests[best_i]
 
     def _pressure(self, ns: str, cands: list[Candidate], queues: list[float]
                   ) -> tuple[int, float, list[float] | None, list[float]]:
@@ -648,12 +674,30 @@ class CostPolicy(Policy):
     def _select_native(self, request: RouteRequest, match: Match, pending: Match | None,
                        cands: list[Candidate], nodes: dict[WorkerId, NodeId]
                        ) -> tuple[int, str, CutPlan] | None:
-        """:meth:`_select`'s loop in C (:mod:`router.select_native`: the same estimates and
-        plans, no Python view), then the same pick; None where it cannot run (and with
+        """:meth:`_select` with its loop in C (:mod:`router.select_native`: the same estimates
+        and plans, no Python view), then the same pick; None where it cannot run (and with
         ``survival``, or ``recency`` with a tier to shadow: the C loop does not test turnover
         or read holdings at each candidate's start)."""
         if self.survival or self._timed is not None:
             return None
+        got = self._cheapest_native(request, match, pending, cands, nodes)
+        if got is None:
+            return None
+        i, reason, plan, est = got
+        idle = self._idle_instead(cands, i)
+        if idle:
+            plans = self._plans
+            alt = self._cheapest_native(request, match, pending, [cands[k] for k in idle], nodes)
+            if alt is not None and self._convoy(cands[i], plan.total_s, est, alt[3]):
+                self._plans = {**plans, **self._plans}
+                return idle[alt[0]], alt[1], alt[2]
+            self._plans = plans
+        return i, reason, plan
+
+    def _cheapest_native(self, request: RouteRequest, match: Match, pending: Match | None,
+                         cands: list[Candidate], nodes: dict[WorkerId, NodeId]
+                         ) -> tuple[int, str, CutPlan, float] | None:
+        """:meth:`_cheapest` in C: also the chosen plan; None where the C loop cannot run."""
         ns, n = request.namespace, request.num_tokens
         queues, order = self.queues(cands)
         fewest, work, bound, typical = self._pressure(ns, cands, queues)
@@ -682,9 +726,30 @@ class CostPolicy(Policy):
             # one plan computed, every other candidate pruned (inf): it is the only tie
             best_i = self._rotate.pick((evaluated[0][0],), cands)
             plan = plans[cands[best_i].info.worker_id]
-            return best_i, plan_reason(plan), plan
+            return best_i, plan_reason(plan), plan, ests[best_i]
         best_i, reason = self._pick(ests, plans, cands)
-        return best_i, reason, plans[cands[best_i].info.worker_id]
+        return best_i, reason, plans[cands[best_i].info.worker_id], ests[best_i]
+
+    def _idle_instead(self, cands: list[Candidate], i: int) -> list[int]:
+        """The idle candidates (nothing queued or running) to weigh against joining candidate
+        ``i``'s queue (class docstring): none unless requests wait there."""
+        if not cands[i].load.waiting:
+            return []
+        queues, _ = self.queues(cands)
+        if queues[i] <= 0:
+            return []
+        return [k for k, q in enumerate(queues) if q <= 0 and not cands[k].load.waiting]
+
+    def _convoy(self, joined: Candidate, plan_s: float, est: float, idle_est: float) -> bool:
+        """Whether the requests expected to join ``joined``'s queue behind this request (its
+        plan ``plan_s`` seconds, its estimate there ``est``) lose more than the request saves
+        there over the best idle worker's estimate ``idle_est`` (class docstring)."""
+        saved = idle_est - est
+        queue = self.queue_s(joined.load)
+        if saved <= 0 or queue <= 0:
+            return False
+        later = joined.load.waiting / queue * (queue + plan_s)  # (Little's law at its queue)
+        return later * min(plan_s, saved) > saved
 
     def _pick(self, ests: list[float], plans: dict[WorkerId, CutPlan],
               cands: list[Candidate]) -> tuple[int, str]:
