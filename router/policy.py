@@ -30,7 +30,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from itertools import compress
 from operator import attrgetter, is_, is_not
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 from kvshare.cost import CostModel, CutPlan
 from kvshare.quick_init import quick_init
@@ -42,6 +42,8 @@ from router.recency import RecencyBook, TimedHoldings
 from router.select_native import NativeSelect
 from router.sources import Match, Sharing, SourceMap, SourceRuns, holder_runs
 from router.survival import Capacities, Turnover
+
+_Best = TypeVar("_Best", bound=tuple[Any, ...])  # a cheapest candidate: (index, ..., estimate)
 
 
 @quick_init
@@ -571,15 +573,10 @@ class CostPolicy(Policy):
 
     def _select(self, request: RouteRequest, view: SourceMap, cands: list[Candidate]) -> tuple[int, str]:
         i, reason, est = self._cheapest(request, view, cands)
-        idle = self._idle_instead(cands, i)
-        if idle:
-            plans, waits = self._plans, self._waits
-            j, why, alt = self._cheapest(request, view, [cands[k] for k in idle])
-            if self._convoy(cands[i], plans[cands[i].info.worker_id].total_s, est, alt):
-                self._plans, self._waits = {**plans, **self._plans}, {**waits, **self._waits}
-                return idle[j], why
-            self._plans, self._waits = plans, waits
-        return i, reason
+        plan_s = self._plans[cands[i].info.worker_id].total_s
+        moved = self._idle_instead(cands, i, plan_s, est,
+                                   lambda idle: self._cheapest(request, view, idle))
+        return (moved[0], moved[1][1]) if moved is not None else (i, reason)
 
     def _cheapest(self, request: RouteRequest, view: SourceMap, cands: list[Candidate]
                   ) -> tuple[int, str, float]:
@@ -684,15 +681,10 @@ class CostPolicy(Policy):
         if got is None:
             return None
         i, reason, plan, est = got
-        idle = self._idle_instead(cands, i)
-        if idle:
-            plans = self._plans
-            alt = self._cheapest_native(request, match, pending, [cands[k] for k in idle], nodes)
-            if alt is not None and self._convoy(cands[i], plan.total_s, est, alt[3]):
-                self._plans = {**plans, **self._plans}
-                return idle[alt[0]], alt[1], alt[2]
-            self._plans = plans
-        return i, reason, plan
+        moved = self._idle_instead(
+            cands, i, plan.total_s, est,
+            lambda idle: self._cheapest_native(request, match, pending, idle, nodes))
+        return (moved[0], moved[1][1], moved[1][2]) if moved is not None else (i, reason, plan)
 
     def _cheapest_native(self, request: RouteRequest, match: Match, pending: Match | None,
                          cands: list[Candidate], nodes: dict[WorkerId, NodeId]
@@ -730,26 +722,30 @@ class CostPolicy(Policy):
         best_i, reason = self._pick(ests, plans, cands)
         return best_i, reason, plans[cands[best_i].info.worker_id], ests[best_i]
 
-    def _idle_instead(self, cands: list[Candidate], i: int) -> list[int]:
-        """The idle candidates (nothing queued or running) to weigh against joining candidate
-        ``i``'s queue (class docstring): none unless requests wait there."""
-        if not cands[i].load.waiting:
-            return []
+    def _idle_instead(self, cands: list[Candidate], i: int, plan_s: float, est: float,
+                      cheapest: Callable[[list[Candidate]], _Best | None]
+                      ) -> tuple[int, _Best] | None:
+        """Where a request goes instead of joining candidate ``i``'s queue (its plan there
+        ``plan_s`` seconds, its estimate ``est``): the best idle candidate (nothing queued or
+        running; ``cheapest`` of them, whose last item is its estimate) and that choice, if
+        requests wait at ``i`` and the ones expected to join behind it would lose more than it
+        saves there (class docstring, :func:`_convoy`); else None. The idle candidates' plans
+        are kept beside the others' for the ranking."""
+        load = cands[i].load
+        if not load.waiting:
+            return None
         queues, _ = self.queues(cands)
-        if queues[i] <= 0:
-            return []
-        return [k for k, q in enumerate(queues) if q <= 0 and not cands[k].load.waiting]
-
-    def _convoy(self, joined: Candidate, plan_s: float, est: float, idle_est: float) -> bool:
-        """Whether the requests expected to join ``joined``'s queue behind this request (its
-        plan ``plan_s`` seconds, its estimate there ``est``) lose more than the request saves
-        there over the best idle worker's estimate ``idle_est`` (class docstring)."""
-        saved = idle_est - est
-        queue = self.queue_s(joined.load)
-        if saved <= 0 or queue <= 0:
-            return False
-        later = joined.load.waiting / queue * (queue + plan_s)  # (Little's law at its queue)
-        return later * min(plan_s, saved) > saved
+        queue = queues[i]
+        idle = [k for k, q in enumerate(queues) if q <= 0 and not cands[k].load.waiting]
+        if queue <= 0 or not idle:
+            return None
+        plans, waits = self._plans, self._waits
+        best = cheapest([cands[k] for k in idle])
+        if best is not None and _convoy(load.waiting, queue, plan_s, best[-1] - est):
+            self._plans, self._waits = {**plans, **self._plans}, {**waits, **self._waits}
+            return idle[best[0]], best
+        self._plans, self._waits = plans, waits
+        return None
 
     def _pick(self, ests: list[float], plans: dict[WorkerId, CutPlan],
               cands: list[Candidate]) -> tuple[int, str]:
@@ -855,6 +851,16 @@ _SHRINK = 1.0 - 1e-9
 _INFO = attrgetter("info")  # (C-level reads over the candidates)
 _WAITING = attrgetter("load.waiting")
 _KEPT: frozenset[str] = frozenset()  # no holder lost
+
+
+def _convoy(waiting: int, queue: float, plan_s: float, saved: float) -> bool:
+    """Whether the requests expected to join a queue of ``queue`` seconds holding ``waiting``
+    requests behind a plan of ``plan_s`` seconds (Little's law at that queue, over its busy
+    period) lose more than the ``saved`` seconds the request gains there (:class:`CostPolicy`)."""
+    if saved <= 0:
+        return False
+    later = waiting / queue * (queue + plan_s)
+    return later * min(plan_s, saved) > saved
 
 
 def _work_s(t: float, work: float, bound: list[float] | None, typical: list[float],
