@@ -67,9 +67,10 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo's router, not ./router.py
 
+from router.cli import jitter_ms, positive_int  # noqa: E402
 from router.cluster import ClusterConfig  # noqa: E402
 from router.policy import POLICIES  # noqa: E402
-from router.replicas import beats, paired_gap, replay_figures  # noqa: E402
+from router.replicas import gap_beyond_noise, replay_figures  # noqa: E402
 from router.trace import Trace, TraceRequest, read_trace  # noqa: E402
 from router.trace_conversations import ConversationShape, conversation_rows, write_jsonl  # noqa: E402
 
@@ -133,8 +134,9 @@ def beyond_noise(cell: dict[str, list[Any]]) -> dict[str, dict[str, float]]:
             continue
         for m, metric in enumerate(("mean", "p99")):
             a, b = [f[m] for f in mine], [f[m] for f in theirs]
-            if beats(a, b):
-                gap, se = paired_gap(a, b)
+            got = gap_beyond_noise(a, b)
+            if got is not None:
+                gap, se = got
                 base = fig[m] or 1.0
                 out[f"{name} {metric}"] = {"gap_pct": round(100 * gap / base, 3),
                                            "se_pct": round(100 * se / base, 3)}
@@ -165,10 +167,10 @@ def main() -> int:
     ap.add_argument("--no-recency", action="store_true",
                     help="cost without its recency rule (the shadow LRU per tier: "
                          "CostPolicy(recency=False); router/recency.py)")
-    ap.add_argument("--replicas", type=int, default=1,
+    ap.add_argument("--replicas", type=positive_int, default=1,
                     help="replays per cell, arrivals jittered (module docstring); figures are "
                          "their averages")
-    ap.add_argument("--jitter-ms", type=float, default=0.5,
+    ap.add_argument("--jitter-ms", type=jitter_ms, default=0.5,
                     help="how far a replica may move each arrival, in ms (default 0.5: half "
                          "the Mooncake traces' timestamp resolution)")
     ap.add_argument("--dump", default=None, help="write every cell's mean/p99 per policy (JSON)")
@@ -177,8 +179,6 @@ def main() -> int:
     args = ap.parse_args()
     if args.heldout and args.fresh:
         ap.error("--heldout and --fresh are two different cell sets: choose one")
-    if args.replicas < 1 or not 0 <= args.jitter_ms < 1e6:
-        ap.error("--replicas must be >= 1 and --jitter-ms a number of ms >= 0")
     names = args.policies.split(",")
     peers: dict[str, dict[str, list[Any]]] = {}
     if args.peers_from:

@@ -19,7 +19,8 @@ def _tokens(text: str) -> int:
     return int(value)
 
 
-def _positive_int(text: str) -> int:
+def positive_int(text: str) -> int:
+    """An argparse type: a whole number >= 1 (also ``benchmarks/sim_sweep.py``'s)."""
     try:
         value = int(text)
     except ValueError:
@@ -29,7 +30,8 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def _jitter_ms(text: str) -> float:
+def jitter_ms(text: str) -> float:
+    """An argparse type: how far a replica may move an arrival, ms in [0, 60000]."""
     try:
         value = float(text)
     except ValueError:
@@ -59,7 +61,7 @@ def register(subparsers: Any) -> None:
     sim.add_argument("--workers", type=int, default=10)
     sim.add_argument("--host-tokens", type=_tokens, default=3_000_000, help="per node")
     sim.add_argument("--disk-tokens", type=_tokens, default=0, help="per node")
-    sim.add_argument("--block-tokens", type=_positive_int, default=None,
+    sim.add_argument("--block-tokens", type=positive_int, default=None,
                      help="tokens per trace hash id (default: 512 for Mooncake, the files' "
                      "block_size for agentic; a multiple of it coarsens the blocks)")
     sim.add_argument("--model", default="Llama-2-70b-hf", help="bundled config name or path")
@@ -70,16 +72,16 @@ def register(subparsers: Any) -> None:
     sim.add_argument("--gpu-cache-tokens", type=_tokens, default=None,
                      help="each engine's own prefix cache, tokens (every block it computes or "
                      "loads; default: the KV room next to the weights; 0: none)")
-    sim.add_argument("--limit", type=_positive_int, default=None, help="first N requests only")
-    sim.add_argument("--replicas", type=_positive_int, default=1,
+    sim.add_argument("--limit", type=positive_int, default=None, help="first N requests only")
+    sim.add_argument("--replicas", type=positive_int, default=1,
                      help="replay each policy N times, arrivals moved within --jitter-ms from the "
                      "second on, and print each policy's average, spread and which gaps stand "
                      "out of that noise (a single replay is chaotic: default 1)")
-    sim.add_argument("--jitter-ms", type=_jitter_ms, default=0.5,
+    sim.add_argument("--jitter-ms", type=jitter_ms, default=0.5,
                      help="how far a replica may move each arrival, ms (default 0.5: within "
                      "a Mooncake trace's millisecond timestamps)")
     agentic = sim.add_argument_group("agentic traces (kv-cache-tester's replay knobs)")
-    agentic.add_argument("--users", type=_positive_int, default=None,
+    agentic.add_argument("--users", type=positive_int, default=None,
                          help="concurrent users (default: one per conversation)")
     agentic.add_argument("--warm-prefix-pct", type=float, default=None,
                          help="fraction of max(tool+system tokens) shared by every "

@@ -95,8 +95,13 @@ def beats(a: Sequence[float], b: Sequence[float]) -> bool:
     """Whether ``b`` is lower than ``a`` beyond the replay's noise: the mean of ``a[k] -
     b[k]`` over the same replicas exceeds ``t95(n - 1)`` standard errors (a paired t-test at
     95%, two-sided). Never with one replica."""
+    return gap_beyond_noise(a, b) is not None
+
+
+def gap_beyond_noise(a: Sequence[float], b: Sequence[float]) -> tuple[float, float] | None:
+    """:func:`paired_gap` of ``a`` over ``b`` where ``b`` :func:`beats` ``a``, else None."""
     gap, se = paired_gap(a, b)
-    return len(a) > 1 and gap > t95(len(a) - 1) * se
+    return (gap, se) if len(a) > 1 and gap > t95(len(a) - 1) * se else None
 
 
 def paired_gap(a: Sequence[float], b: Sequence[float]) -> tuple[float, float]:

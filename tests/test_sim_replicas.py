@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from router.cluster import ClusterConfig
-from router.replicas import beats, jittered, paired_gap, t95
+from router.replicas import beats, gap_beyond_noise, jittered, paired_gap, t95
 from router.sim import simulate
 from router.trace import Trace, read_trace
 
@@ -86,5 +86,8 @@ def test_a_peer_beats_cost_only_beyond_the_paired_noise() -> None:
     peer = [1.132, 1.132, 1.132, 1.133, 1.136, 1.131, 1.136, 1.131]  # dynamo_kv, same replicas
     assert not beats(cost, peer)  # 0.11% lower on average: 1.1 standard errors, noise
     assert beats([1.0 + x for x in peer], peer)  # a steady gap is a loss, however small
+    assert gap_beyond_noise([1.0 + x for x in peer], peer) == paired_gap(
+        [1.0 + x for x in peer], peer)  # (the gap and its error, for the report)
+    assert gap_beyond_noise(cost, peer) is None
     assert not beats([17.68] * 8, [17.68] * 8)  # equal on every replica
     assert not beats([2.0], [1.0])  # one replay tells nothing
