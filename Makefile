@@ -10,7 +10,7 @@ export NIXL_LOG_LEVEL := WARN
 
 .PHONY: demo demo-reference test lint install bench-install browser clean
 
-$(STAMP): pyproject.toml setup.py $(wildcard kvshare/*.c) $(wildcard kvshare/*.h)
+$(STAMP): pyproject.toml setup.py $(wildcard kvshare/_native/*.c) $(wildcard kvshare/_native/*.h)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	# torch first, pinned, so pip takes the CPU wheel on disk instead of a CUDA build
@@ -65,10 +65,10 @@ demo-reference: $(STAMP) browser
 
 lint: $(STAMP)
 	$(BIN)/ruff check kvshare actors router tests benchmarks examples
-	$(BIN)/mypy kvshare actors router
+	$(BIN)/mypy kvshare
 
 test: lint browser
 	$(BIN)/python -m pytest -q -p no:cacheprovider
 
 clean:
-	rm -rf $(VENV) build *.egg-info kvshare/*.so
+	rm -rf $(VENV) build *.egg-info kvshare/_native/*.so

@@ -1,8 +1,8 @@
 """Admin operations over a running deployment: ``lookup``, ``pin_prefix``/``unpin_prefix``,
 ``prefetch``, ``clear`` (DESIGN.md, "Tiers and pools").
 
-Plain functions; Ray must be initialised (``actors.deploy.connect``) and kvshare deployed.
-Pools and the index are found by name, as :mod:`actors.deploy` does. A prefix is a list of
+Plain functions; Ray must be initialised (``kvshare.actors.deploy.connect``) and kvshare deployed.
+Pools and the index are found by name, as :mod:`kvshare.actors.deploy` does. A prefix is a list of
 block hashes (bytes of the namespace's hash size), first block first.
 
 - ``pin_prefix`` leases, on every node holding a leading run of the prefix, that run under
@@ -10,7 +10,7 @@ block hashes (bytes of the namespace's hash size), first block first.
   the same name again replaces the earlier pin (no lease leaks); ``unpin_prefix`` ends it.
 - ``prefetch`` makes one node hold the prefix: a Ray task pinned to that node (so the pool
   actor's request path is never busy with it) pulls the blocks it lacks from the other
-  holders with :class:`~kvshare.transfer.fetch.PeerFetcher` (fastest transport by the node's
+  holders with :class:`~kvshare.transfer.reader.fetch.PeerFetcher` (fastest transport by the node's
   probed bandwidths, checksums verified) and stores them with ``keep_local``. Blocks no node
   can serve are misses with a reason; nothing wrong is ever stored.
 
@@ -28,9 +28,9 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from actors.config import POOL_PREFIX, RAY_NAMESPACE
-from actors.deploy import _named, get_index_client
-from actors.deploy import status as deploy_status
+from kvshare.actors.config import POOL_PREFIX, RAY_NAMESPACE
+from kvshare.actors.deploy import _named, get_index_client
+from kvshare.actors.deploy import status as deploy_status
 from kvshare.types import BlockHash, parse_location
 
 HOLDER_PREFIX = "admin:"
@@ -166,12 +166,12 @@ def prefetch_here(namespace: str, hashes: list[BlockHash], deadline_s: float,
     """The body of :func:`prefetch`, run on the target node (any process there)."""
     import numpy as np
 
-    from actors.deploy import get_pool
+    from kvshare.actors.deploy import get_pool
     from kvshare.transfer.base import Transport, TransportUnavailable
-    from kvshare.transfer.control import ActorControl
-    from kvshare.transfer.fetch import PeerFetcher
-    from kvshare.transfer.objstore import ObjStoreTransport
-    from kvshare.transfer.shm import ShmTransport
+    from kvshare.transfer.reader.control import ActorControl
+    from kvshare.transfer.reader.fetch import PeerFetcher
+    from kvshare.transfer.reader.objstore import ObjStoreTransport
+    from kvshare.transfer.reader.shm import ShmTransport
 
     start = time.monotonic()
     node = ray.get_runtime_context().get_node_id()
@@ -189,7 +189,7 @@ def prefetch_here(namespace: str, hashes: list[BlockHash], deadline_s: float,
                                         "objstore": ObjStoreTransport(me)}
     if os.environ.get("KVSHARE_NIXL", "1") != "0":
         try:
-            from kvshare.transfer.nixl import NixlTransport
+            from kvshare.transfer.reader.nixl import NixlTransport
 
             transports["nixl"] = NixlTransport(f"{namespace}/prefetch/{node[:12]}/{os.getpid()}-{time.time_ns()}")
         except (TransportUnavailable, ImportError):
@@ -229,7 +229,7 @@ class ClusterAdmin:
         self.ray_namespace = ray_namespace
 
     def status(self, timeout_s: float = 5.0) -> dict[str, Any]:
-        """The deployment's status snapshot (:func:`actors.deploy.status`)."""
+        """The deployment's status snapshot (:func:`kvshare.actors.deploy.status`)."""
         return deploy_status(self.ray_namespace, timeout_s=timeout_s)
 
     def node_liveness(self) -> dict[str, bool]:

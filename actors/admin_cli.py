@@ -50,10 +50,10 @@ def resolve_nodes(given: Sequence[str], known: Sequence[str]) -> list[str]:
 
 
 def _via_cluster(op: str, args: argparse.Namespace) -> Any:
-    from actors import admin
-    from actors.cli import _connect
-    from actors.config import POOL_PREFIX
-    from actors.deploy import _named
+    from kvshare.actors import admin
+    from kvshare.actors.cli_connect import connect_from_cli as _connect
+    from kvshare.actors.config import POOL_PREFIX
+    from kvshare.actors.deploy import _named
 
     _connect(args.address, args.ray_namespace, start=False)
     rns = args.ray_namespace

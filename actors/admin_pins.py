@@ -1,11 +1,11 @@
 """Admin pins on a node pool: leases an operator takes so a prefix cannot be evicted.
 
-:class:`AdminPins` is a member of :class:`actors.node_pool.NodePool` (whose actor serves
-``pin_prefix``/``unpin_prefix``/``contains``); :mod:`actors.admin` drives them across the
+:class:`AdminPins` is a member of :class:`kvshare.actors.node_pool.NodePool` (whose actor serves
+``pin_prefix``/``unpin_prefix``/``contains``); :mod:`kvshare.actors.admin` drives them across the
 cluster. Pins are ordinary read leases of the holder ``admin:<name>``: eviction skips leased
 blocks, the lease ends at its ttl (the pool's background round expires it) or on
 ``unpin_prefix``, and the liveness sweep never judges such a holder dead
-(:func:`actors.liveness.ray_holder_alive` answers None for it).
+(:func:`kvshare.actors.liveness.ray_holder_alive` answers None for it).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Sequence
 
-from kvshare.pool import TieredBlockPool
+from kvshare.pool.tiered import TieredBlockPool
 from kvshare.types import BlockHash
 
 

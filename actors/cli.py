@@ -9,38 +9,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import shutil
-import subprocess
 import sys
 from typing import Any
 
-from actors import admin_cli
+from kvshare.actors import admin_cli
+from kvshare.actors.cli_connect import connect_from_cli as _connect
 from kvshare.layout import format_bytes
 
 
-def _ray_env() -> None:
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-
-
-def _connect(address: str | None, ray_namespace: str, start: bool) -> None:
-    _ray_env()
-    from actors.deploy import connect
-
-    def start_local() -> None:
-        if not start:
-            raise ValueError("no running Ray cluster found: pass --address or run `kvshare up`")
-        ray_bin = shutil.which("ray") or os.path.join(os.path.dirname(sys.executable), "ray")
-        print("no Ray cluster is running: starting a local one (`ray stop` ends it)", file=sys.stderr)
-        subprocess.run([ray_bin, "start", "--head", "--disable-usage-stats"], check=True,
-                       stdout=subprocess.DEVNULL)
-
-    connect(address, ray_namespace, start_local)
-
-
 def _up(args: argparse.Namespace) -> int:
-    from actors.deploy import DEFAULT_LAYOUT, deploy
+    from kvshare.actors.deploy import DEFAULT_LAYOUT, deploy
     from kvshare.layout import KVLayout
     from kvshare.transfer.probe import parse_overrides
 
@@ -64,35 +42,17 @@ def _up(args: argparse.Namespace) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
-    from actors.deploy import status
+    from kvshare.actors.deploy import status
 
     _connect(args.address, args.ray_namespace, start=False)
-    if args.web:
-        return _serve_web(args)
     _print_status(status(args.ray_namespace), args.json)
-    return 0
-
-
-def _serve_web(args: argparse.Namespace) -> int:
-    """``kvshare status --web``: the live page (router/web) for this cluster until Ctrl-C."""
-    import uvicorn
-
-    from actors.admin import ClusterAdmin
-    from router.web import status_app
-
-    if not 0 <= args.port <= 65535:
-        raise ValueError(f"--port must be 0..65535, got {args.port}")
-    print(f"kvshare status page on http://{args.host}:{args.port}/dashboard (Ctrl-C stops)",
-          file=sys.stderr, flush=True)
-    uvicorn.run(status_app(ClusterAdmin(args.ray_namespace)), host=args.host, port=args.port,
-                log_level="warning")
     return 0
 
 
 def _metrics(args: argparse.Namespace) -> int:
     from prometheus_client import generate_latest, start_http_server
 
-    from actors.metrics import ClusterCollector, cluster_registry
+    from kvshare.actors.metrics import ClusterCollector, cluster_registry
 
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be 0..65535, got {args.port}")
@@ -113,7 +73,7 @@ def _metrics(args: argparse.Namespace) -> int:
 
 
 def _down(args: argparse.Namespace) -> int:
-    from actors.deploy import shutdown
+    from kvshare.actors.deploy import shutdown
 
     _connect(args.address, args.ray_namespace, start=False)
     n = shutdown(args.ray_namespace)
@@ -194,11 +154,6 @@ def register(subparsers: Any) -> None:
     status = subparsers.add_parser("status", help="nodes, tiers, capacity, blocks, hit rates")
     common(status)
     status.add_argument("--json", action="store_true", help="print one JSON object")
-    status.add_argument("--web", action="store_true",
-                        help="serve the live status page at http://HOST:PORT/dashboard")
-    status.add_argument("--port", type=int, default=9479, help="--web: HTTP port")
-    status.add_argument("--host", default="127.0.0.1",
-                        help="--web: address to listen on (the page has no API keys)")
     status.set_defaults(func=_status)
     metrics = subparsers.add_parser(
         "metrics", help="serve the pools' and index's Prometheus metrics over HTTP")

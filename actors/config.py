@@ -2,7 +2,7 @@
 
 One frozen config per component: :class:`IndexConfig` for the index shards,
 :class:`PoolSettings` (with one :class:`NamespaceSpec` per namespace) for the node pools.
-Actor names live in one Ray namespace; both are the SDK's contract (:mod:`kvshare.cluster`).
+Actor names live in one Ray namespace; both are the SDK's contract (:mod:`kvshare.discovery`).
 """
 
 from __future__ import annotations
@@ -10,14 +10,14 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from kvshare.cluster import INDEX_NAME as INDEX_NAME  # the actor names: the SDK's contract
-from kvshare.cluster import POOL_PREFIX as POOL_PREFIX
-from kvshare.cluster import RAY_NAMESPACE as RAY_NAMESPACE
-from kvshare.cluster import WATCHER_NAME as WATCHER_NAME
-from kvshare.cluster import index_name as index_name
-from kvshare.cluster import pool_name as pool_name
+from kvshare.discovery import INDEX_NAME as INDEX_NAME  # the actor names: the SDK's contract
+from kvshare.discovery import POOL_PREFIX as POOL_PREFIX
+from kvshare.discovery import RAY_NAMESPACE as RAY_NAMESPACE
+from kvshare.discovery import WATCHER_NAME as WATCHER_NAME
+from kvshare.discovery import index_name as index_name
+from kvshare.discovery import pool_name as pool_name
 from kvshare.layout import KVLayout
-from kvshare.pool_types import check_namespace
+from kvshare.pool.types import check_namespace
 
 GiB = 2**30
 
@@ -61,7 +61,7 @@ class PoolSettings:
     or as soon as that many are pending. ``publish_on_commit``: a committed write is
     published before the writer's commit returns (read-after-write: a worker that waits for
     its stores before answering leaves blocks any worker's next lookup finds; see
-    :meth:`actors.node_pool.NodePool.transfer_commit_write`). ``holder_check_s``: how often
+    :meth:`kvshare.actors.node_pool.NodePool.transfer_commit_write`). ``holder_check_s``: how often
     leases of dead holders are looked for.
     """
 

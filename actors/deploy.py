@@ -18,7 +18,7 @@ from typing import Any
 
 import ray
 
-from actors.config import (
+from kvshare.actors.config import (
     POOL_PREFIX,
     RAY_NAMESPACE,
     WATCHER_NAME,
@@ -28,8 +28,8 @@ from actors.config import (
     PoolSettings,
     pool_name,
 )
-from actors.index.client import IndexClient
-from actors.index.keeper import control_plane_placement, start_shard
+from kvshare.actors.index.client import IndexClient
+from kvshare.actors.index.keeper import control_plane_placement, start_shard
 from kvshare.auth import cluster_secret
 from kvshare.cost import bytes_per_s
 from kvshare.layout import KVLayout
@@ -159,7 +159,7 @@ def deploy(
             ray.get(existing.add_namespace.remote(spec), timeout=wait_s)
         watcher = existing
     else:
-        from actors.watcher import WatcherActor
+        from kvshare.actors.watcher import WatcherActor
 
         watcher = WatcherActor.options(
             name=WATCHER_NAME, namespace=ray_namespace, lifetime="detached",
@@ -199,7 +199,7 @@ def get_pool(node_id: str | None = None, ray_namespace: str = RAY_NAMESPACE) -> 
         return ray.get_actor(pool_name(node), namespace=ray_namespace)
     except ValueError:
         raise ValueError(
-            f"no kvshare pool on node {node}: run `kvshare up` (or actors.deploy.deploy()) first"
+            f"no kvshare pool on node {node}: run `kvshare up` (or kvshare.actors.deploy.deploy()) first"
         ) from None
 
 

@@ -20,8 +20,8 @@ import ray
 from ray._common.utils import get_default_ray_temp_dir
 from ray.cluster_utils import Cluster
 
-from actors.deploy import shutdown
-from kvshare.cluster import RAY_NAMESPACE
+from kvshare.actors.deploy import shutdown
+from kvshare.discovery import RAY_NAMESPACE
 from kvshare.ray_env import use_local_ray_defaults
 
 log = logging.getLogger(__name__)
@@ -49,7 +49,7 @@ def local_cluster(
 
     ``resources[i]`` are node ``i``'s custom resources (default :func:`node_labels`);
     ``ray_namespace`` is the driver's Ray namespace (kvshare's actors live in their own,
-    :data:`kvshare.cluster.RAY_NAMESPACE`, whatever it is). Environment defaults for a local
+    :data:`kvshare.discovery.RAY_NAMESPACE`, whatever it is). Environment defaults for a local
     Ray (:func:`kvshare.ray_env.use_local_ray_defaults`) are applied first.
     """
     labels = list(resources) if resources is not None else node_labels(nodes)

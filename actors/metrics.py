@@ -1,7 +1,7 @@
 """Prometheus view of a kvshare deployment: node pools per namespace and tier, index shards.
 
 :class:`ClusterCollector` is a ``prometheus_client`` collector. Each scrape takes one
-:func:`actors.deploy.status` snapshot (one round of actor calls, each bounded by a timeout) and
+:func:`kvshare.actors.deploy.status` snapshot (one round of actor calls, each bounded by a timeout) and
 turns it into metric families, so the figures are exactly what ``kvshare status`` prints.
 A pool or shard that does not answer is reported with ``kvshare_pool_up 0`` /
 ``kvshare_index_up 0`` and no other series; a scrape never raises.
@@ -59,13 +59,13 @@ StatusFn = Callable[[], dict[str, Any]]
 
 class ClusterCollector(Collector):
     """Metric families from a status snapshot; ``status_fn`` defaults to
-    :func:`actors.deploy.status` in ``ray_namespace`` (Ray must be initialised)."""
+    :func:`kvshare.actors.deploy.status` in ``ray_namespace`` (Ray must be initialised)."""
 
     def __init__(self, status_fn: StatusFn | None = None, *, ray_namespace: str | None = None,
                  timeout_s: float = 5.0) -> None:
         if status_fn is None:
-            from actors.config import RAY_NAMESPACE
-            from actors.deploy import status
+            from kvshare.actors.config import RAY_NAMESPACE
+            from kvshare.actors.deploy import status
 
             ns = ray_namespace or RAY_NAMESPACE
             self._status: StatusFn = lambda: status(ns, timeout_s=timeout_s)

@@ -13,7 +13,7 @@ threaded (``max_concurrency``) so a slow call never blocks the control path.
   restart, or a sequence gap), and when a publish failed or the index epoch changed.
 - **One data plane**: the ``transfer_*`` endpoints (:class:`TransferEndpoints` over the
   :attr:`NodePool.transfer` member) that every transport calls through
-  :class:`~kvshare.transfer.control.ActorControl`: pin for reading (disk blocks are promoted
+  :class:`~kvshare.transfer.reader.control.ActorControl`: pin for reading (disk blocks are promoted
   to host so shm/NIXL readers can reach them), reserve + commit for writing through shared
   memory or NIXL, batched copies for the object store. Every method takes the namespace first;
   an unknown namespace is a KeyError naming the known ones. ``slab_info`` checks a worker's
@@ -22,7 +22,7 @@ threaded (``max_concurrency``) so a slow call never blocks the control path.
   holders named ``pid:<n>`` (a process on this node) or a Ray actor id are checked every
   ``holder_check_s``.
 - **Admin pins** (``pin_prefix``/``unpin_prefix``, the :attr:`NodePool.admin` member, driven
-  by :mod:`actors.admin`): leases of holders named ``admin:<name>`` that last until their ttl
+  by :mod:`kvshare.actors.admin`): leases of holders named ``admin:<name>`` that last until their ttl
   or an unpin; never judged dead.
 """
 
@@ -37,21 +37,21 @@ from typing import Any, Protocol
 
 import pyarrow as pa
 
-from actors.admin_pins import AdminPins
-from actors.config import NamespaceSpec, PoolSettings
-from actors.index.global_index import PublishAck
-from actors.liveness import pid_alive, ray_holder_alive
+from kvshare.actors.admin_pins import AdminPins
+from kvshare.actors.config import NamespaceSpec, PoolSettings
+from kvshare.actors.index.global_index import PublishAck
+from kvshare.actors.liveness import pid_alive, ray_holder_alive
 from kvshare.events import Event, events_to_arrow
-from kvshare.pool import TieredBlockPool
-from kvshare.pool_types import (
+from kvshare.pool.tiered import TieredBlockPool
+from kvshare.pool.types import (
     PoolConfig,
     TierSpec,
 )
 from kvshare.tiers.base import ByteArray, TierStore
 from kvshare.tiers.disk import DiskStore
 from kvshare.tiers.host import HostSlab, remove_stale_segments, segment_name
+from kvshare.transfer.node_api import TransferEndpoints, TransferService
 from kvshare.transfer.probe import parse_overrides
-from kvshare.transfer.serve import TransferEndpoints, TransferService
 from kvshare.transfer.wire import SlabInfo
 from kvshare.types import BlockHash, Tier, UnknownNamespace, node_location
 
@@ -192,7 +192,7 @@ class NodePool(TransferEndpoints):
             raise ValueError("holder must be a non-empty string (e.g. 'pid:<n>' or an actor id)")
         self._holders[holder] = time.monotonic()
 
-    # admin pins (actors.admin): served by the AdminPins member
+    # admin pins (kvshare.actors.admin): served by the AdminPins member
     def contains(self, namespace: str, hashes: Sequence[BlockHash]) -> list[bool]:
         return self.admin.contains(namespace, hashes)
 
@@ -399,7 +399,7 @@ class NodePoolService(NodePool):
     def __init__(self, settings: PoolSettings, index: IndexSink | None = None) -> None:
         import ray
 
-        from actors.index.client import IndexClient
+        from kvshare.actors.index.client import IndexClient
 
         node_id = ray.get_runtime_context().get_node_id()
         super().__init__(node_id, settings, index or IndexClient.connect(settings.ray_namespace),

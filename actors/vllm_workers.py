@@ -1,9 +1,9 @@
 """vLLM workers as Ray actors pinned to nodes, and ``kvshare vllm start | list | stop``.
 
 Each worker is a named, detached actor ``kvshare-vllm-<id>`` in the kvshare Ray namespace,
-hard-pinned to its node; it runs :class:`kvshare.vllm.worker.VllmWorker` (the vLLM server
+hard-pinned to its node; it runs :class:`kvshare.vllm.server.worker.VllmWorker` (the vLLM server
 process, its registration under the lease, its KV-events consumer) with the cluster's
-:class:`~actors.index.client.IndexClient`. ``stop`` unregisters each worker (its gpu-tier
+:class:`~kvshare.actors.index.client.IndexClient`. ``stop`` unregisters each worker (its gpu-tier
 entries go at once), stops vLLM and kills the actor.
 """
 
@@ -20,9 +20,9 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from actors.config import RAY_NAMESPACE
-from kvshare.vllm.launch import VllmSpec
-from kvshare.vllm.worker import VllmWorker, VllmWorkerConfig
+from kvshare.actors.config import RAY_NAMESPACE
+from kvshare.vllm.server.launch import VllmSpec
+from kvshare.vllm.server.worker import VllmWorker, VllmWorkerConfig
 
 PREFIX = "kvshare-vllm-"
 
@@ -31,7 +31,7 @@ class VllmWorkerService:
     """The body of :data:`VllmWorkerActor`."""
 
     def __init__(self, config: VllmWorkerConfig) -> None:
-        from actors.index.client import IndexClient
+        from kvshare.actors.index.client import IndexClient
 
         ctx = ray.get_runtime_context()
         self.config = VllmWorkerConfig(**{**config.__dict__, "node": config.node or ctx.get_node_id(),
@@ -148,7 +148,7 @@ def _json_object(text: str) -> dict[str, Any]:
 
 
 def _cmd(args: argparse.Namespace) -> int:
-    from actors.cli import _connect
+    from kvshare.actors.cli_connect import connect_from_cli as _connect
 
     _connect(args.address, args.ray_namespace, start=False)
     if args.vllm_cmd == "start":
@@ -188,7 +188,7 @@ def register(sub: Any) -> None:
                     help="load/store KV through the kvshare connector (kvshare.vllm.connector)")
     st.add_argument("--connector-settings", type=_json_object, default={},
                     help='more kv_connector_extra_config keys as JSON, e.g. \'{"sync_save_mib": 0}\' '
-                         "(kvshare.vllm.config lists them)")
+                         "(kvshare.vllm.connector.config lists them)")
     vs.add_parser("list", help="the running vLLM workers and their event counters")
     vs.add_parser("stop", help="stop every vLLM worker")
     p.set_defaults(func=_cmd)

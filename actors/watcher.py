@@ -15,11 +15,11 @@ watcher asks every pool that is up to measure each transport to every other one
 (``transfer_measure`` over the private probe namespace: 8 and 32 MiB reads after a warm-up, fitted robustly, bounded by
 the transports' deadlines). The calls run in the pools' own threads; the watcher never waits
 for them, it only starts the next round once the previous one is done. The figures live in
-the pools (``transfer_bandwidths``; ``actors.deploy.bandwidths`` collects them).
+the pools (``transfer_bandwidths``; ``kvshare.actors.deploy.bandwidths`` collects them).
 
 **Index shards**: with ``index_config`` the watcher also checks every round that each index
 shard's name is held, and starts a fresh shard when one is gone for good
-(:class:`~actors.index.keeper.IndexKeeper`); the new shard asks the pools to republish, so the
+(:class:`~kvshare.actors.index.keeper.IndexKeeper`); the new shard asks the pools to republish, so the
 entries come back within a few rounds.
 
 Runs as a detached, restartable actor (:data:`WatcherActor`) with one background thread.
@@ -37,10 +37,10 @@ import ray
 from ray.exceptions import RayActorError, RayError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from actors.config import IndexConfig, NamespaceSpec, PoolSettings, pool_name
-from actors.index.client import IndexClient
-from actors.index.keeper import IndexKeeper
-from actors.node_pool import NodePoolActor
+from kvshare.actors.config import IndexConfig, NamespaceSpec, PoolSettings, pool_name
+from kvshare.actors.index.client import IndexClient
+from kvshare.actors.index.keeper import IndexKeeper
+from kvshare.actors.node_pool import NodePoolActor
 from kvshare.transfer.probe import PROBE_NAMESPACE
 from kvshare.types import node_location
 

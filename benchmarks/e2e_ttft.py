@@ -49,15 +49,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # before benchmark
 import httpx
 import ray
 
-from actors.deploy import deploy, get_index_client, measured_bandwidths
-from actors.local_cluster import local_cluster
+from kvshare.actors.deploy import deploy, get_index_client, measured_bandwidths
+from kvshare.actors.local_cluster import local_cluster
 from kvshare.breakdown import WORKER_STAGES, medians, summary, total
 from kvshare.cost import Bandwidths
 from kvshare.engines.hf import EngineConfig, model_keys
 from kvshare.engines.service import WorkerService
-from router.embed import CacheAwareRouter, RouterConfig
-from router.gateway import create_app
-from router.workers_view import IndexWorkers
+from kvshare.router.core.embed import CacheAwareRouter, RouterConfig
+from kvshare.router.core.workers_view import IndexWorkers
+from kvshare.router.gateway.app import create_app
 
 NS = "e2e-bench"
 SUFFIX = 64

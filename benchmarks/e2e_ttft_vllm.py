@@ -127,14 +127,14 @@ def start_gateway(model: str, replica: bool = False) -> tuple[str, Any, Any]:
     ``replica``, routing reads a replica of the index kept in this process (no actor call)."""
     import uvicorn
 
-    from actors.deploy import get_index_client, measured_bandwidths
+    from kvshare.actors.deploy import get_index_client, measured_bandwidths
     from kvshare.cost import Bandwidths
     from kvshare.engines.server import listening_socket
+    from kvshare.router.core.embed import CacheAwareRouter, RouterConfig
+    from kvshare.router.core.workers_view import IndexWorkers
+    from kvshare.router.gateway.app import create_app
     from kvshare.tokenizer import HFTokenizer
-    from kvshare.vllm.worker import VllmKeys
-    from router.embed import CacheAwareRouter, RouterConfig
-    from router.gateway import create_app
-    from router.workers_view import IndexWorkers
+    from kvshare.vllm.server.worker import VllmKeys
 
     keys = VllmKeys.from_model(model, BLOCK)
     index = get_index_client()
@@ -143,7 +143,7 @@ def start_gateway(model: str, replica: bool = False) -> tuple[str, Any, Any]:
         bandwidths=Bandwidths.from_measured(measured_bandwidths(wait_s=20.0)))
     workers = IndexWorkers(index)
     if replica:
-        from actors.index.replica import IndexReplica
+        from kvshare.actors.index.replica import IndexReplica
 
         index = IndexReplica.follow(index)
     router = CacheAwareRouter(index, workers, cfg, HFTokenizer(model))
@@ -205,11 +205,11 @@ def main() -> int:
     args = ap.parse_args()
     import ray
 
-    from actors.deploy import deploy
-    from actors.local_cluster import local_cluster
-    from actors.vllm_workers import start_workers, stop_workers
-    from kvshare.vllm.tiny_model import build_tiny_llama
-    from kvshare.vllm.worker import VllmKeys
+    from kvshare.actors.deploy import deploy
+    from kvshare.actors.local_cluster import local_cluster
+    from kvshare.actors.vllm_workers import start_workers, stop_workers
+    from kvshare.testing.tiny_model import build_tiny_llama
+    from kvshare.vllm.server.worker import VllmKeys
 
     print(f"load before: {os.getloadavg()}", flush=True)
     model = os.path.abspath(build_tiny_llama(os.path.join("out", "tiny-llama")))

@@ -6,7 +6,7 @@ same u32 bytes in one call. Best of ``--reps`` runs each (a CPU-cost figure; the
 printed beside it). Also timed: the same prompt given as a Python list of ints, and the bare hash of each
 block on its own (unchained: what per-block hashing costs before any chaining).
 
-sha256 chains without extra keys run in C when the optional extension ``kvshare._chain`` is
+sha256 chains without extra keys run in C when the optional extension ``kvshare._native._chain`` is
 built (``native_chain`` in the output says whether it ran); for honesty the pure-Python loop
 (the fallback where it is not built) is timed beside it, ``ratio_python``.
 
@@ -82,7 +82,7 @@ def main() -> None:
     layout = KVLayout(32, 8, 128, "bf16", BLOCK_TOKENS)
     by_fn: dict[str, dict[str, float]] = {}
     print(f"{TOKENS} tokens, {BLOCK_TOKENS}-token blocks ({TOKENS // BLOCK_TOKENS} chained "
-          f"hashes), best of {args.reps}; C chain loop (kvshare._chain) built: "
+          f"hashes), best of {args.reps}; C chain loop (kvshare._native._chain) built: "
           f"{hashing.NATIVE_CHAIN}")
     for fn in [DEFAULT_HASH_FN, *(f for f in HashFn if f is not DEFAULT_HASH_FN)]:
         root = namespace_root("meta-llama/Llama-3.1-8B", layout.fingerprint(), "bench", fn=fn)

@@ -42,8 +42,8 @@ from kvshare.ray_env import use_local_ray_defaults
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from actors.index.global_index import GlobalIndex
-from actors.index.runs import HolderRuns
+from kvshare.actors.index.global_index import GlobalIndex
+from kvshare.actors.index.runs import HolderRuns
 from kvshare.events import BlockStored, events_to_arrow
 from kvshare.hashing import block_hashes, namespace_root
 from kvshare.match import MatchResult
@@ -289,9 +289,9 @@ def actor_bench(batches: list, queries: list[list[BlockHash]],  # type: ignore[t
     bytes reply (``ping``), interleaved with them."""
     import ray
 
-    from actors.config import IndexConfig
-    from actors.index.actor import GlobalIndexActor
-    from actors.index.client import IndexClient
+    from kvshare.actors.config import IndexConfig
+    from kvshare.actors.index.actor import GlobalIndexActor
+    from kvshare.actors.index.client import IndexClient
 
     ray.init(address="local", num_cpus=2, object_store_memory=200 * 2**20,
              include_dashboard=False, log_to_driver=False, namespace="kvshare-bench")
@@ -311,7 +311,7 @@ def actor_bench(batches: list, queries: list[list[BlockHash]],  # type: ignore[t
             client.publish(b)
         for q in queries[:20]:  # warm up
             client.match("bench", q)
-        from actors.index.wire import encode_query
+        from kvshare.actors.index.wire import encode_query
 
         n = 2000
         reqs = [queries[i % len(queries)] for i in range(n)]

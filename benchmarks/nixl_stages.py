@@ -29,9 +29,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import ray
 
-from actors.local_cluster import local_cluster
 from benchmarks.raw_nixl import RawNixl
 from benchmarks.transfer import LAYOUTS, REPEATS, TOTAL, PoolHost, Reader, hashes
+from kvshare.actors.local_cluster import local_cluster
 
 MiB = 2**20
 BLOCK = 16 * MiB
@@ -42,7 +42,7 @@ class StageReader(Reader):
 
     def __init__(self, node: str, pool: Any, agent: str) -> None:
         super().__init__(node, pool, agent)
-        from kvshare.transfer.nixl import NixlTransport
+        from kvshare.transfer.reader.nixl import NixlTransport
 
         self.transports["nixl_unverified"] = NixlTransport(agent + "-nv", verify=False)
         self.transports["nixl_unverified"].register(self.dest)

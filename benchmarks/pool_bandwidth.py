@@ -6,7 +6,7 @@ x 4 layers x 4 kv heads x head_dim 64, fp32) through
 - the host tier (a pre-touched slab in /dev/shm): batched reserve -> write -> commit, then
   pin -> read_into (pre-allocated destination) -> unpin; baseline: one numpy ``copyto`` of the
   whole buffer (``memcpy_GBps``), and ``copyto`` block by block; the same pool is also timed
-  with ``HostSlab.stream_copies`` off (numpy's copy, the engine before ``kvshare._copy``);
+  with ``HostSlab.stream_copies`` off (numpy's copy, the engine before ``kvshare._native._copy``);
 - the disk tier (slot files with header and checksum, page cache, no fsync): the same calls;
   baseline: raw ``os.write`` / ``readinto`` of the same blocks to plain files in the same
   directory.
@@ -20,7 +20,7 @@ Why numpy block copies trail the whole-buffer copy: glibc's ``memcpy`` switches 
 non-temporal stores only above ``x86_non_temporal_threshold`` (a fraction of the L3 cache), so
 one 512 MiB copy streams while 2 MiB copies go through the cache (each destination line is read
 for ownership first: one extra memory pass). The host slab therefore copies with streaming
-stores of its own (``kvshare._copy``, an optional C extension; one thread, no thread pool) and
+stores of its own (``kvshare._native._copy``, an optional C extension; one thread, no thread pool) and
 checksums each 512 KiB source chunk while it is in cache. The output names the copy engine and
 its thread count, and times that engine block by block (``stream_copy_per_block_GBps``) so the
 pool's own overhead is visible. The host-tier pass is also repeated in a child process with
@@ -49,8 +49,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from kvshare.hashing import block_hashes, namespace_root  # noqa: E402
 from kvshare.layout import KVLayout  # noqa: E402
-from kvshare.pool import TieredBlockPool  # noqa: E402
-from kvshare.pool_types import PoolConfig, Reserved, TierSpec  # noqa: E402
+from kvshare.pool.tiered import TieredBlockPool  # noqa: E402
+from kvshare.pool.types import PoolConfig, Reserved, TierSpec  # noqa: E402
 from kvshare.tiers.base import STREAMING_COPY, copy_block  # noqa: E402
 from kvshare.tiers.disk import DiskStore  # noqa: E402
 from kvshare.tiers.host import HostSlab, segment_name  # noqa: E402
@@ -199,7 +199,7 @@ def main() -> None:
         pool.close()
         anon.close()
     ratio = min(g["host_store"], g["host_load"]) / g["memcpy"]
-    engine = "streaming stores (kvshare._copy)" if STREAMING_COPY else "numpy copyto"
+    engine = "streaming stores (kvshare._native._copy)" if STREAMING_COPY else "numpy copyto"
     if not STREAMING_COPY:  # not built (no compiler at install) or not x86-64
         g["numpy_store"], g["numpy_load"], g["engine_block"] = (
             g["host_store"], g["host_load"], g["memcpy_block"])

@@ -58,7 +58,7 @@ def _source(conn: Connection, total: int, path: str) -> None:
 
 
 def _reader(conn: Connection, total: int, block_bytes: int, repeats: int) -> None:
-    from kvshare.transfer.nixl import aligned_empty
+    from kvshare.transfer.reader.nixl import aligned_empty
 
     metadata, base = conn.recv()
     dest = aligned_empty(total)

@@ -49,14 +49,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # (before any kvsh
 
 import numpy as np
 
-from actors.index.global_index import GlobalIndex
+from kvshare.actors.index.global_index import GlobalIndex
 from kvshare.events import BlockStored
 from kvshare.hashing import HashFn
 from kvshare.ray_env import use_local_ray_defaults
+from kvshare.router.core.embed import CacheAwareRouter, InProcessIndex, RouterConfig, Tenant
+from kvshare.router.core.workers_view import StaticWorkers
 from kvshare.types import NodeId, Tier, WorkerId, node_location
 from kvshare.workers import WorkerInfo, WorkerLoad
-from router.embed import CacheAwareRouter, InProcessIndex, RouterConfig, Tenant
-from router.workers_view import StaticWorkers
 
 NS = "bench"
 WORKERS = 16
@@ -222,7 +222,7 @@ def parts(router: CacheAwareRouter, traffic: Traffic, n: int) -> dict[str, float
     argument glue, and ``ready_add``, the ready blocks' record; where it does not, ``select``
     and ``source_view``, the Python loop and its view), the in-flight record, metrics and the
     recent-decisions record."""
-    import router.policy as policy_module
+    import kvshare.router.core.policy as policy_module
 
     core, times = router.core, dict[str, list[float]]()
     policy = core.policy
@@ -296,9 +296,9 @@ def main() -> None:
 
     import ray
 
-    from actors.config import IndexConfig
-    from actors.index.actor import GlobalIndexActor
-    from actors.index.client import IndexClient
+    from kvshare.actors.config import IndexConfig
+    from kvshare.actors.index.actor import GlobalIndexActor
+    from kvshare.actors.index.client import IndexClient
 
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False,
              namespace="kvshare-bench-router", object_store_memory=200 * 2**20)
@@ -317,7 +317,7 @@ def main() -> None:
         asyncio.run(sequential(remote, traffic, 200))  # warm-up (connections, first calls)
         seq_rate, lat = asyncio.run(sequential(remote, traffic, 1500))
         actor_rate = asyncio.run(concurrent(remote, traffic, 3000, 32))
-        from actors.index.replica import IndexReplica
+        from kvshare.actors.index.replica import IndexReplica
 
         replica = IndexReplica.follow(client, poll_s=0.01)
         try:

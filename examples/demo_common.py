@@ -57,8 +57,8 @@ def free_port() -> int:
 
 def cluster() -> Any:
     """The emulated cluster both demos run on: a head and two nodes (resources ``node_0``,
-    ``node_1``), a context manager (:func:`actors.local_cluster.local_cluster`)."""
-    from actors.local_cluster import local_cluster
+    ``node_1``), a context manager (:func:`kvshare.actors.local_cluster.local_cluster`)."""
+    from kvshare.actors.local_cluster import local_cluster
 
     return local_cluster(2, node_cpus=2, ray_namespace="kvshare-demo",
                          temp_prefix="kvshare-demo-ray-")
@@ -192,7 +192,7 @@ def split_breakdowns(turns: list[Turn]) -> dict[str, list[dict[str, Any]]]:
 
 
 def pool_tiers(pool_status: dict[str, Any]) -> None:
-    """Hits, misses and blocks per pool tier, summed over the nodes (``actors.deploy.status``)."""
+    """Hits, misses and blocks per pool tier, summed over the nodes (``kvshare.actors.deploy.status``)."""
     from collections import Counter
 
     print("pool tiers (all nodes)   hits   misses  hit rate   blocks")
@@ -253,7 +253,7 @@ def plot(turns: list[Turn], path: str, title: str) -> None:
 
 def page_screenshot(url: str, path: str) -> None:
     """The gateway's live page in headless Chromium (``make browser``), saved as a PNG."""
-    from router.web import browser
+    from kvshare.testing import browser
 
     if browser.missing():
         print(f"no screenshot of {url}: {browser.missing()}")

@@ -55,13 +55,13 @@ def start_workers(engine_cfg: Any) -> dict[str, Any]:
 
 
 def start_gateway(engine_cfg: Any) -> tuple[str, Any]:
-    from actors.admin import ClusterAdmin
-    from actors.deploy import get_index_client, measured_bandwidths
+    from kvshare.actors.admin import ClusterAdmin
+    from kvshare.actors.deploy import get_index_client, measured_bandwidths
     from kvshare.cost import Bandwidths
     from kvshare.engines.hf import model_keys
-    from router.embed import CacheAwareRouter, RouterConfig
-    from router.gateway import create_app
-    from router.workers_view import IndexWorkers
+    from kvshare.router.core.embed import CacheAwareRouter, RouterConfig
+    from kvshare.router.core.workers_view import IndexWorkers
+    from kvshare.router.gateway.app import create_app
 
     keys = model_keys(engine_cfg)
     index = get_index_client()
@@ -92,7 +92,7 @@ def main() -> int:
     logging.basicConfig(level=logging.WARNING)
     import ray
 
-    from actors.deploy import deploy, status
+    from kvshare.actors.deploy import deploy, status
     from kvshare.engines.hf import EngineConfig, model_keys
 
     t0 = time.monotonic()

@@ -1,7 +1,7 @@
 """Embed kvshare's CacheAwareRouter in your own asyncio gateway (a few lines).
 
 Runs stand-alone: an in-process GlobalIndex stands in for the cluster's index (with a cluster,
-pass ``actors.index.client.IndexClient.connect()`` instead), three workers, two tenants.
+pass ``kvshare.actors.index.client.IndexClient.connect()`` instead), three workers, two tenants.
 It shows: a prefix already cached on one node attracts its request (or is pulled by an idle
 worker when that node's worker is busy); a burst sharing a new
 prefix stays together (pending blocks); another tenant never matches those blocks; a dead
@@ -18,12 +18,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from actors.index.global_index import GlobalIndex  # noqa: E402
+from kvshare.actors.index.global_index import GlobalIndex  # noqa: E402
 from kvshare.events import BlockStored  # noqa: E402
+from kvshare.router.core.embed import CacheAwareRouter, InProcessIndex, RouterConfig, Tenant  # noqa: E402
+from kvshare.router.core.workers_view import StaticWorkers  # noqa: E402
 from kvshare.types import NodeId, Tier, WorkerId, node_location  # noqa: E402
 from kvshare.workers import WorkerInfo, WorkerLoad  # noqa: E402
-from router.embed import CacheAwareRouter, InProcessIndex, RouterConfig, Tenant  # noqa: E402
-from router.workers_view import StaticWorkers  # noqa: E402
 
 SYSTEM = "You are the support assistant of Acme Corp. Answer briefly and politely. " * 12
 

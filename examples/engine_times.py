@@ -20,7 +20,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from kvshare.vllm.load import parse_metrics
+from kvshare.vllm.server.load import parse_metrics
 
 HISTOGRAMS = {
     "queue": "vllm:request_queue_time_seconds",

@@ -23,10 +23,10 @@ import time
 
 import torch
 
-from actors.deploy import deploy
-from actors.local_cluster import local_cluster
-from kvshare.client import KVShareClient
-from kvshare.client_types import PagedKV, Plan
+from kvshare.actors.deploy import deploy
+from kvshare.actors.local_cluster import local_cluster
+from kvshare.client.sdk import KVShareClient
+from kvshare.client.types import PagedKV, Plan
 from kvshare.engines.hf import EngineConfig, HFEngine, cache_layers
 from kvshare.kv_convert import new_contiguous
 

@@ -8,9 +8,9 @@ deploys kvshare with defaults)::
 The one line that turns on kvshare routing in a Serve deployment of your own::
 
     @serve.deployment(request_router_config=RequestRouterConfig(
-        request_router_class="router.serve:KVShareRequestRouter"))
+        request_router_class="kvshare.router.serve:KVShareRequestRouter"))
 
-:func:`router.serve_app.build_app` builds the whole application (the ingress that tokenizes
+:func:`kvshare.router.serve.app.build_app` builds the whole application (the ingress that tokenizes
 and hashes once, the worker replicas that register with the index and report their load);
 ``build_app(router="default")`` keeps Serve's power-of-two router (the baseline).
 """
@@ -19,7 +19,7 @@ import os
 
 os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
 
-from router.serve_app import build_app  # noqa: E402
+from kvshare.router.serve.app import build_app  # noqa: E402
 
 app = build_app(
     num_replicas=2,             # one replica per node (max_replicas_per_node=1)

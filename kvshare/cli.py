@@ -1,9 +1,10 @@
 """The ``kvshare`` command.
 
 Core commands live here (``size``). Commands that need the cluster or the router (``up``,
-``status``, ``down``, ``gateway``, ``sim``) are plugins registered under the
-``kvshare.commands`` entry-point group, so this package never imports ``actors`` or
-``router``. A plugin is ``register(subparsers) -> None`` and sets ``func`` on its parser.
+``status``, ``down``, ``gateway``, ``sim``, ``vllm``) are registered under the
+``kvshare.commands`` entry-point group (pyproject.toml), so the library never imports
+``kvshare.actors`` or ``kvshare.router``; one that fails to import is an error naming it, never
+a silently missing command. A plugin is ``register(subparsers) -> None`` and sets ``func``.
 """
 
 from __future__ import annotations
@@ -63,9 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     for ep in sorted(entry_points(group="kvshare.commands"), key=lambda e: e.name):
         try:
             register = ep.load()
-        except ImportError as exc:  # a plugin that is not installed must not break `size`
-            logging.getLogger(__name__).debug("kvshare plugin %s unavailable: %s", ep.name, exc)
-            continue
+        except ImportError as exc:  # a broken install is an error, not a missing command
+            raise ImportError(f"the kvshare {ep.name!r} commands ({ep.value}) failed to import: "
+                              f"{exc}; reinstall kvshare (pip install -e .)") from exc
         register(sub)
     return parser
 

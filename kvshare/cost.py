@@ -31,7 +31,7 @@ from kvshare.quick_init import quick_init
 from kvshare.types import Tier
 
 try:  # the optional C scan (setup.py builds it where a compiler is found)
-    from kvshare._plan import scan as _native_scan
+    from kvshare._native._plan import scan as _native_scan
 except ImportError:  # not built: _scan_py runs instead (same floats)
     _native_scan = None  # type: ignore[assignment]
 
@@ -281,7 +281,7 @@ class CostModel:
     def plan_of_scan(self, total_tokens: int, runs: Sequence[tuple[int, int]], best_k: int,
                      best_total: float, best_fetch: float) -> CutPlan:
         """The plan of ``runs`` from their cut-point scan (its best cut in blocks, that cut's
-        total and fetch seconds, as :meth:`plan_runs` computes them; ``kvshare._select`` scans
+        total and fetch seconds, as :meth:`plan_runs` computes them; ``kvshare._native._select`` scans
         in C and hands them over)."""
         counts: dict[Source, int] = {}
         left = best_k
@@ -304,7 +304,7 @@ class CostModel:
 def _scan_py(fetch: Sequence[float], a: float, b: float, bt: int, p: int, lat_r: float,
              lat_l: float, runs: Sequence[tuple[int, int]]) -> tuple[int, float, float]:
     """The cut-point scan of :meth:`CostModel.plan_runs`: the best cut (blocks), its total and
-    its fetch seconds (the C extension ``kvshare._plan.scan`` gives the same floats)."""
+    its fetch seconds (the C extension ``kvshare._native._plan.scan`` gives the same floats)."""
     last = p - 1
     best_k, best_total, best_fetch = 0, a * p + b * p * p / 2, 0.0
     cum = lat = 0.0

@@ -16,7 +16,7 @@ from kvshare.layout import KVLayout
 
 
 class CostCut:
-    """A :data:`kvshare.client.CutPolicy`: the cut ``k`` minimising fetch + prefill time."""
+    """A :data:`kvshare.client.sdk.CutPolicy`: the cut ``k`` minimising fetch + prefill time."""
 
     def __init__(
         self,

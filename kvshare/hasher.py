@@ -9,7 +9,7 @@ and :func:`~kvshare.hashing.block_hashes` itself, so all of them hash a prompt t
     hasher.hashes(tokens, salt="acme")                     # tenant "acme": another root
 
 ``memo_blocks`` > 0 keeps a verified memo of that many recent blocks (sha256 lists of ids
-only, where the C extension is built: :class:`kvshare._chain.ChainMemo`): a block whose parent
+only, where the C extension is built: :class:`kvshare._native._chain.ChainMemo`): a block whose parent
 hash and ids equal a kept block's, byte for byte, takes its digest instead of rehashing it,
 so a conversation's next turn or a shared system prompt costs reading the ids, not sha256.
 The hashes are the same with or without it (every id is still read and checked).

@@ -13,7 +13,7 @@ never uses Python's ``hash()`` or a per-process seed: the same input gives the s
 any process on any machine.
 
 The sha256 chain without extra keys (the common case) runs in C when the optional extension
-``kvshare._chain`` was built at install time (``NATIVE_CHAIN`` says whether it was); otherwise,
+``kvshare._native._chain`` was built at install time (``NATIVE_CHAIN`` says whether it was); otherwise,
 and for extra keys or the other hash functions, the Python loop below runs. Both give the same
 bytes; the tests compare them.
 """
@@ -34,7 +34,7 @@ import numpy.typing as npt
 from kvshare.types import BlockHash
 
 try:  # the optional C chain loop (setup.py builds it where a compiler and OpenSSL are found)
-    from kvshare import _chain
+    from kvshare._native import _chain
 except ImportError:  # not built: the pure-Python loop in block_hashes runs instead
     _chain = None  # type: ignore[assignment]
 
@@ -82,7 +82,7 @@ def _hasher(fn: HashFn) -> Callable[[bytes], Any]:
 
 def chain_memo(fn: HashFn, block_tokens: int, capacity_blocks: int) -> _chain.ChainMemo | None:
     """A verified memo of ``capacity_blocks`` recent blocks for sha256 chains of
-    ``block_tokens`` ids (:class:`kvshare._chain.ChainMemo`, its ``chain(parent, ids)`` gives
+    ``block_tokens`` ids (:class:`kvshare._native._chain.ChainMemo`, its ``chain(parent, ids)`` gives
     :func:`block_hashes`' bytes); None when ``capacity_blocks`` is 0, ``fn`` is not sha256 or
     the C extension is not built. ValueError for a negative capacity."""
     if capacity_blocks < 0:
@@ -97,7 +97,7 @@ _XXH3_BOUND: bool | None = None  # None: not tried yet
 
 
 def _xxh3_native() -> bool:
-    """Whether ``kvshare._chain.xxh3_chain`` is usable: the extension is built and bound to the
+    """Whether ``kvshare._native._chain.xxh3_chain`` is usable: the extension is built and bound to the
     ``xxhash`` package's own XXH3_128bits, and gives the Python loop's bytes on a probe
     (tried once, on the first xxh3 chain)."""
     global _XXH3_BOUND

@@ -1,7 +1,7 @@
 """StateMap: block hash -> small int state, the block index's table (C where built).
 
 Keys are fixed-width byte strings (16- or 32-byte block hashes); a state is an int > 0 (0
-means absent and is never stored). The C version (``kvshare._statemap``: open addressing,
+means absent and is never stored). The C version (``kvshare._native._statemap``: open addressing,
 keys inline, prefetched lookups) is used where it was built; :class:`PyStateMap` is the same
 contract over a dict, the reference and the fallback. Operations:
 
@@ -134,7 +134,7 @@ def make_state_map(key_size: int, native: bool = True) -> StateMapLike:
     """A :class:`StateMapLike`: the C table where it was built (and ``native``), else Python."""
     if native:
         try:
-            from kvshare._statemap import StateMap
+            from kvshare._native._statemap import StateMap
         except ImportError:
             pass
         else:
@@ -144,7 +144,7 @@ def make_state_map(key_size: int, native: bool = True) -> StateMapLike:
 
 def native_available() -> bool:
     try:
-        import kvshare._statemap  # noqa: F401
+        import kvshare._native._statemap  # noqa: F401
     except ImportError:
         return False
     return True

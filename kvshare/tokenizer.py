@@ -101,7 +101,11 @@ class HFTokenizer:
     """A model's own tokenizer (``transformers.AutoTokenizer``) from a local path."""
 
     def __init__(self, path: str) -> None:
-        from transformers import AutoTokenizer
+        try:
+            from transformers import AutoTokenizer
+        except ImportError:
+            raise ValueError(f"the tokenizer at {path!r} needs transformers: "
+                             "pip install 'kvshare[reference]'") from None
 
         self.path = path
         self.name = os.path.basename(os.path.normpath(path))

@@ -1,7 +1,7 @@
 """Deciding where a request goes: the cost model, routing policies, the embeddable
 :class:`CacheAwareRouter`, the OpenAI-compatible gateway and the trace simulator.
 
-Names are imported lazily (``router.CacheAwareRouter`` loads :mod:`router.embed` on first use).
+Names are imported lazily (``router.CacheAwareRouter`` loads :mod:`kvshare.router.core.embed` on first use).
 """
 
 from __future__ import annotations
@@ -10,22 +10,22 @@ from importlib import import_module
 from typing import Any
 
 _EXPORTS = {
-    "CacheAwareRouter": "router.embed",
-    "RouterConfig": "router.embed",
-    "Tenant": "router.embed",
-    "InProcessIndex": "router.embed",
+    "CacheAwareRouter": "kvshare.router.core.embed",
+    "RouterConfig": "kvshare.router.core.embed",
+    "Tenant": "kvshare.router.core.embed",
+    "InProcessIndex": "kvshare.router.core.embed",
     "CostModel": "kvshare.cost",
     "PrefillModel": "kvshare.cost",
     "Bandwidths": "kvshare.cost",
-    "Decision": "router.policy",
-    "RouteRequest": "router.policy",
-    "Candidate": "router.policy",
-    "make_policy": "router.policy",
-    "POLICIES": "router.policy",
-    "Sharing": "router.sources",
-    "StaticWorkers": "router.workers_view",
-    "IndexWorkers": "router.workers_view",
-    "create_app": "router.gateway",
+    "Decision": "kvshare.router.core.policy",
+    "RouteRequest": "kvshare.router.core.policy",
+    "Candidate": "kvshare.router.core.policy",
+    "make_policy": "kvshare.router.core.policy",
+    "POLICIES": "kvshare.router.core.policy",
+    "Sharing": "kvshare.router.core.sources",
+    "StaticWorkers": "kvshare.router.core.workers_view",
+    "IndexWorkers": "kvshare.router.core.workers_view",
+    "create_app": "kvshare.router.gateway.app",
 }
 __all__ = sorted(_EXPORTS)
 
@@ -33,5 +33,5 @@ __all__ = sorted(_EXPORTS)
 def __getattr__(name: str) -> Any:
     module = _EXPORTS.get(name)
     if module is None:
-        raise AttributeError(f"module 'router' has no attribute {name!r}")
+        raise AttributeError(f"module 'kvshare.router' has no attribute {name!r}")
     return getattr(import_module(module), name)

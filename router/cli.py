@@ -1,5 +1,6 @@
-"""``kvshare sim`` and ``kvshare gateway`` (registered through the ``kvshare.commands``
-entry-point group: ``router.cli:register``)."""
+"""``kvshare sim``, ``kvshare gateway`` and the live page of ``kvshare status --web``
+(registered through the ``kvshare.commands`` entry-point group: ``kvshare.router.cli:register``;
+the page is routing's, so this plugin adds ``--web`` to the cluster plugin's ``status``)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from typing import Any
 
 
 def _tokens(text: str) -> int:
-    from router.cluster import MAX_TOKENS
+    from kvshare.router.sim.cluster_model import MAX_TOKENS
 
     try:
         value = float(text)
@@ -42,8 +43,10 @@ def jitter_ms(text: str) -> float:
 
 
 def register(subparsers: Any) -> None:
-    """Add ``sim`` and ``gateway`` to the ``kvshare`` command."""
-    from router.policy import DEFAULT_POLICY, policy_names
+    """Add ``sim`` and ``gateway`` to the ``kvshare`` command, and ``--web`` to ``status``."""
+    from kvshare.router.core.policy import DEFAULT_POLICY, policy_names
+
+    _add_status_web(subparsers)
 
     sim = subparsers.add_parser(
         "sim", help="replay a request trace through the routing policies",
@@ -134,12 +137,50 @@ def register(subparsers: Any) -> None:
 
 
 def _sim(args: argparse.Namespace) -> int:
-    from router.sim_cli import run_sim
+    from kvshare.router.sim.cli import run_sim
 
     return run_sim(args)
 
 
 def _gateway(args: argparse.Namespace) -> int:
-    from router.gateway_cli import serve_from_args
+    from kvshare.router.gateway.cli import serve_from_args
 
     return int(serve_from_args(args))
+
+
+def _add_status_web(subparsers: Any) -> None:
+    """``kvshare status --web``: the cluster plugin's ``status`` serves the live page instead."""
+    status = subparsers.choices.get("status")
+    if status is None:  # the cluster plugin is not installed
+        return
+    status.add_argument("--web", action="store_true",
+                        help="serve the live status page at http://HOST:PORT/dashboard")
+    status.add_argument("--port", type=int, default=9479, help="--web: HTTP port")
+    status.add_argument("--host", default="127.0.0.1",
+                        help="--web: address to listen on (the page has no API keys)")
+    plain = status.get_default("func")
+
+    def status_or_web(args: argparse.Namespace) -> int:
+        return _serve_web(args) if args.web else int(plain(args))
+
+    status.set_defaults(func=status_or_web)
+
+
+def _serve_web(args: argparse.Namespace) -> int:
+    """The live page (:mod:`kvshare.router.web`) for this cluster until Ctrl-C."""
+    import sys
+
+    import uvicorn
+
+    from kvshare.actors.admin import ClusterAdmin
+    from kvshare.actors.cli_connect import connect_from_cli
+    from kvshare.router.web import status_app
+
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port must be 0..65535, got {args.port}")
+    connect_from_cli(args.address, args.ray_namespace, start=False)
+    print(f"kvshare status page on http://{args.host}:{args.port}/dashboard (Ctrl-C stops)",
+          file=sys.stderr, flush=True)
+    uvicorn.run(status_app(ClusterAdmin(args.ray_namespace)), host=args.host, port=args.port,
+                log_level="warning")
+    return 0

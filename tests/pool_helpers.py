@@ -9,8 +9,8 @@ from typing import Any
 import numpy as np
 
 from kvshare.layout import KVLayout
-from kvshare.pool import TieredBlockPool
-from kvshare.pool_types import PoolConfig, TierSpec
+from kvshare.pool.tiered import TieredBlockPool
+from kvshare.pool.types import PoolConfig, TierSpec
 from kvshare.tiers.base import TierStore
 from kvshare.tiers.disk import DiskStore
 from kvshare.tiers.host import HostSlab

@@ -72,8 +72,8 @@ def leases(pool: Any, ns: str) -> int:
 def kv(ray_cluster: Any) -> Iterator[dict[str, Any]]:
     import ray
 
-    from actors.config import NamespaceSpec
-    from actors.deploy import deploy, get_pool, shutdown
+    from kvshare.actors.config import NamespaceSpec
+    from kvshare.actors.deploy import deploy, get_pool, shutdown
 
     deploy(namespaces=[NamespaceSpec(PIN, LAYOUT, 16 * B), NamespaceSpec(FETCH, LAYOUT, 64 * B)],
            ray_namespace=RAY_NS)
@@ -88,7 +88,7 @@ def kv(ray_cluster: Any) -> Iterator[dict[str, Any]]:
 
 
 def test_pin_survives_eviction_unpin_and_ttl_let_it_go(kv: dict[str, Any]) -> None:
-    from actors import admin
+    from kvshare.actors import admin
 
     pa, a = kv["pa"], kv["a"]
     keep, other = chain("keep", 4), chain("other", 4)
@@ -123,7 +123,7 @@ def test_pin_survives_eviction_unpin_and_ttl_let_it_go(kv: dict[str, Any]) -> No
 
 
 def test_admin_holders_are_never_judged_dead() -> None:
-    from actors.liveness import ray_holder_alive
+    from kvshare.actors.liveness import ray_holder_alive
 
     assert ray_holder_alive("admin:keep") is None
     assert ray_holder_alive("admin:" + "a" * 26) is None  # 32 characters, not an actor id
@@ -132,7 +132,7 @@ def test_admin_holders_are_never_judged_dead() -> None:
 def test_prefetch_copies_the_prefix_to_a_node_that_lacks_it(kv: dict[str, Any]) -> None:
     import ray
 
-    from actors import admin
+    from kvshare.actors import admin
 
     a, b = kv["a"], kv["b"]
     hs = chain("fetch", 6)
@@ -160,8 +160,8 @@ def test_prefetch_copies_the_prefix_to_a_node_that_lacks_it(kv: dict[str, Any]) 
 def test_prefetch_from_a_dead_source_reports_misses_and_stores_nothing(kv: dict[str, Any]) -> None:
     """The index still lists a node whose pool is gone (its death not yet noticed): every
     block is a miss, the target stores nothing."""
-    from actors import admin
-    from actors.deploy import get_index_client
+    from kvshare.actors import admin
+    from kvshare.actors.deploy import get_index_client
     from kvshare.events import BlockStored, events_to_arrow
     from kvshare.types import Tier, node_location
 
@@ -181,7 +181,7 @@ def test_prefetch_from_a_dead_source_reports_misses_and_stores_nothing(kv: dict[
 
 
 def test_bad_input_is_a_value_error_and_changes_nothing(kv: dict[str, Any]) -> None:
-    from actors import admin
+    from kvshare.actors import admin
 
     pa, a = kv["pa"], kv["a"]
     hs = chain("bad", 2)
@@ -218,10 +218,10 @@ def test_bad_input_is_a_value_error_and_changes_nothing(kv: dict[str, Any]) -> N
 def test_gateway_pins_and_prefetches_by_prompt_text(kv: dict[str, Any]) -> None:
     import json
 
-    from actors.admin import ClusterAdmin
-    from router.embed import CacheAwareRouter, RouterConfig, Tenant
-    from router.gateway import create_app, parse_api_keys
-    from router.workers_view import StaticWorkers
+    from kvshare.actors.admin import ClusterAdmin
+    from kvshare.router.core.embed import CacheAwareRouter, RouterConfig, Tenant
+    from kvshare.router.core.workers_view import StaticWorkers
+    from kvshare.router.gateway.app import create_app, parse_api_keys
 
     a, b = kv["a"], kv["b"]
     router = CacheAwareRouter(None, StaticWorkers([]), RouterConfig(

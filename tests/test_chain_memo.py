@@ -1,4 +1,4 @@
-"""The verified block memo (kvshare._chain.ChainMemo behind ``Hasher(memo_blocks=...)``): the
+"""The verified block memo (kvshare._native._chain.ChainMemo behind ``Hasher(memo_blocks=...)``): the
 same hashes as the plain chain on every prompt, whatever the memo holds, and the same decisions
 from a router that keeps one.
 
@@ -26,7 +26,7 @@ BT = 16
 def memo_type() -> type:
     memo = getattr(hashing._chain, "ChainMemo", None)
     if memo is None:
-        pytest.skip("kvshare._chain not built (or built before ChainMemo): no memo to check")
+        pytest.skip("kvshare._native._chain not built (or built before ChainMemo): no memo to check")
     return memo  # type: ignore[no-any-return]
 
 
@@ -146,10 +146,10 @@ def test_hasher_with_memo_equals_without(memo_type: type) -> None:
 
 def test_router_decisions_are_the_same_with_and_without_the_memo(memo_type: type) -> None:
     """Two routers, one keeping a memo: the same prompts get the same hashes and decisions."""
+    from kvshare.router.core.embed import CacheAwareRouter, RouterConfig
+    from kvshare.router.core.workers_view import StaticWorkers
     from kvshare.types import NodeId, WorkerId
     from kvshare.workers import WorkerInfo
-    from router.embed import CacheAwareRouter, RouterConfig
-    from router.workers_view import StaticWorkers
 
     infos = [WorkerInfo(WorkerId(f"w{i}"), NodeId(f"n{i % 2}"), ("ns",), f"http://w{i}")
              for i in range(4)]

@@ -15,15 +15,15 @@ import numpy as np
 import pytest
 import torch
 
-from actors.index.global_index import GlobalIndex
-from kvshare.client import KVShareClient
-from kvshare.client_types import PagedKV
+from kvshare.actors.index.global_index import GlobalIndex
+from kvshare.client.sdk import KVShareClient
+from kvshare.client.types import PagedKV
 from kvshare.hashing import namespace_root
 from kvshare.kv_convert import block_view, new_contiguous
 from kvshare.layout import KVLayout
-from kvshare.transfer.control import LocalControl
-from kvshare.transfer.local import make_local_source
-from kvshare.transfer.source import BlockSource
+from kvshare.transfer.holder.local import make_local_source
+from kvshare.transfer.holder.source import BlockSource
+from kvshare.transfer.reader.control import LocalControl
 
 LAYOUT = KVLayout(2, 2, 16, "fp32", block_tokens=8)
 ROOT = namespace_root("client-test-model", LAYOUT.fingerprint())
@@ -178,7 +178,7 @@ def test_wrong_plan_or_target_is_rejected(cluster: Cluster) -> None:
 def test_async_variants_match_the_sync_ones(cluster: Cluster) -> None:
     import asyncio
 
-    from router.embed import InProcessIndex
+    from kvshare.router.core.embed import InProcessIndex
 
     toks = list(range(50, 50 + 3 * 8))
     kv = kv_for(len(toks), 4)

@@ -37,8 +37,8 @@ def wait_for(cond: Callable[[], bool], timeout: float, step: float = 0.02) -> fl
 def kv(ray_cluster: Any) -> Iterator[dict[str, Any]]:
     import ray
 
-    from actors.config import NamespaceSpec
-    from actors.deploy import deploy, get_index_client, shutdown
+    from kvshare.actors.config import NamespaceSpec
+    from kvshare.actors.deploy import deploy, get_index_client, shutdown
     from kvshare.layout import KVLayout
 
     layout = KVLayout(2, 2, 16, "fp32", 16)  # 8 KiB blocks
@@ -59,7 +59,7 @@ def kv(ray_cluster: Any) -> Iterator[dict[str, Any]]:
 
 
 def pool(node: str) -> Any:
-    from actors.deploy import get_pool
+    from kvshare.actors.deploy import get_pool
 
     return get_pool(node, RAY_NS)
 
@@ -135,7 +135,7 @@ def test_demoted_blocks_are_advertised_in_the_disk_tier(kv: dict[str, Any]) -> N
 def test_bad_input_at_the_actor_boundary_changes_nothing(kv: dict[str, Any]) -> None:
     import ray
 
-    from actors.config import index_name
+    from kvshare.actors.config import index_name
 
     client, layout = kv["client"], kv["layout"]
     hs = hashes(3, "bad")
@@ -156,7 +156,7 @@ def test_bad_input_at_the_actor_boundary_changes_nothing(kv: dict[str, Any]) -> 
         ray.get(index.match.remote("m", [b"short"]))
     with pytest.raises(ValueError, match="list of block hashes"):
         client.match("m", hs[0])
-    from actors.config import NamespaceSpec
+    from kvshare.actors.config import NamespaceSpec
     from kvshare.layout import KVLayout
 
     other = NamespaceSpec("m", KVLayout(2, 2, 16, "fp16", 16), host_bytes=1 << 20)
@@ -207,7 +207,7 @@ def test_workers_register_and_match_async(kv: dict[str, Any]) -> None:
     assert client.loads()["w-b"].queued_prefill_tokens == 3
     m = asyncio.run(client.match_async("m", hs))
     assert m.prefix_for(wloc) == 4 and m.locations[wloc].tier_counts == {Tier.GPU: 4}
-    from actors.index.runs import from_runs
+    from kvshare.actors.index.runs import from_runs
 
     runs = asyncio.run(client.match_runs_async("m", hs))
     assert from_runs(runs.num_blocks, runs.runs) == m and runs.unavailable == ""  # the run form
@@ -218,7 +218,7 @@ def test_workers_register_and_match_async(kv: dict[str, Any]) -> None:
 def test_index_killed_answers_as_before_within_10s(kv: dict[str, Any]) -> None:
     import ray
 
-    from actors.config import index_name
+    from kvshare.actors.config import index_name
 
     client = kv["client"]
     hs = hashes(10, "two-nodes")
@@ -281,7 +281,7 @@ def _generation(node: str) -> int:
 def test_node_removed_its_entries_go_within_5s_and_new_nodes_get_a_pool(kv: dict[str, Any]) -> None:
     import ray
 
-    from actors.config import index_name
+    from kvshare.actors.config import index_name
 
     client, cluster = kv["client"], kv["cluster"]
     hs = hashes(24, "demote")
@@ -307,10 +307,10 @@ def test_sharded_index_client_agrees_with_one_index(kv: dict[str, Any]) -> None:
 
     import ray
 
-    from actors.config import IndexConfig
-    from actors.index.actor import GlobalIndexActor
-    from actors.index.client import IndexClient
-    from actors.index.global_index import GlobalIndex
+    from kvshare.actors.config import IndexConfig
+    from kvshare.actors.index.actor import GlobalIndexActor
+    from kvshare.actors.index.client import IndexClient
+    from kvshare.actors.index.global_index import GlobalIndex
     from kvshare.events import BlockRemoved, BlockStored, events_to_arrow
     from kvshare.types import Tier
 
@@ -334,7 +334,7 @@ def test_sharded_index_client_agrees_with_one_index(kv: dict[str, Any]) -> None:
         assert client.publish(batch).resync == () and local.apply_arrow(batch).resync == ()
     assert client.match("m", hs) == local.match("m", hs)
     assert asyncio.run(client.match_async("m", hs)) == local.match("m", hs)
-    from actors.index.runs import from_runs
+    from kvshare.actors.index.runs import from_runs
 
     runs = asyncio.run(client.match_runs_async("m", hs))
     assert from_runs(runs.num_blocks, runs.runs) == local.match("m", hs)

@@ -7,7 +7,7 @@ from typing import Any
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from actors.metrics import ClusterCollector, cluster_registry
+from kvshare.actors.metrics import ClusterCollector, cluster_registry
 
 
 def series(collector: ClusterCollector) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

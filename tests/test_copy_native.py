@@ -1,4 +1,4 @@
-"""The optional streaming-copy extension (``kvshare._copy``) and the host slab that uses it.
+"""The optional streaming-copy extension (``kvshare._native._copy``) and the host slab that uses it.
 
 The C module is checked against numpy's copy on awkward sizes and alignments; the slab is
 checked to store, checksum and return the same bytes with streaming copies on and off. Where the
@@ -16,12 +16,12 @@ from kvshare.tiers.host import HostSlab
 from kvshare.types import BlockHash
 
 try:
-    from kvshare import _copy
+    from kvshare._native import _copy
 except ImportError:
     _copy = None  # type: ignore[assignment]
 
 native = pytest.mark.skipif(
-    _copy is None, reason="kvshare._copy not built (no C compiler when installed): numpy copies"
+    _copy is None, reason="kvshare._native._copy not built (no C compiler when installed): numpy copies"
 )
 
 
@@ -86,7 +86,7 @@ def test_slab_round_trip_with_and_without_streaming(stream: bool) -> None:
 
 def test_streaming_is_on_where_built() -> None:
     if _copy is None:
-        pytest.skip("kvshare._copy not built: the slab copies with numpy")
+        pytest.skip("kvshare._native._copy not built: the slab copies with numpy")
     assert STREAMING_COPY == bool(_copy.NON_TEMPORAL)
 
 
@@ -94,8 +94,8 @@ def test_read_into_a_strided_or_read_only_destination_is_refused() -> None:
     import torch
 
     from kvshare.layout import KVLayout
-    from kvshare.pool import TieredBlockPool
-    from kvshare.pool_types import PoolConfig, TierSpec
+    from kvshare.pool.tiered import TieredBlockPool
+    from kvshare.pool.types import PoolConfig, TierSpec
     from kvshare.types import Tier
 
     layout = KVLayout(num_layers=1, num_kv_heads=4, head_dim=64, dtype="fp32", block_tokens=128)

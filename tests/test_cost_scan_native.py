@@ -1,4 +1,4 @@
-"""The C cut-point scan (``kvshare._plan.scan``) against the Python loop (``kvshare.cost._scan_py``):
+"""The C cut-point scan (``kvshare._native._plan.scan``) against the Python loop (``kvshare.cost._scan_py``):
 the same cut and the very same floats on random models, prompts and runs, linear and
 quadratic, flat runs included; inputs outside the plain case are refused (the caller then runs
 the Python loop), and ``plan_runs`` plans the same either way.
@@ -22,8 +22,8 @@ from kvshare.cost import Bandwidths, CostModel, PrefillModel, Source, _scan_py
 
 native = cost._native_scan
 if native is None and os.environ.get("KVSHARE_REQUIRE_NATIVE") == "1":
-    raise AssertionError("kvshare._plan is not built: run setup.py build_ext --inplace")
-pytestmark = pytest.mark.skipif(native is None, reason="kvshare._plan not built: Python loop only")
+    raise AssertionError("kvshare._native._plan is not built: run setup.py build_ext --inplace")
+pytestmark = pytest.mark.skipif(native is None, reason="kvshare._native._plan not built: Python loop only")
 
 
 def _args(model: CostModel, total: int, runs: tuple[tuple[int, int], ...]) -> Any:

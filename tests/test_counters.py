@@ -91,11 +91,11 @@ def test_bytes_out_and_bytes_per_transport_match_the_blocks_read(name: str) -> N
     (the pool learns it at ``finish``), the object store copies through the pool."""
     import os
 
-    from kvshare.transfer.control import LocalControl
-    from kvshare.transfer.local import make_local_source
-    from kvshare.transfer.nixl import NixlTransport
-    from kvshare.transfer.objstore import ObjStoreTransport
-    from kvshare.transfer.shm import ShmTransport
+    from kvshare.transfer.holder.local import make_local_source
+    from kvshare.transfer.reader.control import LocalControl
+    from kvshare.transfer.reader.nixl import NixlTransport
+    from kvshare.transfer.reader.objstore import ObjStoreTransport
+    from kvshare.transfer.reader.shm import ShmTransport
 
     node = f"cnt-{name}"
     src = make_local_source(f"cnt{os.getpid()}{name}", node, LAYOUT, 16, nixl=name == "nixl")

@@ -49,7 +49,7 @@ def test_up_status_down(ray_cluster: Any, tmp_path: Any) -> None:
     probes_repeat(alive[0]["node_id"])
 
     # the same from Python: a second namespace joins the running deployment
-    from actors.deploy import deploy
+    from kvshare.actors.deploy import deploy
     from kvshare.layout import KVLayout
 
     st2 = deploy(namespace="code", layout=KVLayout(2, 2, 16, "fp16", 16), host_gb=0.01,

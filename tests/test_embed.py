@@ -11,15 +11,15 @@ from dataclasses import replace
 import pytest
 from conftest import wait_dead
 
-from actors.index.global_index import GlobalIndex
+from kvshare.actors.index.global_index import GlobalIndex
 from kvshare.events import BlockStored
 from kvshare.hashing import block_hashes, namespace_root
 from kvshare.match import MatchResult
+from kvshare.router.core.embed import CacheAwareRouter, InProcessIndex, RouterConfig, Tenant
+from kvshare.router.core.policy import NoEligibleWorker
+from kvshare.router.core.workers_view import IndexWorkers, StaticWorkers
 from kvshare.types import BlockHash, NodeId, Tier, WorkerId, node_location
 from kvshare.workers import IndexQuery, WorkerInfo, WorkerLoad
-from router.embed import CacheAwareRouter, InProcessIndex, RouterConfig, Tenant
-from router.policy import NoEligibleWorker
-from router.workers_view import IndexWorkers, StaticWorkers
 
 NS = "llm"
 BT = 16
@@ -164,9 +164,9 @@ def local_ray() -> Iterator[None]:
 def test_index_actor_down_means_load_only_routing(local_ray: None) -> None:
     import ray
 
-    from actors.config import IndexConfig
-    from actors.index.actor import GlobalIndexActor
-    from actors.index.client import IndexClient
+    from kvshare.actors.config import IndexConfig
+    from kvshare.actors.index.actor import GlobalIndexActor
+    from kvshare.actors.index.client import IndexClient
 
     actor = GlobalIndexActor.remote(IndexConfig(worker_ttl_s=120.0))  # slow shared machine
     client = IndexClient([actor], timeout_s=30.0)  # a busy shared machine starts actors slowly
@@ -205,7 +205,7 @@ def test_a_decision_carries_the_worker_as_routed_when_the_list_changes_after() -
     fields and its served model name): that comes from the registration the router decided
     with, so a worker that a later listing lacks (its lease lapsed for a moment) still gets
     the right body."""
-    from router.forward import forward_body
+    from kvshare.router.gateway.forward import forward_body
 
     vllm = WorkerInfo(WorkerId("v0"), NodeId("n0"), (NS,), "http://v0", 1, "fp",
                       {"engine": "vllm", "model": "/models/tiny"})

@@ -9,7 +9,7 @@ import pytest
 import torch
 from engine_helpers import BLOCK, prompt, small_engine
 
-from kvshare.client_types import PagedKV, Plan, PlannedBlock
+from kvshare.client.types import PagedKV, Plan, PlannedBlock
 from kvshare.engines.hf import HFEngine, cache_layers
 from kvshare.identity import path_identity, random_init_identity
 from kvshare.kv_convert import (

@@ -11,11 +11,11 @@ import pytest
 from engine_helpers import BLOCK, prompt, small_engine
 from openai import OpenAI
 
-from kvshare.client_local import LocalKVClient
+from kvshare.client.local import LocalKVClient
 from kvshare.engines.server import WorkerServer
 from kvshare.engines.worker import ReferenceWorker
-from kvshare.pool import TieredBlockPool
-from kvshare.pool_types import PoolConfig, TierSpec
+from kvshare.pool.tiered import TieredBlockPool
+from kvshare.pool.types import PoolConfig, TierSpec
 from kvshare.tiers.host import HostSlab
 from kvshare.types import NodeId, Tier, WorkerId
 from kvshare.workers import WorkerInfo, WorkerLoad

@@ -25,14 +25,14 @@ from conftest import start_cluster, stop_cluster
 from engine_helpers import BLOCK, SMALL
 from http_helpers import serve_app
 
-from actors.config import index_name
-from actors.deploy import RAY_NAMESPACE, deploy, get_pool
-from actors.index.client import IndexClient
+from kvshare.actors.config import index_name
+from kvshare.actors.deploy import RAY_NAMESPACE, deploy, get_pool
+from kvshare.actors.index.client import IndexClient
 from kvshare.engines.hf import EngineConfig, HFEngine, model_keys
 from kvshare.engines.service import WorkerService
-from router.embed import CacheAwareRouter, RouterConfig
-from router.gateway import create_app
-from router.workers_view import IndexWorkers
+from kvshare.router.core.embed import CacheAwareRouter, RouterConfig
+from kvshare.router.core.workers_view import IndexWorkers
+from kvshare.router.gateway.app import create_app
 
 pytestmark = pytest.mark.cluster
 

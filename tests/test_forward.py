@@ -5,11 +5,11 @@ servers get the gateway's token ids in vLLM's own fields (completions as ``promp
 from __future__ import annotations
 
 from kvshare.match import build_match
+from kvshare.router.core.embed import Routed, Tenant
+from kvshare.router.core.policy import Decision, Ranking, RouteRequest
+from kvshare.router.gateway.forward import forward_body
 from kvshare.types import BlockHash, Location, NodeId, Tier, WorkerId
 from kvshare.workers import WorkerInfo
-from router.embed import Routed, Tenant
-from router.forward import forward_body
-from router.policy import Decision, Ranking, RouteRequest
 
 VLLM = WorkerInfo(WorkerId("v0"), NodeId("n0"), ("ns",), "http://127.0.0.1:1", 1, "",
                   {"engine": "vllm", "model": "/models/tiny"})

@@ -18,15 +18,15 @@ import openai
 import pytest
 from http_helpers import Served
 
-from actors.index.global_index import GlobalIndex
+from kvshare.actors.index.global_index import GlobalIndex
 from kvshare.engines.server import free_port
 from kvshare.events import BlockStored
+from kvshare.router.core.embed import CacheAwareRouter, InProcessIndex, RouterConfig
+from kvshare.router.core.workers_view import StaticWorkers
+from kvshare.router.gateway.app import create_app, parse_api_keys
 from kvshare.tokenizer import ByteTokenizer
 from kvshare.types import NodeId, Tier, WorkerId, node_location
 from kvshare.workers import WorkerInfo
-from router.embed import CacheAwareRouter, InProcessIndex, RouterConfig
-from router.gateway import create_app, parse_api_keys
-from router.workers_view import StaticWorkers
 
 NS = "llm"
 BT = 16
@@ -159,7 +159,7 @@ def test_openai_client_streams_chat_through_the_gateway(setup: Any) -> None:
 def test_cached_prefix_routes_to_its_worker_only_for_its_tenant(setup: Any) -> None:
     gw, index, router = setup
     acme_prompt = "Acme's long shared system prompt about routing policies. " * 8
-    from router.embed import Tenant
+    from kvshare.router.core.embed import Tenant
 
     hashes = router.hashes(list(acme_prompt.encode()), Tenant("acme", "a-salt"))
     index.apply([BlockStored(NS, node_location("n2"), Tier.HOST, h, 0, i + 1)

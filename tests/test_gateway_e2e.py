@@ -4,7 +4,7 @@ own index replica deciding as one asking the index actor does.
 
 Head + 2 nodes (``ray.cluster_utils.Cluster``), kvshare deployed, one reference worker per
 node serving HTTP, and two gateways in this process (uvicorn on loopback): one asking the
-index actors, one reading an :class:`~actors.index.replica.IndexReplica`.
+index actors, one reading an :class:`~kvshare.actors.index.replica.IndexReplica`.
 """
 
 from __future__ import annotations
@@ -23,15 +23,15 @@ from engine_helpers import BLOCK, SMALL
 from http_helpers import Served, wait_idle
 from prometheus_client.parser import text_string_to_metric_families
 
-from actors.deploy import deploy
-from actors.index.client import IndexClient
-from actors.index.replica import IndexReplica
+from kvshare.actors.deploy import deploy
+from kvshare.actors.index.client import IndexClient
+from kvshare.actors.index.replica import IndexReplica
 from kvshare.breakdown import STAGES, total
 from kvshare.engines.hf import EngineConfig, model_keys
 from kvshare.engines.service import WorkerService
-from router.embed import CacheAwareRouter, RouterConfig
-from router.gateway import create_app
-from router.workers_view import IndexWorkers
+from kvshare.router.core.embed import CacheAwareRouter, RouterConfig
+from kvshare.router.core.workers_view import IndexWorkers
+from kvshare.router.gateway.app import create_app
 
 pytestmark = pytest.mark.cluster
 

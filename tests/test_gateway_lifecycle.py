@@ -30,12 +30,12 @@ from http_helpers import serve_app
 
 from kvshare.engines.hf import EngineConfig, model_keys
 from kvshare.engines.server import free_port
+from kvshare.router.core.embed import CacheAwareRouter, RouterConfig
+from kvshare.router.core.workers_view import StaticWorkers
+from kvshare.router.gateway.admission import AdmissionConfig
+from kvshare.router.gateway.app import create_app, parse_api_keys
 from kvshare.types import NodeId, WorkerId
 from kvshare.workers import WorkerInfo
-from router.admission import AdmissionConfig
-from router.embed import CacheAwareRouter, RouterConfig
-from router.gateway import create_app, parse_api_keys
-from router.workers_view import StaticWorkers
 
 NS = "life"
 CONTEXT = 16384  # the small Llama's max_position_embeddings

@@ -14,12 +14,12 @@ import httpx
 import pytest
 from http_helpers import serve_app, stub_app
 
+from kvshare.router.core.embed import CacheAwareRouter, RouterConfig
+from kvshare.router.core.workers_view import StaticWorkers
+from kvshare.router.gateway.app import create_app
+from kvshare.router.gateway.limits import Limits
 from kvshare.types import NodeId, WorkerId
 from kvshare.workers import WorkerInfo
-from router.embed import CacheAwareRouter, RouterConfig
-from router.gateway import create_app
-from router.limits import Limits
-from router.workers_view import StaticWorkers
 
 LIMITS = Limits(max_body_bytes=64 * 1024, max_depth=16, max_tokens=4096)
 PROMPT = "kvshare limits test prompt " * 4

@@ -1,7 +1,7 @@
 """Schemathesis against the gateway's own OpenAPI spec, over real HTTP (bounded examples).
 
 Schemathesis generates valid and invalid bodies for every documented operation from the
-request schemas in ``/openapi.json`` (:mod:`router.requests`) and sends them to a real gateway
+request schemas in ``/openapi.json`` (:mod:`kvshare.router.gateway.requests`) and sends them to a real gateway
 with a stub worker behind it. Checked on every answer: never a 5xx, and a body the schema
 calls invalid is never accepted (no 2xx).
 """
@@ -19,11 +19,11 @@ from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
 from schemathesis.specs.openapi.checks import negative_data_rejection
 
+from kvshare.router.core.embed import CacheAwareRouter, RouterConfig
+from kvshare.router.core.workers_view import StaticWorkers
+from kvshare.router.gateway.app import create_app
 from kvshare.types import NodeId, WorkerId
 from kvshare.workers import WorkerInfo
-from router.embed import CacheAwareRouter, RouterConfig
-from router.gateway import create_app
-from router.workers_view import StaticWorkers
 
 
 @pytest.fixture(scope="module")

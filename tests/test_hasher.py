@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from test_hashing import LAYOUT_FP, MODEL, SALT, TOKENS, VECTORS
 
-from kvshare.client import KVShareClient
+from kvshare.client.sdk import KVShareClient
 from kvshare.hasher import Hasher
 from kvshare.hashing import HashFn, block_hashes, namespace_root
 from kvshare.layout import KVLayout

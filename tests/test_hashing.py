@@ -79,7 +79,7 @@ def test_input_forms_agree() -> None:
     assert tokens_to_u32le([1, 2**32 - 1]) == b"\x01\x00\x00\x00\xff\xff\xff\xff"
 
 
-@pytest.mark.skipif(hashing._pack_u32 is None, reason="kvshare._chain not built")
+@pytest.mark.skipif(hashing._pack_u32 is None, reason="kvshare._native._chain not built")
 def test_the_c_packer_packs_as_array_does() -> None:
     """``tokens_to_u32le`` packs lists in C (``_chain.pack_u32``): the same bytes as
     ``array.array("I")`` on random ids of every size class, and the same refusals."""

@@ -1,4 +1,4 @@
-"""The C chain loop (kvshare._chain) against the pure-Python loop: same bytes, GIL released.
+"""The C chain loop (kvshare._native._chain) against the pure-Python loop: same bytes, GIL released.
 
 The extension is optional (setup.py builds it where a C compiler and OpenSSL headers are found).
 Where it is not built these tests skip and say so, unless this machine could have built it (a
@@ -34,9 +34,9 @@ def _could_build() -> bool:
 def test_extension_is_built_where_it_can_be() -> None:
     required = os.environ.get("KVSHARE_REQUIRE_NATIVE") == "1" or _could_build()
     if not required and not hashing.NATIVE_CHAIN:
-        pytest.skip("kvshare._chain not built (no C compiler or OpenSSL headers): Python loop only")
+        pytest.skip("kvshare._native._chain not built (no C compiler or OpenSSL headers): Python loop only")
     assert hashing.NATIVE_CHAIN, (
-        "a C compiler and OpenSSL headers are here but kvshare._chain is not built: "
+        "a C compiler and OpenSSL headers are here but kvshare._native._chain is not built: "
         "run `.venv/bin/pip install --no-deps -e .` and read its build warning"
     )
 
@@ -44,7 +44,7 @@ def test_extension_is_built_where_it_can_be() -> None:
 @pytest.fixture
 def chain() -> object:
     if hashing._chain is None:
-        pytest.skip("kvshare._chain not built: nothing native to compare")
+        pytest.skip("kvshare._native._chain not built: nothing native to compare")
     return hashing._chain
 
 
@@ -191,7 +191,7 @@ def test_one_pass_packing_hashes_as_packing_first(chain: object) -> None:
     import random
 
     if not hasattr(chain, "sha256_chain_u32"):  # hashing falls back to pack + chain meanwhile
-        pytest.skip("kvshare._chain was built before sha256_chain_u32: rebuild it with "
+        pytest.skip("kvshare._native._chain was built before sha256_chain_u32: rebuild it with "
                     "`.venv/bin/pip install --no-deps -e .`")
     rng = random.Random(12)
     fused, packed, pack = (getattr(chain, n) for n in ("sha256_chain_u32", "sha256_chain", "pack_u32"))

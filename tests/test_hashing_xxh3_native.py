@@ -1,4 +1,4 @@
-"""The opt-in xxh3-128 chain in C (``kvshare._chain.xxh3_chain``, bound to the ``xxhash``
+"""The opt-in xxh3-128 chain in C (``kvshare._native._chain.xxh3_chain``, bound to the ``xxhash``
 package's own XXH3_128bits) against the Python loop: the same bytes for lists, packed ids,
 any block size and parent, through ``block_hashes`` and ``Hasher``; the same ValueError for a
 bad id. Skips where the extension is not built or not bound, unless ``KVSHARE_REQUIRE_NATIVE=1``.
@@ -19,7 +19,7 @@ from kvshare.hashing import HashFn, block_hashes, namespace_root
 
 NATIVE = hashing._xxh3_native()
 if not NATIVE and os.environ.get("KVSHARE_REQUIRE_NATIVE") == "1":
-    raise AssertionError("kvshare._chain.xxh3_chain is not built or not bound")
+    raise AssertionError("kvshare._native._chain.xxh3_chain is not built or not bound")
 pytestmark = pytest.mark.skipif(not NATIVE, reason="xxh3 C chain not available: Python loop only")
 
 ROOT = namespace_root("meta-llama/Llama-3.1-8B", "38ad274327873df6", "t", fn=HashFn.XXH3_128)
@@ -61,7 +61,7 @@ def test_bad_ids_are_refused_alike() -> None:
 
 
 def test_unbound_chain_refuses() -> None:
-    from kvshare import _chain
+    from kvshare._native import _chain
 
     with pytest.raises(ValueError):
         _chain.xxh3_chain(b"short", b"\0" * 64, 64, b"")

@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from actors.index.arrow_io import read_snapshot, write_snapshot
-from actors.index.global_index import GlobalIndex
+from kvshare.actors.index.arrow_io import read_snapshot, write_snapshot
+from kvshare.actors.index.global_index import GlobalIndex
 from kvshare.events import AllCleared, BlockRemoved, BlockStored, events_to_arrow
 from kvshare.match import build_match
 from kvshare.types import BlockHash, Location, Tier
@@ -294,7 +294,7 @@ def test_bad_event_batches_change_nothing(index: GlobalIndex) -> None:
 
 
 def test_packed_matches_equal_plain_matches(index: GlobalIndex) -> None:
-    from actors.index.runs import from_runs
+    from kvshare.actors.index.runs import from_runs
 
     hs = hashes(12)
     a, b = Publisher(index, A), Publisher(index, B)
@@ -309,7 +309,7 @@ def test_packed_matches_equal_plain_matches(index: GlobalIndex) -> None:
 
 
 def test_wire_queries_answer_like_packed_matches_and_refuse_garbage(index: GlobalIndex) -> None:
-    from actors.index.wire import decode_answers, decode_runs, encode_queries, encode_query
+    from kvshare.actors.index.wire import decode_answers, decode_runs, encode_queries, encode_query
 
     hs = hashes(12)
     a, b = Publisher(index, A), Publisher(index, B)
@@ -333,8 +333,8 @@ def test_wire_queries_answer_like_packed_matches_and_refuse_garbage(index: Globa
 
 
 def test_index_service_warm_starts_from_its_snapshot(tmp_path: object) -> None:
-    from actors.config import IndexConfig
-    from actors.index.actor import IndexService
+    from kvshare.actors.config import IndexConfig
+    from kvshare.actors.index.actor import IndexService
 
     cfg = IndexConfig(snapshot_path=f"{tmp_path}/index.parquet")
     first = IndexService(cfg)

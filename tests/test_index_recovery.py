@@ -1,6 +1,6 @@
 """The index that comes back: killed for good (``ray.kill``, no restart) under gateway load.
 
-A real two-node cluster (``actors.deploy.deploy``: index, watcher, a pool per node), two real HTTP
+A real two-node cluster (``kvshare.actors.deploy.deploy``: index, watcher, a pool per node), two real HTTP
 workers registered in the index the way the reference worker does it, and the real gateway
 (``IndexWorkers`` + ``IndexClient.connect``) on loopback. While requests flow, the index shard
 is killed for good. The gateway must keep answering (load-only routing, no 5xx, /health ok),
@@ -34,14 +34,14 @@ def hashes(n: int) -> list[bytes]:
 def env(ray_cluster: Any) -> Iterator[dict[str, Any]]:
     import ray
 
-    from actors.config import NamespaceSpec
-    from actors.deploy import deploy, get_pool, shutdown
-    from actors.index.client import IndexClient
+    from kvshare.actors.config import NamespaceSpec
+    from kvshare.actors.deploy import deploy, get_pool, shutdown
+    from kvshare.actors.index.client import IndexClient
     from kvshare.layout import KVLayout
+    from kvshare.router.core.embed import CacheAwareRouter, RouterConfig
+    from kvshare.router.core.workers_view import IndexWorkers
+    from kvshare.router.gateway.app import create_app
     from kvshare.tiers.base import block_checksum
-    from router.embed import CacheAwareRouter, RouterConfig
-    from router.gateway import create_app
-    from router.workers_view import IndexWorkers
 
     layout = KVLayout(2, 2, 16, "fp32", 16)
     spec = NamespaceSpec("m", layout, host_bytes=32 * layout.bytes_per_block)
@@ -70,7 +70,7 @@ def env(ray_cluster: Any) -> Iterator[dict[str, Any]]:
 def test_index_killed_for_good_under_load_comes_back_without_a_5xx(env: dict[str, Any]) -> None:
     import ray
 
-    from actors.config import index_name
+    from kvshare.actors.config import index_name
 
     client, hs, url = env["client"], env["hashes"], env["gateway"]
     loc = f"node:{env['node']}"

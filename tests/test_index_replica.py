@@ -10,11 +10,11 @@ from typing import Any
 
 import pytest
 
-from actors.index.feed import IndexFeed
-from actors.index.global_index import GlobalIndex
-from actors.index.holders import HolderStates
-from actors.index.replica import _apply
-from actors.index.table import BlockTable
+from kvshare.actors.index.feed import IndexFeed
+from kvshare.actors.index.global_index import GlobalIndex
+from kvshare.actors.index.holders import HolderStates
+from kvshare.actors.index.replica import _apply
+from kvshare.actors.index.table import BlockTable
 from kvshare.events import BlockRemoved, BlockStored, events_to_arrow
 from kvshare.types import BlockHash, Location, Tier
 
@@ -98,10 +98,10 @@ def _until_equal(replica: Any, client: Any, queries: list[list[BlockHash]], what
 def test_replica_follows_sharded_index_actors_on_a_cluster(ray_cluster: Any) -> None:
     import ray
 
-    from actors.config import IndexConfig
-    from actors.index.actor import GlobalIndexActor
-    from actors.index.client import IndexClient
-    from actors.index.replica import IndexReplica
+    from kvshare.actors.config import IndexConfig
+    from kvshare.actors.index.actor import GlobalIndexActor
+    from kvshare.actors.index.client import IndexClient
+    from kvshare.actors.index.replica import IndexReplica
 
     cfgs = [IndexConfig(i, 2, namespaces=(("m", 32, ""),)) for i in range(2)]  # as deployed
     shards = [GlobalIndexActor.options(namespace="kvs-test-replica").remote(cfgs[i])
@@ -142,10 +142,10 @@ def test_a_replica_stops_when_its_process_leaves_ray(ray_cluster: Any) -> None:
     benchmark ended with a traceback after its results): it stops following instead."""
     import ray
 
-    from actors.config import IndexConfig
-    from actors.index.actor import GlobalIndexActor
-    from actors.index.client import IndexClient
-    from actors.index.replica import IndexReplica
+    from kvshare.actors.config import IndexConfig
+    from kvshare.actors.index.actor import GlobalIndexActor
+    from kvshare.actors.index.client import IndexClient
+    from kvshare.actors.index.replica import IndexReplica
 
     shard = GlobalIndexActor.options(namespace="kvs-test-replica").remote(
         IndexConfig(0, 1, namespaces=(("m", 32, ""),)))

@@ -10,9 +10,9 @@ from __future__ import annotations
 import random
 from collections.abc import Mapping, Sequence
 
+from kvshare.router.core.workers_view import InFlight
 from kvshare.types import NodeId, WorkerId
 from kvshare.workers import WorkerInfo, WorkerLoad
-from router.workers_view import InFlight
 
 
 class Recomputing(InFlight):

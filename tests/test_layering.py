@@ -53,17 +53,17 @@ def files(folder: str) -> list[Path]:
 
 def test_the_checker_sees_every_way_of_importing() -> None:
     planted = (
-        "import actors.deploy\n"
+        "import kvshare.actors.deploy\n"
         "from router import embed\n"
         "def f():\n    from actors.index_client import IndexClient\n"
-        "import importlib\nimportlib.import_module('router.serve')\n"
-        "__import__('actors.config')\n"
+        "import importlib\nimportlib.import_module('kvshare.router.serve.request_router')\n"
+        "__import__('kvshare.actors.config')\n"
         "from kvshare.engines.kv_convert import block_view\n"
     )
     found = imported(planted)
-    assert reaches(found, UPPER) == ["actors.config", "actors.deploy", "actors.index_client",
+    assert reaches(found, UPPER) == ["kvshare.actors.config", "kvshare.actors.deploy", "actors.index_client",
                                      "actors.index_client.IndexClient", "router",
-                                     "router.embed", "router.serve"]
+                                     "kvshare.router.core.embed", "kvshare.router.serve.request_router"]
     assert reaches(found, ("kvshare.engines",)) == ["kvshare.engines.kv_convert",
                                                      "kvshare.engines.kv_convert.block_view"]
     assert reaches(imported("import actorsx\nfrom kvshare.engines_x import y\n"),

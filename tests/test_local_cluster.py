@@ -1,4 +1,4 @@
-"""The emulated multi-node cluster the demo and benchmarks start (:mod:`actors.local_cluster`)."""
+"""The emulated multi-node cluster the demo and benchmarks start (:mod:`kvshare.actors.local_cluster`)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 SCRIPT = """
 import json, os, ray
-from actors.local_cluster import local_cluster
+from kvshare.actors.local_cluster import local_cluster
 with local_cluster(1, node_cpus=1, head_store_mib=80, node_store_mib=80) as cluster:
     print(json.dumps({"node_0": ray.cluster_resources().get("node_0", 0),
                       "nodes": len([n for n in ray.nodes() if n["Alive"]])}))

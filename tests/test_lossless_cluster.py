@@ -22,12 +22,12 @@ import ray
 from conftest import start_cluster, stop_cluster, wait_dead
 from engine_helpers import BLOCK, SMALL, prompt
 
-from actors.deploy import deploy
-from kvshare.client import KVShareClient
+from kvshare.actors.deploy import deploy
+from kvshare.client.sdk import KVShareClient
 from kvshare.engines.hf import EngineConfig, HFEngine
 from kvshare.engines.service import WorkerService
 from kvshare.engines.worker import ReferenceWorker
-from kvshare.transfer.control import ActorControl
+from kvshare.transfer.reader.control import ActorControl
 from kvshare.types import Tier, node_location
 
 pytestmark = pytest.mark.cluster
@@ -54,7 +54,7 @@ class Env:
                        timeout=120)
 
     def holders(self, tokens: list[int]) -> Any:
-        from actors.deploy import get_index_client
+        from kvshare.actors.deploy import get_index_client
 
         return get_index_client().match(NS, self.engine.hashes(tokens))
 
@@ -135,7 +135,7 @@ def test_remote_node(env: Env, worker: str, transport: str) -> None:
 
 
 def test_worker_registered_and_reporting(env: Env) -> None:
-    from actors.deploy import get_index_client
+    from kvshare.actors.deploy import get_index_client
 
     index = get_index_client()
     workers = {str(w.worker_id): w for w in index.workers()}
@@ -179,9 +179,9 @@ def _driver_client(env: Env, index: Any) -> KVShareClient:
 
 
 def test_index_down_means_recompute(env: Env) -> None:
-    from actors.config import IndexConfig
-    from actors.index.actor import GlobalIndexActor
-    from actors.index.client import IndexClient
+    from kvshare.actors.config import IndexConfig
+    from kvshare.actors.index.actor import GlobalIndexActor
+    from kvshare.actors.index.client import IndexClient
 
     shared = prompt(3 * BLOCK, seed=500)
     env.run("B", shared + prompt(2, seed=501))
@@ -201,7 +201,7 @@ def test_index_down_means_recompute(env: Env) -> None:
 
 
 def test_holder_node_removed_mid_request(env: Env) -> None:
-    from actors.deploy import get_index_client
+    from kvshare.actors.deploy import get_index_client
 
     shared = prompt(4 * BLOCK, seed=600)
     env.run("B", shared + prompt(2, seed=601))

@@ -11,9 +11,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from actors.config import NamespaceSpec, PoolSettings
-from actors.index.global_index import GlobalIndex
-from actors.node_pool import NodePool
+from kvshare.actors.config import NamespaceSpec, PoolSettings
+from kvshare.actors.index.global_index import GlobalIndex
+from kvshare.actors.node_pool import NodePool
 from kvshare.layout import KVLayout
 from kvshare.tiers.base import block_checksum
 from kvshare.transfer.base import MISSING
@@ -150,8 +150,8 @@ def test_bandwidth_overrides_env_beats_config_and_probe_blocks_stay_private(
     probe reads blocks of the private probe namespace: never in the index or the pool stats."""
     from dataclasses import replace
 
-    from kvshare.transfer.control import LocalControl
     from kvshare.transfer.probe import PROBE_NAMESPACE
+    from kvshare.transfer.reader.control import LocalControl
 
     with pytest.raises(ValueError, match="shm, nixl or objstore"):
         replace(settings, bandwidth_gbps={"carrier-pigeon": 1.0})

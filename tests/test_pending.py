@@ -12,8 +12,8 @@ from collections.abc import Callable, Sequence
 from itertools import repeat
 from typing import Any
 
+from kvshare.router.core.pending import PendingBlocks
 from kvshare.types import BlockHash, Location, Tier
-from router.pending import PendingBlocks
 
 
 class InPlace(PendingBlocks):

@@ -8,6 +8,17 @@ import pytest
 
 from kvshare.cost import Bandwidths, CostModel, PrefillModel, Source
 from kvshare.match import EMPTY_MATCH, MatchResult, build_match
+from kvshare.router.core.pending import PendingBlocks
+from kvshare.router.core.policy import (
+    ALIASES,
+    POLICIES,
+    Candidate,
+    NoEligibleWorker,
+    RouteRequest,
+    make_policy,
+    policy_names,
+)
+from kvshare.router.core.sources import Sharing, SourceMap
 from kvshare.types import (
     BlockHash,
     Location,
@@ -18,17 +29,6 @@ from kvshare.types import (
     worker_location,
 )
 from kvshare.workers import WorkerInfo, WorkerLoad
-from router.pending import PendingBlocks
-from router.policy import (
-    ALIASES,
-    POLICIES,
-    Candidate,
-    NoEligibleWorker,
-    RouteRequest,
-    make_policy,
-    policy_names,
-)
-from router.sources import Sharing, SourceMap
 
 BT = 16  # tokens per block in these scenarios
 NS = "m"
@@ -258,7 +258,7 @@ def test_cost_policy_sends_a_request_to_an_idle_worker_rather_than_lengthen_a_co
     Alone the request is 11 ms sooner at w0, but the ~6 requests expected to join w0 behind
     it before w0 drains would each wait its 64 ms of prefill or go elsewhere at about 11 ms
     more: it goes to w1. With nothing waiting at w0, or no idle worker, it joins w0."""
-    from router import select_native
+    from kvshare.router.core import select_native
 
     if not native:
         monkeypatch.setattr(select_native, "kernel", None)
@@ -311,7 +311,7 @@ def test_cost_policy_spreads_ties_over_idle_workers() -> None:
 def test_cost_policy_breaks_a_near_tie_between_reading_and_pulling_for_the_reader() -> None:
     """Within the tie, the worker reading its node's copy beats the one that would pull it,
     every time (the rotation, and the lighter queue, decide only among equal pulls)."""
-    from router.policy import CostPolicy
+    from kvshare.router.core.policy import CostPolicy
 
     pol = CostPolicy(cost_model(a=1e-3), Sharing.GLOBAL, tie_s=0.05)
     pol.clock = lambda: 100.0  # (a stall between picks must not break the tie: see above)

@@ -6,9 +6,13 @@ from __future__ import annotations
 
 import random
 
-from actors.index.runs import HolderRuns
+from kvshare.actors.index.runs import HolderRuns
 from kvshare.cost import Bandwidths, CostModel, PrefillModel
 from kvshare.match import MatchResult, build_match
+from kvshare.router.core.policy import Candidate, CostPolicy, RouteRequest, make_policy
+from kvshare.router.core.recency import RecencyBook, ShadowLru
+from kvshare.router.core.select_native import kernel
+from kvshare.router.core.sources import Sharing
 from kvshare.types import BlockHash, Location, NodeId, Tier, WorkerId, node_location
 from kvshare.workers import (
     META_GPU_CACHE_BLOCKS,
@@ -17,10 +21,6 @@ from kvshare.workers import (
     WorkerInfo,
     WorkerLoad,
 )
-from router.policy import Candidate, CostPolicy, RouteRequest, make_policy
-from router.recency import RecencyBook, ShadowLru
-from router.select_native import kernel
-from router.sources import Sharing
 
 NS = "m"
 BT = 16  # tokens per block

@@ -6,6 +6,11 @@ from __future__ import annotations
 
 from kvshare.cost import Bandwidths, CostModel, PrefillModel, Source
 from kvshare.match import MatchResult, build_match
+from kvshare.router.core.pending import PendingBlocks
+from kvshare.router.core.policy import Candidate, RouteRequest, make_policy
+from kvshare.router.core.ready import ReadyBlocks
+from kvshare.router.core.sources import Sharing
+from kvshare.router.core.survival import Capacities, Turnover
 from kvshare.types import (
     BlockHash,
     Location,
@@ -22,11 +27,6 @@ from kvshare.workers import (
     WorkerInfo,
     WorkerLoad,
 )
-from router.pending import PendingBlocks
-from router.policy import Candidate, RouteRequest, make_policy
-from router.ready import ReadyBlocks
-from router.sources import Sharing
-from router.survival import Capacities, Turnover
 
 NS = "m"
 BT = 16  # tokens per block

@@ -9,8 +9,8 @@ import pytest
 from pool_helpers import BB, LAYOUT, FakeClock, data, h, make_pool, snapshot
 
 from kvshare.events import AllCleared, BlockRemoved, BlockStored, events_from_arrow, events_to_arrow
-from kvshare.pool import TieredBlockPool
-from kvshare.pool_types import (
+from kvshare.pool.tiered import TieredBlockPool
+from kvshare.pool.types import (
     AlreadyPresent,
     InFlightWrite,
     NoSpace,

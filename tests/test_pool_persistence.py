@@ -13,8 +13,8 @@ from pathlib import Path
 import numpy as np
 from pool_helpers import BB, LAYOUT, data, h
 
-from kvshare.pool import TieredBlockPool
-from kvshare.pool_types import PoolConfig, TierSpec
+from kvshare.pool.tiered import TieredBlockPool
+from kvshare.pool.types import PoolConfig, TierSpec
 from kvshare.tiers.disk import HEADER_BYTES, DiskStore
 from kvshare.tiers.host import HostSlab
 from kvshare.types import Tier
@@ -28,8 +28,8 @@ WRITER = """
 import sys
 sys.path.insert(0, sys.argv[2])
 from pool_helpers import BB, LAYOUT, data, h
-from kvshare.pool import TieredBlockPool
-from kvshare.pool_types import PoolConfig, TierSpec
+from kvshare.pool.tiered import TieredBlockPool
+from kvshare.pool.types import PoolConfig, TierSpec
 from kvshare.tiers.disk import DiskStore
 from kvshare.types import Tier
 cfg = PoolConfig("persist", LAYOUT, (TierSpec(Tier.DISK, {slots} * BB),))

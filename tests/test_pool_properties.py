@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 from pool_helpers import BB, FakeClock, data, h, make_pool
 
-from kvshare.pool_types import AlreadyPresent, InFlightWrite, NoSpace, ReadLease, Reserved
+from kvshare.pool.types import AlreadyPresent, InFlightWrite, NoSpace, ReadLease, Reserved
 
 HOST_SLOTS, DISK_SLOTS, TTL = 2, 3, 10.0
 blocks = st.integers(0, 6)

@@ -10,10 +10,10 @@ import pytest
 
 from kvshare.cost import CutPlan, Source
 from kvshare.quick_init import quick_init
+from kvshare.router.core.embed import Routed, Tenant
+from kvshare.router.core.policy import Candidate, Decision, Estimate, RouteRequest
+from kvshare.router.core.routing import IndexAnswer
 from kvshare.workers import WorkerLoad
-from router.core import IndexAnswer
-from router.embed import Routed, Tenant
-from router.policy import Candidate, Decision, Estimate, RouteRequest
 
 
 def _pair() -> tuple[type, type]:

@@ -9,9 +9,9 @@ import random
 from collections import OrderedDict
 from collections.abc import Sequence
 
+from kvshare.router.core.ready import _REMOTE_HOST, ReadyBlocks
+from kvshare.router.core.sources import SourceRuns
 from kvshare.types import BlockHash, WorkerId
-from router.ready import _REMOTE_HOST, ReadyBlocks
-from router.sources import SourceRuns
 
 _LOCAL_GPU_REF = 0  # Source.LOCAL_GPU
 

@@ -9,10 +9,10 @@ import random
 
 import pytest
 
-import router.recent as recent_module
+import kvshare.router.core.recent as recent_module
+from kvshare.router.core.policy import Decision
+from kvshare.router.core.recent import RecentDecisions
 from kvshare.types import WorkerId
-from router.policy import Decision
-from router.recent import RecentDecisions
 
 
 def test_records_read_are_those_of_the_decisions_added(monkeypatch: pytest.MonkeyPatch) -> None:

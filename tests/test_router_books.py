@@ -1,4 +1,4 @@
-"""The router's books in C (``kvshare._pending``, ``kvshare._ready``) hold and answer exactly as
+"""The router's books in C (``kvshare._native._pending``, ``kvshare._native._ready``) hold and answer exactly as
 the Python books they stand in for (``router/pending.py``, ``router/ready.py``: the reference).
 
 Random sequences over one and two namespaces, a small hash pool (blocks recorded again, by
@@ -18,17 +18,17 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvshare.router.core.pending import PendingBlocks, pending_blocks
+from kvshare.router.core.ready import ReadyBlocks, ready_blocks
+from kvshare.router.core.sources import SourceRuns
 from kvshare.types import BlockHash, Location, Tier, WorkerId
-from router.pending import PendingBlocks, pending_blocks
-from router.ready import ReadyBlocks, ready_blocks
-from router.sources import SourceRuns
 
 if os.environ.get("KVSHARE_REQUIRE_NATIVE") == "1":  # (as tests/test_cost_scan_native.py)
-    import router.pending_native as pending_native
-    import router.ready_native as ready_native
+    import kvshare.router.core.pending_native as pending_native
+    import kvshare.router.core.ready_native as ready_native
 else:  # the books are optional (setup.py builds them where a C compiler is found)
-    pending_native = pytest.importorskip("router.pending_native")
-    ready_native = pytest.importorskip("router.ready_native")
+    pending_native = pytest.importorskip("kvshare.router.core.pending_native")
+    ready_native = pytest.importorskip("kvshare.router.core.ready_native")
 
 
 def test_the_factories_give_the_c_books_where_built() -> None:

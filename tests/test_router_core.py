@@ -21,20 +21,18 @@ from ray.serve._private.common import (
 )
 from ray.serve._private.request_router.common import PendingRequest
 
-from actors.index.global_index import GlobalIndex
+from kvshare.actors.index.global_index import GlobalIndex
 from kvshare.cost import Bandwidths
 from kvshare.engines.runtime import LoadReporter, LoadTracker
 from kvshare.events import BlockStored
 from kvshare.hasher import Hasher
 from kvshare.match import EMPTY_MATCH as EMPTY
 from kvshare.match import MatchResult
-from kvshare.types import NodeId, Tier, WorkerId, node_location, worker_location
-from kvshare.workers import META_GPU_PRIVATE, WorkerInfo, WorkerLoad
-from router.core import CostInputs, IndexAnswer, RoutingCore
-from router.embed import CacheAwareRouter, InProcessIndex, RouterConfig
-from router.policy import RouteRequest
-from router.serve import KVShareRequestRouter
-from router.serve_request import (
+from kvshare.router.core.embed import CacheAwareRouter, InProcessIndex, RouterConfig
+from kvshare.router.core.policy import RouteRequest
+from kvshare.router.core.routing import CostInputs, IndexAnswer, RoutingCore
+from kvshare.router.core.workers_view import IndexWorkers, InFlight
+from kvshare.router.serve.request import (
     FRONTS_WORKER,
     META_BLOCK_TOKENS,
     META_BYTES_PER_TOKEN,
@@ -42,7 +40,9 @@ from router.serve_request import (
     META_TOKENIZER,
     replica_worker_id,
 )
-from router.workers_view import IndexWorkers, InFlight
+from kvshare.router.serve.request_router import KVShareRequestRouter
+from kvshare.types import NodeId, Tier, WorkerId, node_location, worker_location
+from kvshare.workers import META_GPU_PRIVATE, WorkerInfo, WorkerLoad
 from tests.vllm_helpers import wait_for
 
 NS = "llm"

@@ -30,25 +30,25 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from actors.index.global_index import GlobalIndex
-from actors.index.replica import NOT_SYNCED, IndexReplica
 from kvshare import cost, hashing
+from kvshare.actors.index.global_index import GlobalIndex
+from kvshare.actors.index.replica import NOT_SYNCED, IndexReplica
 from kvshare.cost import Bandwidths
 from kvshare.events import BlockStored
 from kvshare.hashing import HashFn
+from kvshare.router.core import select_native
+from kvshare.router.core.embed import CacheAwareRouter, InProcessIndex, Routed, RouterConfig
+from kvshare.router.core.pending import PendingBlocks, pending_blocks
+from kvshare.router.core.policy import Candidate, CostPolicy
+from kvshare.router.core.ready import ReadyBlocks, ready_blocks
+from kvshare.router.core.routing import CostInputs, IndexAnswer, RoutingCore
+from kvshare.router.core.sources import Sharing
+from kvshare.router.core.workers_view import InFlight, StaticWorkers
 from kvshare.types import BlockHash, NodeId, Tier, WorkerId, node_location, worker_location
 from kvshare.workers import META_GPU_PRIVATE, WorkerInfo, WorkerLoad
-from router import select_native
-from router.core import CostInputs, IndexAnswer, RoutingCore
-from router.embed import CacheAwareRouter, InProcessIndex, Routed, RouterConfig
-from router.pending import PendingBlocks, pending_blocks
-from router.policy import Candidate, CostPolicy
-from router.ready import ReadyBlocks, ready_blocks
-from router.sources import Sharing
-from router.workers_view import InFlight, StaticWorkers
 
 try:
-    import router.pending_native  # noqa: F401
+    import kvshare.router.core.pending_native  # noqa: F401
 
     NATIVE_BOOKS = True
 except ImportError:  # (not built: both routers run the Python books)

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from actors.index.runs import HolderRuns
+from kvshare.actors.index.runs import HolderRuns
 from kvshare.match import build_match
 from kvshare.types import BlockHash, Location, Tier
 from kvshare.vllm.router_hint import MAX_RUNS, decode, encode, pool_runs

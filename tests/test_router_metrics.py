@@ -8,7 +8,7 @@ import random
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
-from router.metrics import _LATENCY_BUCKETS, DecisionTally
+from kvshare.router.core.metrics import _LATENCY_BUCKETS, DecisionTally
 
 
 def lines(registry: CollectorRegistry) -> list[str]:

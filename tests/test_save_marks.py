@@ -1,5 +1,5 @@
 """Save marks between the connector's worker and scheduler sides: a real second process marks,
-this one waits (kvshare.vllm.save_marks)."""
+this one waits (kvshare.vllm.connector.save_marks)."""
 
 from __future__ import annotations
 
@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from kvshare.vllm import save_marks
-from kvshare.vllm.save_marks import RING, SaveMarker, SaveMarks
+from kvshare.vllm.connector import save_marks
+from kvshare.vllm.connector.save_marks import RING, SaveMarker, SaveMarks
 
 MARK_LATER = """
 import sys, time
-from kvshare.vllm.save_marks import SaveMarker
+from kvshare.vllm.connector.save_marks import SaveMarker
 m = SaveMarker(sys.argv[1])
 print("attached", flush=True)
 time.sleep(float(sys.argv[2]))

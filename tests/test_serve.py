@@ -24,7 +24,7 @@ if ROOT not in sys.path:
 
 from kvshare.engines.hf import default_model_config  # noqa: E402
 from kvshare.layout import KVLayout  # noqa: E402
-from router.serve_request import ServeRouterSettings, extract_prompt, replica_worker_id  # noqa: E402
+from kvshare.router.serve.request import ServeRouterSettings, extract_prompt, replica_worker_id  # noqa: E402
 
 # A small model so the whole file stays near two minutes on two shared cores.
 OVERRIDES = {"num_hidden_layers": 1, "hidden_size": 256, "intermediate_size": 512,
@@ -75,9 +75,9 @@ def apps(ray_cluster: Any) -> Iterator[dict[str, str]]:
     from ray import serve
     from ray.serve.api import RunTarget
 
-    from actors.deploy import deploy, shutdown
+    from kvshare.actors.deploy import deploy, shutdown
     from kvshare.engines.server import free_port
-    from router.serve_app import build_app
+    from kvshare.router.serve.app import build_app
 
     deploy(namespaces={"serve-kv": LAYOUT, "serve-df": LAYOUT}, host_gb=0.125)
     port = free_port()

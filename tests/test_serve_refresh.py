@@ -10,9 +10,9 @@ from typing import Any
 from ray.serve._private.common import DeploymentHandleSource
 from test_router_core import DEPLOYMENT, NS, STREAM, TPS, cluster, pending_request, replicas
 
+from kvshare.router.core.embed import InProcessIndex
+from kvshare.router.serve.request_router import KVShareRequestRouter
 from kvshare.workers import WorkerInfo
-from router.embed import InProcessIndex
-from router.serve import KVShareRequestRouter
 
 
 class LateRegistry(InProcessIndex):

@@ -14,9 +14,9 @@ import pytest
 
 from kvshare.layout import KVLayout
 from kvshare.tiers.host import SHM_DIR, SHM_DIR_ENV, HostSlab, file_bytes, shm_dir
-from kvshare.transfer.control import LocalControl
-from kvshare.transfer.local import make_local_source
-from kvshare.transfer.shm import ShmTransport
+from kvshare.transfer.holder.local import make_local_source
+from kvshare.transfer.reader.control import LocalControl
+from kvshare.transfer.reader.shm import ShmTransport
 from kvshare.types import BlockHash
 
 LAYOUT = KVLayout(1, 1, 8, "fp32", 64)  # 4 KiB blocks

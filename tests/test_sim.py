@@ -15,11 +15,12 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
+from kvshare.router.sim.cluster_model import ClusterConfig
+from kvshare.router.sim.replay import Simulator, global_lru, simulate
+from kvshare.router.sim.report import summarize
+from kvshare.router.sim.trace import TraceHasher, TraceRequest
+from kvshare.router.sim.trace_read import read_trace
 from kvshare.types import node_location
-from router.cluster import ClusterConfig
-from router.report import summarize
-from router.sim import Simulator, global_lru, simulate
-from router.trace import TraceHasher, TraceRequest, read_trace
 
 TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces"
 SYNTH = TRACES / "synthetic_trace.jsonl"
@@ -174,7 +175,7 @@ def _children_cpu() -> float:
 
 
 def _policy(name: str, cfg: ClusterConfig):  # type: ignore[no-untyped-def]
-    from router.policy import make_policy
+    from kvshare.router.core.policy import make_policy
 
     return make_policy(name, cfg.cost_model(), "global")
 

@@ -9,11 +9,11 @@ import pytest
 
 from kvshare.cost import Bandwidths, CostModel, PrefillModel
 from kvshare.match import MatchResult, build_match
+from kvshare.router.core.policy import POLICIES, Candidate, RouteRequest, make_policy
+from kvshare.router.core.sources import SourceMap
+from kvshare.router.sim.peers.dynamo import sample_lowest
 from kvshare.types import BlockHash, Location, NodeId, Tier, WorkerId, node_location
 from kvshare.workers import WorkerInfo, WorkerLoad
-from router.policy import POLICIES, Candidate, RouteRequest, make_policy
-from router.policy_dynamo import sample_lowest
-from router.sources import SourceMap
 
 BT = 16
 NS = "m"
@@ -150,9 +150,9 @@ def test_llmd_spreads_a_shared_prefix_burst_once_the_holders_kv_fills() -> None:
     (it used to send every one to the first worker, whatever the cluster size)."""
     from dataclasses import replace
 
-    from router.cluster import ClusterConfig
-    from router.sim import simulate
-    from router.trace import TraceRequest
+    from kvshare.router.sim.cluster_model import ClusterConfig
+    from kvshare.router.sim.replay import simulate
+    from kvshare.router.sim.trace import TraceRequest
 
     base = ClusterConfig(workers=4)
     prompt = 8 * base.block_tokens

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from kvshare.cost import Bandwidths, CostModel, PrefillModel, Source
 from kvshare.match import EMPTY_MATCH
+from kvshare.router.core.policy import Candidate, RouteRequest, make_policy
+from kvshare.router.core.ready import ReadyBlocks
 from kvshare.types import BlockHash, NodeId, WorkerId
 from kvshare.workers import WorkerInfo, WorkerLoad
-from router.policy import Candidate, RouteRequest, make_policy
-from router.ready import ReadyBlocks
 
 NS = "m"
 HASHES = [BlockHash(i.to_bytes(32, "big")) for i in range(1, 9)]  # 8 blocks of 16 tokens

@@ -9,10 +9,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from router.cluster import ClusterConfig
-from router.replicas import beats, gap_beyond_noise, jittered, paired_gap, t95
-from router.sim import simulate
-from router.trace import Trace, read_trace
+from kvshare.router.sim.cluster_model import ClusterConfig
+from kvshare.router.sim.replay import simulate
+from kvshare.router.sim.replicas import beats, gap_beyond_noise, jittered, paired_gap, t95
+from kvshare.router.sim.trace import Trace
+from kvshare.router.sim.trace_read import read_trace
 
 DYNAMO = Path(__file__).resolve().parents[2] / "shared" / "traces" / "dynamo_mooncake_trace_1000.jsonl"
 

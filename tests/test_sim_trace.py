@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from router.report import format_table
-from router.trace import read_trace
+from kvshare.router.sim.report import format_table
+from kvshare.router.sim.trace_read import read_trace
 
 TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces"
 DYNAMO = TRACES / "dynamo_mooncake_trace_1000.jsonl"

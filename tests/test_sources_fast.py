@@ -13,13 +13,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import router.policy as policy_module
-from actors.index.runs import HolderRuns, Holders
+import kvshare.router.core.policy as policy_module
+from kvshare.actors.index.runs import HolderRuns, Holders
 from kvshare.cost import Bandwidths, CostModel, PrefillModel
-from kvshare.types import NodeId, WorkerId, worker_location
-from kvshare.workers import META_GPU_PRIVATE, WorkerInfo, WorkerLoad
-from router.policy import Candidate, RouteRequest, make_policy
-from router.sources import (
+from kvshare.router.core.policy import Candidate, RouteRequest, make_policy
+from kvshare.router.core.sources import (
     _NONE,
     Match,
     Sharing,
@@ -31,6 +29,8 @@ from router.sources import (
     _worker_loc,
     holder_runs,
 )
+from kvshare.types import NodeId, WorkerId, worker_location
+from kvshare.workers import META_GPU_PRIVATE, WorkerInfo, WorkerLoad
 
 WORKERS = 6
 NODES = 3

@@ -1,4 +1,4 @@
-"""A streamed completion whose connection the server drops (:mod:`router.sse_stream`), against a
+"""A streamed completion whose connection the server drops (:mod:`kvshare.router.gateway.sse_stream`), against a
 real HTTP server on loopback that misbehaves on cue."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 import pytest
 
-from router.sse_stream import UpstreamError, stream_events
+from kvshare.router.gateway.sse_stream import UpstreamError, stream_events
 
 SSE_OK = (b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\n\r\n"
           + b"".join(b"data: " + json.dumps({"choices": [{"text": t}]}).encode() + b"\n\n"

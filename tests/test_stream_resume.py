@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from router.stream_resume import Delivered, Diverged, Skip, resumable
+from kvshare.router.gateway.stream_resume import Delivered, Diverged, Skip, resumable
 
 
 def ev(obj: dict[str, Any]) -> bytes:

@@ -27,16 +27,16 @@ from kvshare.transfer.base import (
     Transport,
     TransportUnavailable,
 )
-from kvshare.transfer.control import LocalControl
-from kvshare.transfer.fetch import PeerFetcher
-from kvshare.transfer.local import make_local_pool, make_local_source
-from kvshare.transfer.nixl import NixlTransport
+from kvshare.transfer.holder.local import make_local_pool, make_local_source
+from kvshare.transfer.holder.source import BlockSource
 from kvshare.transfer.nixl_agent import make_agent
-from kvshare.transfer.objstore import ObjStoreTransport
+from kvshare.transfer.node_api import TransferService
 from kvshare.transfer.probe import TransportBandwidths, parse_overrides, probe
-from kvshare.transfer.serve import TransferService
-from kvshare.transfer.shm import ShmTransport
-from kvshare.transfer.source import BlockSource
+from kvshare.transfer.reader.control import LocalControl
+from kvshare.transfer.reader.fetch import PeerFetcher
+from kvshare.transfer.reader.nixl import NixlTransport
+from kvshare.transfer.reader.objstore import ObjStoreTransport
+from kvshare.transfer.reader.shm import ShmTransport
 from kvshare.transfer.wire import Ready, Reply, SlotReply
 from kvshare.types import BlockHash, Location, Tier, node_location
 
@@ -274,8 +274,8 @@ def test_shm_read_whose_lease_expired_during_the_copy_is_a_miss(shared_epochs: b
     """
     import dataclasses
 
-    from kvshare.pool import TieredBlockPool
-    from kvshare.pool_types import PoolConfig, TierSpec
+    from kvshare.pool.tiered import TieredBlockPool
+    from kvshare.pool.types import PoolConfig, TierSpec
 
     now = [0.0]
     ns = f"ue{os.getpid()}"

@@ -30,7 +30,7 @@ from kvshare.transfer.base import (
     Transport,
     TransportUnavailable,
 )
-from kvshare.transfer.serve import TransferEndpoints
+from kvshare.transfer.node_api import TransferEndpoints
 
 pytestmark = pytest.mark.cluster
 
@@ -55,9 +55,9 @@ class Reader:
     def __init__(self, tag: str) -> None:
         import ray
 
-        from kvshare.transfer.nixl import NixlTransport
-        from kvshare.transfer.objstore import ObjStoreTransport
-        from kvshare.transfer.shm import ShmTransport
+        from kvshare.transfer.reader.nixl import NixlTransport
+        from kvshare.transfer.reader.objstore import ObjStoreTransport
+        from kvshare.transfer.reader.shm import ShmTransport
 
         self.node = ray.get_runtime_context().get_node_id()
         self.dest = np.zeros((1000, B), np.uint8)
@@ -70,7 +70,7 @@ class Reader:
             nixl = NixlTransport(f"{NS}/{self.node[:12]}/{tag}-{os.getpid()}")
             nixl.register(self.dest)
             self.transports["nixl"] = nixl
-            from kvshare.transfer.nixl_push import NixlPushTransport
+            from kvshare.transfer.reader.nixl_push import NixlPushTransport
 
             push = NixlPushTransport(f"{NS}/{self.node[:12]}/{tag}-push-{os.getpid()}")
             push.register(self.dest)
@@ -83,7 +83,7 @@ class Reader:
         return {"node": self.node, "nixl_error": self.nixl_error}
 
     def write(self, name: str, pool: Any, ns: str, tag: str, seeds: list[int]) -> list[str]:
-        from kvshare.transfer.control import ActorControl
+        from kvshare.transfer.reader.control import ActorControl
 
         res = self.transports[name].write(
             ActorControl(pool, ns), [bhash(tag, s) for s in seeds], [payload(s) for s in seeds]
@@ -98,7 +98,7 @@ class Reader:
 
     def submit(self, name: str, pool: Any, ns: str, tag: str, seeds: list[int],
                deadline_s: float = 10.0) -> None:
-        from kvshare.transfer.control import ActorControl
+        from kvshare.transfer.reader.control import ActorControl
 
         self.dest[: len(seeds)] = 0
         t = self.transports[name].submit_read(
@@ -115,9 +115,9 @@ class Reader:
 
     def fetch(self, tag: str, seeds: list[int], keep_local: bool) -> dict[str, Any]:
         """Peer fetch planned from the index, as the worker SDK does it."""
-        from actors.deploy import get_index_client, get_pool
-        from kvshare.transfer.control import ActorControl
-        from kvshare.transfer.fetch import PeerFetcher
+        from kvshare.actors.deploy import get_index_client, get_pool
+        from kvshare.transfer.reader.control import ActorControl
+        from kvshare.transfer.reader.fetch import PeerFetcher
         from kvshare.types import parse_location
 
         def control(loc: Any) -> Any:
@@ -143,8 +143,8 @@ class SmallPool(TransferEndpoints):
     def __init__(self, ns: str, blocks: int) -> None:
         import ray
 
-        from kvshare.transfer.local import make_local_pool
-        from kvshare.transfer.serve import TransferService
+        from kvshare.transfer.holder.local import make_local_pool
+        from kvshare.transfer.node_api import TransferService
 
         node = ray.get_runtime_context().get_node_id()
         self.transfer = TransferService(node)
@@ -164,8 +164,8 @@ def kv(ray_cluster: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[d
     import ray
     import ray.cloudpickle
 
-    from actors.config import NamespaceSpec
-    from actors.deploy import deploy, get_pool, shutdown
+    from kvshare.actors.config import NamespaceSpec
+    from kvshare.actors.deploy import deploy, get_pool, shutdown
     from kvshare.tiers.host import remove_stale_segments
 
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -257,7 +257,7 @@ def test_flipped_byte_in_slab_is_a_corrupt_miss(kv: dict[str, Any], name: str) -
 
     from kvshare.tiers.host import HostSlab
     from kvshare.transfer.base import call
-    from kvshare.transfer.control import ActorControl
+    from kvshare.transfer.reader.control import ActorControl
 
     tag = f"rot-{name}"
     ray.get(kv["ra"].write.remote("shm", kv["pa"], NS, tag, [0, 1, 2]))
@@ -338,7 +338,7 @@ def test_peer_fetch_pins_pulls_verifies_and_keeps_a_local_copy(kv: dict[str, Any
 
 def indexed_at(node: str, tag: str, n: int, timeout_s: float = 30.0) -> None:
     """Wait until the index lists blocks ``bhash(tag, 0..n-1)`` in ``node``'s pool."""
-    from actors.deploy import get_index_client
+    from kvshare.actors.deploy import get_index_client
     from kvshare.types import BlockHash, node_location
 
     index, loc = get_index_client(RAY_NS), node_location(node)
@@ -353,7 +353,7 @@ def wait_probed(timeout_s: float = 180.0) -> list[dict[str, Any]]:
     """The alive nodes' status entries once each shows shm, nixl and objstore above 0 (the
     probes warm up and repeat in the background: at load ~30 two nodes were still at 0 after
     60 s, so the bound is generous; a quiet machine passes in seconds)."""
-    from actors.deploy import status
+    from kvshare.actors.deploy import status
 
     deadline = time.monotonic() + timeout_s
     while True:
@@ -370,7 +370,7 @@ def wait_probed(timeout_s: float = 180.0) -> list[dict[str, Any]]:
 def test_deploy_probes_every_node_in_the_background(kv: dict[str, Any]) -> None:
     """The watcher had every pool probe its peers after deploy: status shows GB/s per node and
     transport, deploy.bandwidths the same in bytes/s, and the router's cost model takes them."""
-    from actors.deploy import bandwidths, measured_bandwidths, status
+    from kvshare.actors.deploy import bandwidths, measured_bandwidths, status
     from kvshare.cost import Bandwidths
     from kvshare.transfer.probe import PROBE_NAMESPACE
 
@@ -396,8 +396,8 @@ def test_auto_remote_picks_the_faster_measured_transport(
     measured it; KVSHARE_BANDWIDTH_GBPS in the worker's process overrides the measurement."""
     import ray
 
-    from actors.deploy import get_pool
-    from kvshare.client import KVShareClient
+    from kvshare.actors.deploy import get_pool
+    from kvshare.client.sdk import KVShareClient
     from kvshare.types import BlockHash
 
     wait_probed()
@@ -517,7 +517,7 @@ def test_source_node_dies_mid_transfer(kv: dict[str, Any]) -> None:
 
 
 def test_aligned_empty_starts_on_a_huge_page_and_has_the_shape() -> None:
-    from kvshare.transfer.nixl import HUGE_PAGE, aligned_empty
+    from kvshare.transfer.reader.nixl import HUGE_PAGE, aligned_empty
 
     for shape in (1000, (3, B), (17, 4096)):
         a = aligned_empty(shape)

@@ -1,5 +1,5 @@
 """Who checks a NIXL read's bytes: the holding pool while the transfer runs (default), or the
-reader as they land (``end_to_end``, hashed in a native thread where ``kvshare._hashq`` is built). Either way a rotten
+reader as they land (``end_to_end``, hashed in a native thread where ``kvshare._native._hashq`` is built). Either way a rotten
 slot is a ``corrupt`` miss, the pool drops the block, and nothing stays pinned or pending. In
 one process, real NIXL."""
 
@@ -14,12 +14,12 @@ import pytest
 from kvshare.layout import KVLayout
 from kvshare.tiers.base import block_checksum
 from kvshare.tiers.host import HostSlab
-from kvshare.transfer import nixl
 from kvshare.transfer.base import CORRUPT, Transport
-from kvshare.transfer.control import LocalControl
-from kvshare.transfer.local import make_local_source
-from kvshare.transfer.nixl import NixlTransport
-from kvshare.transfer.source import BlockSource
+from kvshare.transfer.holder.local import make_local_source
+from kvshare.transfer.holder.source import BlockSource
+from kvshare.transfer.reader import nixl
+from kvshare.transfer.reader.control import LocalControl
+from kvshare.transfer.reader.nixl import NixlTransport
 from kvshare.transfer.verify import LANDING_CHECKS, LandingCheck, PinnedSlot, SlotVerifier
 from kvshare.types import BlockHash, Tier
 
@@ -113,7 +113,7 @@ def test_rot_in_one_of_many_groups_is_the_only_miss(
 ) -> None:
     """A read in several transfers (2 blocks each), hashed group by group as they land."""
     if not LANDING_CHECKS:
-        pytest.skip("kvshare._hashq is not built: reads are checked by the pool")
+        pytest.skip("kvshare._native._hashq is not built: reads are checked by the pool")
     monkeypatch.setattr(nixl, "GROUP_BYTES", 2 * B)
     t = NixlTransport(f"uv{os.getpid()}/reader/groups", end_to_end=True)
     try:
@@ -132,7 +132,7 @@ def test_rot_in_one_of_many_groups_is_the_only_miss(
 
 def test_landing_check_sums_equal_block_checksums() -> None:
     if not LANDING_CHECKS:
-        pytest.skip("kvshare._hashq is not built")
+        pytest.skip("kvshare._native._hashq is not built")
     bufs = [payload(i) for i in range(5)] + [np.zeros(0, np.uint8)]
     check = LandingCheck(len(bufs))
     for i in (2, 0, 1, 5, 4, 3):
@@ -142,7 +142,7 @@ def test_landing_check_sums_equal_block_checksums() -> None:
     closed.close()
     with pytest.raises(AssertionError):
         closed.landed(0, bufs[0])
-    from kvshare import _hashq
+    from kvshare._native import _hashq
 
     q = _hashq.HashQueue(1)
     q.push(int(bufs[0].ctypes.data), B)

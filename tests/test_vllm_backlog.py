@@ -1,4 +1,4 @@
-"""The connector's prefill backlog (:mod:`kvshare.vllm.backlog`): its counters always say what
+"""The connector's prefill backlog (:mod:`kvshare.vllm.connector.backlog`): its counters always say what
 it holds, whatever order the scheduler's calls come in."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvshare.vllm.backlog import PrefillBacklog
+from kvshare.vllm.connector.backlog import PrefillBacklog
 
 RIDS = st.sampled_from(["a", "b", "c", "d"])
 CALLS = st.lists(st.one_of(

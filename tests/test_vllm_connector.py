@@ -21,8 +21,8 @@ import ray
 from conftest import start_cluster, stop_cluster
 
 from kvshare.layout import KVLayout
-from kvshare.vllm.offline import ENGINE_ENV, OfflineEngine, kv_transfer_config
-from kvshare.vllm.tiny_model import TinyModelSpec, build_tiny_llama
+from kvshare.testing.tiny_model import TinyModelSpec, build_tiny_llama
+from kvshare.vllm.server.offline import ENGINE_ENV, OfflineEngine, kv_transfer_config
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
@@ -81,7 +81,7 @@ def same_as_vllm_prefix_hit(res: dict[str, Any], ref: dict[str, Any]) -> None:
 
 @pytest.fixture(scope="module")
 def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
-    from actors.deploy import deploy
+    from kvshare.actors.deploy import deploy
 
     model = build_tiny_llama(str(tmp_path_factory.mktemp("model") / "tiny"), SPEC)
     cluster = start_cluster(object_store_mb=200)
@@ -107,7 +107,7 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
 
 def pool_blocks(node_key: str) -> int:
     """Blocks the index lists in the pool of the node with custom resource ``node_key``."""
-    from actors.deploy import get_index_client
+    from kvshare.actors.deploy import get_index_client
     from kvshare.types import node_location
 
     node = next(n["NodeID"] for n in ray.nodes() if n["Alive"] and node_key in n["Resources"])
@@ -156,7 +156,7 @@ def test_vllm_cache_too_small_gets_the_prefix_from_this_nodes_host_tier(env: Env
 def test_corrupt_block_is_recomputed_counted_and_stored_again(env: Env) -> None:
     import os
 
-    from actors.deploy import get_pool
+    from kvshare.actors.deploy import get_pool
 
     env.run("A", prompt(4))
     time.sleep(0.3)
@@ -201,7 +201,7 @@ def wait_gone(pid: int, timeout_s: float = 30.0) -> None:
 
 
 def test_pool_killed_is_a_recompute_and_counted(env: Env) -> None:
-    from actors.deploy import get_pool
+    from kvshare.actors.deploy import get_pool
 
     env.run("B", prompt(5))  # B stores prompt 5 in node_1's pool
     time.sleep(0.3)
@@ -240,7 +240,7 @@ def test_holder_node_removed_mid_request(env: Env) -> None:
 
 
 def test_index_down_means_recompute(env: Env) -> None:
-    from actors.config import index_name
+    from kvshare.actors.config import index_name
 
     env.reset("B")
     ray.kill(ray.get_actor(index_name(0), namespace="kvshare"), no_restart=True)

@@ -17,8 +17,8 @@ import pytest
 pytest.importorskip("vllm")
 
 from kvshare.layout import KVLayout  # noqa: E402
-from kvshare.vllm.config import ConnectorSettings  # noqa: E402
-from kvshare.vllm.connector import check_namespace  # noqa: E402
+from kvshare.vllm.connector.config import ConnectorSettings  # noqa: E402
+from kvshare.vllm.connector.kv_connector import check_namespace  # noqa: E402
 
 LAYOUT = KVLayout(2, 2, 16, "fp32", 32)
 KEYS: Any = SimpleNamespace(layout=LAYOUT)

@@ -20,10 +20,10 @@ pytest.importorskip("vllm")
 
 from kvshare.engines.server import free_port  # noqa: E402
 from kvshare.types import NodeId, Tier, WorkerId  # noqa: E402
-from kvshare.vllm.events import EventsConfig, KVEventsConsumer  # noqa: E402
-from kvshare.vllm.launch import VllmProcess, VllmSpec, reset_prefix_cache  # noqa: E402
-from kvshare.vllm.load import MetricsLoad  # noqa: E402
-from kvshare.vllm.presence import Presence  # noqa: E402
+from kvshare.vllm.events.consumer import EventsConfig, KVEventsConsumer  # noqa: E402
+from kvshare.vllm.server.launch import VllmProcess, VllmSpec, reset_prefix_cache  # noqa: E402
+from kvshare.vllm.server.load import MetricsLoad  # noqa: E402
+from kvshare.vllm.server.presence import Presence  # noqa: E402
 from kvshare.workers import WorkerInfo  # noqa: E402
 from tests.vllm_helpers import (  # noqa: E402
     BLOCK,
@@ -43,9 +43,9 @@ pytestmark = pytest.mark.slow
 def index() -> Iterator[Any]:
     import ray
 
-    from actors.config import IndexConfig
-    from actors.index.actor import GlobalIndexActor
-    from actors.index.client import IndexClient
+    from kvshare.actors.config import IndexConfig
+    from kvshare.actors.index.actor import GlobalIndexActor
+    from kvshare.actors.index.client import IndexClient
 
     tmp = tempfile.mkdtemp(prefix="kvs-ray-", dir="/tmp")
     ray.init(num_cpus=1, object_store_memory=100 * 2**20, include_dashboard=False,

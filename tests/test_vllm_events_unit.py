@@ -17,14 +17,14 @@ from vllm.distributed.kv_events import (  # noqa: E402
 from kvshare.hasher import Hasher  # noqa: E402
 from kvshare.hashing import block_hashes, namespace_root  # noqa: E402
 from kvshare.types import Tier  # noqa: E402
-from kvshare.vllm.event_wire import (  # noqa: E402
+from kvshare.vllm.events.share_blocks import ShareBlocks  # noqa: E402
+from kvshare.vllm.events.wire import (  # noqa: E402
     AllPagesCleared,
     MalformedEvents,
     PagesRemoved,
     PagesStored,
     decode_batch,
 )
-from kvshare.vllm.share_blocks import ShareBlocks  # noqa: E402
 
 PAGE, BLOCK = 32, 128  # 4 vLLM pages per share block
 BIG = 2**64 - 7  # vLLM's u64 block hashes exceed 2**63

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from kvshare.vllm.launch import VllmProcess, VllmSpec
+from kvshare.vllm.server.launch import VllmProcess, VllmSpec
 from tests.vllm_helpers import wait_for
 
 CHILD = "import os, sys; open(sys.argv[1], 'w').write(str(sorted(os.sched_getaffinity(0))))"

@@ -9,7 +9,7 @@ import math
 import pytest
 
 from kvshare.types import WorkerId
-from kvshare.vllm.load import DrainSpeed, InPrefill, MetricsLoad, PrefillSpeed, parse_metrics
+from kvshare.vllm.server.load import DrainSpeed, InPrefill, MetricsLoad, PrefillSpeed, parse_metrics
 
 
 def test_concurrent_prefills_are_not_counted_twice() -> None:

@@ -7,7 +7,7 @@ import torch
 
 from kvshare.kv_convert import torch_dtype
 from kvshare.layout import KVLayout
-from kvshare.vllm.paged import CPU_ATTN, FLASH_NHD, PagedRequestKV, PageViews, layer_order
+from kvshare.vllm.connector.paged import CPU_ATTN, FLASH_NHD, PagedRequestKV, PageViews, layer_order
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=4, head_dim=32, dtype="fp32", block_tokens=64)
 PAGE = 32  # two pages per block
@@ -70,10 +70,10 @@ def test_batched_copies_are_the_per_block_copies(monkeypatch: pytest.MonkeyPatch
     untouched, and the store side (``read_blocks``) reads the same bytes back."""
     import numpy as np
 
-    import kvshare.vllm.paged as paged
+    import kvshare.vllm.connector.paged as paged
     from kvshare.kv_convert import blocks_from_source, blocks_into_target
 
-    assert paged._COPY_CHUNKS, "kvshare._copy is not built (pip install -e .)"
+    assert paged._COPY_CHUNKS, "kvshare._native._copy is not built (pip install -e .)"
 
     rows = np.stack([canonical(10 + i).view(torch.uint8).reshape(-1).numpy() for i in range(3)])
     page_ids = [7, 1, 4, 0, 6, 2, 3, 5]
@@ -131,7 +131,7 @@ def test_slab_copies_are_the_staged_copies(monkeypatch: pytest.MonkeyPatch, c_co
     kept pages untouched (C chunk copy and the torch fallback)."""
     import numpy as np
 
-    import kvshare.vllm.paged as paged
+    import kvshare.vllm.connector.paged as paged
     from kvshare.block_io import SlabIO
 
     monkeypatch.setattr(paged, "_COPY_CHUNKS", paged._COPY_CHUNKS and c_copy)

@@ -7,9 +7,9 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from actors.index.global_index import GlobalIndex
+from kvshare.actors.index.global_index import GlobalIndex
 from kvshare.types import NodeId, WorkerId
-from kvshare.vllm.presence import Presence
+from kvshare.vllm.server.presence import Presence
 from kvshare.workers import WorkerInfo, WorkerLoad
 
 WID = WorkerId("w-presence")

@@ -2,7 +2,7 @@
 
 As upstream's connector unit tests do: a real ``vllm.v1.core.sched.scheduler.Scheduler`` on
 CPU, fake model-runner outputs. The connector is the real KVShareConnector with one change:
-its SDK client is the in-process :class:`~kvshare.client_local.LocalKVClient` over a
+its SDK client is the in-process :class:`~kvshare.client.local.LocalKVClient` over a
 TieredBlockPool (no Ray), so lookup -> async load -> recompute-on-failure -> save ->
 delay-free runs in seconds.
 """
@@ -20,14 +20,14 @@ from typing import Any
 import pytest
 import torch
 
-from kvshare.client_local import LocalKVClient
+from kvshare.client.local import LocalKVClient
 from kvshare.kv_convert import new_contiguous
-from kvshare.pool import TieredBlockPool
-from kvshare.pool_types import PoolConfig, TierSpec
+from kvshare.pool.tiered import TieredBlockPool
+from kvshare.pool.types import PoolConfig, TierSpec
+from kvshare.testing.tiny_model import TinyModelSpec, build_tiny_llama
 from kvshare.tiers.host import HostSlab
 from kvshare.types import BlockHash, Tier
-from kvshare.vllm.connector import KVShareConnector
-from kvshare.vllm.tiny_model import TinyModelSpec, build_tiny_llama
+from kvshare.vllm.connector.kv_connector import KVShareConnector
 
 BLOCK = 64
 PAGE = 32
@@ -253,7 +253,7 @@ class GatedStores:
 def worker_side(sched: Any, client: Any) -> Any:
     """The connector's worker half over the test's client and CPU_ATTN pages (what vLLM's
     worker process runs: the scheduler's metadata goes in as vLLM would send it)."""
-    from kvshare.vllm.worker_side import WorkerSide
+    from kvshare.vllm.connector.worker_side import WorkerSide
 
     lay = sched.connector.keys.layout
     worker = WorkerSide(client, sched.connector.keys, PAGE)
@@ -271,7 +271,7 @@ def test_only_a_finishing_request_waits_for_its_saves(model: str) -> None:
     request is not held."""
     from vllm.v1.request import RequestStatus
 
-    from kvshare.vllm.save_marks import SYNC_SAVE_WAIT_S
+    from kvshare.vllm.connector.save_marks import SYNC_SAVE_WAIT_S
 
     sched = make_scheduler(model)
     client = GatedStores(CLIENT["c"])
@@ -588,7 +588,7 @@ def test_a_router_hint_with_the_pools_answer_plans_the_load_with_no_lookup(model
 
 
 def test_a_negative_router_hint_max_age_is_refused_by_name() -> None:
-    from kvshare.vllm.config import ConnectorSettings
+    from kvshare.vllm.connector.config import ConnectorSettings
 
     with pytest.raises(ValueError, match="router_hint_max_age_s"):
         ConnectorSettings.from_extra({"namespace": "t", "router_hint_max_age_s": -1})
@@ -599,7 +599,7 @@ def test_a_request_that_opts_out_is_neither_looked_up_nor_loaded_nor_saved(model
     """``{"kvshare": {"share": false}}``: the pool holds the prompt, yet the request computes
     all of it and saves nothing (vLLM's own cache only); the same prompt without the flag
     loads from the pool; a malformed flag is counted and the request shared as always."""
-    from kvshare.vllm.opt_out import encode
+    from kvshare.vllm.connector.opt_out import encode
 
     sched = make_scheduler(model)
     toks = tokens(51)
@@ -684,7 +684,7 @@ def test_on_slow_steps_a_lookup_in_flight_is_waited_for_within_the_step(model: s
     """Answering "ask again" costs a request a whole step: where steps take seconds (a loaded
     CPU engine), the scheduler waits for a lookup that answers in 0.1 s and schedules the
     request, loaded, in the step it arrived; on fast steps it does not wait that long."""
-    from kvshare.vllm.lookup import MAX_WAIT_S, Lookups
+    from kvshare.vllm.connector.lookup import MAX_WAIT_S, Lookups
 
     sched = make_scheduler(model, extra={"price_lookups": False})
     sched.connector._sched.lookups.speed.step_s = 2.0  # what StepSpeed measured: 2 s steps
@@ -751,7 +751,7 @@ def test_bad_config_fails_at_start_up_naming_the_fix(model: str, tmp_path: Path)
     with pytest.raises(ValueError, match="sliding-window attention.*remove the KVShareConnector"):
         make_scheduler(model, sliding_window=128)
     with pytest.raises(ValueError, match="unknown kv_connector_extra_config keys"):
-        from kvshare.vllm.config import ConnectorSettings
+        from kvshare.vllm.connector.config import ConnectorSettings
 
         ConnectorSettings.from_extra({"namespace": "t", "blocktokens": 64})
     with pytest.raises(ValueError, match='"sync_save_mib" must be >= 0'):
@@ -761,7 +761,7 @@ def test_bad_config_fails_at_start_up_naming_the_fix(model: str, tmp_path: Path)
 def test_step_speed_counts_busy_steps_only() -> None:
     """Tokens per second over steps that continue a request; an idle gap between bursts (no
     request in common) is not read as a slow engine."""
-    from kvshare.vllm.lookup import StepSpeed
+    from kvshare.vllm.connector.lookup import StepSpeed
 
     speed = StepSpeed(alpha=1.0)
     assert speed.seconds_for(100) is None  # unmeasured

@@ -1,5 +1,5 @@
 """The connector's transfer counters as vLLM connector stats and Prometheus counters
-(:mod:`kvshare.vllm.stats`): deltas per report, summed across workers, on ``/metrics``."""
+(:mod:`kvshare.vllm.connector.stats`): deltas per report, summed across workers, on ``/metrics``."""
 
 from __future__ import annotations
 
@@ -11,7 +11,12 @@ pytest.importorskip("vllm")
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest  # noqa: E402
 
-from kvshare.vllm.stats import CounterDelta, KVSharePromMetrics, KVShareStats, byte_counters  # noqa: E402
+from kvshare.vllm.connector.stats import (  # noqa: E402
+    CounterDelta,
+    KVSharePromMetrics,
+    KVShareStats,
+    byte_counters,
+)
 
 
 def prometheus() -> tuple[CollectorRegistry, KVSharePromMetrics]:
@@ -57,7 +62,7 @@ def test_prometheus_counters_per_transport_and_stored() -> None:
 
 
 def test_read_after_write_holds_become_their_own_counters() -> None:
-    from kvshare.vllm.stats import save_counters
+    from kvshare.vllm.connector.stats import save_counters
 
     registry, prom = prometheus()
     sched = {"sync_saves": 6, "sync_save_s": 0.375, "sync_saves_late": 1,
@@ -75,8 +80,8 @@ def test_read_after_write_holds_become_their_own_counters() -> None:
 
 def test_load_waits_become_counters_a_load_report_reads() -> None:
     from kvshare.types import WorkerId
-    from kvshare.vllm.load import MetricsLoad, parse_metrics
-    from kvshare.vllm.stats import wait_counters
+    from kvshare.vllm.connector.stats import wait_counters
+    from kvshare.vllm.server.load import MetricsLoad, parse_metrics
 
     registry, prom = prometheus()
     worker = {"load_reported_seconds": 9.0, "load_reported_seconds_remote": 3.0,
@@ -104,7 +109,7 @@ def test_load_waits_become_counters_a_load_report_reads() -> None:
 
 
 def test_lookup_waits_become_their_own_counters() -> None:
-    from kvshare.vllm.stats import lookup_counters
+    from kvshare.vllm.connector.stats import lookup_counters
 
     registry, prom = prometheus()
     sched = {"lookups": 4, "lookup_pending": 7, "lookup_wait_seconds": 0.25,
@@ -138,9 +143,9 @@ def test_the_prefill_backlog_reaches_the_load_report_exactly() -> None:
     report owes the connector's exact count plus the unreached one at the mean, where the
     estimate from vLLM's own counts (without the connector) prices them all at the mean."""
     from kvshare.types import WorkerId
-    from kvshare.vllm.backlog import PrefillBacklog
-    from kvshare.vllm.load import MetricsLoad, parse_metrics
-    from kvshare.vllm.stats import backlog_counters
+    from kvshare.vllm.connector.backlog import PrefillBacklog
+    from kvshare.vllm.connector.stats import backlog_counters
+    from kvshare.vllm.server.load import MetricsLoad, parse_metrics
 
     registry, prom = prometheus()
     backlog, delta = PrefillBacklog(), CounterDelta()

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from kvshare.vllm.tiny_model import TinyModelSpec, build_tiny_llama
+from kvshare.testing.tiny_model import TinyModelSpec, build_tiny_llama
 
 SMALL = TinyModelSpec(num_layers=2, hidden_size=128, num_heads=4, num_kv_heads=2,
                       intermediate_size=256, vocab_size=512, max_position_embeddings=2048)

@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 from vllm_helpers import tiny_model
 
-from kvshare.vllm.launch import VllmSpec
-from kvshare.vllm.worker import VllmWorker, VllmWorkerConfig
+from kvshare.vllm.server.launch import VllmSpec
+from kvshare.vllm.server.worker import VllmWorker, VllmWorkerConfig
 
 
 def config(model: str, **kw: Any) -> VllmWorkerConfig:
@@ -74,7 +74,7 @@ def test_the_cli_refuses_connector_settings_that_are_not_a_json_object(
         capsys: pytest.CaptureFixture[str]) -> None:
     import argparse
 
-    from actors.vllm_workers import register
+    from kvshare.actors.vllm_workers import register
 
     parser = argparse.ArgumentParser(prog="kvshare")
     register(parser.add_subparsers())

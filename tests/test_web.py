@@ -32,16 +32,16 @@ from engine_helpers import BLOCK, SMALL
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from actors.admin import ClusterAdmin
-from actors.deploy import deploy
-from actors.index.client import IndexClient
-from actors.metrics import ClusterCollector, cluster_registry
+from kvshare.actors.admin import ClusterAdmin
+from kvshare.actors.deploy import deploy
+from kvshare.actors.index.client import IndexClient
+from kvshare.actors.metrics import ClusterCollector, cluster_registry
 from kvshare.engines.hf import EngineConfig, model_keys
 from kvshare.engines.service import WorkerService
-from router.embed import CacheAwareRouter, RouterConfig
-from router.gateway import create_app, parse_api_keys
-from router.web import browser
-from router.workers_view import IndexWorkers
+from kvshare.router.core.embed import CacheAwareRouter, RouterConfig
+from kvshare.router.core.workers_view import IndexWorkers
+from kvshare.router.gateway.app import create_app, parse_api_keys
+from kvshare.testing import browser
 
 pytestmark = pytest.mark.cluster
 

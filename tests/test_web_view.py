@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvshare.router.core.policy import Decision
+from kvshare.router.core.recent import RecentDecisions
+from kvshare.router.web.view import cluster_view
 from kvshare.types import WorkerId
-from router.policy import Decision
-from router.recent import RecentDecisions
-from router.web.view import cluster_view
 
 
 def tier(hits: int, misses: int, used: int = 0) -> dict[str, Any]:

@@ -14,18 +14,18 @@ from engine_helpers import BLOCK, SMALL, small_engine
 from http_helpers import serve_app
 
 from kvshare.auth import WorkerAuth, tenant_salt
-from kvshare.client_local import LocalKVClient
+from kvshare.client.local import LocalKVClient
 from kvshare.engines.hf import EngineConfig, model_keys
 from kvshare.engines.server import WorkerServer
 from kvshare.engines.worker import ReferenceWorker
-from kvshare.pool import TieredBlockPool
-from kvshare.pool_types import PoolConfig, TierSpec
+from kvshare.pool.tiered import TieredBlockPool
+from kvshare.pool.types import PoolConfig, TierSpec
+from kvshare.router.core.embed import CacheAwareRouter, RouterConfig
+from kvshare.router.core.workers_view import StaticWorkers
+from kvshare.router.gateway.app import create_app, parse_api_keys
 from kvshare.tiers.host import HostSlab
 from kvshare.types import NodeId, Tier, WorkerId
 from kvshare.workers import WorkerInfo
-from router.embed import CacheAwareRouter, RouterConfig
-from router.gateway import create_app, parse_api_keys
-from router.workers_view import StaticWorkers
 
 NS = "auth-test"
 NEW, OLD = "tok-new-0123456789abcdef", "tok-old-0123456789abcdef"

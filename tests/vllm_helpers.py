@@ -24,7 +24,7 @@ DTYPE = "float32"
 
 def tiny_model(root: str) -> str:
     """The connector's tiny Llama, small enough for many engines per test run."""
-    from kvshare.vllm.tiny_model import TinyModelSpec, build_tiny_llama
+    from kvshare.testing.tiny_model import TinyModelSpec, build_tiny_llama
 
     spec = TinyModelSpec(num_layers=2, hidden_size=128, num_heads=4, num_kv_heads=2,
                          intermediate_size=256)

@@ -1,6 +1,6 @@
 """GlobalIndexActor: one index shard as a restartable Ray actor (thin wrapper).
 
-The actor *is* a :class:`~actors.index.global_index.GlobalIndex` (every public method is callable
+The actor *is* a :class:`~kvshare.actors.index.global_index.GlobalIndex` (every public method is callable
 remotely) plus what only an actor needs: it starts from its Parquet snapshot when one is
 configured, and on every start (including a restart after a crash) it asks every node pool
 found among the named actors of its Ray namespace to republish its inventory.
@@ -15,10 +15,10 @@ from typing import Any
 
 import ray
 
-from actors.config import POOL_PREFIX, IndexConfig, index_name
-from actors.index.arrow_io import read_snapshot, write_snapshot
-from actors.index.client import IndexClient
-from actors.index.global_index import GlobalIndex
+from kvshare.actors.config import POOL_PREFIX, IndexConfig, index_name
+from kvshare.actors.index.arrow_io import read_snapshot, write_snapshot
+from kvshare.actors.index.client import IndexClient
+from kvshare.actors.index.global_index import GlobalIndex
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +74,7 @@ class IndexService(GlobalIndex):
 
     def client(self, timeout_s: float = 5.0) -> IndexClient:
         """The deployment's index client (every shard, by name), each call bounded by
-        ``timeout_s``: how engine processes find the index (:func:`kvshare.cluster.find_index`)."""
+        ``timeout_s``: how engine processes find the index (:func:`kvshare.discovery.find_index`)."""
         ns = self.config.ray_namespace  # with it, the client finds a recreated shard again
         return IndexClient([ray.get_actor(index_name(i), namespace=ns)
                             for i in range(self.config.num_shards)], timeout_s, ns)

@@ -10,7 +10,7 @@ An unreachable index (restarting, dead, timed out) is a miss, not an error: ``ma
 an empty result whose ``unavailable`` says why (:func:`unavailable_reason`); the client also
 counts it in ``unavailable`` (a metric: callers read the answer, not the counter). A client
 that knows its Ray namespace (:meth:`connect`, or ``ray_namespace=``) looks dead shards up by
-name again, so it follows a shard the watcher recreated (:mod:`actors.index.keeper`). Caller
+name again, so it follows a shard the watcher recreated (:mod:`kvshare.actors.index.keeper`). Caller
 mistakes (unknown namespace, malformed hashes) raise ``KeyError``/``ValueError`` from the
 shard.
 """
@@ -28,13 +28,13 @@ import pyarrow as pa
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 
-from actors.config import RAY_NAMESPACE, index_name
-from actors.index.arrow_io import check_event_batch, column_np, single_group
-from actors.index.global_index import PublishAck
-from actors.index.holders import TIER_CODES
-from actors.index.keeper import REFRESH_S, resolve_shards
-from actors.index.runs import HolderRuns, Runs, from_runs
-from actors.index.wire import decode_answers, decode_runs, encode_queries, encode_query
+from kvshare.actors.config import RAY_NAMESPACE, index_name
+from kvshare.actors.index.arrow_io import check_event_batch, column_np, single_group
+from kvshare.actors.index.global_index import PublishAck
+from kvshare.actors.index.holders import TIER_CODES
+from kvshare.actors.index.names import REFRESH_S, resolve_shards
+from kvshare.actors.index.runs import HolderRuns, Runs, from_runs
+from kvshare.actors.index.wire import decode_answers, decode_runs, encode_queries, encode_query
 from kvshare.events import events_from_arrow, events_to_arrow
 from kvshare.match import MatchResult, build_match
 from kvshare.types import BlockHash, Location, NodeId, Tier, WorkerId
@@ -67,7 +67,7 @@ class IndexClient:
 
     def _failed(self, exc: BaseException) -> None:
         """After a dead shard (``RayActorError``): look the shards up by name again, at most
-        every :data:`~actors.index.keeper.REFRESH_S`, when this client knows its namespace."""
+        every :data:`~kvshare.actors.index.names.REFRESH_S`, when this client knows its namespace."""
         if self.ray_namespace is None or not isinstance(exc, RayActorError):
             return
         now = time.monotonic()
@@ -226,7 +226,7 @@ class IndexClient:
         return from_runs(*await self.match_runs_async(namespace, hashes))
 
     async def match_runs_async(self, namespace: str, hashes: Sequence[BlockHash]) -> HolderRuns:
-        """:meth:`match_async` in run form ``(num_blocks, runs)`` (see :mod:`actors.index.runs`): what
+        """:meth:`match_async` in run form ``(num_blocks, runs)`` (see :mod:`kvshare.actors.index.runs`): what
         a shard sends anyway, so a router skips expanding it per block. Empty if unreachable."""
         try:
             if len(self.shards) == 1:

@@ -1,7 +1,7 @@
 """IndexFeed: the change stream a router-side replica of the index follows.
 
 Once a replica asks (:meth:`GlobalIndex.feed_since`), every change a shard's tables make is
-recorded as a *delta* (:data:`~actors.index.table.Delta`: store / remove / drop, locations by
+recorded as a *delta* (:data:`~kvshare.actors.index.table.Delta`: store / remove / drop, locations by
 name, hashes packed in one bytes): the effect after generations, sequence numbers and
 duplicates were judged, so a replica applies deltas without any of those rules and ends up
 with the same ``hash -> holders`` map. Deltas are numbered; the feed keeps the last
@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections import deque
 from typing import NamedTuple
 
-from actors.index.table import Delta
+from kvshare.actors.index.table import Delta
 
 MAX_DELTAS = 100_000
 """Deltas a shard keeps for replicas that fall behind (one per applied batch or removal)."""

@@ -8,7 +8,7 @@
   below the last applied seq are duplicates; a gap marks ``(namespace, location)`` for resync
   (the publisher then sends its whole inventory).
 
-Plain state of one :class:`~actors.index.global_index.GlobalIndex` (not thread-safe); it counts
+Plain state of one :class:`~kvshare.actors.index.global_index.GlobalIndex` (not thread-safe); it counts
 ``stale`` and ``gaps`` in the index's counters.
 """
 

@@ -1,10 +1,10 @@
 """GlobalIndex: which location holds which block, in which tier (plain class, no Ray).
 
 Per namespace ``hash -> holder state`` (an interned ``{location: tier}``, see
-:mod:`actors.index.holders`) plus a reverse map ``location -> hashes`` so a dead location goes at
+:mod:`kvshare.actors.index.holders`) plus a reverse map ``location -> hashes`` so a dead location goes at
 once. Rules (DESIGN.md, "Index and events"):
 
-- **Generations** and **sequence numbers** (:mod:`actors.index.fencing`): events of a stale
+- **Generations** and **sequence numbers** (:mod:`kvshare.actors.index.fencing`): events of a stale
   generation, and duplicates, are ignored; a newer generation replaces the location's entries;
   a gap in the seqs marks ``(namespace, location)`` for resync (the publisher then sends
   :meth:`replace_inventory`).
@@ -25,7 +25,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import pyarrow as pa
 
-from actors.index.arrow_io import (
+from kvshare.actors.index.arrow_io import (
     Row,
     StoredGroup,
     all_stored_one_tier,
@@ -40,16 +40,16 @@ from actors.index.arrow_io import (
     stored_group,
     validate_events,
 )
-from actors.index.feed import FeedReply, IndexFeed
-from actors.index.fencing import Fencing, check_location
-from actors.index.holders import TIER_BY_NAME, TIERS, HolderStates
-from actors.index.registry import WorkerRegistry
-from actors.index.runs import HolderRuns, Runs, from_runs
-from actors.index.table import BlockTable
-from actors.index.wire import decode_queries, decode_query, encode_answers, encode_runs
+from kvshare.actors.index.feed import FeedReply, IndexFeed
+from kvshare.actors.index.fencing import Fencing, check_location
+from kvshare.actors.index.holders import TIER_BY_NAME, TIERS, HolderStates
+from kvshare.actors.index.registry import WorkerRegistry
+from kvshare.actors.index.runs import HolderRuns, Runs, from_runs
+from kvshare.actors.index.table import BlockTable
+from kvshare.actors.index.wire import decode_queries, decode_query, encode_answers, encode_runs
 from kvshare.events import Event, EventKind
 from kvshare.match import MatchResult
-from kvshare.pool_types import check_namespace
+from kvshare.pool.types import check_namespace
 from kvshare.types import (
     BlockHash,
     Location,
@@ -360,7 +360,7 @@ class GlobalIndex:
         return from_runs(runs.num_blocks, runs.runs)
 
     def match_runs(self, namespace: str, hashes: Sequence[BlockHash]) -> HolderRuns:
-        """The match in its compact form ``(num_blocks, runs)`` (see :mod:`actors.index.runs`)."""
+        """The match in its compact form ``(num_blocks, runs)`` (see :mod:`kvshare.actors.index.runs`)."""
         ns = self._get_ns(namespace)  # the table checks the hashes as it reads them
         if isinstance(hashes, bytes | str):
             raise ValueError("hashes must be a list of block hashes (bytes), not one value")
@@ -375,13 +375,13 @@ class GlobalIndex:
         return ns.match_runs(blob)
 
     def match_query(self, query: bytes) -> bytes:
-        """:meth:`match_packed` in the wire format of :mod:`actors.index.wire`: one bytes
+        """:meth:`match_packed` in the wire format of :mod:`kvshare.actors.index.wire`: one bytes
         argument in, the pickled ``(num_blocks, runs)`` out (the cheapest Ray actor call)."""
         namespace, blob, hash_len = decode_query(query)
         return encode_runs(*self.match_packed(namespace, blob, hash_len))
 
     def match_queries(self, queries: bytes) -> bytes:
-        """Several :meth:`match_query` queries in one call (:func:`actors.index.wire.encode_queries`);
+        """Several :meth:`match_query` queries in one call (:func:`kvshare.actors.index.wire.encode_queries`);
         the reply pickles the list of ``(num_blocks, runs)``. Any bad query fails the call."""
         return encode_answers([self.match_packed(*decode_query(q)) for q in decode_queries(queries)])
 
@@ -447,7 +447,7 @@ class GlobalIndex:
 
     # ------------------------------------------------------------------ replicas
     def feed_since(self, cursor: int) -> FeedReply:
-        """The changes after ``cursor`` for a replica (see :mod:`actors.index.feed`); the
+        """The changes after ``cursor`` for a replica (see :mod:`kvshare.actors.index.feed`); the
         first call turns the feed on. ``deltas`` is None when the reader must start over
         from :meth:`feed_snapshot`."""
         self._expire_workers()
@@ -471,7 +471,7 @@ class GlobalIndex:
 
     def snapshot(self) -> pa.Table:
         """Every entry as rows (namespace, location, tier, hash, generation, seq)."""
-        from actors.index.arrow_io import snapshot_table
+        from kvshare.actors.index.arrow_io import snapshot_table
 
         entries = []
         names = self._s.loc_names
@@ -484,7 +484,7 @@ class GlobalIndex:
 
     def load_snapshot(self, table: pa.Table) -> int:
         """Warm-start from :meth:`snapshot` output; returns the number of entries loaded."""
-        from actors.index.arrow_io import inventory_groups
+        from kvshare.actors.index.arrow_io import inventory_groups
 
         n = 0
         for (ns_name, loc, gen, seq), batch in inventory_groups(table):

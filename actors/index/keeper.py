@@ -6,10 +6,11 @@ handle to it fails with ``ActorDiedError``. Then:
 
 - :class:`IndexKeeper` (run by the watcher every round) sees the name missing and starts a
   fresh shard under it; the new shard asks every pool to republish its inventory
-  (:meth:`actors.index.actor.IndexService.ask_pools_to_republish`), so its entries come back
+  (:meth:`kvshare.actors.index.actor.IndexService.ask_pools_to_republish`), so its entries come back
   without the old process;
-- :func:`resolve_shards` lets an :class:`~actors.index.client.IndexClient` holding dead handles
-  look the shards up by name again (it does so itself, at most every ``REFRESH_S``).
+- :func:`~kvshare.actors.index.names.resolve_shards` lets an
+  :class:`~kvshare.actors.index.client.IndexClient` holding dead handles look the shards up by
+  name again (it does so itself, at most every ``REFRESH_S``).
 
 Until then the index is unavailable, which callers already treat as a cache miss.
 
@@ -28,13 +29,12 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from actors.config import IndexConfig, index_name
+from kvshare.actors.config import IndexConfig, index_name
+from kvshare.actors.index.names import find_shard
 
 log = logging.getLogger(__name__)
 HEAD_RESOURCE = "node:__internal_head__"  # Ray gives the head node this resource
 
-REFRESH_S = 0.2
-"""An :class:`IndexClient` with a dead shard handle looks the names up at most this often."""
 
 
 def control_plane_placement() -> NodeAffinitySchedulingStrategy:
@@ -49,7 +49,7 @@ def control_plane_placement() -> NodeAffinitySchedulingStrategy:
 
 def start_shard(config: IndexConfig, scheduling_strategy: Any = None) -> Any:
     """The named, detached shard ``config.shard`` (an existing one is returned as it is)."""
-    from actors.index.actor import GlobalIndexActor
+    from kvshare.actors.index.actor import GlobalIndexActor
 
     options: dict[str, Any] = {
         "name": index_name(config.shard), "namespace": config.ray_namespace,
@@ -58,25 +58,6 @@ def start_shard(config: IndexConfig, scheduling_strategy: Any = None) -> Any:
     if scheduling_strategy is not None:
         options["scheduling_strategy"] = scheduling_strategy
     return GlobalIndexActor.options(**options).remote(config)
-
-
-def find_shard(ray_namespace: str, shard: int) -> Any | None:
-    """The live named handle of ``shard``, or None when no actor holds the name."""
-    try:
-        return ray.get_actor(index_name(shard), namespace=ray_namespace)
-    except ValueError:
-        return None
-
-
-def resolve_shards(ray_namespace: str, num_shards: int) -> list[Any] | None:
-    """Handles of all ``num_shards`` shards by name; None while any of them is missing."""
-    out = []
-    for i in range(num_shards):
-        handle = find_shard(ray_namespace, i)
-        if handle is None:
-            return None
-        out.append(handle)
-    return out
 
 
 class IndexKeeper:

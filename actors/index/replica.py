@@ -3,8 +3,8 @@
 As Dynamo's KV router and Ray Serve's KVAwareRouter do, a router can keep the block
 directory in its own process, so a routing decision costs no actor call. A background thread
 asks every shard for the deltas after its cursor (:meth:`GlobalIndex.feed_since
-<actors.index.global_index.GlobalIndex.feed_since>`, one call per shard and round, every
-``poll_s``) and applies them to local :class:`~actors.index.table.BlockTable` s; a shard that
+<kvshare.actors.index.global_index.GlobalIndex.feed_since>`, one call per shard and round, every
+``poll_s``) and applies them to local :class:`~kvshare.actors.index.table.BlockTable` s; a shard that
 restarted (new epoch) or a reader that fell behind the shard's feed starts over from
 snapshots of every shard. The replica therefore lags the actor index by about one round
 (``poll_s`` plus a round trip), the event batching delay, and is otherwise equal to it.
@@ -27,10 +27,10 @@ from typing import Any
 
 import ray
 
-from actors.index.feed import FeedReply
-from actors.index.holders import HolderStates
-from actors.index.runs import HolderRuns, from_runs
-from actors.index.table import BlockTable, Delta
+from kvshare.actors.index.feed import FeedReply
+from kvshare.actors.index.holders import HolderStates
+from kvshare.actors.index.runs import HolderRuns, from_runs
+from kvshare.actors.index.table import BlockTable, Delta
 from kvshare.match import MatchResult
 from kvshare.types import BlockHash, UnknownNamespace
 
@@ -71,7 +71,7 @@ class IndexReplica:
 
     @classmethod
     def follow(cls, client: Any, **options: Any) -> IndexReplica:
-        """A replica of the shards behind an :class:`~actors.index.client.IndexClient`."""
+        """A replica of the shards behind an :class:`~kvshare.actors.index.client.IndexClient`."""
         return cls(client.shards, **options)
 
     # ------------------------------------------------------------------ following

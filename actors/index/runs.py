@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from operator import itemgetter
 from typing import NamedTuple
 
-from actors.index.holders import TIERS
+from kvshare.actors.index.holders import TIERS
 from kvshare.match import LocationMatch, MatchResult
 from kvshare.types import Location, Tier
 
@@ -23,14 +23,14 @@ NamedItems = tuple[tuple[str, int], ...]
 Runs = list[tuple[NamedItems, int]]
 Holders = Sequence[tuple[str, int]]
 """``((location, tier code), ...)``: who holds a block, in which tier (codes of
-:data:`~actors.index.holders.TIER_CODES`, equal to ``Tier.rank``)."""
+:data:`~kvshare.actors.index.holders.TIER_CODES`, equal to ``Tier.rank``)."""
 _COUNT = itemgetter(1)  # a run's block count
 
 
 class HolderRuns(NamedTuple):
     """A match in run form: ``runs[j] = (holders, count)`` for consecutive blocks from block 0
     with the same holders, up to the combined prefix (what
-    :meth:`actors.index.global_index.GlobalIndex.match_runs` computes). ``unavailable``: why
+    :meth:`kvshare.actors.index.global_index.GlobalIndex.match_runs` computes). ``unavailable``: why
     the index could not answer (``""``: it answered), as in :class:`~kvshare.match.MatchResult`."""
 
     num_blocks: int

@@ -2,14 +2,14 @@
 
 Storage only: no generations, sequence numbers or workers (``GlobalIndex`` applies those
 rules and calls in here). Holder states are interned ints shared across namespaces
-(:class:`~actors.index.holders.HolderStates`); the map itself is a
+(:class:`~kvshare.actors.index.holders.HolderStates`); the map itself is a
 :class:`~kvshare.statemap.StateMap` (a C hash table where built): a hash whose last holder goes
 is deleted, so a lookup that finds nothing returns ``EMPTY``. There is no reverse map:
 dropping a location rewrites every state that names it in one pass over the table (rare: a
 pool or worker died or restarted), which keeps stores to one table write per hash.
 
 When :attr:`feed` is a list, every change is also appended to it as a *delta* that names
-locations by name and hashes packed in one bytes (see :mod:`actors.index.feed`): what a
+locations by name and hashes packed in one bytes (see :mod:`kvshare.actors.index.feed`): what a
 router-side replica applies to stay equal to this table.
 """
 
@@ -18,8 +18,8 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from actors.index.holders import HolderStates
-from actors.index.runs import Runs
+from kvshare.actors.index.holders import HolderStates
+from kvshare.actors.index.runs import Runs
 from kvshare.statemap import make_state_map
 from kvshare.types import BlockHash, Location, Tier
 
@@ -96,7 +96,7 @@ class BlockTable:
             raise ValueError(f"namespace {self.name!r}: {exc}") from None
 
     def match_runs(self, hashes: Sequence[BlockHash] | bytes) -> tuple[int, Runs]:
-        """``(num_blocks, runs)`` of the combined prefix (see :mod:`actors.index.runs`);
+        """``(num_blocks, runs)`` of the combined prefix (see :mod:`kvshare.actors.index.runs`);
         ``hashes`` may also be one bytes object of packed hashes (a wire query)."""
         if type(hashes) is list:  # (the common case first)
             n = len(hashes)

@@ -9,7 +9,7 @@ actor. So a match travels as:
 
 - query: ``u8 hash_len | u16 len(namespace) | namespace (utf-8) | hashes`` (the hashes
   concatenated, ``hash_len`` bytes each);
-- reply: the ``(num_blocks, runs)`` of :meth:`actors.index.global_index.GlobalIndex.match_runs`, pickled
+- reply: the ``(num_blocks, runs)`` of :meth:`kvshare.actors.index.global_index.GlobalIndex.match_runs`, pickled
   by the index itself (the same pickle Ray would use, minus Ray's per-object overhead).
 
 Several queries can share one call (:func:`encode_queries`: each query prefixed by its u32
@@ -22,7 +22,7 @@ import pickle
 import struct
 from typing import Any, cast
 
-from actors.index.runs import Runs
+from kvshare.actors.index.runs import Runs
 
 _HEAD = struct.Struct("<BH")
 _LEN = struct.Struct("<I")
@@ -39,7 +39,7 @@ def encode_query(namespace: str, blob: bytes, hash_len: int) -> bytes:
 def decode_query(query: bytes) -> tuple[str, bytes, int]:
     """``(namespace, hashes blob, hash_len)`` of :func:`encode_query`; ValueError if malformed."""
     if not isinstance(query, bytes) or len(query) < _HEAD.size:
-        raise ValueError("a match query is bytes from actors.index.wire.encode_query")
+        raise ValueError("a match query is bytes from kvshare.actors.index.wire.encode_query")
     hash_len, n = _HEAD.unpack_from(query)
     end = _HEAD.size + n
     if len(query) < end:
@@ -70,7 +70,7 @@ def encode_queries(queries: list[bytes]) -> bytes:
 def decode_queries(blob: bytes) -> list[bytes]:
     """The queries of :func:`encode_queries`; ValueError if the framing is broken."""
     if not isinstance(blob, bytes):
-        raise ValueError("a batch of match queries is bytes from actors.index.wire.encode_queries")
+        raise ValueError("a batch of match queries is bytes from kvshare.actors.index.wire.encode_queries")
     out, pos = [], 0
     while pos < len(blob):
         if pos + _LEN.size > len(blob):

@@ -10,7 +10,7 @@
   it with ``ray.remote`` to place workers on nodes); ``python -m kvshare.engines`` runs one.
 - :mod:`kvshare.engines.runtime`: ``WorkerRuntime`` (admission and hash check, load
   tracking, finish reasons), ``LoadReporter`` (register + load reports) and ``choose_cut``,
-  shared by the HTTP server and the Ray Serve deployment (:mod:`router.serve_app`).
+  shared by the HTTP server and the Ray Serve deployment (:mod:`kvshare.router.serve.app`).
 - :mod:`~kvshare.engines.openai_api`: the OpenAI request parsing. The cut policy is the
   library's :mod:`kvshare.cost_cut`.
 

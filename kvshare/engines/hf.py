@@ -129,7 +129,11 @@ class HFEngine:
     """A causal LM on one device, with prefill-from-cached-prefix and greedy decoding."""
 
     def __init__(self, config: EngineConfig | None = None) -> None:
-        from transformers import AutoModelForCausalLM, LlamaConfig
+        try:
+            from transformers import AutoModelForCausalLM, LlamaConfig
+        except ImportError:
+            raise ImportError("the reference engine needs transformers: "
+                              "pip install 'kvshare[reference]'") from None
 
         self.config = cfg = config or EngineConfig()
         if cfg.threads:

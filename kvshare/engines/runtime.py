@@ -1,7 +1,7 @@
 """The worker runtime: what every host of a reference worker does around the engine.
 
 The HTTP server (:mod:`kvshare.engines.server`) and the Ray Serve deployment
-(:mod:`router.serve_app`) differ only in how requests arrive; both hand them to one
+(:mod:`kvshare.router.serve.app`) differ only in how requests arrive; both hand them to one
 :class:`WorkerRuntime`, which
 
 - admits a request (:meth:`WorkerRuntime.admit`): the prompt plus ``max_tokens`` fit the
@@ -31,7 +31,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import TimeoutError as FutureTimeout
 
-from kvshare.client import CutPolicy, load_everything
+from kvshare.client.sdk import CutPolicy, load_everything
 from kvshare.cost import Source
 from kvshare.cost_cut import CostCut
 from kvshare.engines.hf import HFEngine

@@ -19,8 +19,8 @@ from typing import Any
 
 from kvshare.auth import WorkerAuth, cluster_secret
 from kvshare.breakdown import breakdown_of
-from kvshare.client import CutPolicy, KVShareClient
-from kvshare.client_types import SOURCE_AUTO
+from kvshare.client.sdk import CutPolicy, KVShareClient
+from kvshare.client.types import SOURCE_AUTO
 from kvshare.engines.hf import EngineConfig, HFEngine
 from kvshare.engines.runtime import CUT_POLICIES, choose_cut
 from kvshare.engines.server import WorkerServer

@@ -17,7 +17,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvshare.client_types import KVClient, LoadResult, Plan, StoreResult
+from kvshare.client.types import KVClient, LoadResult, Plan, StoreResult
 from kvshare.engines.hf import HFEngine, cache_layers
 from kvshare.kv_convert import new_contiguous
 from kvshare.types import BlockHash

@@ -24,7 +24,7 @@ import xxhash
 from kvshare.types import BlockHash, Tier
 
 try:  # optional C accelerator, built by `pip install -e .` where a compiler exists (setup.py)
-    from kvshare import _copy
+    from kvshare._native import _copy
 except ImportError:  # pragma: no cover - depends on the build
     _copy = None  # type: ignore[assignment]
 
@@ -34,7 +34,7 @@ STREAM_MIN_BYTES = 64 * 1024
 """Copies at least this long use streaming stores (where built); below it numpy's copy."""
 
 STREAMING_COPY: bool = _copy is not None and bool(_copy.NON_TEMPORAL)
-"""Whether :func:`copy_block` can bypass the cache (``kvshare._copy`` built on x86-64)."""
+"""Whether :func:`copy_block` can bypass the cache (``kvshare._native._copy`` built on x86-64)."""
 
 
 def copy_block(dst: ByteArray, src: ByteArray, stream: bool = True) -> None:

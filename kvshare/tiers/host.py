@@ -178,7 +178,7 @@ class HostSlab(TierStore):
     """``num_slots`` slots of ``slot_bytes`` each in one shared mapping.
 
     Block copies in and out use :func:`~kvshare.tiers.base.copy_block`: streaming
-    (non-temporal) stores where ``kvshare._copy`` is built, unless ``stream_copies=False``.
+    (non-temporal) stores where ``kvshare._native._copy`` is built, unless ``stream_copies=False``.
     """
 
     tier = Tier.HOST

@@ -8,7 +8,7 @@ reads them through each transport after a warm-up, in batches of two sizes, seve
 fits latency + bytes / bandwidth with a robust estimator (:func:`kvshare.transfer.estimate.fit`):
 the GB/s it returns is the copy rate a large prefix sees, not one small batch's.
 :class:`TransportBandwidths` holds the measured figures, lets a config override any of them, and ranks
-transports for :class:`~kvshare.transfer.fetch.PeerFetcher` and the router's cost model.
+transports for :class:`~kvshare.transfer.reader.fetch.PeerFetcher` and the router's cost model.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import numpy as np
 
 from kvshare.cost import bytes_per_s
 from kvshare.layout import KVLayout
-from kvshare.pool import TieredBlockPool
+from kvshare.pool.tiered import TieredBlockPool
 from kvshare.tiers.base import ByteArray
 from kvshare.transfer.base import Transport, call
 from kvshare.transfer.estimate import BandwidthEstimator, fit

@@ -13,7 +13,7 @@ transports deliver bytes intact (``cma`` is a kernel copy, RDMA NICs check a CRC
 TCP its own sums).
 
 The other way, :class:`LandingCheck`: the reader checksums each group of blocks the moment it
-landed, in a native thread (``kvshare._hashq``, no GIL) while the next group copies, so the
+landed, in a native thread (``kvshare._native._hashq``, no GIL) while the next group copies, so the
 check costs about one cache-warm hash of the last group and covers the wire and the reader's
 memory too. ``NixlTransport(end_to_end=True)`` uses it where the extension is built
 (``LANDING_CHECKS``); on a 2-core host the pool's check measured faster, so it stays the default.
@@ -39,11 +39,11 @@ log = logging.getLogger(__name__)
 
 
 def _bind_native() -> bool:
-    """Whether ``kvshare._hashq`` is built and computes the same xxh3-64 as block_checksum."""
+    """Whether ``kvshare._native._hashq`` is built and computes the same xxh3-64 as block_checksum."""
     try:
         import xxhash._xxhash as lib
 
-        from kvshare import _hashq
+        from kvshare._native import _hashq
     except ImportError:
         return False
     probe = bytes(range(256)) * 1031
@@ -153,7 +153,7 @@ class LandingCheck:
     """
 
     def __init__(self, capacity: int) -> None:
-        from kvshare import _hashq
+        from kvshare._native import _hashq
 
         self._queue: _hashq.HashQueue | None = _hashq.HashQueue(capacity)
         self._order: list[int] = []

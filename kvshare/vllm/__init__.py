@@ -1,5 +1,11 @@
-"""kvshare inside vLLM: the KV connector (``kvshare.vllm.connector``) and a tiny test model.
+"""kvshare inside vLLM, by role.
 
-Nothing here imports vLLM at package import time; ``kvshare.vllm.connector`` does (it is only
-loaded by vLLM's ``--kv-transfer-config``).
+- :mod:`kvshare.vllm.connector`: the KV connector vLLM loads (``--kv-transfer-config``), its
+  scheduler and worker sides and settings;
+- :mod:`kvshare.vllm.events`: vLLM's KV events re-hashed into share blocks, as the worker's
+  gpu tier;
+- :mod:`kvshare.vllm.server`: a vLLM server in the cluster (launch, load, registration);
+- :mod:`kvshare.vllm.router_hint`: what a kvshare router tells the engine about a request.
+
+Nothing here imports vLLM at package import time; the connector class does, when vLLM loads it.
 """

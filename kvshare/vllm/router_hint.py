@@ -3,7 +3,7 @@
 A router ranks a request on the index's answer for its blocks; the engine's connector would
 otherwise ask the index the same question again before scheduling the request, and on a busy
 engine a lookup that does not answer within ``lookup_wait_s`` holds the request for at least one
-engine step (:mod:`kvshare.vllm.lookup`). So the router forwards what it found, in vLLM's
+engine step (:mod:`kvshare.vllm.connector.lookup`). So the router forwards what it found, in vLLM's
 ``kv_transfer_params`` (a field of vLLM's OpenAI completion and chat bodies that reaches the
 connector as ``Request.kv_transfer_params``)::
 
@@ -17,7 +17,7 @@ connector as ``Request.kv_transfer_params``)::
   loads from): runs of ``count`` consecutive blocks from block 0 with the same pool holders
   (``location`` a pool's index location, ``tier`` its code: 1 host, 2 disk), up to the first
   block no pool held. With it the connector plans its load from the router's answer, exactly
-  as from its own index query (:meth:`kvshare.client.KVShareClient.plan_from`), and asks the
+  as from its own index query (:meth:`kvshare.client.sdk.KVShareClient.plan_from`), and asks the
   index nothing: the request is scheduled in the step it arrives. ``tip``: the first 8 bytes
   (hex) of the hash of the last block ``pools`` covers; a connector whose own hash of that
   block differs (another hashing of the prompt) ignores the hint (counted,
@@ -76,7 +76,7 @@ class Hint:
 def pool_runs(match: Any) -> WireRuns | None:
     """The ``pools`` field for an index answer: a :class:`~kvshare.match.MatchResult`, or one
     in run form (``.runs``: ``[(((location, tier code), ...), count), ...]``, as
-    :class:`actors.index.runs.HolderRuns`). Only pools (``node:`` locations) in host or disk
+    :class:`kvshare.actors.index.runs.HolderRuns`). Only pools (``node:`` locations) in host or disk
     tiers count (a worker's gpu tier is not loaded from); the runs stop at the first block no
     pool holds. None when that takes more than :data:`MAX_RUNS` runs."""
     out: WireRuns = []
@@ -123,7 +123,7 @@ def decode(kv_transfer_params: Any) -> Hint | None:
         raise ValueError(f"kv_transfer_params must be an object, got {type(kv_transfer_params).__name__}")
     hint = kv_transfer_params.get(KEY)
     if hint is None or (isinstance(hint, Mapping) and HELD not in hint and POOLS not in hint):
-        return None  # e.g. only the opt-out flag (kvshare.vllm.opt_out)
+        return None  # e.g. only the opt-out flag (kvshare.vllm.connector.opt_out)
     held = hint.get(HELD) if isinstance(hint, Mapping) else None
     if type(held) is not int or held < 0:
         raise ValueError(f"kv_transfer_params.{KEY}.{HELD} must be an int >= 0, got {held!r}")

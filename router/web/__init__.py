@@ -1,5 +1,5 @@
 """The live cluster page (``/dashboard``) served by the gateway and ``kvshare status --web``."""
 
-from router.web.routes import add_web_routes, status_app
+from kvshare.router.web.routes import add_web_routes, status_app
 
 __all__ = ["add_web_routes", "status_app"]

@@ -24,8 +24,14 @@ from typing import Any, Protocol
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 
-from router.embed import Tenant
-from router.web.view import NODE_DOWN, cluster_view, merge_workers, router_view, tenants_view
+from kvshare.router.core.embed import Tenant
+from kvshare.router.web.view import (
+    NODE_DOWN,
+    cluster_view,
+    merge_workers,
+    router_view,
+    tenants_view,
+)
 
 PAGE = Path(__file__).with_name("page.html")
 FORGET_S = 600.0  # a node that left the cluster is shown down this long, then dropped
@@ -33,7 +39,7 @@ TenantOf = Callable[[Request], "Tenant | JSONResponse"]
 
 
 class ClusterStatus(Protocol):
-    """The cluster's status snapshot and node liveness (:class:`actors.admin.ClusterAdmin`)."""
+    """The cluster's status snapshot and node liveness (:class:`kvshare.actors.admin.ClusterAdmin`)."""
 
     def status(self, timeout_s: float = 5.0) -> dict[str, Any]: ...
 

@@ -1,6 +1,6 @@
 """What the live page shows, as one JSON object built from data kvshare already exposes.
 
-:func:`cluster_view` reshapes an :func:`actors.deploy.status` snapshot (the one ``kvshare status
+:func:`cluster_view` reshapes an :func:`kvshare.actors.deploy.status` snapshot (the one ``kvshare status
 --json`` prints and the Prometheus collector reads): per node its state, tiers (used/capacity,
 blocks, hit rate, evictions, demotions) and probed bandwidths per transport and peer; the
 index shards; the registered workers. :func:`router_view` adds a router's side (gateway only):

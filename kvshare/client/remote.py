@@ -1,0 +1,120 @@
+"""Which transport brings other nodes' blocks to one worker: ``nixl`` or ``objstore``.
+
+A ``remote="auto"`` worker takes the faster of the two by the bandwidths its node's pool
+measured (GB/s per transport), with ``KVSHARE_BANDWIDTH_GBPS`` in the process overriding
+them, and later by its own timed loads. nixl only if the worker's NIXL agent started; nixl
+while nothing is known. A cut policy that takes bandwidths (``CostCut``) gets the figures
+the choice was made on.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Mapping
+
+from kvshare.client.types import SOURCE_NIXL, SOURCE_OBJSTORE
+from kvshare.cost import bytes_per_s
+from kvshare.transfer.estimate import BandwidthEstimator
+from kvshare.transfer.probe import TransportBandwidths, parse_overrides
+
+log = logging.getLogger(__name__)
+
+AUTO_WAIT_S = 120.0
+"""How long a ``remote="auto"`` client keeps asking for its node's first bandwidth probe."""
+REFINE_EVERY = 8
+"""Loads between two refinements of the bandwidths from this worker's own timed transfers."""
+REFINE_MIN_SAMPLES = 4
+"""Timed batches of a transport (>= 1 MiB each) before they replace the probe's figure."""
+
+BandwidthSource = Callable[[], Mapping[str, float]] | Mapping[str, float]
+"""GB/s per transport (``nixl``, ``objstore``, ...), or a callable returning them."""
+
+
+class RemoteChoice:
+    """The remote transport of one worker (``remote``) and the GB/s it was chosen on.
+
+    ``nixl_up``: the worker's NIXL agent started. ``auto``: choose by bandwidths (else the
+    transport stays what the worker asked for: nixl when up, objstore otherwise).
+    ``source``: the node's measured figures. ``cut_policy``: the worker's cut policy (fed the
+    figures when it has ``set_bandwidths``). ``name``: the worker, for logs.
+    """
+
+    def __init__(self, *, nixl_up: bool, auto: bool, source: BandwidthSource | None,
+                 cut_policy: object, name: str) -> None:
+        self.overrides = parse_overrides(os.environ.get("KVSHARE_BANDWIDTH_GBPS", ""))
+        self.nixl_up = nixl_up
+        self.auto = auto
+        self.remote = SOURCE_NIXL if nixl_up else SOURCE_OBJSTORE
+        self.bandwidths: dict[str, float] = {}  # GB/s the auto choice was made on
+        self.estimator = BandwidthEstimator(32)  # this worker's own loads, per transport/peer
+        self.cut_policy = cut_policy
+        self._source = source
+        self._name = name
+        self._loads = 0
+
+    def start(self, closed: threading.Event) -> None:
+        """Make the first choice; while the node's probe has not reported, keep asking on a
+        thread (for :data:`AUTO_WAIT_S`, or until ``closed`` is set)."""
+        if self.auto and not self.choose() and callable(self._source):
+            threading.Thread(target=self._await_probe, args=(closed,), name="kvshare-bandwidths",
+                             daemon=True).start()
+
+    def choose(self) -> bool:
+        """Pick :attr:`remote` from the bandwidths: objstore only when it is measured (or
+        overridden) faster than nixl, or when NIXL did not start. Returns True once both
+        figures are known (or NIXL is out), False while the node's probe has not reported yet
+        (the choice then stays nixl)."""
+        src = self._source
+        try:
+            measured = dict(src() if callable(src) else (src or {}))
+        except Exception as exc:  # pool busy or gone: keep the current choice
+            log.info("bandwidths unavailable for %s: %s", self._name, exc)
+            measured = {}
+        bw = TransportBandwidths({k: float(v) for k, v in measured.items()}, dict(self.overrides))
+        self.bandwidths = bw.as_dict()
+        if not self.nixl_up:
+            self.remote = SOURCE_OBJSTORE
+            self._feed_cut_policy()
+            return True
+        faster = bw.get(SOURCE_OBJSTORE) > bw.get(SOURCE_NIXL)
+        self.remote = SOURCE_OBJSTORE if faster else SOURCE_NIXL
+        self._feed_cut_policy()
+        return {SOURCE_NIXL, SOURCE_OBJSTORE} <= set(self.bandwidths)
+
+    def loaded(self) -> None:
+        """One load done: every :data:`REFINE_EVERY` loads, :meth:`refine`."""
+        self._loads += 1
+        if self._loads % REFINE_EVERY == 0:
+            self.refine()
+
+    def refine(self) -> dict[str, float]:
+        """Replace the probe's GB/s by this worker's own timed loads where it has at least
+        :data:`REFINE_MIN_SAMPLES` of a transport (overrides still win), and give them to the
+        cut policy; returns the figures in use."""
+        live = {t: self.estimator.estimate(t) for t in self.estimator.transports()}
+        for name, est in live.items():
+            if est.samples >= REFINE_MIN_SAMPLES and est.gbps > 0:
+                self.bandwidths[name] = self.overrides.get(name, est.gbps)
+        self._feed_cut_policy()
+        return dict(self.bandwidths)
+
+    def _feed_cut_policy(self) -> None:
+        """The measured bandwidths in bytes/s, the remote figure being the chosen transport's."""
+        setter = getattr(self.cut_policy, "set_bandwidths", None)
+        if not callable(setter) or not self.bandwidths:
+            return
+        gbps = {k: v for k, v in self.bandwidths.items() if k not in (SOURCE_NIXL, SOURCE_OBJSTORE)}
+        if self.remote in self.bandwidths:
+            gbps[self.remote] = self.bandwidths[self.remote]
+        setter(bytes_per_s(gbps))
+
+    def _await_probe(self, closed: threading.Event) -> None:
+        deadline = time.monotonic() + AUTO_WAIT_S
+        while not closed.wait(1.0) and time.monotonic() < deadline:
+            if self.choose():
+                log.info("%s: remote transport %s (GB/s %s)", self._name, self.remote,
+                         self.bandwidths)
+                return

@@ -1,0 +1,59 @@
+"""The body a gateway forwards to a worker, by the worker's engine.
+
+- kvshare workers (the reference worker, SDK engines): the client's body plus the ``kvshare``
+  field (token ids, namespace, block hashes, tenant, cache salt), so they never re-tokenize.
+- vLLM servers (``WorkerInfo.meta["engine"] == "vllm"``, registered by
+  :mod:`kvshare.vllm.server.worker`): vLLM's own fields. Completions carry the gateway's token ids as
+  ``prompt`` (vLLM takes a list of ids); the tenant's salt travels as vLLM's ``cache_salt``, so
+  vLLM's prefix cache and its KV events are keyed per tenant exactly as the gateway hashed;
+  ``model`` is the served model name. Chat requests keep their ``messages`` (vLLM's schema
+  needs them) and carry the gateway's token ids, rendered with the model's chat template, as
+  ``kv_transfer_params.prompt_token_ids``: vLLM (>= 0.32) then prefills exactly those ids
+  without rendering the messages again (``renderers/online_renderer.py``), so the blocks the
+  router hashed are the blocks vLLM caches. Both carry the router hint in
+  ``kv_transfer_params`` (:mod:`kvshare.vllm.router_hint`: how much of the prompt the cluster
+  held when it was routed, and which pools held it), so the engine's connector plans its load
+  from the router's index answer and does not ask the index again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from kvshare.router.core.embed import Routed
+from kvshare.workers import WorkerInfo
+
+
+def is_vllm(info: WorkerInfo | None) -> bool:
+    return info is not None and info.meta.get("engine") == "vllm"
+
+
+def forward_body(body: Mapping[str, Any], routed: Routed, info: WorkerInfo | None,
+                 chat: bool, deadline_s: float | None = None) -> dict[str, Any]:
+    """What to POST to the chosen worker for the client's ``body``; ``deadline_s``: the
+    seconds left of the request's deadline (a reference worker ends generation there; vLLM
+    has no such field: the gateway closes the stream at the deadline instead)."""
+    # the salt is the tenant's, the KV connector's parameters and the deadline the gateway's
+    out = {k: v for k, v in body.items()
+           if k not in ("kvshare", "cache_salt", "kv_transfer_params", "deadline_s")}
+    if not is_vllm(info):
+        kv = routed.kvshare_field()
+        if deadline_s is not None:
+            kv["deadline_s"] = round(max(deadline_s, 0.001), 3)
+        return {**out, "kvshare": kv}
+    assert info is not None
+    out["model"] = info.meta.get("model", out.get("model"))
+    if routed.tenant.salt:
+        out["cache_salt"] = routed.tenant.salt
+    params: dict[str, Any] = {}
+    hint = routed.vllm_hint()
+    if hint is not None:
+        params.update(hint)
+    if not chat:
+        out["prompt"] = routed.token_list()
+    else:
+        params["prompt_token_ids"] = routed.token_list()
+    if params:
+        out["kv_transfer_params"] = params
+    return out
