@@ -8,9 +8,9 @@ model's estimate for it) and every candidate's :class:`Estimate`, best first.
 
 - ``round_robin``, ``least_loaded``: baselines that ignore the cache.
 - peers' rules as they ship today, one module each: ``ray_prefix`` (Ray Serve LLM's
-  PrefixCacheAffinityRouter, :mod:`kvshare.router.sim.peers.ray_prefix`), ``dynamo_kv`` (NVIDIA Dynamo's KV
-  router cost, :mod:`kvshare.router.sim.peers.dynamo`), ``llmd_precise`` (llm-d's precise prefix scorer,
-  :mod:`kvshare.router.sim.peers.llmd`). The older names ``prefix_affinity`` and ``kv_overlap`` are
+  PrefixCacheAffinityRouter, :mod:`kvshare.router.core.baselines.ray_prefix`), ``dynamo_kv`` (NVIDIA Dynamo's KV
+  router cost, :mod:`kvshare.router.core.baselines.dynamo`), ``llmd_precise`` (llm-d's precise prefix scorer,
+  :mod:`kvshare.router.core.baselines.llmd`). The older names ``prefix_affinity`` and ``kv_overlap`` are
   aliases of ``ray_prefix`` and ``dynamo_kv`` (:data:`ALIASES`).
 - ``cost`` (default): estimated TTFT = queue wait + the cost model's best plan (fetch from
   the worker's gpu/node/other nodes + prefill of the rest, see :mod:`kvshare.cost`).
@@ -898,6 +898,6 @@ def make_policy(
 
 
 # Peers' rules subclass Policy, so they register after it exists.
-from kvshare.router.sim.peers import PEER_POLICIES  # noqa: E402
+from kvshare.router.core.baselines import PEER_POLICIES  # noqa: E402
 
 POLICIES.update(PEER_POLICIES)

@@ -37,9 +37,9 @@ from collections import OrderedDict
 from typing import ClassVar
 
 from kvshare.cost import CostModel
+from kvshare.router.core.baselines.rule import PeerRule
 from kvshare.router.core.policy import Candidate, Decision, RouteRequest
 from kvshare.router.core.sources import Sharing, SourceMap
-from kvshare.router.sim.peers.rule import PeerRule
 from kvshare.types import BlockHash, WorkerId
 
 

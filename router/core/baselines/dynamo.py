@@ -32,9 +32,14 @@ import random
 from typing import ClassVar
 
 from kvshare.cost import CostModel
+from kvshare.router.core.baselines.rule import (
+    PeerRule,
+    own_prefix_weight,
+    pick_tie,
+    require_weights,
+)
 from kvshare.router.core.policy import Candidate, RouteRequest
 from kvshare.router.core.sources import Sharing, SourceMap
-from kvshare.router.sim.peers.rule import PeerRule, own_prefix_weight, pick_tie, require_weights
 
 
 class DynamoKv(PeerRule):
