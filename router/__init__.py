@@ -6,8 +6,7 @@ Names are imported lazily (``router.CacheAwareRouter`` loads :mod:`kvshare.route
 
 from __future__ import annotations
 
-from importlib import import_module
-from typing import Any
+from kvshare.lazy import lazy_exports
 
 _EXPORTS = {
     "CacheAwareRouter": "kvshare.router.core.embed",
@@ -29,9 +28,4 @@ _EXPORTS = {
 }
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'kvshare.router' has no attribute {name!r}")
-    return getattr(import_module(module), name)
+__getattr__ = lazy_exports(__name__, _EXPORTS)

@@ -11,8 +11,7 @@ Names are imported lazily: ``from kvshare.client import KVShareClient`` loads th
 
 from __future__ import annotations
 
-from importlib import import_module
-from typing import Any
+from kvshare.lazy import lazy_exports
 
 _EXPORTS = {
     "KVShareClient": "kvshare.client.sdk",
@@ -20,9 +19,4 @@ _EXPORTS = {
 }
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'kvshare.client' has no attribute {name!r}")
-    return getattr(import_module(module), name)
+__getattr__ = lazy_exports(__name__, _EXPORTS)

@@ -8,8 +8,7 @@
 
 from __future__ import annotations
 
-from importlib import import_module
-from typing import Any
+from kvshare.lazy import lazy_exports
 
 _EXPORTS = {
     "TieredBlockPool": "kvshare.pool.tiered",
@@ -18,9 +17,4 @@ _EXPORTS = {
 }
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'kvshare.pool' has no attribute {name!r}")
-    return getattr(import_module(module), name)
+__getattr__ = lazy_exports(__name__, _EXPORTS)

@@ -11,17 +11,11 @@ side (:mod:`~kvshare.vllm.connector.worker_side`) copies between vLLM's pages
 
 from __future__ import annotations
 
-from importlib import import_module
-from typing import Any
+from kvshare.lazy import lazy_exports
 
 _EXPORTS = {
     "KVShareConnector": "kvshare.vllm.connector.kv_connector",
 }
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'kvshare.vllm.connector' has no attribute {name!r}")
-    return getattr(import_module(module), name)
+__getattr__ = lazy_exports(__name__, _EXPORTS)
