@@ -66,7 +66,7 @@ class ConnectorSettings:
     """``kv_connector_extra_config``, validated."""
 
     namespace: str = field(metadata={"doc": (
-        "Required. The kvshare namespace this model's blocks live in, as deployed by "
+        "The kvshare namespace this model's blocks live in, as deployed by "
         "`kvshare up --namespace NAME --layout MODEL/config.json --dtype DTYPE --block-tokens N`.")})
     ray_address: str = field(default="", metadata={"doc": (
         "The Ray cluster to join (`auto`, `HOST:PORT`); not needed when the engine already "
