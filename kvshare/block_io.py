@@ -1,4 +1,4 @@
-"""Engine KV memory: what a load fills (:data:`KVTarget`) and a store reads (:data:`KVSource`).
+"""Engine KV memory: what a load fills (:data:`KVTarget`) and a store reads (:data:`StorableKV`).
 
 The SDK converts two engine shapes on its own (a contiguous tensor and :class:`PagedKV`,
 see :mod:`kvshare.kv_convert`). An engine whose memory looks different (vLLM's CPU
@@ -100,5 +100,5 @@ class PagedKV:
 KVTarget = torch.Tensor | PagedKV | BlockIO
 """Contiguous ``[layers, 2, kv_heads, tokens, head_dim]`` tensor, or paged KV."""
 
-KVSource = torch.Tensor | PagedKV | BlockIO | Sequence[tuple[torch.Tensor, torch.Tensor]]
+StorableKV = torch.Tensor | PagedKV | BlockIO | Sequence[tuple[torch.Tensor, torch.Tensor]]
 """What ``store`` accepts: a KVTarget, or per-layer ``(keys, values)`` ``[1, H, T, D]``."""

@@ -22,7 +22,7 @@ from kvshare.hashing import namespace_root
 from kvshare.kv_convert import block_view, new_contiguous
 from kvshare.layout import KVLayout
 from kvshare.transfer.holder.local import make_local_source
-from kvshare.transfer.holder.source import BlockSource
+from kvshare.transfer.holder.server import BlockServer
 from kvshare.transfer.reader.control import LocalControl
 
 LAYOUT = KVLayout(2, 2, 16, "fp32", block_tokens=8)
@@ -34,7 +34,7 @@ class Cluster:
 
     def __init__(self, namespace: str, nixl: bool) -> None:
         self.ns = namespace
-        self.sources: dict[str, BlockSource] = {
+        self.sources: dict[str, BlockServer] = {
             n: make_local_source(namespace, n, LAYOUT, 32, nixl=nixl) for n in ("A", "B")
         }
         self.index = GlobalIndex()

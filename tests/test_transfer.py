@@ -1,6 +1,6 @@
 """Transports in one process (no Ray): one conformance suite run against shm, nixl and objstore.
 
-Sources are real pools over named /dev/shm slabs (and disk), served by BlockSource through
+Sources are real pools over named /dev/shm slabs (and disk), served by BlockServer through
 LocalControl; NIXL runs for real (two UCX agents in this process).
 """
 
@@ -28,7 +28,7 @@ from kvshare.transfer.base import (
     TransportUnavailable,
 )
 from kvshare.transfer.holder.local import make_local_pool, make_local_source
-from kvshare.transfer.holder.source import BlockSource
+from kvshare.transfer.holder.server import BlockServer
 from kvshare.transfer.nixl_agent import make_agent
 from kvshare.transfer.node_api import TransferService
 from kvshare.transfer.probe import TransportBandwidths, parse_overrides, probe
@@ -54,7 +54,7 @@ def payload(i: int) -> np.ndarray:
 
 
 @pytest.fixture(scope="module")
-def source(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BlockSource]:
+def source(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BlockServer]:
     disk = tmp_path_factory.mktemp("disk")
     src = make_local_source(
         f"ut{os.getpid()}", NODE, LAYOUT, 1200, disk_dir=str(disk), disk_blocks=64
@@ -81,14 +81,14 @@ def transports() -> Iterator[dict[str, Transport]]:
 NAMES = ["shm", "nixl", "objstore"]
 
 
-def consistent(src: BlockSource) -> None:
+def consistent(src: BlockServer) -> None:
     st = src.pool.stats()
     assert st["active_leases"] == 0 and st["pinned_blocks"] == 0, st
 
 
 @pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize("n", [1, 64, 1000])
-def test_read_batches_byte_identical(source: BlockSource, transports: dict[str, Transport], name: str, n: int) -> None:
+def test_read_batches_byte_identical(source: BlockServer, transports: dict[str, Transport], name: str, n: int) -> None:
     dest = np.zeros((n, B), np.uint8)
     res = transports[name].read(LocalControl(source), [h(i) for i in range(n)], list(dest))
     assert res.ok and res.num_ok == n and res.nbytes == n * B
@@ -97,7 +97,7 @@ def test_read_batches_byte_identical(source: BlockSource, transports: dict[str, 
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_mixed_batch_reports_exactly_the_missing(source: BlockSource, transports: dict[str, Transport], name: str) -> None:
+def test_mixed_batch_reports_exactly_the_missing(source: BlockServer, transports: dict[str, Transport], name: str) -> None:
     ids = [3, 9999, 5, 8888, 7]
     dest = np.zeros((len(ids), B), np.uint8)
     res = transports[name].read(LocalControl(source), [h(i) for i in ids], list(dest))
@@ -110,7 +110,7 @@ def test_mixed_batch_reports_exactly_the_missing(source: BlockSource, transports
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_flipped_byte_in_slab_is_corrupt_and_dropped(source: BlockSource, transports: dict[str, Transport], name: str) -> None:
+def test_flipped_byte_in_slab_is_corrupt_and_dropped(source: BlockServer, transports: dict[str, Transport], name: str) -> None:
     victim = h(1000 + NAMES.index(name), 7)
     assert source.pool.put(victim, payload(5))
     lease = source.pool.pin([victim], "test")[0]
@@ -154,7 +154,7 @@ def test_flipped_byte_in_disk_file_is_corrupt(tmp_path: Path, transports: dict[s
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_one_millisecond_deadline(source: BlockSource, transports: dict[str, Transport], name: str) -> None:
+def test_one_millisecond_deadline(source: BlockServer, transports: dict[str, Transport], name: str) -> None:
     dest = np.zeros((1000, B), np.uint8)
     res = transports[name].read(LocalControl(source), [h(i) for i in range(1000)], list(dest), deadline_s=0.001)
     assert res.reasons().get(DEADLINE, 0) > 0 and set(res.reasons()) == {DEADLINE}
@@ -165,7 +165,7 @@ def test_one_millisecond_deadline(source: BlockSource, transports: dict[str, Tra
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_write_then_read_back(source: BlockSource, transports: dict[str, Transport], name: str) -> None:
+def test_write_then_read_back(source: BlockServer, transports: dict[str, Transport], name: str) -> None:
     tag = 10 + NAMES.index(name)
     hs = [h(i, tag) for i in range(20)] + [h(0)]  # the last one is already present
     res = transports[name].write(LocalControl(source), hs, [payload(i + 50) for i in range(20)] + [payload(0)])
@@ -177,7 +177,7 @@ def test_write_then_read_back(source: BlockSource, transports: dict[str, Transpo
     source.pool.remove(hs[:-1])
 
 
-def test_shm_straight_copies_move_the_slots_bytes(source: BlockSource) -> None:
+def test_shm_straight_copies_move_the_slots_bytes(source: BlockServer) -> None:
     """``copy`` instead of buffers: a read hands the caller the slab rows of exactly the blocks
     it holds (the missing one is a miss), a write fills the reserved slots from the caller."""
     shm = ShmTransport(NODE, verify=True)
@@ -208,7 +208,7 @@ def test_shm_straight_copies_move_the_slots_bytes(source: BlockSource) -> None:
     shm.close()
 
 
-def test_bad_input_names_the_fix(source: BlockSource, transports: dict[str, Transport]) -> None:
+def test_bad_input_names_the_fix(source: BlockServer, transports: dict[str, Transport]) -> None:
     for t in transports.values():
         with pytest.raises(ValueError, match="one buffer per block"):
             t.read(LocalControl(source), [h(0), h(1)], [np.zeros(B, np.uint8)])
@@ -284,7 +284,7 @@ def test_shm_read_whose_lease_expired_during_the_copy_is_a_miss(shared_epochs: b
         PoolConfig(ns, LAYOUT, (TierSpec(Tier.HOST, 4 * B),), lease_ttl_s=1.0),
         {Tier.HOST: slab}, clock=lambda: now[0],
     )
-    src = BlockSource(pool, "ut-e", nixl=False)
+    src = BlockServer(pool, "ut-e", nixl=False)
 
     class SlowReader(LocalControl):
         def prepare_read(self, hashes: Sequence[BlockHash], holder: str, ttl_s: float) -> Reply[SlotReply]:
@@ -333,7 +333,7 @@ def test_fetch_tries_another_holder_when_the_first_is_dead(transports: dict[str,
         alive.pool.close()
 
 
-def test_probe_measures_and_overrides(source: BlockSource, transports: dict[str, Transport]) -> None:
+def test_probe_measures_and_overrides(source: BlockServer, transports: dict[str, Transport]) -> None:
     dest = np.zeros((4, B), np.uint8)
     gbps = probe(transports, LocalControl(source), list(dest), repeats=2)
     assert set(gbps) == set(NAMES) and all(v > 0 for v in gbps.values())
@@ -369,7 +369,7 @@ def test_node_measures_its_peers_and_config_overrides_win() -> None:
 class CountingControl(LocalControl):
     """LocalControl counting the pool round trips a reader waits on (prepare_read)."""
 
-    def __init__(self, source: BlockSource) -> None:
+    def __init__(self, source: BlockServer) -> None:
         super().__init__(source)
         self.prepares = 0
 

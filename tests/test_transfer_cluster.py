@@ -24,9 +24,9 @@ from kvshare.layout import KVLayout
 from kvshare.transfer.base import (
     CORRUPT,
     DEADLINE,
+    HOLDER_DEAD,
     MISSING,
     NIXL_UNAVAILABLE,
-    SOURCE_DEAD,
     Transport,
     TransportUnavailable,
 )
@@ -505,11 +505,11 @@ def test_source_node_dies_mid_transfer(kv: dict[str, Any]) -> None:
         cluster.remove_node(node)
         t0 = time.monotonic()
         out = ray.get(rt.collect.remote())
-        assert {r for r, _ in out} == {SOURCE_DEAD}, {r for r, _ in out}
+        assert {r for r, _ in out} == {HOLDER_DEAD}, {r for r, _ in out}
         assert time.monotonic() - t0 < 5.0
         for name in ("nixl", "nixl_push", "objstore"):
             out = ray.get(rt.read.remote(name, small, "xfer-dies", "d", list(range(64)), 10.0))
-            assert {r for r, _ in out} == {SOURCE_DEAD}, name
+            assert {r for r, _ in out} == {HOLDER_DEAD}, name
         assert time.monotonic() - t0 < 10.0
         assert_consistent(kv["pb"])
     finally:

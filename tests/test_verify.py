@@ -16,7 +16,7 @@ from kvshare.tiers.base import block_checksum
 from kvshare.tiers.host import HostSlab
 from kvshare.transfer.base import CORRUPT, Transport
 from kvshare.transfer.holder.local import make_local_source
-from kvshare.transfer.holder.source import BlockSource
+from kvshare.transfer.holder.server import BlockServer
 from kvshare.transfer.reader import nixl
 from kvshare.transfer.reader.control import LocalControl
 from kvshare.transfer.reader.nixl import NixlTransport
@@ -36,7 +36,7 @@ def payload(i: int) -> np.ndarray:
 
 
 @pytest.fixture(scope="module")
-def source() -> Iterator[BlockSource]:
+def source() -> Iterator[BlockServer]:
     src = make_local_source(f"uv{os.getpid()}", "uv-a", LAYOUT, 64, nixl=True)
     for i in range(8):
         assert src.pool.put(h(i), payload(i))
@@ -56,7 +56,7 @@ def reader(request: pytest.FixtureRequest) -> Iterator[Transport]:
     t.close()
 
 
-def rot(src: BlockSource, block: BlockHash) -> None:
+def rot(src: BlockServer, block: BlockHash) -> None:
     lease = src.pool.pin([block], "test")[0]
     assert lease is not None and lease.tier == Tier.HOST
     src.pool.unpin([lease.lease_id])
@@ -65,7 +65,7 @@ def rot(src: BlockSource, block: BlockHash) -> None:
     slab.array[lease.slot, B - 1] ^= 0x10
 
 
-def test_rotten_slot_is_a_corrupt_miss_and_dropped(source: BlockSource, reader: Transport) -> None:
+def test_rotten_slot_is_a_corrupt_miss_and_dropped(source: BlockServer, reader: Transport) -> None:
     victim = h(reader.victim)  # type: ignore[attr-defined]
     assert source.pool.put(victim, payload(5))
     rot(source, victim)
@@ -78,7 +78,7 @@ def test_rotten_slot_is_a_corrupt_miss_and_dropped(source: BlockSource, reader: 
     assert st["active_leases"] == 0 and st["pinned_blocks"] == 0
 
 
-def test_intact_reads_leave_no_checksums_pending(source: BlockSource, reader: Transport) -> None:
+def test_intact_reads_leave_no_checksums_pending(source: BlockServer, reader: Transport) -> None:
     dest = np.zeros((8, B), np.uint8)
     for _ in range(3):
         assert reader.read(LocalControl(source), [h(i) for i in range(8)], list(dest)).ok
@@ -109,7 +109,7 @@ def test_verifier_names_the_failed_lease_and_forgets_abandoned_holders() -> None
 
 
 def test_rot_in_one_of_many_groups_is_the_only_miss(
-    source: BlockSource, monkeypatch: pytest.MonkeyPatch
+    source: BlockServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A read in several transfers (2 blocks each), hashed group by group as they land."""
     if not LANDING_CHECKS:
@@ -151,7 +151,7 @@ def test_landing_check_sums_equal_block_checksums() -> None:
     q.close()
 
 
-def test_a_read_records_where_its_time_went(source: BlockSource, reader: Transport) -> None:
+def test_a_read_records_where_its_time_went(source: BlockServer, reader: Transport) -> None:
     """Per-stage timings (benchmarks/nixl_stages.py reads them): every stage of a read that
     moved blocks, each non-negative, together no longer than the read."""
     dest = np.zeros((4, B), np.uint8)

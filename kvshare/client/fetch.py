@@ -14,8 +14,8 @@ from collections.abc import Callable
 
 import numpy as np
 
-from kvshare.client.types import SOURCE_NIXL, SOURCE_SHM, Plan
-from kvshare.transfer.base import NIXL_UNAVAILABLE, SOURCE_DEAD, Transfer, Transport
+from kvshare.client.types import TRANSPORT_NIXL, TRANSPORT_SHM, Plan
+from kvshare.transfer.base import HOLDER_DEAD, NIXL_UNAVAILABLE, Transfer, Transport
 from kvshare.transfer.estimate import BandwidthEstimator
 from kvshare.transfer.reader.objstore import ObjStoreTransport
 from kvshare.transfer.reader.shm import KnownSlots, ShmTransport, SlotCopy
@@ -80,9 +80,9 @@ class BlockFetcher:
         return control
 
     def transport(self, name: str) -> Transport:
-        if name == SOURCE_SHM:
+        if name == TRANSPORT_SHM:
             return self.shm
-        if name == SOURCE_NIXL and self.nixl is not None:
+        if name == TRANSPORT_NIXL and self.nixl is not None:
             return self.nixl
         return self.objstore
 
@@ -103,7 +103,7 @@ class BlockFetcher:
             control = self.control(node)
             if control is None:
                 for i in idx:
-                    reasons[i] = SOURCE_DEAD
+                    reasons[i] = HOLDER_DEAD
                 continue
             tr = self.transport(transport)
             hs = [plan.blocks[i].block_hash for i in idx]
@@ -124,7 +124,7 @@ class BlockFetcher:
                 reasons[i] = "" if o.ok else o.reason
             if tr is self.nixl and all(reasons[i] == NIXL_UNAVAILABLE for i in idx):
                 retry.append((plan.blocks[idx[0]].location, idx))
-            if all(reasons[i] == SOURCE_DEAD for i in idx):  # look the pool up again next time
+            if all(reasons[i] == HOLDER_DEAD for i in idx):  # look the pool up again next time
                 self._controls.pop(plan.blocks[idx[0]].location.removeprefix("node:"), None)
         for loc, idx in retry:  # the holder has no NIXL agent: the object store always works
             control = self.control(loc.removeprefix("node:"))

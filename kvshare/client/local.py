@@ -16,8 +16,8 @@ from typing import Any
 import numpy as np
 
 from kvshare import kv_convert
-from kvshare.block_io import KVSource, KVTarget
-from kvshare.client.types import SOURCE_LOCAL, LoadResult, Plan, PlannedBlock, StoreResult
+from kvshare.block_io import KVTarget, StorableKV
+from kvshare.client.types import TRANSPORT_LOCAL, LoadResult, Plan, PlannedBlock, StoreResult
 from kvshare.hasher import Hasher
 from kvshare.pool.tiered import TieredBlockPool
 from kvshare.pool.types import AlreadyPresent, Reserved
@@ -54,7 +54,7 @@ class LocalKVClient:
             tier = self.pool.tier_of(h)
             if tier is None:  # evicted since prefix_len
                 break
-            blocks.append(PlannedBlock(h, loc, tier, SOURCE_LOCAL))
+            blocks.append(PlannedBlock(h, loc, tier, TRANSPORT_LOCAL))
         return Plan(self.namespace, len(tokens), self.block_tokens, hs, n, tuple(blocks),
                     reason="local pool")
 
@@ -68,7 +68,7 @@ class LocalKVClient:
             tier = match.holders(i).get(loc)
             if tier is None or tier == Tier.GPU:
                 break
-            blocks.append(PlannedBlock(hs[i], loc, tier, SOURCE_LOCAL))
+            blocks.append(PlannedBlock(hs[i], loc, tier, TRANSPORT_LOCAL))
         return Plan(self.namespace, len(tokens), self.block_tokens, hs, len(blocks),
                     tuple(blocks), reason="router's answer")
 
@@ -90,14 +90,14 @@ class LocalKVClient:
                 reasons.append("" if res.ok else res.reason)
         finally:
             self.pool.unpin([lease.lease_id for lease in leases if lease is not None])
-        result = LoadResult.from_reasons(reasons, [SOURCE_LOCAL] * len(reasons), buf.nbytes,
+        result = LoadResult.from_reasons(reasons, [TRANSPORT_LOCAL] * len(reasons), buf.nbytes,
                                          time.perf_counter() - start)
         with self._lock:
             self.counters["loaded_blocks"] += result.loaded_blocks
             self.counters["failed_blocks"] += len(result.failed)
         return result
 
-    def store(self, tokens: Sequence[int], kv: KVSource, start_block: int = 0,
+    def store(self, tokens: Sequence[int], kv: StorableKV, start_block: int = 0,
               hashes: Sequence[BlockHash] | None = None) -> Future[StoreResult]:
         """Write blocks ``start_block..`` of ``kv`` (full blocks only) in the background.
 
@@ -108,7 +108,7 @@ class LocalKVClient:
         hs = list(hashes if hashes is not None else self.hashes(tokens[: n_blocks * self.block_tokens]))
         return self._executor.submit(self._store, hs[:n_blocks], kv, start_block)
 
-    def _store(self, hs: list[BlockHash], kv: KVSource, start: int) -> StoreResult:
+    def _store(self, hs: list[BlockHash], kv: StorableKV, start: int) -> StoreResult:
         todo = hs[start:]
         if not todo:
             return StoreResult()

@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 
-from kvshare.client.types import SOURCE_NIXL, SOURCE_OBJSTORE
+from kvshare.client.types import TRANSPORT_NIXL, TRANSPORT_OBJSTORE
 from kvshare.cost import bytes_per_s
 from kvshare.transfer.estimate import BandwidthEstimator
 from kvshare.transfer.probe import TransportBandwidths, parse_overrides
@@ -47,7 +47,7 @@ class RemoteChoice:
         self.overrides = parse_overrides(os.environ.get("KVSHARE_BANDWIDTH_GBPS", ""))
         self.nixl_up = nixl_up
         self.auto = auto
-        self.remote = SOURCE_NIXL if nixl_up else SOURCE_OBJSTORE
+        self.remote = TRANSPORT_NIXL if nixl_up else TRANSPORT_OBJSTORE
         self.bandwidths: dict[str, float] = {}  # GB/s the auto choice was made on
         self.estimator = BandwidthEstimator(32)  # this worker's own loads, per transport/peer
         self.cut_policy = cut_policy
@@ -76,13 +76,13 @@ class RemoteChoice:
         bw = TransportBandwidths({k: float(v) for k, v in measured.items()}, dict(self.overrides))
         self.bandwidths = bw.as_dict()
         if not self.nixl_up:
-            self.remote = SOURCE_OBJSTORE
+            self.remote = TRANSPORT_OBJSTORE
             self._feed_cut_policy()
             return True
-        faster = bw.get(SOURCE_OBJSTORE) > bw.get(SOURCE_NIXL)
-        self.remote = SOURCE_OBJSTORE if faster else SOURCE_NIXL
+        faster = bw.get(TRANSPORT_OBJSTORE) > bw.get(TRANSPORT_NIXL)
+        self.remote = TRANSPORT_OBJSTORE if faster else TRANSPORT_NIXL
         self._feed_cut_policy()
-        return {SOURCE_NIXL, SOURCE_OBJSTORE} <= set(self.bandwidths)
+        return {TRANSPORT_NIXL, TRANSPORT_OBJSTORE} <= set(self.bandwidths)
 
     def loaded(self) -> None:
         """One load done: every :data:`REFINE_EVERY` loads, :meth:`refine`."""
@@ -106,7 +106,7 @@ class RemoteChoice:
         setter = getattr(self.cut_policy, "set_bandwidths", None)
         if not callable(setter) or not self.bandwidths:
             return
-        gbps = {k: v for k, v in self.bandwidths.items() if k not in (SOURCE_NIXL, SOURCE_OBJSTORE)}
+        gbps = {k: v for k, v in self.bandwidths.items() if k not in (TRANSPORT_NIXL, TRANSPORT_OBJSTORE)}
         if self.remote in self.bandwidths:
             gbps[self.remote] = self.bandwidths[self.remote]
         setter(bytes_per_s(gbps))

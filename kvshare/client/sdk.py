@@ -32,14 +32,14 @@ from typing import Any
 import numpy as np
 import ray
 
-from kvshare.block_io import KVSource, KVTarget, SlabIO
+from kvshare.block_io import KVTarget, SlabIO, StorableKV
 from kvshare.client.fetch import BlockFetcher, start_nixl
 from kvshare.client.remote import BandwidthSource, RemoteChoice
 from kvshare.client.types import (
-    SOURCE_AUTO,
-    SOURCE_NIXL,
-    SOURCE_OBJSTORE,
-    SOURCE_SHM,
+    TRANSPORT_AUTO,
+    TRANSPORT_NIXL,
+    TRANSPORT_OBJSTORE,
+    TRANSPORT_SHM,
     LoadResult,
     Plan,
     PlannedBlock,
@@ -98,13 +98,13 @@ class KVShareClient:
         index: IndexQuery | None,
         control_for: Callable[[str], BlockControl | None],
         worker_id: str = "worker",
-        remote: str = SOURCE_AUTO,
+        remote: str = TRANSPORT_AUTO,
         cut_policy: CutPolicy = load_everything,
         load_deadline_s: float = 5.0,
         store_deadline_s: float = 10.0,
         bandwidths: BandwidthSource | None = None,
     ) -> None:
-        if remote not in (SOURCE_AUTO, SOURCE_NIXL, SOURCE_OBJSTORE):
+        if remote not in (TRANSPORT_AUTO, TRANSPORT_NIXL, TRANSPORT_OBJSTORE):
             raise ValueError(
                 f"remote transport must be 'auto', 'nixl' or 'objstore', got {remote!r}")
         self.namespace = namespace
@@ -119,9 +119,9 @@ class KVShareClient:
         self.cut_policy = cut_policy
         self.store_deadline_s = store_deadline_s
         self._store_shm = ShmTransport(node, holder=f"{worker_id}-store")
-        self._nixl, self.nixl_error = (None, "") if remote == SOURCE_OBJSTORE else start_nixl(
+        self._nixl, self.nixl_error = (None, "") if remote == TRANSPORT_OBJSTORE else start_nixl(
             namespace, worker_id)
-        self.choice = RemoteChoice(nixl_up=self._nixl is not None, auto=remote == SOURCE_AUTO,
+        self.choice = RemoteChoice(nixl_up=self._nixl is not None, auto=remote == TRANSPORT_AUTO,
                                    source=bandwidths, cut_policy=cut_policy, name=worker_id)
         self.fetcher = BlockFetcher(node=node, worker_id=worker_id, control_for=control_for,
                                     nixl=self._nixl, estimator=self.choice.estimator,
@@ -259,7 +259,7 @@ class KVShareClient:
                 break
             loc, tier, transport = best
             blocks.append(PlannedBlock(hs[i], loc, tier, transport))
-            kinds.append(Source.of(tier, remote=transport != SOURCE_SHM))
+            kinds.append(Source.of(tier, remote=transport != TRANSPORT_SHM))
         cut = max(0, min(len(blocks), int(self.cut_policy(len(tokens), kinds))))
         self._count("planned_blocks", cut)
         return Plan(self.namespace, len(tokens), self.block_tokens, hs, len(blocks),
@@ -269,7 +269,7 @@ class KVShareClient:
         """This node's pool first, then the remote pool with the fastest tier."""
         own = holders.get(self.location)
         if own is not None and own != Tier.GPU:
-            return str(self.location), own, SOURCE_SHM
+            return str(self.location), own, TRANSPORT_SHM
         remote = sorted(
             (t.rank, str(loc)) for loc, t in holders.items()
             if str(loc).startswith("node:") and t != Tier.GPU
@@ -335,7 +335,7 @@ class KVShareClient:
         over shm, when ``into`` is a :class:`~kvshare.block_io.SlabIO` (and checksums are
         not verified); None: stage the blocks, then copy their verified prefix."""
         if (not isinstance(into, SlabIO) or self.fetcher.shm.verify or not plan.blocks
-                or any(b.transport != SOURCE_SHM for b in plan.blocks)):
+                or any(b.transport != TRANSPORT_SHM for b in plan.blocks)):
             return None
         return lambda rows, positions, slots: into.write_slots(positions, rows, slots)
 
@@ -356,7 +356,7 @@ class KVShareClient:
         return fut.result(timeout) if fut is not None else None
 
     # ------------------------------------------------------------------ worker side: stores
-    def store(self, tokens: Sequence[int], kv: KVSource, start_block: int = 0,
+    def store(self, tokens: Sequence[int], kv: StorableKV, start_block: int = 0,
               hashes: Sequence[BlockHash] | None = None) -> Future[StoreResult]:
         """Write-through of full blocks ``start_block..`` of ``kv`` into this node's pool.
 
@@ -372,12 +372,12 @@ class KVShareClient:
         return fut
 
     async def store_async(
-        self, tokens: Sequence[int], kv: KVSource, start_block: int = 0,
+        self, tokens: Sequence[int], kv: StorableKV, start_block: int = 0,
         hashes: Sequence[BlockHash] | None = None,
     ) -> StoreResult:
         return await asyncio.wrap_future(self.store(tokens, kv, start_block, hashes))
 
-    def _store(self, hs: list[BlockHash], kv: KVSource, start: int) -> StoreResult:
+    def _store(self, hs: list[BlockHash], kv: StorableKV, start: int) -> StoreResult:
         todo = hs[start:]
         if not todo:
             return StoreResult()

@@ -1,6 +1,6 @@
 """What the worker SDK hands back: plans and per-block outcomes.
 
-The KV memory a load fills and a store reads (:data:`KVTarget`, :data:`KVSource`) is
+The KV memory a load fills and a store reads (:data:`KVTarget`, :data:`StorableKV`) is
 :mod:`kvshare.block_io`'s (re-exported here).
 
 A :class:`Plan` is the scheduler side's answer ("load blocks 0..k-1 from here"); it is plain
@@ -16,19 +16,19 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field, fields
 from typing import Any, Protocol, runtime_checkable
 
-from kvshare.block_io import KVSource as KVSource
 from kvshare.block_io import KVTarget as KVTarget
 from kvshare.block_io import PagedKV as PagedKV
+from kvshare.block_io import StorableKV as StorableKV
 from kvshare.types import BlockHash, Tier
 
 # Where a planned block comes from, cheapest first.
-SOURCE_GPU = "gpu"  # the worker's own gpu tier
-SOURCE_SHM = "shm"  # this node's pool (host slab mapped; disk blocks promoted first)
-SOURCE_NIXL = "nixl"  # another node's pool over NIXL
-SOURCE_OBJSTORE = "objstore"  # another node's pool through Ray's object store
-SOURCE_AUTO = "auto"  # remote transport chosen from the measured bandwidths (nixl or objstore)
-SOURCE_LOCAL = "local"  # an in-process pool (no Ray)
-REMOTE_SOURCES = (SOURCE_NIXL, SOURCE_OBJSTORE)
+TRANSPORT_GPU = "gpu"  # the worker's own gpu tier
+TRANSPORT_SHM = "shm"  # this node's pool (host slab mapped; disk blocks promoted first)
+TRANSPORT_NIXL = "nixl"  # another node's pool over NIXL
+TRANSPORT_OBJSTORE = "objstore"  # another node's pool through Ray's object store
+TRANSPORT_AUTO = "auto"  # remote transport chosen from the measured bandwidths (nixl or objstore)
+TRANSPORT_LOCAL = "local"  # an in-process pool (no Ray)
+REMOTE_SOURCES = (TRANSPORT_NIXL, TRANSPORT_OBJSTORE)
 """The transports that bring a block from another node's pool, fastest first."""
 
 
@@ -183,5 +183,5 @@ class KVClient(Protocol):
 
     def load(self, plan: Plan, into: KVTarget) -> LoadResult: ...
 
-    def store(self, tokens: Sequence[int], kv: KVSource, start_block: int = 0,
+    def store(self, tokens: Sequence[int], kv: StorableKV, start_block: int = 0,
               hashes: Sequence[BlockHash] | None = None) -> Future[StoreResult]: ...

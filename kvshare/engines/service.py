@@ -20,7 +20,7 @@ from typing import Any
 from kvshare.auth import WorkerAuth, cluster_secret
 from kvshare.breakdown import breakdown_of
 from kvshare.client.sdk import CutPolicy, KVShareClient
-from kvshare.client.types import SOURCE_AUTO
+from kvshare.client.types import TRANSPORT_AUTO
 from kvshare.engines.hf import EngineConfig, HFEngine
 from kvshare.engines.runtime import CUT_POLICIES, choose_cut
 from kvshare.engines.server import WorkerServer
@@ -58,7 +58,7 @@ class WorkerService:
         worker_id: str | None = None,
         connect: bool = True,
         serve_http: bool = True,
-        remote: str = SOURCE_AUTO,
+        remote: str = TRANSPORT_AUTO,
         cut_policy: CutPolicy | str = "cost",
         model_name: str = "",
         host: str = "127.0.0.1",

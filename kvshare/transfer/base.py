@@ -43,7 +43,7 @@ FINISH_WAIT_S = 2.0
 MISSING = "missing"  # the source does not hold the block
 CORRUPT = "corrupt"  # bytes failed their checksum (source slab, disk file or the wire)
 DEADLINE = "deadline"  # the batch did not finish before its deadline
-SOURCE_DEAD = "source_dead"  # the source pool (or its node) died or is unreachable
+HOLDER_DEAD = "source_dead"  # the source pool (or its node) died or is unreachable
 NIXL_UNAVAILABLE = "nixl_unavailable"  # NIXL is not installed or failed to initialise
 SLOT_REUSED = "slot_reused"  # the slot epoch changed during a shared-memory copy
 NOT_SAME_NODE = "not_same_node"  # shared memory asked for a pool on another node
@@ -52,7 +52,7 @@ IN_FLIGHT = "in_flight"  # a write found another writer's reservation
 TRANSFER_ERROR = "transfer_error"  # the transport reported an error it could not classify
 
 REASONS = frozenset(
-    {MISSING, CORRUPT, DEADLINE, SOURCE_DEAD, NIXL_UNAVAILABLE, SLOT_REUSED, NOT_SAME_NODE,
+    {MISSING, CORRUPT, DEADLINE, HOLDER_DEAD, NIXL_UNAVAILABLE, SLOT_REUSED, NOT_SAME_NODE,
      NO_SPACE, IN_FLIGHT, TRANSFER_ERROR}
 )
 

@@ -29,8 +29,8 @@ import numpy as np
 from kvshare.tiers.host import HostSlab
 from kvshare.transfer.base import (
     DEADLINE,
+    HOLDER_DEAD,
     NIXL_UNAVAILABLE,
-    SOURCE_DEAD,
     TRANSFER_ERROR,
     TransportUnavailable,
 )
@@ -83,7 +83,7 @@ def xfer_descs(addrs: Sequence[int], size: int) -> np.ndarray:
 
 def failure_reason(what: str) -> str:
     """The miss reason of a failed NIXL transfer: the peer is gone, or another error."""
-    return SOURCE_DEAD if "DISCONNECT" in what.upper() else TRANSFER_ERROR
+    return HOLDER_DEAD if "DISCONNECT" in what.upper() else TRANSFER_ERROR
 
 
 class NixlSource:

@@ -1,6 +1,6 @@
 """The actor-facing transfer API of a node pool: ``transfer_*`` methods keyed by namespace.
 
-:class:`TransferService` holds one :class:`~kvshare.transfer.holder.source.BlockSource` per namespace
+:class:`TransferService` holds one :class:`~kvshare.transfer.holder.server.BlockServer` per namespace
 of a node. :class:`TransferEndpoints` is a mixin with exactly the methods
 :class:`~kvshare.transfer.reader.control.ActorControl` calls, delegating to ``self.transfer``; a Ray
 actor that owns pools (``kvshare.actors.node_pool.NodePoolActor``) gets the whole data plane by
@@ -19,7 +19,7 @@ from kvshare.pool.tiered import TieredBlockPool
 from kvshare.tiers.base import ByteArray
 from kvshare.transfer.base import Transport, TransportUnavailable, close_all
 from kvshare.transfer.estimate import BandwidthEstimator
-from kvshare.transfer.holder.source import BlockSource
+from kvshare.transfer.holder.server import BlockServer
 from kvshare.transfer.probe import (
     PROBE_BLOCKS,
     PROBE_LAYOUT,
@@ -64,23 +64,23 @@ class TransferService:
         self.per_node: dict[str, dict[str, float]] = {}
         self.estimator = BandwidthEstimator()  # probe samples per (transport, peer node)
         self.measured_at = 0.0  # time.time() of the last measure (0: never)
-        self._sources: dict[str, BlockSource] = {}
+        self._sources: dict[str, BlockServer] = {}
         self._pullers: dict[str, Transport] = {}
         self._probe_pool: TieredBlockPool | None = None
         self._dest: list[ByteArray] = []
         self._measuring = threading.Lock()  # one probe at a time (threaded actors)
         self._opening = threading.Lock()
 
-    def add_pool(self, pool: TieredBlockPool) -> BlockSource:
+    def add_pool(self, pool: TieredBlockPool) -> BlockServer:
         """Serve ``pool`` (replacing the source of an older generation of its namespace)."""
         ns = pool.config.namespace
         old = self._sources.pop(ns, None)
         if old is not None:
             old.close()
-        src = self._sources[ns] = BlockSource(pool, self.node, nixl=self.nixl)
+        src = self._sources[ns] = BlockServer(pool, self.node, nixl=self.nixl)
         return src
 
-    def leasing(self, namespace: str, holder: str) -> BlockSource:
+    def leasing(self, namespace: str, holder: str) -> BlockServer:
         """:meth:`source`, for a call that takes leases under ``holder`` (``on_holder`` hears
         of it first, so the host can release the leases of a holder that dies)."""
         src = self.source(namespace)
@@ -88,7 +88,7 @@ class TransferService:
             self.on_holder(holder)
         return src
 
-    def source(self, namespace: str) -> BlockSource:
+    def source(self, namespace: str) -> BlockServer:
         src = self._sources.get(namespace)
         if src is None and namespace == PROBE_NAMESPACE:
             src = self._open_probe()
@@ -97,7 +97,7 @@ class TransferService:
                                    "namespace or call add_namespace first")
         return src
 
-    def _open_probe(self) -> BlockSource:
+    def _open_probe(self) -> BlockServer:
         """The probe namespace's source (a 4-block private pool, opened once)."""
         from kvshare.transfer.holder.local import make_local_pool
 
@@ -107,7 +107,7 @@ class TransferService:
                 self._probe_pool = make_local_pool(
                     PROBE_NAMESPACE, self.node, PROBE_LAYOUT, PROBE_BLOCKS,
                     generation=self.generation)
-                src = self._sources[PROBE_NAMESPACE] = BlockSource(
+                src = self._sources[PROBE_NAMESPACE] = BlockServer(
                     self._probe_pool, self.node, nixl=self.nixl)
             return src
 

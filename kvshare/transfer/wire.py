@@ -7,8 +7,8 @@ their deadline too; the reader's helpers :func:`~kvshare.transfer.base.call`,
 await them). Bytes never travel in these messages except for the object-store path
 (``BlockBatch``); the others carry slot numbers, epochs, checksums, lease ids and addresses.
 
-The pool's side implements it in :class:`~kvshare.transfer.holder.source.BlockSource`; the reader's
-side reaches a BlockSource through :class:`~kvshare.transfer.reader.control.LocalControl`
+The pool's side implements it in :class:`~kvshare.transfer.holder.server.BlockServer`; the reader's
+side reaches a BlockServer through :class:`~kvshare.transfer.reader.control.LocalControl`
 (in-process) or :class:`~kvshare.transfer.reader.control.ActorControl` (a NodePoolActor).
 """
 

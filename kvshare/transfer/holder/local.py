@@ -1,4 +1,4 @@
-"""Build a pool over a named host slab (and optionally disk) plus its BlockSource, in-process.
+"""Build a pool over a named host slab (and optionally disk) plus its BlockServer, in-process.
 
 What a NodePoolActor does per namespace, without Ray: used by the transport tests, the
 transfer benchmark and any process that wants to serve its own blocks to peers.
@@ -12,7 +12,7 @@ from kvshare.pool.types import PoolConfig, TierSpec
 from kvshare.tiers.base import TierStore
 from kvshare.tiers.disk import DiskStore
 from kvshare.tiers.host import HostSlab, remove_stale_segments, segment_name
-from kvshare.transfer.holder.source import BlockSource
+from kvshare.transfer.holder.server import BlockServer
 from kvshare.types import Tier, node_location
 
 
@@ -53,7 +53,7 @@ def make_local_pool(
 def make_local_source(
     namespace: str, node: str, layout: KVLayout, host_blocks: int, *, nixl: bool = True,
     **kwargs: object,
-) -> BlockSource:
-    """:func:`make_local_pool` wrapped in a :class:`BlockSource` (NIXL agent if ``nixl``)."""
+) -> BlockServer:
+    """:func:`make_local_pool` wrapped in a :class:`BlockServer` (NIXL agent if ``nixl``)."""
     pool = make_local_pool(namespace, node, layout, host_blocks, **kwargs)  # type: ignore[arg-type]
-    return BlockSource(pool, node, nixl=nixl)
+    return BlockServer(pool, node, nixl=nixl)

@@ -1,6 +1,6 @@
-"""Reaching a pool's :class:`~kvshare.transfer.holder.source.BlockSource`: in-process or through Ray.
+"""Reaching a pool's :class:`~kvshare.transfer.holder.server.BlockServer`: in-process or through Ray.
 
-:class:`LocalControl` calls a BlockSource directly (same process: unit tests, a pool that
+:class:`LocalControl` calls a BlockServer directly (same process: unit tests, a pool that
 serves itself). :class:`ActorControl` calls the ``transfer_*`` methods of a NodePoolActor
 (``actors/node_pool.py``), each taking the namespace first; replies are awaited with the
 transfer's remaining time, and a dead or unreachable actor raises :class:`SourceGone`.
@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from typing import Any, TypeVar
 
 from kvshare.tiers.base import ByteArray
-from kvshare.transfer.holder.source import BlockSource
+from kvshare.transfer.holder.server import BlockServer
 from kvshare.transfer.wire import (
     BlockBatch,
     NixlPeerInfo,
@@ -28,9 +28,9 @@ from kvshare.types import BlockHash
 T = TypeVar("T")
 
 class LocalControl:
-    """:class:`BlockControl` over a BlockSource in this process."""
+    """:class:`BlockControl` over a BlockServer in this process."""
 
-    def __init__(self, source: BlockSource) -> None:
+    def __init__(self, source: BlockServer) -> None:
         self.source = source
 
     def slab_info(self) -> Reply[SlabInfo | None]:

@@ -20,14 +20,14 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from kvshare.client.types import REMOTE_SOURCES, SOURCE_SHM
+from kvshare.client.types import REMOTE_SOURCES, TRANSPORT_SHM
 from kvshare.match import MatchResult
 from kvshare.tiers.base import ByteArray
 from kvshare.transfer.base import (
     DEADLINE,
+    HOLDER_DEAD,
     MISSING,
     NIXL_UNAVAILABLE,
-    SOURCE_DEAD,
     TRANSFER_ERROR,
     BlockOutcomes,
     BlockResult,
@@ -43,7 +43,7 @@ from kvshare.workers import IndexQuery
 log = logging.getLogger(__name__)
 
 RETRY_OVER_OBJSTORE = frozenset({NIXL_UNAVAILABLE, TRANSFER_ERROR})
-LOCAL_ORDER = (SOURCE_SHM, *REMOTE_SOURCES)
+LOCAL_ORDER = (TRANSPORT_SHM, *REMOTE_SOURCES)
 
 
 @dataclass(frozen=True)
@@ -156,7 +156,7 @@ class PeerFetcher:
             control = self.controls(loc)
             if control is None or name not in self.transports:
                 for i in idx:
-                    reasons[i] = SOURCE_DEAD
+                    reasons[i] = HOLDER_DEAD
                 continue
             pending.append((loc, name, idx, self._submit(name, control, hashes, dest, idx, deadline)))
         for loc, name, idx, t in pending:

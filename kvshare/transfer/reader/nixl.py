@@ -30,8 +30,8 @@ from kvshare.transfer.base import (
     CORRUPT,
     DEADLINE,
     FINISH_WAIT_S,
+    HOLDER_DEAD,
     NIXL_UNAVAILABLE,
-    SOURCE_DEAD,
     TRANSFER_ERROR,
     Transfer,
     TransferResult,
@@ -97,11 +97,11 @@ def _failure(control: BlockControl, holder: str, what: str) -> str:
     """Why a transfer failed: the source is gone (disconnected, or its pool does not answer)
     or some other transport error. Ends the transfer's leases on the way."""
     if "DISCONNECT" in what.upper():
-        return SOURCE_DEAD
+        return HOLDER_DEAD
     try:
         call(control.finish(holder, []), 2.0)
     except (TimeoutError, SourceGone):
-        return SOURCE_DEAD
+        return HOLDER_DEAD
     return TRANSFER_ERROR
 
 
@@ -231,7 +231,7 @@ class NixlTransport(Transport):
         except TimeoutError:
             return self._end(t, DEADLINE)
         except SourceGone:
-            return self._end(t, SOURCE_DEAD)
+            return self._end(t, HOLDER_DEAD)
         _stage(t, "control")
         outcome: dict[int, str] = t.state["outcome"]
         moving: list[int] = []
@@ -275,7 +275,7 @@ class NixlTransport(Transport):
         except TimeoutError:
             return self._end(t, DEADLINE)
         except SourceGone:
-            return self._end(t, SOURCE_DEAD)
+            return self._end(t, HOLDER_DEAD)
         except TransportUnavailable:
             return self._end(t, NIXL_UNAVAILABLE)
         except ValueError:
@@ -375,7 +375,7 @@ class NixlTransport(Transport):
             except (TimeoutError, SourceGone):
                 done = set()
             for i in t.state["moving"]:
-                outcome[i] = "" if t.hashes[i] in done else SOURCE_DEAD
+                outcome[i] = "" if t.hashes[i] in done else HOLDER_DEAD
         return self._result(t)
 
     def _source_verdict(self, t: Transfer, lease_ids: list[int]) -> None:
@@ -389,7 +389,7 @@ class NixlTransport(Transport):
         except TimeoutError:
             valid, gone = [], DEADLINE
         except SourceGone:
-            valid, gone = [], SOURCE_DEAD
+            valid, gone = [], HOLDER_DEAD
         for k, i in enumerate(t.state["moving"]):
             outcome[i] = gone if k >= len(valid) else "" if valid[k] else CORRUPT
 

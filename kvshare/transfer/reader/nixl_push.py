@@ -1,6 +1,6 @@
 """NIXL push transport, the reader's side: the holder WRITEs blocks into the reader's memory.
 
-(The pool's side is :meth:`BlockSource.push_read <kvshare.transfer.holder.source.BlockSource.push_read>`
+(The pool's side is :meth:`BlockServer.push_read <kvshare.transfer.holder.server.BlockServer.push_read>`
 and :meth:`NixlSource.write_slots <kvshare.transfer.nixl_agent.NixlSource.write_slots>`; the
 messages, :class:`~kvshare.transfer.wire.PushRequest` and
 :class:`~kvshare.transfer.wire.SlotReply`, are the control interface's.)
@@ -36,7 +36,7 @@ from kvshare.tiers.base import ByteArray, block_checksum
 from kvshare.transfer.base import (
     CORRUPT,
     DEADLINE,
-    SOURCE_DEAD,
+    HOLDER_DEAD,
     TRANSFER_ERROR,
     Transfer,
     TransferResult,
@@ -95,7 +95,7 @@ class NixlPushTransport(NixlTransport):
         except (ValueError, KeyError):
             raise
         except SourceGone:
-            return self._end(t, SOURCE_DEAD)
+            return self._end(t, HOLDER_DEAD)
         except Exception as exc:
             log.warning("nixl push request failed: %s", exc)
             return self._end(t, TRANSFER_ERROR)
@@ -118,7 +118,7 @@ class NixlPushTransport(NixlTransport):
         try:
             pushed = call(reply, 1.0)
         except (TimeoutError, SourceGone):
-            return self._end(t, SOURCE_DEAD).result
+            return self._end(t, HOLDER_DEAD).result
         return self._verify(t, pushed)
 
     def _verify(self, t: Transfer, pushed: SlotReply) -> TransferResult:

@@ -18,7 +18,7 @@ from kvshare.tiers.base import ByteArray, block_checksum, copy_block
 from kvshare.transfer.base import (
     CORRUPT,
     DEADLINE,
-    SOURCE_DEAD,
+    HOLDER_DEAD,
     Transfer,
     TransferResult,
     Transport,
@@ -80,7 +80,7 @@ class ObjStoreTransport(Transport):
         try:
             value = call(reply, max(t.remaining, 1.0))
         except SourceGone:
-            return self._end(t, [SOURCE_DEAD] * len(t.hashes))
+            return self._end(t, [HOLDER_DEAD] * len(t.hashes))
         except TimeoutError:
             return self._end(t, [DEADLINE] * len(t.hashes))
         if t.op == "write":

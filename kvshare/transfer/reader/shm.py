@@ -32,9 +32,9 @@ from kvshare.tiers.host import HostSlab
 from kvshare.transfer.base import (
     CORRUPT,
     DEADLINE,
+    HOLDER_DEAD,
     NOT_SAME_NODE,
     SLOT_REUSED,
-    SOURCE_DEAD,
     Transfer,
     TransferResult,
     Transport,
@@ -239,7 +239,7 @@ class ShmTransport(Transport):
         bad: list[BlockHash] = []
         for k, i in enumerate(copied):
             if k >= len(valid):
-                reasons[i] = SOURCE_DEAD
+                reasons[i] = HOLDER_DEAD
             elif not valid[k]:
                 reasons[i] = SLOT_REUSED
             elif self.verify and block_checksum(
@@ -289,7 +289,7 @@ class ShmTransport(Transport):
             done = set()
         for i in written:
             if hashes[i] not in done:
-                reasons[i] = SOURCE_DEAD
+                reasons[i] = HOLDER_DEAD
         if prep.slab is not None:
             self._remember(prep.slab, ((hashes[i], s.slot, s.epoch)  # type: ignore[union-attr]
                                             for i in written if (s := prep.blocks[i]) and not reasons[i]))
@@ -336,7 +336,7 @@ def _prepared(
         _done(t, [DEADLINE] * len(t.hashes), bufs)
         return None
     except SourceGone:
-        _done(t, [SOURCE_DEAD] * len(t.hashes), bufs)
+        _done(t, [HOLDER_DEAD] * len(t.hashes), bufs)
         return None
     _check_size(control, t.holder, prep.slab, bufs)
     return prep

@@ -42,7 +42,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from kvshare.client.types import SOURCE_LOCAL, SOURCE_SHM, KVClient, Plan
+from kvshare.client.types import TRANSPORT_LOCAL, TRANSPORT_SHM, KVClient, Plan
 from kvshare.hashing import block_hashes
 from kvshare.match import MatchResult
 from kvshare.types import BlockHash
@@ -58,7 +58,7 @@ log = logging.getLogger(__name__)
 
 MAX_LOADS = 2
 """Load attempts per request (a preempted request may load again once)."""
-LOCAL_TRANSPORTS = (SOURCE_SHM, SOURCE_LOCAL)
+LOCAL_TRANSPORTS = (TRANSPORT_SHM, TRANSPORT_LOCAL)
 """Transports that never leave this node (candidates for a load inside the forward pass)."""
 LOOKUP_WAIT = "lookup_wait_seconds"
 LOOKUPS_ANSWERED = "lookups_answered"

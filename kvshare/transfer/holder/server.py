@@ -1,6 +1,6 @@
 """The pool side of every transport: serve control messages over one TieredBlockPool.
 
-A :class:`BlockSource` lives in the process that owns the pool (a NodePoolActor, one per
+A :class:`BlockServer` lives in the process that owns the pool (a NodePoolActor, one per
 namespace) and answers the :class:`~kvshare.transfer.wire.BlockControl` calls: it pins blocks
 for readers (promoting disk blocks into the host slab so they can be mapped or read over
 NIXL), copies blocks out for the object-store path, reserves and commits slots for writers,
@@ -47,7 +47,7 @@ T = TypeVar("T")
 FINISHED_MEMORY = 4096  # holders remembered as finished (a late prepare for them pins nothing)
 
 
-class BlockSource:
+class BlockServer:
     """Transport control over ``pool`` on node ``node``; ``nixl=True`` starts a NIXL agent.
 
     NIXL failing to start is not an error: ``nixl_error`` records why and replies carry no
