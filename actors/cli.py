@@ -14,6 +14,7 @@ from typing import Any
 
 from kvshare.actors import admin_cli
 from kvshare.actors.cli_connect import connect_from_cli as _connect
+from kvshare.cost import GB
 from kvshare.layout import format_bytes
 
 
@@ -32,7 +33,7 @@ def _up(args: argparse.Namespace) -> int:
         st = deploy(host_gb=args.host_gb, disk_dir=args.disk_dir, disk_gb=args.disk_gb,
                     namespace=args.namespace, layout=layout, index_shards=args.index_shards,
                     ray_namespace=args.ray_namespace, snapshot_path=args.snapshot,
-                    bandwidth_gbps=parse_overrides(args.bandwidth),
+                    bandwidth_overrides=parse_overrides(args.bandwidth),
                     probe_every_s=args.probe_every)
     except (MemoryError, ValueError) as exc:
         print(f"kvshare up: refused: {exc}", file=sys.stderr)
@@ -111,9 +112,9 @@ def _print_status(st: dict[str, Any], as_json: bool) -> None:
     for r in table:
         print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
     for node in st["nodes"]:
-        bw = node.get("bandwidth_gbps")
+        bw = node.get("bandwidth_bytes_per_s")
         if bw is not None:
-            figures = ", ".join(f"{k}={v:.2f}" for k, v in sorted(bw.items())) or "not probed yet"
+            figures = ", ".join(f"{k}={v / GB:.2f}" for k, v in sorted(bw.items())) or "not probed yet"
             print(f"bandwidth GB/s {node['node_id'][:12]}: {figures}")
     for shard in st.get("index", []):
         blocks = {ns: v["blocks"] for ns, v in shard["namespaces"].items()}

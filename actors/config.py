@@ -94,23 +94,24 @@ class PoolSettings:
         "Re-measure the transports this often, in seconds (0 = only when a pool comes up).")})
     """Re-measure the transports this often (seconds; 0 = only when a pool comes up), so
     the cost model follows bandwidth that changes under load."""
-    bandwidth_gbps: tuple[tuple[str, float], ...] = field(default=(), metadata={"doc": (
-        "GB/s per transport (`shm`/`nixl`/`objstore`) that replace what the probes measure; "
-        "a node's `KVSHARE_BANDWIDTH_GBPS` wins over these.")})
-    """GB/s per transport (``shm``/``nixl``/``objstore``) that replace what the pools'
-    probes measure; a node's ``KVSHARE_BANDWIDTH_GBPS`` env var wins over these. A mapping
-    is accepted and stored as sorted pairs."""
+    bandwidth_overrides: tuple[tuple[str, float], ...] = field(default=(), metadata={"doc": (
+        "bytes/s per transport (`shm`/`nixl`/`objstore`) that replace what the probes measure "
+        "(`kvshare up --bandwidth nixl=10` gives GB/s); a node's `KVSHARE_BANDWIDTH_GBPS` wins "
+        "over these.")})
+    """Bytes/s per transport (``shm``/``nixl``/``objstore``) that replace what the pools'
+    probes measure; a node's ``KVSHARE_BANDWIDTH_GBPS`` env var (GB/s) wins over these. A
+    mapping is accepted and stored as sorted pairs."""
 
     def __post_init__(self) -> None:
-        bw = self.bandwidth_gbps
+        bw = self.bandwidth_overrides
         pairs = tuple(sorted(bw.items() if isinstance(bw, Mapping) else bw))
         for name, value in pairs:
             if name not in ("shm", "nixl", "objstore") or not float(value) >= 0:
                 raise ValueError(
                     f"bandwidth override {name}={value} is invalid: use shm, nixl or objstore "
-                    "with a GB/s value >= 0"
+                    "with a bytes/s value >= 0"
                 )
-        object.__setattr__(self, "bandwidth_gbps", tuple((n, float(v)) for n, v in pairs))
+        object.__setattr__(self, "bandwidth_overrides", tuple((n, float(v)) for n, v in pairs))
         names = [ns.name for ns in self.namespaces]
         if len(names) != len(set(names)):
             raise ValueError(f"namespaces must be distinct, got {names}")

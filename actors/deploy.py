@@ -31,7 +31,6 @@ from kvshare.actors.config import (
 from kvshare.actors.index.client import IndexClient
 from kvshare.actors.index.keeper import control_plane_placement, start_shard
 from kvshare.auth import cluster_secret
-from kvshare.cost import bytes_per_s
 from kvshare.layout import KVLayout
 from kvshare.tiers.host import SHM_DIR, shm_dir
 
@@ -131,8 +130,8 @@ def deploy(
 
     ``host_gb``/``disk_gb`` are per node and split evenly over the namespaces; ``disk_dir``
     defaults to ``/tmp/kvshare-disk`` when ``disk_gb > 0``. ``pool_options`` go to
-    :class:`PoolSettings` (``lease_ttl_s``, ``publish_interval_s``, ``bandwidth_gbps`` to
-    override the probed GB/s per transport, ...). Each pool probes its peers in the
+    :class:`PoolSettings` (``lease_ttl_s``, ``publish_interval_s``, ``bandwidth_overrides`` to
+    override the probed bytes/s per transport, ...). Each pool probes its peers in the
     background once it is up (:func:`bandwidths` reads the results).
     """
     if host_gb <= 0 or disk_gb < 0 or index_shards < 1:
@@ -204,7 +203,7 @@ def get_pool(node_id: str | None = None, ray_namespace: str = RAY_NAMESPACE) -> 
 
 
 def status(ray_namespace: str = RAY_NAMESPACE, timeout_s: float = 5.0) -> dict[str, Any]:
-    """Nodes (alive, pool stats per namespace and tier, ``bandwidth_gbps``: GB/s per
+    """Nodes (alive, pool stats per namespace and tier, ``bandwidth_bytes_per_s``: bytes/s per
     transport as probed from that node with overrides applied, ``{}`` until its first probe;
     ``bandwidth``: also per peer and when), index shards and workers."""
     nodes = {n["NodeID"]: n for n in ray.nodes()}  # type: ignore[no-untyped-call]
@@ -227,7 +226,7 @@ def status(ray_namespace: str = RAY_NAMESPACE, timeout_s: float = 5.0) -> dict[s
                 entry["pool_error"] = f"{type(exc).__name__}: {exc}"[:200]
             try:
                 bw = ray.get(bw_refs[node_id], timeout=timeout_s)
-                entry["bandwidth_gbps"] = bw["transports"]
+                entry["bandwidth_bytes_per_s"] = bw["transports"]
                 entry["bandwidth"] = bw
             except Exception as exc:
                 entry["bandwidth_error"] = f"{type(exc).__name__}: {exc}"[:200]
@@ -259,7 +258,7 @@ def bandwidths(ray_namespace: str = RAY_NAMESPACE, timeout_s: float = 5.0) -> di
         except Exception as exc:  # a dead or busy pool: no figures for it
             log.info("no bandwidths from node %s: %s", node, exc)
             continue
-        out[node] = bytes_per_s(got["transports"])
+        out[node] = dict(got["transports"])
     return out
 
 

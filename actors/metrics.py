@@ -105,8 +105,8 @@ def _pool_families(nodes: Iterable[dict[str, Any]]) -> Iterator[Metric]:
                                labels=ns_l)
     expired = CounterMetricFamily("kvshare_pool_leases_expired", "Leases that hit their deadline",
                                   labels=ns_l)
-    bw = GaugeMetricFamily("kvshare_transfer_bandwidth_gbps",
-                           "Probed (or configured) pull bandwidth from this node per transport",
+    bw = GaugeMetricFamily("kvshare_transfer_bandwidth_bytes_per_second",
+                           "Probed (or configured) pull bandwidth from this node per transport, bytes/s",
                            labels=["node", "transport"])
     tier_c = {k: CounterMetricFamily(f"kvshare_pool_{k}", h, labels=tier_l)
               for k, h in TIER_COUNTERS.items()}
@@ -117,8 +117,8 @@ def _pool_families(nodes: Iterable[dict[str, Any]]) -> Iterator[Metric]:
         alive.add_metric([nid], 1.0 if node.get("alive") else 0.0)
         pool = node.get("pool")
         up.add_metric([nid], 0.0 if pool is None else 1.0)
-        for transport, gbps in sorted((node.get("bandwidth_gbps") or {}).items()):
-            bw.add_metric([nid, transport], float(gbps))
+        for transport, rate in sorted((node.get("bandwidth_bytes_per_s") or {}).items()):
+            bw.add_metric([nid, transport], float(rate))
         if pool is None:
             continue
         gen.add_metric([nid], float(pool.get("generation", 0)))

@@ -106,7 +106,7 @@ class NodePool(TransferEndpoints):
              "holders_released"), 0)
         self.generation = int(index.new_generation(self.location))
         # shm/nixl/objstore source side per namespace; bandwidth overrides: env, then config
-        overrides = {**dict(settings.bandwidth_gbps),
+        overrides = {**dict(settings.bandwidth_overrides),
                      **parse_overrides(os.environ.get("KVSHARE_BANDWIDTH_GBPS", ""))}
         self.transfer = TransferService(node_id, bandwidth_overrides=overrides,
                                         generation=self.generation, on_holder=self._seen)

@@ -41,6 +41,7 @@ from kvshare.actors.config import IndexConfig, NamespaceSpec, PoolSettings, pool
 from kvshare.actors.index.client import IndexClient
 from kvshare.actors.index.keeper import IndexKeeper
 from kvshare.actors.node_pool import NodePoolActor
+from kvshare.cost import GB
 from kvshare.transfer.probe import PROBE_NAMESPACE
 from kvshare.types import node_location
 
@@ -211,7 +212,7 @@ class ClusterWatcher:
                 try:
                     got = ray.get(ref)
                     self._note(f"bandwidths of node {node} (GB/s): "
-                               + ", ".join(f"{k}={v:.2f}" for k, v in sorted(got.items())))
+                               + ", ".join(f"{k}={v / GB:.2f}" for k, v in sorted(got.items())))
                 except RayError as exc:
                     self._note(f"probe from node {node} failed: {str(exc)[-200:]}")
         every = self.settings.probe_every_s

@@ -124,13 +124,8 @@ class PrefillModel:
 
 
 GB = 1e9
-"""Bytes in a GB: probes and operators speak GB/s (``KVSHARE_BANDWIDTH_GBPS``), the cost
-model bytes/s."""
-
-
-def bytes_per_s(gbps: Mapping[str, float]) -> dict[str, float]:
-    """GB/s per name -> bytes/s per name."""
-    return {k: float(v) * GB for k, v in gbps.items()}
+"""Bytes in a GB. Bandwidths are bytes/s everywhere in kvshare; GB/s only where a person reads
+or writes them (command lines, ``KVSHARE_BANDWIDTH_GBPS``, pages, logs)."""
 
 
 class PrefillTimings:

@@ -29,7 +29,7 @@ def test_dead_pool_reports_down_and_no_tier_series() -> None:
     status = {
         "nodes": [
             {"node_id": "n1", "alive": False, "pool_error": "RayActorError: died"},
-            {"node_id": "n2", "alive": True, "bandwidth_gbps": {"shm": 10.0},
+            {"node_id": "n2", "alive": True, "bandwidth_bytes_per_s": {"shm": 10e9},
              "pool": {"generation": 3, "holders": 1, "published_events": 7,
                       "namespaces": {"m": {"active_leases": 2, "pinned_blocks": 1,
                                            "leases_expired": 4,
@@ -50,7 +50,7 @@ def test_dead_pool_reports_down_and_no_tier_series() -> None:
     assert got[("kvshare_pool_blocks", host)] == 5 and got[("kvshare_pool_hits_total", host)] == 9
     assert got[("kvshare_pool_leases_expired_total", (("namespace", "m"), ("node", "n2")))] == 4
     assert got[("kvshare_pool_published_events_total", (("node", "n2"),))] == 7
-    assert got[("kvshare_transfer_bandwidth_gbps", (("node", "n2"), ("transport", "shm")))] == 10
+    assert got[("kvshare_transfer_bandwidth_bytes_per_second", (("node", "n2"), ("transport", "shm")))] == 10e9
     assert got[("kvshare_index_blocks", (("namespace", "m"), ("shard", "0")))] == 5
     assert got[("kvshare_index_locations", (("shard", "0"),))] == 2
     assert got[("kvshare_index_pending_resyncs", (("shard", "0"),))] == 1

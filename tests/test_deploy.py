@@ -39,7 +39,7 @@ def test_up_status_down(ray_cluster: Any, tmp_path: Any) -> None:
     status = json.loads(st.stdout.strip().splitlines()[-1])
     alive = [n for n in status["nodes"] if n["alive"]]
     assert len(alive) == 3 and all("pool" in n for n in alive)
-    assert all(n["bandwidth_gbps"]["objstore"] == 1.5 for n in alive)  # config override
+    assert all(n["bandwidth_bytes_per_s"]["objstore"] == 1.5e9 for n in alive)  # config override
     tiers = alive[0]["pool"]["namespaces"]["chat"]["tiers"]
     assert tiers["host"]["capacity_bytes"] > 0 and tiers["disk"]["capacity_bytes"] > 0
     assert tiers["host"]["blocks"] == 0
@@ -101,7 +101,7 @@ def scrape_metrics(addr: list[str], node: str, host_capacity: int) -> None:
         assert one(before, "kvshare_pool_up", node=node) == 1
         assert one(before, "kvshare_pool_capacity_bytes", **host) == host_capacity
         assert one(before, "kvshare_pool_blocks", **host) == 0
-        assert one(before, "kvshare_transfer_bandwidth_gbps", node=node, transport="objstore") == 1.5
+        assert one(before, "kvshare_transfer_bandwidth_bytes_per_second", node=node, transport="objstore") == 1.5e9
         assert one(before, "kvshare_index_blocks", shard="0", namespace="chat") == 0
 
         pool = ray.get_actor(f"kvshare-pool-{node}", namespace=RAY_NS)

@@ -146,7 +146,7 @@ def test_dead_pid_holders_lose_their_leases(node: NodePool) -> None:
 def test_bandwidth_overrides_env_beats_config_and_probe_blocks_stay_private(
     settings: PoolSettings, index: GlobalIndex, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Overrides: ``KVSHARE_BANDWIDTH_GBPS`` > PoolSettings.bandwidth_gbps > the probe. The
+    """Overrides: ``KVSHARE_BANDWIDTH_GBPS`` > PoolSettings.bandwidth_overrides > the probe. The
     probe reads blocks of the private probe namespace: never in the index or the pool stats."""
     from dataclasses import replace
 
@@ -154,17 +154,17 @@ def test_bandwidth_overrides_env_beats_config_and_probe_blocks_stay_private(
     from kvshare.transfer.reader.control import LocalControl
 
     with pytest.raises(ValueError, match="shm, nixl or objstore"):
-        replace(settings, bandwidth_gbps={"carrier-pigeon": 1.0})
+        replace(settings, bandwidth_overrides={"carrier-pigeon": 1e9})
     monkeypatch.setenv("KVSHARE_BANDWIDTH_GBPS", "nixl=7")
-    cfg = replace(settings, bandwidth_gbps={"nixl": 1.0, "objstore": 2.5})
+    cfg = replace(settings, bandwidth_overrides={"nixl": 1e9, "objstore": 2.5e9})
     node = NodePool(f"tb{os.getpid()}", cfg, index, background=False)
     try:
         src = node.transfer.source(PROBE_NAMESPACE)
         got = node.transfer.measure(PROBE_NAMESPACE, {node.node_id: LocalControl(src)})
-        assert got["shm"] > 0 and got["nixl"] == 7.0 and got["objstore"] == 2.5
+        assert got["shm"] > 0 and got["nixl"] == 7e9 and got["objstore"] == 2.5e9
         exposed = node.transfer_bandwidths()
         assert exposed["transports"] == got and exposed["measured_at"] > 0
-        assert exposed["overrides"] == {"nixl": 7.0, "objstore": 2.5}
+        assert exposed["overrides"] == {"nixl": 7e9, "objstore": 2.5e9}
         node.flush()
         assert set(node.stats()["namespaces"]) == {"m"}
         assert PROBE_NAMESPACE not in index.stats()["namespaces"]

@@ -335,13 +335,13 @@ def test_fetch_tries_another_holder_when_the_first_is_dead(transports: dict[str,
 
 def test_probe_measures_and_overrides(source: BlockServer, transports: dict[str, Transport]) -> None:
     dest = np.zeros((4, B), np.uint8)
-    gbps = probe(transports, LocalControl(source), list(dest), repeats=2)
-    assert set(gbps) == set(NAMES) and all(v > 0 for v in gbps.values())
-    bw = TransportBandwidths(gbps, overrides={"objstore": 1e6})
-    assert bw.rank(NAMES)[0] == "objstore" and bw.get("nixl") == gbps["nixl"]
+    measured = probe(transports, LocalControl(source), list(dest), repeats=2)
+    assert set(measured) == set(NAMES) and all(v > 0 for v in measured.values())
+    bw = TransportBandwidths(measured, overrides={"objstore": 1e15})
+    assert bw.rank(NAMES)[0] == "objstore" and bw.get("nixl") == measured["nixl"]
     with pytest.raises(ValueError, match=">= 0"):
         TransportBandwidths({}, {"nixl": -1.0})
-    assert parse_overrides("nixl=10, objstore=1.5") == {"nixl": 10.0, "objstore": 1.5}
+    assert parse_overrides("nixl=10, objstore=1.5") == {"nixl": 10e9, "objstore": 1.5e9}
     with pytest.raises(ValueError, match="transport=GBps"):
         parse_overrides("nixl:10")
     consistent(source)

@@ -359,11 +359,11 @@ def wait_probed(timeout_s: float = 180.0) -> list[dict[str, Any]]:
     while True:
         nodes = [n for n in status(RAY_NS)["nodes"] if n["alive"] and "pool" in n]
         ok = len(nodes) == 3 and all(
-            n.get("bandwidth_gbps", {}).get(t, 0.0) > 0 for n in nodes for t in ("shm", "nixl", "objstore"))
+            n.get("bandwidth_bytes_per_s", {}).get(t, 0.0) > 0 for n in nodes for t in ("shm", "nixl", "objstore"))
         if ok or time.monotonic() > deadline:
             break
         time.sleep(0.25)
-    assert ok, [(n["node_id"][:8], n.get("bandwidth_gbps")) for n in nodes]
+    assert ok, [(n["node_id"][:8], n.get("bandwidth_bytes_per_s")) for n in nodes]
     return nodes
 
 
@@ -378,7 +378,7 @@ def test_deploy_probes_every_node_in_the_background(kv: dict[str, Any]) -> None:
     per_node = bandwidths(RAY_NS)
     for n in nodes:
         assert set(n["bandwidth"]["per_node"]) == {m["node_id"] for m in nodes}
-        assert set(per_node[n["node_id"]]) == set(n["bandwidth_gbps"])  # bytes/s, same transports
+        assert set(per_node[n["node_id"]]) == set(n["bandwidth_bytes_per_s"])  # same transports
         assert all(v > 1e6 for v in per_node[n["node_id"]].values())
     cluster = measured_bandwidths(RAY_NS)
     assert set(cluster) == {"shm", "nixl", "objstore"}
@@ -422,7 +422,7 @@ def test_auto_remote_picks_the_faster_measured_transport(
             assert client.remote == winner, (env, client.bandwidths)
             # the worker's cut point now plans with the chosen transport's figure
             assert cut.model.bandwidths.remote == 1000e9
-            assert cut.model.bandwidths.host == client.bandwidths["shm"] * 1e9
+            assert cut.model.bandwidths.host == client.bandwidths["shm"]
         finally:
             client.close()
 
@@ -438,10 +438,10 @@ def test_pool_env_override_beats_its_measurement(kv: dict[str, Any]) -> None:
         resources={"node_0": 0.1}, runtime_env=env).remote("xfer-bwenv", 8)
     try:
         got = ray.get(small.transfer_measure.remote(PROBE_NAMESPACE, {kv["b"]: kv["pb"]}), timeout=60)
-        assert got["nixl"] == 0.001 and got["objstore"] > 0
+        assert got["nixl"] == 0.001e9 and got["objstore"] > 0
         exposed = ray.get(small.transfer_bandwidths.remote())
-        assert exposed["per_node"][kv["b"]]["nixl"] > 0.001  # what it measured
-        assert exposed["overrides"] == {"nixl": 0.001}
+        assert exposed["per_node"][kv["b"]]["nixl"] > 0.001e9  # what it measured
+        assert exposed["overrides"] == {"nixl": 0.001e9}
     finally:
         ray.get(small.close.remote())
         ray.kill(small)

@@ -20,8 +20,8 @@ def status() -> dict[str, Any]:
         "host": tier(6, 2, used=40), "disk": tier(2, 0, used=10)}}}}
     return {"nodes": [
         {"node_id": "a" * 56, "alive": True, "pool": pool,
-         "bandwidth_gbps": {"shm": 16.0, "nixl": 5.0},
-         "bandwidth": {"per_node": {"b" * 56: {"nixl": 5.0, "objstore": 1.2}}, "measured_at": 9.0}},
+         "bandwidth_bytes_per_s": {"shm": 16e9, "nixl": 5e9},
+         "bandwidth": {"per_node": {"b" * 56: {"nixl": 5e9, "objstore": 1.2e9}}, "measured_at": 9.0}},
         {"node_id": "b" * 56, "alive": True, "pool_error": "GetTimeoutError: ..."},
         {"node_id": "c" * 56, "alive": False},
     ], "index": [{"epoch": 3, "namespaces": {"chat": {"blocks": 25}}, "locations": ["node:a"],

@@ -1,7 +1,7 @@
 """Which transport brings other nodes' blocks to one worker: ``nixl`` or ``objstore``.
 
 A ``remote="auto"`` worker takes the faster of the two by the bandwidths its node's pool
-measured (GB/s per transport), with ``KVSHARE_BANDWIDTH_GBPS`` in the process overriding
+measured (bytes/s per transport), with ``KVSHARE_BANDWIDTH_GBPS`` in the process overriding
 them, and later by its own timed loads. nixl only if the worker's NIXL agent started; nixl
 while nothing is known. A cut policy that takes bandwidths (``CostCut``) gets the figures
 the choice was made on.
@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Mapping
 
 from kvshare.client.types import TRANSPORT_NIXL, TRANSPORT_OBJSTORE
-from kvshare.cost import bytes_per_s
+from kvshare.cost import GB
 from kvshare.transfer.estimate import BandwidthEstimator
 from kvshare.transfer.probe import TransportBandwidths, parse_overrides
 
@@ -30,11 +30,11 @@ REFINE_MIN_SAMPLES = 4
 """Timed batches of a transport (>= 1 MiB each) before they replace the probe's figure."""
 
 BandwidthSource = Callable[[], Mapping[str, float]] | Mapping[str, float]
-"""GB/s per transport (``nixl``, ``objstore``, ...), or a callable returning them."""
+"""Bytes/s per transport (``nixl``, ``objstore``, ...), or a callable returning them."""
 
 
 class RemoteChoice:
-    """The remote transport of one worker (``remote``) and the GB/s it was chosen on.
+    """The remote transport of one worker (``remote``) and the bytes/s it was chosen on.
 
     ``nixl_up``: the worker's NIXL agent started. ``auto``: choose by bandwidths (else the
     transport stays what the worker asked for: nixl when up, objstore otherwise).
@@ -48,7 +48,7 @@ class RemoteChoice:
         self.nixl_up = nixl_up
         self.auto = auto
         self.remote = TRANSPORT_NIXL if nixl_up else TRANSPORT_OBJSTORE
-        self.bandwidths: dict[str, float] = {}  # GB/s the auto choice was made on
+        self.bandwidths: dict[str, float] = {}  # bytes/s the auto choice was made on
         self.estimator = BandwidthEstimator(32)  # this worker's own loads, per transport/peer
         self.cut_policy = cut_policy
         self._source = source
@@ -91,13 +91,13 @@ class RemoteChoice:
             self.refine()
 
     def refine(self) -> dict[str, float]:
-        """Replace the probe's GB/s by this worker's own timed loads where it has at least
+        """Replace the probe's bytes/s by this worker's own timed loads where it has at least
         :data:`REFINE_MIN_SAMPLES` of a transport (overrides still win), and give them to the
         cut policy; returns the figures in use."""
         live = {t: self.estimator.estimate(t) for t in self.estimator.transports()}
         for name, est in live.items():
-            if est.samples >= REFINE_MIN_SAMPLES and est.gbps > 0:
-                self.bandwidths[name] = self.overrides.get(name, est.gbps)
+            if est.samples >= REFINE_MIN_SAMPLES and est.bytes_per_s > 0:
+                self.bandwidths[name] = self.overrides.get(name, est.bytes_per_s)
         self._feed_cut_policy()
         return dict(self.bandwidths)
 
@@ -106,15 +106,15 @@ class RemoteChoice:
         setter = getattr(self.cut_policy, "set_bandwidths", None)
         if not callable(setter) or not self.bandwidths:
             return
-        gbps = {k: v for k, v in self.bandwidths.items() if k not in (TRANSPORT_NIXL, TRANSPORT_OBJSTORE)}
+        bw = {k: v for k, v in self.bandwidths.items() if k not in (TRANSPORT_NIXL, TRANSPORT_OBJSTORE)}
         if self.remote in self.bandwidths:
-            gbps[self.remote] = self.bandwidths[self.remote]
-        setter(bytes_per_s(gbps))
+            bw[self.remote] = self.bandwidths[self.remote]
+        setter(bw)
 
     def _await_probe(self, closed: threading.Event) -> None:
         deadline = time.monotonic() + AUTO_WAIT_S
         while not closed.wait(1.0) and time.monotonic() < deadline:
             if self.choose():
                 log.info("%s: remote transport %s (GB/s %s)", self._name, self.remote,
-                         self.bandwidths)
+                         {k: round(v / GB, 2) for k, v in self.bandwidths.items()})
                 return

@@ -83,7 +83,7 @@ class KVShareClient:
     has none). ``index`` answers matches (the sharded index client). ``remote`` picks the
     transport for other nodes' blocks: ``nixl`` (falls back to ``objstore`` when NIXL is
     unavailable), ``objstore``, or ``auto`` (the default): the faster of the two by
-    ``bandwidths`` (GB/s per transport as this node's pool measured them, see
+    ``bandwidths`` (bytes/s per transport as this node's pool measured them, see
     :meth:`choose_remote`), with ``KVSHARE_BANDWIDTH_GBPS`` in this process overriding them;
     nixl only if its agent started, nixl while nothing is known.
     """
@@ -182,7 +182,7 @@ class KVShareClient:
 
     @property
     def bandwidths(self) -> dict[str, float]:
-        """GB/s per transport the remote choice was made on."""
+        """Bytes/s per transport the remote choice was made on."""
         return self.choice.bandwidths
 
     @property

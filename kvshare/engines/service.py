@@ -104,7 +104,7 @@ class WorkerService:
                 "endpoint": self.info.endpoint, "namespace": self.namespace,
                 "identity": self.engine.identity, "layout": self.engine.layout.to_dict(),
                 "nixl": self.client.remote if self.client is not None else "",
-                "bandwidths_gbps": dict(self.client.bandwidths) if self.client is not None else {}}
+                "bandwidths_bytes_per_s": dict(self.client.bandwidths) if self.client is not None else {}}
 
     def endpoint(self) -> str:
         return self.info.endpoint

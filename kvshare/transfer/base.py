@@ -111,8 +111,8 @@ class TransferResult(BlockOutcomes):
     seconds: float = 0.0
 
     @property
-    def gbps(self) -> float:
-        return self.nbytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+    def bytes_per_s(self) -> float:
+        return self.nbytes / self.seconds if self.seconds > 0 else 0.0
 
 
 def miss_reasons(outcomes: Sequence[BlockResult]) -> dict[str, int]:

@@ -25,9 +25,9 @@ MIN_BYTES = 1 << 20
 
 @dataclass(frozen=True)
 class Estimate:
-    """GB/s of the copy itself, the fixed seconds per batch, and how many batches it rests on."""
+    """Bytes/s of the copy itself, the fixed seconds per batch, and how many batches it rests on."""
 
-    gbps: float
+    bytes_per_s: float
     latency_s: float
     samples: int
 
@@ -36,7 +36,7 @@ NO_ESTIMATE = Estimate(0.0, 0.0, 0)
 
 
 def fit(samples: Sequence[tuple[int, float]]) -> Estimate:
-    """Fit ``seconds = latency + bytes / (gbps * 1e9)`` to ``(bytes, seconds)`` samples.
+    """Fit ``seconds = latency + bytes / bytes_per_s`` to ``(bytes, seconds)`` samples.
 
     Theil-Sen over pairs of different sizes; the slope must be positive, else (or with one
     size) the median of ``bytes / seconds`` with zero latency. Samples with no bytes or no time
@@ -51,8 +51,8 @@ def fit(samples: Sequence[tuple[int, float]]) -> Estimate:
         per_byte = statistics.median(slopes)
         if per_byte > 0:
             latency = statistics.median(s - b * per_byte for b, s in pts)
-            return Estimate(1e-9 / per_byte, max(latency, 0.0), len(pts))
-    return Estimate(statistics.median(b / s for b, s in pts) / 1e9, 0.0, len(pts))
+            return Estimate(1.0 / per_byte, max(latency, 0.0), len(pts))
+    return Estimate(statistics.median(b / s for b, s in pts), 0.0, len(pts))
 
 
 class BandwidthEstimator:
@@ -91,13 +91,13 @@ class BandwidthEstimator:
         return fit(pts[-4 * self.window:])
 
     def transports(self) -> dict[str, float]:
-        """GB/s per transport over all peers (only transports with samples)."""
+        """Bytes/s per transport over all peers (only transports with samples)."""
         with self._lock:
             names = {t for t, _ in self._samples}
-        return {n: self.estimate(n).gbps for n in sorted(names)}
+        return {n: self.estimate(n).bytes_per_s for n in sorted(names)}
 
     def peers(self, transport: str) -> dict[str, float]:
-        """GB/s of ``transport`` per peer."""
+        """Bytes/s of ``transport`` per peer."""
         with self._lock:
             peers = [p for t, p in self._samples if t == transport]
-        return {p: self.estimate(transport, p).gbps for p in peers}
+        return {p: self.estimate(transport, p).bytes_per_s for p in peers}

@@ -43,7 +43,7 @@ class TransferService:
     """Serves transport control calls for the pools of one node, and measures bandwidths.
 
     ``on_holder(holder)`` hears of every holder that takes leases (the node pool checks
-    their liveness). ``bandwidth_overrides`` (GB/s per transport; default from ``KVSHARE_BANDWIDTH_GBPS``,
+    their liveness). ``bandwidth_overrides`` (bytes/s per transport; default from ``KVSHARE_BANDWIDTH_GBPS``,
     e.g. ``"nixl=10,objstore=1.5"``) take precedence over what :meth:`measure` finds.
     The private namespace :data:`~kvshare.transfer.probe.PROBE_NAMESPACE` (a small pool of
     probe blocks, slab named after ``generation``) is opened on first use.
@@ -124,7 +124,7 @@ class TransferService:
         Reads move ``blocks // 4`` and ``blocks`` blocks of ``namespace`` after a warm-up,
         repeated, fitted robustly (:func:`~kvshare.transfer.probe.probe`).
         Per transport the best figure over peers becomes ``bandwidths.measured``; per peer
-        figures stay in ``per_node``. Returns the effective GB/s (overrides applied).
+        figures stay in ``per_node``. Returns the effective bytes/s (overrides applied).
         """
         with self._measuring:
             return self._measure(namespace, peers, blocks)
@@ -229,7 +229,7 @@ class TransferEndpoints:
     def transfer_measure(
         self, namespace: str, peers: Mapping[str, Any], blocks: int = PROBE_BLOCKS
     ) -> dict[str, float]:
-        """Probe peer pools (node id -> NodePoolActor handle) from this node; GB/s per transport."""
+        """Probe peer pools (node id -> NodePoolActor handle) from this node; bytes/s per transport."""
         from kvshare.transfer.reader.control import ActorControl
 
         return self.transfer.measure(
@@ -238,7 +238,7 @@ class TransferEndpoints:
         )
 
     def transfer_bandwidths(self) -> dict[str, Any]:
-        """Effective GB/s per transport (measured, overrides applied), per peer node, the
+        """Effective bytes/s per transport (measured, overrides applied), per peer node, the
         overrides, and ``measured_at`` (unix time of the last probe; 0 = not probed yet)."""
         return {"transports": self.transfer.bandwidths.as_dict(),
                 "per_node": dict(self.transfer.per_node),

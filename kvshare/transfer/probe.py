@@ -6,7 +6,7 @@ them in a private namespace (:data:`PROBE_NAMESPACE`, :data:`PROBE_LAYOUT`: 4 bl
 never published to the index) so probing never shows up as cached blocks. :func:`probe`
 reads them through each transport after a warm-up, in batches of two sizes, several times, and
 fits latency + bytes / bandwidth with a robust estimator (:func:`kvshare.transfer.estimate.fit`):
-the GB/s it returns is the copy rate a large prefix sees, not one small batch's.
+the bytes/s it returns is the copy rate a large prefix sees, not one small batch's.
 :class:`TransportBandwidths` holds the measured figures, lets a config override any of them, and ranks
 transports for :class:`~kvshare.transfer.reader.fetch.PeerFetcher` and the router's cost model.
 """
@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvshare.cost import bytes_per_s
+from kvshare.cost import GB
 from kvshare.layout import KVLayout
 from kvshare.pool.tiered import TieredBlockPool
 from kvshare.tiers.base import ByteArray
@@ -68,7 +68,7 @@ def probe(
     estimator: BandwidthEstimator | None = None,
     peer: str = "",
 ) -> dict[str, float]:
-    """GB/s per transport of reading probe blocks of a pool into ``dest`` (one per block).
+    """Bytes/s per transport of reading probe blocks of a pool into ``dest`` (one per block).
 
     Per transport: ``warmup`` untimed reads (connections, registrations, page faults), then
     ``repeats`` rounds of one batch of ``len(dest) // 4`` blocks and one of ``len(dest)``; the
@@ -98,19 +98,20 @@ def probe(
                 break
             if i >= warmup:
                 samples.append((res.nbytes, res.seconds))
-        out[name] = fit(samples).gbps
+        out[name] = fit(samples).bytes_per_s
         if estimator is not None:
             estimator.observe_all(name, peer, samples)
     return out
 
 
 def parse_overrides(text: str) -> dict[str, float]:
-    """``"nixl=10,objstore=1.5"`` (GB/s per transport; e.g. ``KVSHARE_BANDWIDTH_GBPS``)."""
+    """``"nixl=10,objstore=1.5"``: GB/s per transport as an operator writes them (``--bandwidth``,
+    ``KVSHARE_BANDWIDTH_GBPS``), returned in bytes/s."""
     out: dict[str, float] = {}
     for item in filter(None, (x.strip() for x in text.split(","))):
         name, sep, value = item.partition("=")
         try:
-            out[name.strip()] = float(value)
+            out[name.strip()] = float(value) * GB
         except ValueError:
             sep = ""
         if not sep or not name.strip():
@@ -122,9 +123,8 @@ def parse_overrides(text: str) -> dict[str, float]:
 
 @dataclass
 class TransportBandwidths:
-    """GB/s per transport (``shm``, ``nixl``, ``objstore``) as probed, with config overrides
-    taking precedence. The cost model's :class:`kvshare.cost.Bandwidths` is in bytes/s per
-    source kind; :meth:`bytes_per_s` converts (:func:`kvshare.cost.bytes_per_s`)."""
+    """Bytes/s per transport (``shm``, ``nixl``, ``objstore``) as probed, with config overrides
+    taking precedence (what :meth:`kvshare.cost.Bandwidths.from_measured` takes)."""
 
     measured: dict[str, float] = field(default_factory=dict)
     overrides: dict[str, float] = field(default_factory=dict)
@@ -132,7 +132,7 @@ class TransportBandwidths:
     def __post_init__(self) -> None:
         for name, v in self.overrides.items():
             if v < 0:
-                raise ValueError(f"bandwidth override for {name!r} must be >= 0 GB/s, got {v}")
+                raise ValueError(f"bandwidth override for {name!r} must be >= 0, got {v / GB:g} GB/s")
 
     def get(self, name: str) -> float:
         return self.overrides.get(name, self.measured.get(name, 0.0))
@@ -142,10 +142,6 @@ class TransportBandwidths:
 
     def update(self, measured: Mapping[str, float]) -> None:
         self.measured.update(measured)
-
-    def bytes_per_s(self) -> dict[str, float]:
-        """:meth:`as_dict` in bytes/s (what :meth:`kvshare.cost.Bandwidths.from_measured` takes)."""
-        return bytes_per_s(self.as_dict())
 
     def rank(self, names: Sequence[str]) -> list[str]:
         """``names`` fastest first; those measured at 0 (unusable) last."""

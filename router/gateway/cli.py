@@ -61,7 +61,7 @@ def serve_from_args(args: argparse.Namespace) -> int:
         admin = ClusterAdmin()
     else:
         workers = static_workers(args.workers, args.namespace)
-    from kvshare.cost import Bandwidths, bytes_per_s
+    from kvshare.cost import Bandwidths
     from kvshare.transfer.probe import parse_overrides
 
     measured: dict[str, float] = {}  # bytes/s the cluster's pools probed (--address only)
@@ -69,11 +69,11 @@ def serve_from_args(args: argparse.Namespace) -> int:
         from kvshare.actors.deploy import measured_bandwidths
 
         measured = measured_bandwidths(wait_s=10.0)
-    gbps = parse_overrides(args.bandwidth) if args.bandwidth else {}  # --bandwidth wins
+    given = parse_overrides(args.bandwidth) if args.bandwidth else {}  # --bandwidth wins
     common: dict[str, Any] = {
         "namespace": args.namespace, "policy": args.policy,
         "prefill_tokens_per_s": args.prefill_tokens_per_s,
-        "bandwidths": Bandwidths.from_measured({**measured, **bytes_per_s(gbps)}),
+        "bandwidths": Bandwidths.from_measured({**measured, **given}),
     }
     tokenizer: Any = None
     if getattr(args, "vllm_model", None):

@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from kvshare.cost import GB
 from kvshare.workers import WorkerInfo, WorkerLoad
 
 NODE_UP, NODE_DOWN, POOL_SILENT, NO_POOL = "up", "down", "pool not answering", "no pool"
@@ -54,7 +55,7 @@ def _peers(bandwidth: Mapping[str, Any]) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     for peer, figures in sorted(per_node.items()):
         if isinstance(figures, Mapping):
-            rows.extend({"peer": str(peer), "transport": str(t), "gbps": float(v)}
+            rows.extend({"peer": str(peer), "transport": str(t), "gbps": float(v) / GB}
                         for t, v in sorted(figures.items()) if isinstance(v, int | float))
     return rows
 
@@ -69,8 +70,8 @@ def cluster_view(status: Mapping[str, Any]) -> dict[str, Any]:
             "node_id": nid, "address": node.get("address", ""), "state": node_state(node),
             "error": node.get("pool_error", ""), "generation": pool.get("generation"),
             "tiers": _tiers(pool),
-            "bandwidth_gbps": {str(k): float(v) for k, v in
-                               sorted((node.get("bandwidth_gbps") or {}).items())},
+            "bandwidth_gbps": {str(k): float(v) / GB for k, v in
+                               sorted((node.get("bandwidth_bytes_per_s") or {}).items())},
             "peers": _peers(node.get("bandwidth") or {}),
             "measured_at": float((node.get("bandwidth") or {}).get("measured_at", 0.0)),
         })

@@ -62,7 +62,7 @@ class PeerFetcher:
 
     ``controls(location)`` returns the :class:`BlockControl` of a node pool (None if unknown);
     ``transports`` maps names (``shm``, ``nixl``, ``objstore``) to ready transports; missing
-    ones are simply not used. ``bandwidth`` (GB/s per transport name) orders the choice;
+    ones are simply not used. ``bandwidth`` (bytes/s per transport name) orders the choice;
     unknown names fall back to the fixed order shm > nixl > objstore.
     """
 
