@@ -9,7 +9,6 @@ neither sees the other's blocks.
 
 from __future__ import annotations
 
-import os
 import sys
 import threading
 import time
@@ -17,10 +16,10 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from paths import ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)  # examples/ is not a package on the installed path
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))  # examples/ is not a package on the installed path
 
 from kvshare.engines.hf import default_model_config  # noqa: E402
 from kvshare.layout import KVLayout  # noqa: E402

@@ -19,12 +19,13 @@ import pytest
 
 pytest.importorskip("vllm")
 
+from http_helpers import Served, wait_idle  # noqa: E402
+from vllm_helpers import DTYPE, tiny_model, wait_for  # noqa: E402
+
 from kvshare.breakdown import GATEWAY_STAGES  # noqa: E402
 from kvshare.hashing import shared_block_tokens  # noqa: E402
 from kvshare.types import Tier  # noqa: E402
 from kvshare.vllm.server.launch import reset_prefix_cache  # noqa: E402
-from tests.http_helpers import Served, wait_idle  # noqa: E402
-from tests.vllm_helpers import DTYPE, tiny_model, wait_for  # noqa: E402
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 RAY_NS = "kvshare-vllm-cluster"

@@ -4,10 +4,10 @@ timestamp resolution, and the paired comparison that tells a policy gap from rep
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import numpy as np
 import pytest
+from paths import TRACES
 
 from kvshare.router.sim.cluster_model import ClusterConfig
 from kvshare.router.sim.replay import simulate
@@ -15,7 +15,7 @@ from kvshare.router.sim.replicas import beats, gap_beyond_noise, jittered, paire
 from kvshare.router.sim.trace import Trace
 from kvshare.router.sim.trace_read import read_trace
 
-DYNAMO = Path(__file__).resolve().parents[2] / "shared" / "traces" / "dynamo_mooncake_trace_1000.jsonl"
+DYNAMO = TRACES / "dynamo_mooncake_trace_1000.jsonl"
 
 
 def _by_row(requests: object) -> dict[int, tuple[float, int, int, tuple[int, ...], int]]:

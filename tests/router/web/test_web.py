@@ -29,6 +29,7 @@ import ray
 import uvicorn
 from conftest import start_cluster, stop_cluster
 from engine_helpers import BLOCK, SMALL
+from paths import ROOT
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -48,7 +49,7 @@ pytestmark = pytest.mark.cluster
 NS = "web"
 CFG = EngineConfig(overrides=dict(SMALL), block_tokens=BLOCK, threads=1)
 KEYS = {"k-admin": {"tenant": "ops", "admin": True}, "k-acme": {"tenant": "acme"}}
-DASHBOARD = Path(__file__).resolve().parents[1] / "deploy" / "grafana" / "kvshare.json"
+DASHBOARD = ROOT / "deploy" / "grafana" / "kvshare.json"
 SYSTEM = "You are the kvshare assistant; answer briefly about cache reuse. " * 6
 
 

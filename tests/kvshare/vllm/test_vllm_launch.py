@@ -11,9 +11,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from vllm_helpers import wait_for
 
 from kvshare.vllm.server.launch import VllmProcess, VllmSpec
-from tests.vllm_helpers import wait_for
 
 CHILD = "import os, sys; open(sys.argv[1], 'w').write(str(sorted(os.sched_getaffinity(0))))"
 REPORT = f"""

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
+from paths import TRACES
 
 from kvshare.router.sim.cluster_model import ClusterConfig
 from kvshare.router.sim.replay import Simulator, global_lru, simulate
@@ -22,7 +23,6 @@ from kvshare.router.sim.trace import TraceHasher, TraceRequest
 from kvshare.router.sim.trace_read import read_trace
 from kvshare.types import node_location
 
-TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces"
 SYNTH = TRACES / "synthetic_trace.jsonl"
 DYNAMO = TRACES / "dynamo_mooncake_trace_1000.jsonl"
 

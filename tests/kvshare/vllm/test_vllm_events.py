@@ -18,14 +18,7 @@ import zmq
 
 pytest.importorskip("vllm")
 
-from kvshare.engines.server import free_port  # noqa: E402
-from kvshare.types import NodeId, Tier, WorkerId  # noqa: E402
-from kvshare.vllm.events.consumer import EventsConfig, KVEventsConsumer  # noqa: E402
-from kvshare.vllm.server.launch import VllmProcess, VllmSpec, reset_prefix_cache  # noqa: E402
-from kvshare.vllm.server.load import MetricsLoad  # noqa: E402
-from kvshare.vllm.server.presence import Presence  # noqa: E402
-from kvshare.workers import WorkerInfo  # noqa: E402
-from tests.vllm_helpers import (  # noqa: E402
+from vllm_helpers import (  # noqa: E402
     BLOCK,
     HASHER,
     NS,
@@ -35,6 +28,14 @@ from tests.vllm_helpers import (  # noqa: E402
     tiny_model,
     wait_for,
 )
+
+from kvshare.engines.server import free_port  # noqa: E402
+from kvshare.types import NodeId, Tier, WorkerId  # noqa: E402
+from kvshare.vllm.events.consumer import EventsConfig, KVEventsConsumer  # noqa: E402
+from kvshare.vllm.server.launch import VllmProcess, VllmSpec, reset_prefix_cache  # noqa: E402
+from kvshare.vllm.server.load import MetricsLoad  # noqa: E402
+from kvshare.vllm.server.presence import Presence  # noqa: E402
+from kvshare.workers import WorkerInfo  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

@@ -20,6 +20,7 @@ from ray.serve._private.common import (
     RequestMetadata,
 )
 from ray.serve._private.request_router.common import PendingRequest
+from vllm_helpers import wait_for
 
 from kvshare.actors.index.global_index import GlobalIndex
 from kvshare.cost import Bandwidths
@@ -43,7 +44,6 @@ from kvshare.router.serve.request import (
 from kvshare.router.serve.request_router import KVShareRequestRouter
 from kvshare.types import NodeId, Tier, WorkerId, node_location, worker_location
 from kvshare.workers import META_GPU_PRIVATE, WorkerInfo, WorkerLoad
-from tests.vllm_helpers import wait_for
 
 NS = "llm"
 BT = 16

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Any
 
 import pytest
+from paths import ROOT
 
 from kvshare.layout import (
     KVLayout,
@@ -16,7 +16,7 @@ from kvshare.layout import (
     resolve_config,
 )
 
-CONFIGS = Path(__file__).resolve().parent.parent / "kvshare" / "configs"
+CONFIGS = ROOT / "kvshare" / "configs"
 
 # name -> (layers, kv_heads, head_dim, dtype, bytes/token computed by hand:
 #          2 (k and v) * layers * kv_heads * head_dim * dtype bytes)

@@ -8,10 +8,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from paths import ROOT
 
 from kvshare.cli import main
 
-CONFIGS = Path(__file__).resolve().parent.parent / "kvshare" / "configs"
+CONFIGS = ROOT / "kvshare" / "configs"
 SCRIPT = Path(sys.executable).parent / "kvshare"
 
 

@@ -27,6 +27,7 @@ import httpx
 import pytest
 from engine_helpers import BLOCK, SMALL
 from http_helpers import serve_app
+from paths import TESTS
 
 from kvshare.engines.hf import EngineConfig, model_keys
 from kvshare.engines.server import free_port
@@ -72,7 +73,7 @@ class WorkerProcess:
         self.name = name
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        tests = str(Path(__file__).parent)
+        tests = str(TESTS)
         self.proc = subprocess.Popen([sys.executable, str(script), name, str(self.port),
                                       str(max_pending), tests], stdout=subprocess.PIPE)
         assert self.proc.stdout is not None

@@ -6,11 +6,11 @@ import json
 from pathlib import Path
 
 import pytest
+from paths import TRACES
 
 from kvshare.router.sim.report import format_table
 from kvshare.router.sim.trace_read import read_trace
 
-TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces"
 DYNAMO = TRACES / "dynamo_mooncake_trace_1000.jsonl"
 
 

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from paths import TESTS
 from pool_helpers import BB, LAYOUT, data, h
 
 from kvshare.pool.tiered import TieredBlockPool
@@ -20,7 +21,7 @@ from kvshare.tiers.host import HostSlab
 from kvshare.types import Tier
 
 SLOTS = 16
-TESTS_DIR = str(Path(__file__).resolve().parent)
+TESTS_DIR = str(TESTS)
 
 # Commits blocks 0-7, says so, then rewrites blocks 8-15 in a loop until it is killed, so the
 # SIGKILL lands while files are being written.

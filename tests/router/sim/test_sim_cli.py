@@ -9,8 +9,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from paths import TRACES
 
-TRACES = Path(__file__).resolve().parents[2] / "shared" / "traces"
 DYNAMO = TRACES / "dynamo_mooncake_trace_1000.jsonl"
 AGENTIC = TRACES / "agentic"
 
