@@ -234,3 +234,16 @@ def test_nothing_imports_examples() -> None:
              for p in sorted((ROOT / folder).rglob("*.py"))
              if reaches(imported(p.read_text()), ("examples",))]
     assert not users, f"{[str(p.relative_to(ROOT)) for p in users]} import examples/"
+
+
+def test_tests_mirror_the_packages() -> None:
+    """A test module sits in the folder of the package it tests (``tests/router/gateway/`` for
+    ``router/gateway/``); only repository-wide checks stay at the top of ``tests/``."""
+    stray = []
+    for p in sorted((ROOT / "tests").rglob("test_*.py")):
+        rel = p.relative_to(ROOT / "tests").parent
+        if rel == Path("."):
+            continue
+        if not (ROOT / rel / "__init__.py").is_file():
+            stray.append(str(p.relative_to(ROOT)))
+    assert not stray, f"{stray} sit in folders that mirror no package"
