@@ -33,9 +33,8 @@ def stop_error_listener(timeout_s: float = 1.0) -> bool:
 
     For a process that joins Ray only to call kvshare's actors (a vLLM engine's connector):
     nobody reads what that thread prints, and in vLLM's engine and worker processes its poll
-    of the GCS was measured returning at once, over and over (~200k polls in 2 minutes on an
-    idle 2-node cluster: the GCS at ~57% of a core and each vLLM worker process at ~20%,
-    which made every request 2-3x slower on a 2-core machine). ``ray.shutdown`` still works
+    of the GCS returns at once, over and over, keeping the GCS and every vLLM worker process
+    busy (the figures are on the results page). ``ray.shutdown`` still works
     afterwards (it closes the same subscriber again and joins the ended thread).
     """
     from ray._private import worker as ray_worker

@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 SHM_DIR = "/dev/shm"
 SHM_DIR_ENV = "KVSHARE_SHM_DIR"
 _PAGE = mmap.PAGESIZE
-_CHUNK = 512 * 1024  # copy-and-hash step: stays in L2 (measured best of 64 KiB..2 MiB)
+_CHUNK = 512 * 1024  # copy-and-hash step: stays in L2 (results page: best of 64 KiB..2 MiB)
 _SAFE = re.compile(r"^[A-Za-z0-9._-]+$")
 
 

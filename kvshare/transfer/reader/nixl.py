@@ -68,8 +68,8 @@ def aligned_empty(shape: int | tuple[int, ...], align: int = HUGE_PAGE) -> np.nd
     """An uninitialised uint8 array whose first byte sits on an ``align``-byte boundary.
 
     Use it for buffers that NIXL reads into. Over UCX ``cma`` (one host) a destination that is
-    not page-aligned (``np.empty`` of a large size starts 16 bytes into a page) halves the
-    bandwidth: measured 5.7 -> 3.7 GB/s for READ, 10.7 -> 5.4 GB/s for a pool's WRITE.
+    not page-aligned (``np.empty`` of a large size starts 16 bytes into a page) roughly halves
+    the bandwidth of READs and of a pool's WRITEs (figures on the results page).
     """
     dims = (shape,) if isinstance(shape, int) else tuple(shape)
     nbytes = int(np.prod(dims, dtype=np.int64))
@@ -109,8 +109,8 @@ class NixlTransport(Transport):
     """A NIXL agent named ``name`` that pulls blocks from (or pushes into) pools' host slabs.
 
     ``verify``: every block read is checked against its checksum. ``end_to_end`` says who
-    checks: the holding pool while the transfer runs (False, the default: measured the
-    fastest), or this reader as the blocks land (True; hashing in a native thread where
+    checks: the holding pool while the transfer runs (False, the default: the faster of the
+    two on the results page), or this reader as the blocks land (True; hashing in a native thread where
     ``verify.LANDING_CHECKS``, else after the whole read), which also covers the wire and this
     host's memory.
     Raises :class:`TransportUnavailable` (reason ``nixl_unavailable``) if NIXL cannot start.

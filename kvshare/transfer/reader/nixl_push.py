@@ -11,12 +11,10 @@ pin the *peer's* pages on every transfer. A READ pins the pool's host slab (a ``
 tmpfs mapping: 4 KiB pages where shmem huge pages are off); a holder-initiated WRITE pins the
 reader's destination instead (private anonymous memory, huge pages when the buffer is
 ``madvise(MADV_HUGEPAGE)``-d, as numpy does for large arrays) and copies the slab by plain
-copy. Measured on this host between two plain processes (256 MiB in 16 MiB blocks, 2 MiB
-aligned destination): READ from the slab 5.3-8.2 GB/s, WRITE into a huge-page destination
-10-12 GB/s (~memcpy); with 4 KiB destination pages both are ~6.5 GB/s, and a destination that
-is not page-aligned halves both (see :func:`~kvshare.transfer.reader.nixl.aligned_empty`). In
-benchmarks/transfer.py (Ray actors, checksums, control messages): push ~7.2 GB/s vs READ
-~5.5 GB/s (0.54x vs 0.41x memcpy).
+copy. A WRITE into a huge-page destination runs at about memcpy speed, faster than a READ
+from the slab; with 4 KiB destination pages the two are alike, and a destination that is not
+page-aligned halves both (see :func:`~kvshare.transfer.reader.nixl.aligned_empty`). The
+figures, and push against READ in ``benchmarks/transfer.py``, are on the results page.
 
 Protocol (one control message): the reader registers its buffers, sends its agent metadata
 and the destination addresses with ``transfer_push_read``; the pool pins the blocks, posts
