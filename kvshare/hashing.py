@@ -184,6 +184,15 @@ def namespace_root(
     return BlockHash(_digest_fn(HashFn(fn))(payload))
 
 
+def keyed_block_hash(root: BlockHash, key: str | bytes, fn: HashFn = DEFAULT_HASH_FN) -> BlockHash:
+    """A block an engine names by its own key instead of its tokens: ``H(root, field(key))``.
+
+    For engines whose storage tier sees only their own chained page keys (SGLang's HiCache:
+    each key already covers the whole prefix before its page); the root keeps namespaces apart.
+    """
+    return BlockHash(_digest_fn(HashFn(fn))(bytes(root) + _field(_as_bytes(key, "key"))))
+
+
 def tokens_to_u32le(tokens: Sequence[int] | npt.NDArray[np.integer]) -> bytes:
     """Token ids as little-endian u32 bytes; ValueError for non-integers or ids outside [0, 2**32)."""
     if isinstance(tokens, list | tuple):

@@ -114,7 +114,7 @@ class LocalKVClient:
             return StoreResult()
         results = self.pool.reserve(todo, self.holder)
         buf = np.empty(self.layout.bytes_per_block, dtype=np.uint8)
-        leases, present, skipped = [], 0, 0
+        leases, present, missed = [], 0, []
         try:
             for i, res in enumerate(results):
                 if isinstance(res, Reserved):
@@ -124,14 +124,15 @@ class LocalKVClient:
                 elif isinstance(res, AlreadyPresent):
                     present += 1
                 else:
-                    skipped += 1
+                    missed.append(i)
         except BaseException:
             self.pool.abort(leases)
             raise
         self.pool.commit(leases)
         with self._lock:
             self.counters["stored_blocks"] += len(leases)
-        return StoreResult(len(leases), present, skipped, len(leases) * self.layout.bytes_per_block)
+        return StoreResult(len(leases), present, len(missed),
+                           len(leases) * self.layout.bytes_per_block, missed=tuple(missed))
 
     def close(self) -> None:
         self._executor.shutdown(wait=True)

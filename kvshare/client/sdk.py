@@ -399,8 +399,8 @@ class KVShareClient:
             self._count(f"store_miss_{reason}", count)
         self._count("stored_blocks", stored)
         self._count("bytes_stored", res.nbytes)
-        return StoreResult(stored, 0, len(todo) - stored, res.nbytes,
-                           ",".join(sorted(reasons)))
+        return StoreResult(stored, 0, len(todo) - stored, res.nbytes, ",".join(sorted(reasons)),
+                           tuple(i for i, o in enumerate(res.outcomes) if not o.ok))
 
     def save_layer(
         self, layer: int, keys: Any, values: Any, tokens: Sequence[int], start_block: int = 0

@@ -159,13 +159,17 @@ class LoadResult:
 
 @dataclass(frozen=True)
 class StoreResult:
-    """Outcome of one store: blocks written, already present, skipped (no space, in flight)."""
+    """Outcome of one store: blocks written, already present, skipped (no space, in flight).
+
+    ``missed``: positions (from the store's first block) of the blocks neither written nor
+    already present, for engines that track each block (SGLang's storage tier)."""
 
     stored: int = 0
     present: int = 0
     skipped: int = 0
     nbytes: int = 0
     reason: str = ""
+    missed: tuple[int, ...] = ()
 
 
 @runtime_checkable

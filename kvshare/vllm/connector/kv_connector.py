@@ -21,7 +21,6 @@ from __future__ import annotations
 import logging
 import os
 import threading
-import time
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -31,7 +30,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from kvshare.ray_env import stop_error_listener
+from kvshare.client.join import check_deployed, join_ray
 from kvshare.types import BlockHash
 from kvshare.vllm.connector.config import ConnectorSettings, ModelKeys, model_keys
 from kvshare.vllm.connector.lookup import Lookups
@@ -63,55 +62,15 @@ _SOURCES = {"host": CacheHitSource.HOST, "disk": CacheHitSource.DISK, "p2p": Cac
 
 def connect_ray(settings: ConnectorSettings) -> None:
     """Join the Ray cluster (unless this process already runs inside Ray)."""
-    import ray
-
-    if ray.is_initialized():
-        return
-    address = settings.ray_address or os.environ.get("RAY_ADDRESS", "")
-    if not address:
-        raise ValueError(
-            'KVShareConnector: this vLLM process is not inside Ray: set "ray_address" in '
-            'kv_connector_extra_config (e.g. "auto" on a Ray node, or "HOST:6379")')
-    try:
-        ray.init(address=address, namespace=settings.ray_namespace, log_to_driver=False)
-    except ConnectionError as exc:
-        raise ValueError(f"KVShareConnector: no Ray cluster at {address!r} ({exc}): start one "
-                         "(`ray start --head`) and kvshare on it (`kvshare up`)") from exc
-    stop_error_listener()
+    join_ray(settings.ray_address, settings.ray_namespace, "KVShareConnector",
+             "kv_connector_extra_config")
 
 
 def check_namespace(index: Any, settings: ConnectorSettings, keys: ModelKeys,
                     startup_s: float = STARTUP_S) -> None:
-    """ValueError naming the fix unless the deployment serves this namespace with our layout.
-
-    The index is asked again until ``startup_s`` has passed: each ask is bounded by the
-    lookup deadline (``index_timeout_s``, sized for a request's hot path), and a process that
-    has just joined Ray on a busy node (engines loading) can take longer for its first actor
-    call; an engine must not fail to start over that."""
-    deadline = time.monotonic() + startup_s
-    while True:
-        try:
-            known: dict[str, dict[str, Any]] = index.namespaces()
-            break
-        except Exception as exc:
-            if time.monotonic() >= deadline:
-                raise ValueError(f"KVShareConnector: kvshare's index does not answer ({exc}) "
-                                 f"within {startup_s:g} s: is kvshare deployed on this Ray "
-                                 "cluster (`kvshare up`)?") from exc
-            time.sleep(0.5)
-    lay = keys.layout
-    fix = (f"kvshare up --namespace {settings.namespace} --layout MODEL/config.json "
-           f"--dtype {lay.dtype} --block-tokens {lay.block_tokens}")
-    info = known.get(settings.namespace)
-    if info is None:
-        raise ValueError(f"KVShareConnector: unknown kvshare namespace {settings.namespace!r} "
-                         f"(deployed: {sorted(known)}): start it with `{fix}`")
-    have = str(info.get("layout_fingerprint", ""))
-    if have and have != lay.fingerprint():
-        raise ValueError(
-            f"KVShareConnector: namespace {settings.namespace!r} was deployed with another KV "
-            f"layout ({have}) than this engine's {lay.to_dict()} ({lay.fingerprint()}): deploy "
-            f"a namespace for it (`{fix}` with another name) or match block_tokens and dtype")
+    """ValueError naming the fix unless the deployment serves this namespace with our layout
+    (:func:`kvshare.client.join.check_deployed`)."""
+    check_deployed(index, settings.namespace, keys.layout, "KVShareConnector", startup_s)
 
 
 def shared_client(settings: ConnectorSettings, keys: ModelKeys) -> Any:
