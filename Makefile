@@ -75,7 +75,7 @@ test: lint browser
 # is the same script on this machine's CPU (tests/test_gpu_check.py runs it in `make test`).
 # gpu-wheels fetches the NIXL wheels (56 MiB, cp312) a device run may carry: .gpu-wheels/.
 gpu-check:
-	bash scripts/gpu_check.sh
+	PYTHON=python3 bash scripts/gpu_check.sh
 
 gpu-check-cpu: $(STAMP)
 	PYTHON=$(BIN)/python DEVICE=cpu GPU_CHECK_SECONDS=60 bash scripts/gpu_check.sh

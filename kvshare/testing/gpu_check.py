@@ -26,9 +26,14 @@ It writes one JSON object to ``OUT/gpu_check.json``, prints it as its last line,
 on any mismatch (2 when ``--device cuda`` finds no GPU). Bandwidth below its target (kvshare's
 load and store at >= 0.8x a pinned ``copy_`` of the same bytes) is reported, not failed.
 
-The device run prepared for a session lent a GPU (one ``run`` call, ~6 min at most)::
+The device run prepared for a session lent a GPU: ``make gpu-wheels`` here first (for the
+NIXL section; without it that section skips and says why), then one ``run`` call (build
+~30 s, check <= 240 s; the figures that decide the GPU-side copy are
+``sections.bandwidth.layouts.flash_nhd.ratios``: ``load_*``/``store_*`` against pinned
+``copy_``)::
 
-    run(command="bash scripts/gpu_check.sh", timeout_s=420, carry=[".gpu-wheels"])
+    run(command="GPU_CHECK_SECONDS=240 bash scripts/gpu_check.sh", timeout_s=420,
+        carry=[".gpu-wheels"])
 """
 
 from __future__ import annotations
@@ -204,6 +209,7 @@ def nixl_section(device: torch.device, wheel_dir: str, seed: int) -> Record:
 def environment(device: torch.device) -> Record:
     env: Record = {"python": platform.python_version(), "torch": torch.__version__,
                    "numpy": np.__version__, "device": str(device),
+                   "torch_threads": torch.get_num_threads(),
                    "native_copy": {"_copy_streaming": STREAMING_COPY,
                                    "copy_chunks": gpu_copies.COPY_CHUNKS_BUILT}}
     if device.type == "cuda":
@@ -270,7 +276,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                           "mismatches": ["device"], "reason": "--device cuda: no CUDA device"}
         code = 2
     else:
-        result = run(torch.device(args.device), args.seconds, args.wheels, args.seed, only)
+        threads = torch.get_num_threads()
+        if args.device == "cpu":  # host copies on a shared machine: one thread keeps them steady
+            torch.set_num_threads(1)
+        try:
+            result = run(torch.device(args.device), args.seconds, args.wheels, args.seed, only)
+        finally:
+            torch.set_num_threads(threads)
         code = 0 if result["ok"] else 1
     os.makedirs(out_dir, exist_ok=True)
     line = json.dumps(result, sort_keys=True)
