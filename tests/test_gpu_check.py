@@ -26,7 +26,7 @@ def test_cpu_twin_passes_every_section_or_says_why_not(tmp_path: Path,
                                                        capsys: pytest.CaptureFixture[str]) -> None:
     code, result = check(tmp_path, "--device", "cpu", "--seconds", "3")
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == result
-    assert code == 0 and result["ok"] and result["mismatches"] == []
+    assert code == 0 and result["ok"] and result["complete"] and result["mismatches"] == []
     sections = result["sections"]
     assert set(sections) == set(gpu_check.SECTIONS)
     for name, section in sections.items():
@@ -74,6 +74,13 @@ def test_one_wrong_byte_fails_the_check(tmp_path: Path, monkeypatch: pytest.Monk
             "read_blocks": "store_staged"}[method]
     failed = result["sections"]["paged_copies"]["failed"]
     assert "flash_nhd_bf16/" + step in failed and "cpu_bf16/" + step in failed
+
+
+def test_no_gpu_is_exit_2_not_a_pass(tmp_path: Path) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    code, result = check(tmp_path, "--device", "cuda")
+    assert code == 2 and result["mismatches"] == ["device"]
 
 
 @pytest.mark.gpu

@@ -66,7 +66,8 @@ IPC_PATTERNS = re.compile(r"_share_cuda_|cudaIpc|ipc_handle|rebuild_cuda_tensor|
 WORKER_FILES = ("vllm", "transfer", "client.py", "client_fetch.py", "client_local.py",
                 "block_io.py", "kv_convert.py", "tiers")
 CARRY_LIMIT = 64 * 2**20
-SECTIONS = ("tier", "paged_copies", "worker_side", "cuda_ipc", "nixl", "bandwidth")
+SECTIONS = ("tier", "paged_copies", "worker_side", "cuda_ipc", "bandwidth", "nixl")
+NIXL_RESERVE_S = 20.0  # of the budget, left to the nixl section after the bandwidth one
 
 
 def failed(exc: BaseException) -> Record:
@@ -214,6 +215,8 @@ def environment(device: torch.device) -> Record:
                                    "copy_chunks": gpu_copies.COPY_CHUNKS_BUILT}}
     if device.type == "cuda":
         env["gpu"] = torch.cuda.get_device_name(device)
+        env["gpu_memory_gib"] = round(torch.cuda.get_device_properties(device).total_memory
+                                      / 2**30, 1)
         env["cuda"] = torch.version.cuda
     return env
 
@@ -233,35 +236,44 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 def run(device: torch.device, seconds: float, wheel_dir: str, seed: int,
-        only: Sequence[str] = SECTIONS) -> Record:
-    """The sections named in ``only``; each one that raises is a mismatch carrying it."""
+        only: Sequence[str] = SECTIONS, save: Callable[[Record], object] | None = None) -> Record:
+    """The sections named in ``only``, in the order of :data:`SECTIONS`; each one that raises
+    is a mismatch carrying it. ``save`` gets the result so far after each section (so a run
+    that dies in native code, NIXL's say, still leaves what it measured)."""
     t0 = time.perf_counter()
-    out: Record = {"check": "kvshare gpu_check", "environment": environment(device)}
-    sections: Record = {}
-    steps: tuple[tuple[str, Callable[[], Record]], ...] = (
-        ("tier", lambda: tier_section(device)),
-        ("paged_copies", lambda: gpu_copies.copies_section(gpu_copies.PAGED_CASES, device, seed)),
-        ("worker_side", lambda: gpu_copies.copies_section(gpu_copies.WORKER_CASES, device,
-                                                          seed + 1)),
-        ("cuda_ipc", ipc_section),
-        ("nixl", lambda: nixl_section(device, wheel_dir, seed)),
-        ("bandwidth", lambda: gpu_copies.bandwidth_section(
-            device, max(seconds - (time.perf_counter() - t0) - 5, 1.0), seed)),
-    )
-    for name, section in steps:
+    out: Record = {"check": "kvshare gpu_check", "environment": environment(device),
+                   "complete": False, "sections": {}}
+    sections: Record = out["sections"]
+    steps: dict[str, Callable[[], Record]] = {
+        "tier": lambda: tier_section(device),
+        "paged_copies": lambda: gpu_copies.copies_section(gpu_copies.PAGED_CASES, device, seed),
+        "worker_side": lambda: gpu_copies.copies_section(gpu_copies.WORKER_CASES, device,
+                                                         seed + 1),
+        "cuda_ipc": ipc_section,
+        "bandwidth": lambda: gpu_copies.bandwidth_section(
+            device, max(seconds - (time.perf_counter() - t0) - NIXL_RESERVE_S, 1.0), seed),
+        "nixl": lambda: nixl_section(device, wheel_dir, seed),
+    }
+    for name in SECTIONS:
         if name not in only:
             continue
         s0 = time.perf_counter()
         try:
-            sections[name] = section()
+            sections[name] = steps[name]()
         except Exception as exc:
             sections[name] = failed(exc)
         sections[name]["seconds"] = round(time.perf_counter() - s0, 2)
-    out["sections"] = sections
-    out["mismatches"] = [n for n, s in sections.items() if s["status"] == "mismatch"]
+        summarise(out, t0)
+        if save is not None:
+            save(out)
+    out["complete"] = True
+    return out
+
+
+def summarise(out: Record, t0: float) -> None:
+    out["mismatches"] = [n for n, s in out["sections"].items() if s["status"] == "mismatch"]
     out["ok"] = not out["mismatches"]
     out["seconds"] = round(time.perf_counter() - t0, 2)
-    return out
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -271,23 +283,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     if unknown:
         raise SystemExit(f"--only {unknown}: the sections are {','.join(SECTIONS)}")
     out_dir = args.out or tempfile.mkdtemp(prefix="gpu-check-")
+    os.makedirs(out_dir, exist_ok=True)
+
+    def save(result: Record) -> str:
+        line = json.dumps(result, sort_keys=True)
+        with open(os.path.join(out_dir, "gpu_check.json"), "w") as f:
+            f.write(line + "\n")
+        return line
+
     if args.device == "cuda" and not torch.cuda.is_available():
-        result: Record = {"check": "kvshare gpu_check", "ok": False,
-                          "mismatches": ["device"], "reason": "--device cuda: no CUDA device"}
+        result: Record = {"check": "kvshare gpu_check", "ok": False, "complete": True,
+                          "sections": {}, "mismatches": ["device"],
+                          "reason": "--device cuda: no CUDA device"}
         code = 2
     else:
         threads = torch.get_num_threads()
         if args.device == "cpu":  # host copies on a shared machine: one thread keeps them steady
             torch.set_num_threads(1)
         try:
-            result = run(torch.device(args.device), args.seconds, args.wheels, args.seed, only)
+            result = run(torch.device(args.device), args.seconds, args.wheels, args.seed, only,
+                         save)
         finally:
             torch.set_num_threads(threads)
         code = 0 if result["ok"] else 1
-    os.makedirs(out_dir, exist_ok=True)
-    line = json.dumps(result, sort_keys=True)
-    with open(os.path.join(out_dir, "gpu_check.json"), "w") as f:
-        f.write(line + "\n")
+    line = save(result)
     print(line, flush=True)
     return code
 

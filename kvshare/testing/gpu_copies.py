@@ -240,11 +240,13 @@ def bandwidth_section(device: torch.device, seconds: float, seed: int) -> Record
     out: Record = {"status": "ok", "failed": [], "blocks": n,
                    "bytes_per_copy": n * layout.bytes_per_block, "layouts": {}}
     for kind in kinds:
+        gbps: dict[str, float] = {}  # filled as it goes: figures measured before an error stay
         try:
             res = bench_kind(kind, layout, page_tokens, n, device, time.perf_counter() + per_kind,
-                             seed)
+                             seed, gbps)
         except Exception as exc:
-            res = {"status": "error", "reason": f"{type(exc).__name__}: {exc}"[:300]}
+            res = {"status": "error", "reason": f"{type(exc).__name__}: {exc}"[:300],
+                   "gbps": gbps}
         out["layouts"][kind] = res
         if res["status"] != "ok":
             out["status"] = "mismatch"
@@ -284,8 +286,9 @@ def slot_order(page_ids: list[int], slots: list[int], per_block: int) -> list[in
 
 
 def bench_kind(kind: str, layout: KVLayout, page_tokens: int, n: int, device: torch.device,
-               deadline: float, seed: int) -> Record:
-    """GB/s of each copy of ``n`` blocks; the loads and stores are checked to round-trip."""
+               deadline: float, seed: int, gbps: dict[str, float]) -> Record:
+    """GB/s of each copy of ``n`` blocks (into ``gbps``, as they are measured); the loads
+    and stores are checked to round-trip."""
     cuda = device.type == "cuda"
     nbytes = n * layout.bytes_per_block
     pages = ref.Pages(kind, layout, n * layout.block_tokens // page_tokens, page_tokens,
@@ -345,7 +348,6 @@ def bench_kind(kind: str, layout: KVLayout, page_tokens: int, n: int, device: to
                 skipped["zero_copy"] = f"{type(exc).__name__}: {exc}"[:200]
         else:
             skipped["zero_copy"] = "needs CUDA (device kernels on registered host memory)"
-        gbps: dict[str, float] = {}
         failed: list[str] = []
         loaded: dict[str, torch.Tensor] = {}
         candidates = ("load_staged_dma", "store_staged_dma", "load_zero_copy", "store_zero_copy")
