@@ -72,7 +72,8 @@ PAGED_CASES = tuple(Case(kind, dtype) for kind in ("flash_nhd", "cpu")
                     for dtype in ("bf16", "fp16", "fp32", "fp8_e4m3"))
 WORKER_CASES = (Case("flash_nhd", "bf16", raw=True), Case("flash_hnd", "bf16", raw=True),
                 Case("flash_nhd", "bf16", raw=True, tp=2, rank=1),
-                Case("flash_nhd", "fp16", raw=True), Case("cpu", "bf16", raw=True))
+                Case("flash_nhd", "fp16", raw=True), Case("flash_nhd", "fp8_e4m3", raw=True),
+                Case("cpu", "bf16", raw=True))
 
 
 def sync(device: torch.device) -> None:

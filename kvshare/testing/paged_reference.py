@@ -71,10 +71,13 @@ def random_bytes(shape: Sequence[int], seed: int) -> torch.Tensor:
 def allocate(pages: Pages, device: torch.device | str, seed: int,
              raw: bool = True) -> dict[str, torch.Tensor]:
     """One cache tensor per layer, filled with random bytes (so a page written by mistake
-    shows). ``raw``: as vLLM's model runner does, a flat int8 buffer per layer viewed as the
-    dtype, then as the backend's shape (through its stride order for ``flash_hnd``); else a
-    plain ``torch.empty`` of the shape."""
+    shows). ``raw``: as vLLM's model runner does, a flat int8 buffer per layer viewed as
+    vLLM's cache dtype (fp8 caches are ``torch.uint8`` there: ``STR_DTYPE_TO_TORCH_DTYPE``),
+    then as the backend's shape (through its stride order for ``flash_hnd``); else a plain
+    ``torch.empty`` of the shape in the layout's own dtype."""
     dtype = torch_dtype(pages.layout)
+    if raw and pages.layout.dtype.startswith("fp8"):
+        dtype = torch.uint8
     shape = pages.shape
     physical = shape if pages.kind != "flash_hnd" else (shape[0], shape[1], shape[3], shape[2],
                                                         shape[4])
