@@ -76,6 +76,15 @@ def test_one_wrong_byte_fails_the_check(tmp_path: Path, monkeypatch: pytest.Monk
     assert "flash_nhd_bf16/" + step in failed and "cpu_bf16/" + step in failed
 
 
+def test_a_timed_load_that_writes_nothing_fails_the_bandwidth_section(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(PagedRequestKV, "write_slots", lambda self, *args: None)
+    code, result = check(tmp_path, "--device", "cpu", "--only", "bandwidth", "--seconds", "2")
+    assert code == 1 and result["mismatches"] == ["bandwidth"]
+    for layout in result["sections"]["bandwidth"]["layouts"].values():
+        assert "load_kvshare wrote other bytes than the reference" in layout["failed"]
+
+
 def test_no_gpu_is_exit_2_not_a_pass(tmp_path: Path) -> None:
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")

@@ -136,7 +136,7 @@ def run_case(case: Case, device: torch.device, seed: int) -> Record:
         slab.array[:] = ref.random_bytes(slab.array.shape, seed + 100).numpy()
         # WorkerSide.register: this rank's heads of every layer
         views = paged.PageViews.from_vllm(caches, local_heads=local, head_dim=HEAD_DIM,
-                                    page_tokens=PAGE, head_start=case.rank * local)
+                                          page_tokens=PAGE, head_start=case.rank * local)
         want = paged.CPU_ATTN if case.kind == "cpu" else paged.FLASH_NHD
         rec["steps"].append({"step": "register", "status": "ok" if views.kind == want else
                              "mismatch", "kind": views.kind})
@@ -296,7 +296,7 @@ def bench_kind(kind: str, layout: KVLayout, page_tokens: int, n: int, device: to
                       layout.num_kv_heads)
     caches = ref.allocate(pages, device, seed, raw=True)
     views = paged.PageViews.from_vllm(caches, local_heads=layout.num_kv_heads,
-                                head_dim=layout.head_dim, page_tokens=page_tokens)
+                                      head_dim=layout.head_dim, page_tokens=page_tokens)
     rng = np.random.default_rng(seed)
     page_ids = [int(p) for p in rng.permutation(pages.num_pages)]
     slots = [int(s) for s in rng.permutation(n)]
@@ -354,6 +354,11 @@ def bench_kind(kind: str, layout: KVLayout, page_tokens: int, n: int, device: to
         candidates = ("load_staged_dma", "store_staged_dma", "load_zero_copy", "store_zero_copy")
         for name, fn in runs.items():
             share = max(deadline - time.perf_counter(), 0.0) / max(len(runs) - len(gbps), 1)
+            if name.startswith("load_"):  # a copy that writes nothing must not pass
+                for cache in caches.values():
+                    cache.zero_()
+            elif name.startswith("store_"):
+                back.array[:] = 0
             try:
                 gbps[name] = round(nbytes / timed(fn, device, time.perf_counter() + share)
                                    / 1e9, 4)
@@ -362,12 +367,15 @@ def bench_kind(kind: str, layout: KVLayout, page_tokens: int, n: int, device: to
                     raise
                 skipped[name] = f"{type(exc).__name__}: {exc}"[:200]
                 continue
-            if name.startswith("store_"):  # pages -> back must be the slab the load read
-                if not np.array_equal(back.array, slab.array):
-                    failed.append(f"{name} did not give back the loaded slab rows")
-                back.array[:] = 0
+            if name.startswith("store_") and not np.array_equal(back.array, slab.array):
+                failed.append(f"{name} did not give back the loaded slab rows")
             if name == "load_kvshare":
                 loaded = ref.host_bytes(caches)
+                want = {k: torch.zeros_like(v) for k, v in loaded.items()}
+                ref.load(want, pages, torch.from_numpy(slab.array[slots]), page_ids, blocks)
+                if any(not torch.equal(loaded[k], want[k]) for k in want):
+                    failed.append("load_kvshare wrote other bytes than the reference")
+                del want
             elif name.startswith("load_") and any(
                     not torch.equal(loaded[k], v) for k, v in ref.host_bytes(caches).items()):
                 failed.append(f"{name} wrote other bytes than load_kvshare")
