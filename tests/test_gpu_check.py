@@ -4,6 +4,7 @@ test`; planted wrong bytes make it fail; on a machine with CUDA, the real run.""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -83,6 +84,12 @@ def test_a_timed_load_that_writes_nothing_fails_the_bandwidth_section(
     assert code == 1 and result["mismatches"] == ["bandwidth"]
     for layout in result["sections"]["bandwidth"]["layouts"].values():
         assert "load_kvshare wrote other bytes than the reference" in layout["failed"]
+
+
+def test_the_ipc_scan_sees_a_module_that_matches(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(gpu_check, "IPC_PATTERNS", re.compile(r"cudaHostRegister\("))
+    section = gpu_check.ipc_section()
+    assert section["status"] == "mismatch" and "kvshare/tiers/host.py" in section["reason"]
 
 
 def test_no_gpu_is_exit_2_not_a_pass(tmp_path: Path) -> None:

@@ -63,8 +63,6 @@ Record = dict[str, Any]
 TIER_SLOT = 64 * 1024 + 8  # as tests/test_tiers.py: deliberately not a power of two
 IPC_PATTERNS = re.compile(r"_share_cuda_|cudaIpc|ipc_handle|rebuild_cuda_tensor|"
                           r"torch\.multiprocessing|reductions\.reduce_tensor")
-WORKER_FILES = ("vllm", "transfer", "client.py", "client_fetch.py", "client_local.py",
-                "block_io.py", "kv_convert.py", "tiers")
 CARRY_LIMIT = 64 * 2**20
 SECTIONS = ("tier", "paged_copies", "worker_side", "cuda_ipc", "bandwidth", "nixl")
 NIXL_RESERVE_S = 20.0  # of the budget, left to the nixl section after the bandwidth one
@@ -125,21 +123,18 @@ def registration() -> Record:
 
 # ------------------------------------------------------------------------------- cuda ipc
 def ipc_section() -> Record:
-    """Skip (with the files read) while the worker side shares no CUDA memory between
-    processes; a mismatch once it does, until this check gets an IPC section."""
-    root = Path(__file__).resolve().parent.parent
-    users = []
-    for name in WORKER_FILES:
-        path = root / name
-        for f in sorted(path.rglob("*.py")) if path.is_dir() else [path]:
-            if f.exists() and IPC_PATTERNS.search(f.read_text()):
-                users.append(str(f.relative_to(root.parent)))
+    """Skip (naming what was read) while no library module shares CUDA memory between
+    processes; a mismatch once one does, until this check gets an IPC section."""
+    package = Path(__file__).resolve().parent.parent
+    users = [str(f.relative_to(package.parent)) for f in sorted(package.rglob("*.py"))
+             if "testing" not in f.relative_to(package).parts
+             and IPC_PATTERNS.search(f.read_text())]
     if users:
         return {"status": "mismatch", "reason": f"{users} share CUDA memory between processes: "
                 "add a CUDA IPC section to kvshare.testing.gpu_check"}
     return {"status": "skip", "reason": "the worker side uses no CUDA IPC: it moves blocks "
-            "through the node's shared-memory host slab (read kvshare/vllm, kvshare/transfer, "
-            "the client and tiers for " + IPC_PATTERNS.pattern + ")"}
+            "through the node's shared-memory host slab (no kvshare module outside "
+            f"kvshare/testing matches {IPC_PATTERNS.pattern})"}
 
 
 # ------------------------------------------------------------------------------- nixl
