@@ -8,7 +8,8 @@ export RAY_USAGE_STATS_ENABLED := 0
 export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
 export NIXL_LOG_LEVEL := WARN
 
-.PHONY: demo demo-reference test lint docs install bench-install browser clean
+.PHONY: demo demo-reference test lint docs install bench-install browser clean gpu-check \
+	gpu-check-cpu gpu-wheels
 
 $(STAMP): pyproject.toml setup.py $(wildcard kvshare/_native/*.c) $(wildcard kvshare/_native/*.h)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -77,6 +78,20 @@ test: lint browser
 docs: $(STAMP)
 	$(BIN)/python docs/gen_config_reference.py
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict -d site
+
+# kvshare/testing/gpu_check.py: everything kvshare has for a GPU without Ray or vLLM, one JSON.
+# gpu-check runs on the GPU machine with its own python3 (no venv, no network); gpu-check-cpu
+# is the same script on this machine's CPU (tests/kvshare/testing/test_gpu_check.py runs it in `make test`).
+# gpu-wheels fetches the NIXL wheels (56 MiB, cp312) a device run may carry: .gpu-wheels/.
+gpu-check:
+	PYTHON=python3 bash scripts/gpu_check.sh
+
+gpu-check-cpu: $(STAMP)
+	PYTHON=$(BIN)/python DEVICE=cpu GPU_CHECK_SECONDS=60 bash scripts/gpu_check.sh
+
+gpu-wheels: $(STAMP)
+	$(BIN)/python -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 \
+	  --platform manylinux_2_28_x86_64 -d .gpu-wheels "nixl==1.5.1" "nixl-cu13==1.5.1"
 
 clean:
 	rm -rf $(VENV) build site *.egg-info kvshare/_native/*.so

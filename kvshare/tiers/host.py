@@ -202,6 +202,7 @@ class HostSlab(TierStore):
         self.stream_copies = stream_copies
         self._owner = create and name is not None
         self._lock_fd: int | None = None  # the owner's shared flock marks the slab as alive
+        self._pinned_ptr = 0  # address registered with CUDA (cudaHostRegister)
         size = slot_bytes * num_slots
         if name is None:
             self._mm = mmap.mmap(-1, size)
@@ -252,15 +253,34 @@ class HostSlab(TierStore):
         return cls(slot_bytes, num_slots, name, create=False, pin_cuda=False, directory=directory)
 
     def _pin_cuda(self) -> None:
+        """Register the mapping with CUDA (page-locked: device copies from and into it are
+        DMA). cudaHostRegister reports failure in its return value, not by raising."""
         try:
             import torch
 
             if torch.cuda.is_available():
                 t = torch.from_numpy(self.array.reshape(-1))
-                torch.cuda.cudart().cudaHostRegister(  # type: ignore[no-untyped-call]
+                err = torch.cuda.cudart().cudaHostRegister(  # type: ignore[no-untyped-call]
                     t.data_ptr(), t.numel(), 0)
+                if int(err) != 0:
+                    log.warning("could not pin host slab with CUDA: cudaHostRegister error %s",
+                                err)
+                else:
+                    self._pinned_ptr = t.data_ptr()
         except Exception as exc:  # pinning is an optimisation only
             log.warning("could not pin host slab with CUDA: %s", exc)
+
+    def _unpin_cuda(self) -> None:
+        """Undo :meth:`_pin_cuda` before unmapping: a range left registered stays locked and
+        makes a later slab mapped at the same address fail to register."""
+        if self._pinned_ptr:
+            try:
+                import torch
+
+                torch.cuda.cudart().cudaHostUnregister(self._pinned_ptr)  # type: ignore[no-untyped-call]
+            except Exception as exc:
+                log.warning("could not unpin host slab: %s", exc)
+            self._pinned_ptr = 0
 
     def huge_page_bytes(self) -> int:
         """Bytes of this process's slab mapping backed by 2 MiB pages (from /proc/self/smaps;
@@ -328,7 +348,8 @@ class HostSlab(TierStore):
         return os.path.dirname(self.path) if self.path else ""
 
     def close(self) -> None:
-        """Unmap; the owner also unlinks the segment."""
+        """Unmap (unregistering it from CUDA first); the owner also unlinks the segment."""
+        self._unpin_cuda()
         self.array = np.empty((0, self.slot_bytes), dtype=np.uint8)
         with contextlib.suppress(BufferError):
             self._mm.close()

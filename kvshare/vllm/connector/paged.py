@@ -8,7 +8,8 @@ depends on the attention backend, so it is detected from the shape, never assume
   ``page_tokens``: per page and head, all keys then all values. Viewed here as
   ``[pages, heads, 2, page_tokens, head_dim]``.
 - ``FLASH_ATTN``-style (CUDA, NHD): ``[2, num_pages, page_tokens, kv_heads, head_dim]``,
-  viewed as the same five axes by a permutation. *Written for GPUs, not checked here.*
+  viewed as the same five axes by a permutation. Checked byte for byte on CPU tensors by
+  ``kvshare.testing.gpu_check`` (``make gpu-check-cpu``); on a GPU not yet run.
 
 Anything else is refused with the shape it got. Copies move a batch of blocks per call: for
 ``CPU_ATTN`` pages one ``kvshare._native._copy.copy_chunks`` per layer (one page, head and k|v per
@@ -41,6 +42,14 @@ except ImportError:  # pragma: no cover - depends on the build
 CPU_ATTN = "cpu"
 FLASH_NHD = "flash_nhd"
 _LAYER_RE = re.compile(r"layers\.(\d+)\.")
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s bytes as integers of its element size: the torch-path copies move bits, never
+    values (vLLM keeps fp8 caches as uint8 while kvshare's blocks are float8, and torch has
+    no float8 ``index_copy_``)."""
+    return t.view(_BITS[t.element_size()])
 
 
 def layer_order(names: Sequence[str]) -> list[str]:
@@ -126,6 +135,11 @@ class PagedRequestKV:
         if layout.num_layers != len(self.pages.views):
             raise ValueError(f"the layout has {layout.num_layers} layers, vLLM registered "
                              f"{len(self.pages.views)} KV caches")
+        cache = self.pages.views[0]
+        if cache.element_size() != layout.dtype_bytes:
+            raise ValueError(f"vLLM's KV cache holds {cache.dtype} elements, the layout's blocks "
+                             f"are {layout.dtype}: start vLLM with the --kv-cache-dtype this "
+                             "namespace was made for")
         if self.pages.head_start + self.pages.local_heads > layout.num_kv_heads:
             raise ValueError("this rank's kv heads lie outside the layout's heads")
         if tokens > self.num_tokens:
@@ -223,7 +237,7 @@ class PagedRequestKV:
         for layer, view in enumerate(self.pages.views):
             src = self._layer_pages(blocks, layer)
             src = src if sel is None else src.index_select(0, sel)
-            view.index_copy_(0, idx, src.to(view.device))
+            _bits(view).index_copy_(0, idx, _bits(src.to(view.device)))
 
     def write_block(self, index: int, block: torch.Tensor) -> None:
         self.write_blocks(index, block.unsqueeze(0))
@@ -242,8 +256,8 @@ class PagedRequestKV:
         idx = torch.tensor(ids, dtype=torch.long, device=self._device)
         h0, nh, t = self.pages.head_start, self.pages.local_heads, self.pages.page_tokens
         for layer, view in enumerate(self.pages.views):
-            got = view.index_select(0, idx).to(out.device)  # [n * per, nh, 2, t, D]
-            dest = out[:, layer, :, h0:h0 + nh]  # [n, 2, nh, B, D]
+            got = _bits(view).index_select(0, idx).to(out.device)  # [n * per, nh, 2, t, D]
+            dest = _bits(out[:, layer, :, h0:h0 + nh])  # [n, 2, nh, B, D]
             dest.view(n, 2, nh, self.per_block, t, got.shape[-1]).copy_(
                 got.view(n, self.per_block, nh, 2, t, got.shape[-1]).permute(0, 3, 2, 1, 4, 5))
 

@@ -6,29 +6,21 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from kvshare.tiers.base import CorruptBlock, TierStore, as_u8, block_checksum
+from kvshare.testing.tier_conformance import CHECKS, bh, payload
+from kvshare.tiers.base import CorruptBlock, TierStore, block_checksum
 from kvshare.tiers.disk import HEADER_BYTES, DiskStore
 from kvshare.tiers.host import SHM_DIR, HostSlab, remove_stale_segments, segment_name
-from kvshare.types import BlockHash, Tier
 
 SLOT = 64 * 1024 + 8  # deliberately not a power of two
 SLOTS = 4
 FP = "0123456789abcdef"
 KINDS = ["host", "host_shm", "disk", "gpu"]
-
-
-def payload(seed: int, size: int = SLOT) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8)
-
-
-def bh(i: int) -> BlockHash:
-    return BlockHash(bytes([i]) * 32)
 
 
 def shm_name(tag: str) -> str:
@@ -69,65 +61,12 @@ def read(s: TierStore, slot: int, i: int, checksum: int = -1) -> np.ndarray:
 
 
 # ---------------------------------------------------------------- conformance (every tier)
-def test_shape_and_tier(store: TierStore) -> None:
+@pytest.mark.parametrize("check", CHECKS, ids=lambda c: c.__name__.removeprefix("check_"))
+def test_conformance(store: TierStore, check: Callable[[TierStore], None]) -> None:
+    """One check of the TierStore contract (kvshare.testing.tier_conformance; the GPU check
+    runs the same functions on the device)."""
     assert (store.slot_bytes, store.num_slots) == (SLOT, SLOTS)
-    assert isinstance(store.tier, Tier)
-
-
-def test_every_slot_round_trips_independently(store: TierStore) -> None:
-    blocks = [payload(i) for i in range(SLOTS)]
-    for slot, data in enumerate(blocks):
-        store.write(slot, data, bh(slot), block_checksum(data))
-    for slot, data in enumerate(blocks):
-        assert np.array_equal(read(store, slot, slot, block_checksum(data)), data)
-        assert store.checksum(slot) == block_checksum(data)
-
-
-def test_write_checksummed_equals_write_plus_checksum(store: TierStore) -> None:
-    for slot in range(SLOTS):
-        data = payload(40 + slot)
-        assert store.write_checksummed(slot, data, bh(slot)) == block_checksum(data)
-        assert np.array_equal(read(store, slot, slot, block_checksum(data)), data)
-    with pytest.raises(ValueError, match="check the KV layout"):
-        store.write_checksummed(0, payload(1, SLOT - 8), bh(0))
-
-
-def test_write_replaces_content(store: TierStore) -> None:
-    first, second = payload(1), payload(2)
-    store.write(0, first, bh(1), block_checksum(first))
-    store.write(0, second, bh(2), block_checksum(second))
-    assert np.array_equal(read(store, 0, 2, block_checksum(second)), second)
-
-
-def test_bad_slot_or_size_changes_nothing(store: TierStore) -> None:
-    data = payload(3)
-    store.write(1, data, bh(3), block_checksum(data))
-    with pytest.raises(IndexError, match="out of range"):
-        store.write(SLOTS, data, bh(3), block_checksum(data))
-    with pytest.raises(IndexError, match="out of range"):
-        store.write(-1, data, bh(3), block_checksum(data))
-    with pytest.raises(ValueError, match="check the KV layout"):
-        store.write(1, payload(4, SLOT - 1), bh(4), 0)
-    with pytest.raises(ValueError, match="check the KV layout"):
-        store.read_into(1, np.empty(SLOT + 1, dtype=np.uint8), bh(3), -1)
-    assert np.array_equal(read(store, 1, 3, block_checksum(data)), data)
-
-
-def test_discard_forgets_and_accepts_any_valid_slot(store: TierStore) -> None:
-    data = payload(5)
-    store.write(2, data, bh(5), block_checksum(data))
-    store.discard(2)
-    store.discard(3)  # never written: fine
-    with pytest.raises(IndexError):
-        store.discard(SLOTS)
-    assert all(slot != 2 for slot, _, _ in store.recover())
-
-
-def test_accepts_any_bytes_like_view(store: TierStore) -> None:
-    data = payload(6)
-    as_bytes = as_u8(data.tobytes())
-    store.write(0, as_bytes, bh(6), block_checksum(as_bytes))
-    assert np.array_equal(read(store, 0, 6), data)
+    check(store)
 
 
 # ---------------------------------------------------------------- host shared memory
@@ -148,7 +87,7 @@ def test_shm_slab_is_shared_with_another_process() -> None:
     name = shm_name("attach")
     slab = HostSlab(SLOT, SLOTS, name)
     try:
-        data = payload(7)
+        data = payload(7, SLOT)
         slab.write(0, data, bh(7), block_checksum(data))
         proc = subprocess.run(
             [sys.executable, "-c", ATTACH_CHILD, name, str(SLOT), str(SLOTS)],
@@ -196,7 +135,7 @@ def disk(tmp_path: Path) -> DiskStore:
 
 
 def test_disk_verifies_hash_checksum_and_layout(disk: DiskStore, tmp_path: Path) -> None:
-    data = payload(8)
+    data = payload(8, SLOT)
     ck = block_checksum(data)
     disk.write(0, data, bh(8), ck)
     with pytest.raises(CorruptBlock, match="another block"):
@@ -222,7 +161,7 @@ def test_disk_verifies_hash_checksum_and_layout(disk: DiskStore, tmp_path: Path)
 
 
 def test_disk_recover_keeps_intact_and_removes_the_rest(disk: DiskStore, tmp_path: Path) -> None:
-    blocks = {slot: payload(20 + slot) for slot in range(SLOTS)}
+    blocks = {slot: payload(20 + slot, SLOT) for slot in range(SLOTS)}
     for slot, data in blocks.items():
         disk.write(slot, data, bh(slot), block_checksum(data))
     d = tmp_path / "disk"

@@ -163,3 +163,24 @@ def test_slab_copies_are_the_staged_copies(monkeypatch: pytest.MonkeyPatch, c_co
     assert not back[[0, 1, 2, 4]].any()
     with pytest.raises(ValueError, match="not fully in the request's pages"):
         straight.read_slots([3], back, [0])
+
+
+def test_fp8_pages_are_uint8_in_vllm_and_copies_move_bits() -> None:
+    """vLLM allocates fp8 KV caches as uint8 while kvshare's blocks are float8: loads and
+    stores move the bits (the torch path has no float8 index_copy_ and must not convert
+    values); a cache whose element size differs from the layout's is refused."""
+    fp8 = KVLayout(num_layers=2, num_kv_heads=4, head_dim=32, dtype="fp8_e4m3", block_tokens=64)
+    caches = {f"layers.{i}.attn": torch.zeros(2, 6, PAGE, 4, 32, dtype=torch.uint8)
+              for i in range(2)}
+    kv = PagedRequestKV(PageViews.from_vllm(caches, local_heads=4, head_dim=32, page_tokens=PAGE),
+                        fp8, page_ids=[3, 1])
+    kv.check(fp8, 64)
+    g = torch.Generator().manual_seed(5)
+    bits = torch.randint(0, 256, fp8.block_shape, generator=g, dtype=torch.uint8)
+    kv.write_block(0, bits.view(torch.float8_e4m3fn))
+    assert torch.equal(caches["layers.1.attn"][1, 3].transpose(0, 1), bits[1, 1, :, :PAGE])
+    out = torch.empty(fp8.block_shape, dtype=torch.float8_e4m3fn)
+    kv.read_block(0, out)
+    assert torch.equal(out.view(torch.uint8), bits)
+    with pytest.raises(ValueError, match="--kv-cache-dtype"):
+        kv.check(LAYOUT, 64)  # fp32 blocks over 1-byte pages
