@@ -223,7 +223,7 @@ static PyMethodDef methods[] = {
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "kvshare._chain",
+    PyModuleDef_HEAD_INIT, "kvshare._native._chain",
     "The sha256 block-hash chain loop in C (see kvshare.hashing).", -1, methods,
     NULL, NULL, NULL, NULL,
 };

@@ -311,7 +311,7 @@ static PyMethodDef memo_methods[] = {
 
 static PyTypeObject ChainMemoType = {
     PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "kvshare._chain.ChainMemo",
+    .tp_name = "kvshare._native._chain.ChainMemo",
     .tp_basicsize = sizeof(ChainMemo),
     .tp_dealloc = (destructor)memo_dealloc,
     .tp_flags = Py_TPFLAGS_DEFAULT,

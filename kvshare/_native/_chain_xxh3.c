@@ -68,7 +68,7 @@ static PyObject *xxh3_chain(PyObject *self, PyObject *args)
     PyObject *result = NULL;
     unsigned char *buf = NULL;
     if (xxh3_128 == NULL) {
-        PyErr_SetString(PyExc_RuntimeError, "kvshare._chain: call xxh3_bind() first");
+        PyErr_SetString(PyExc_RuntimeError, "kvshare._native._chain: call xxh3_bind() first");
         goto done;
     }
     if (parent_len != XDIGEST || block_bytes <= 0 || tail.len > XMAX_TAIL) {

@@ -169,7 +169,7 @@ static PyMethodDef methods[] = {
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "kvshare._copy",
+    PyModuleDef_HEAD_INIT, "kvshare._native._copy",
     "Block copies with non-temporal stores (see _copy.c).", -1, methods, NULL, NULL, NULL, NULL,
 };
 

@@ -85,7 +85,7 @@ static int hq_init(HashQueue *q, PyObject *args, PyObject *kw)
     if (!PyArg_ParseTuple(args, "n", &cap))
         return -1;
     if (xxh3 == NULL) {
-        PyErr_SetString(PyExc_RuntimeError, "kvshare._hashq: call bind() first");
+        PyErr_SetString(PyExc_RuntimeError, "kvshare._native._hashq: call bind() first");
         return -1;
     }
     if (cap <= 0 || q->running || q->addr != NULL) {
@@ -208,7 +208,7 @@ static PyMethodDef hq_methods[] = {
 
 static PyTypeObject HashQueueType = {
     PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "kvshare._hashq.HashQueue",
+    .tp_name = "kvshare._native._hashq.HashQueue",
     .tp_basicsize = sizeof(HashQueue),
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_doc = "A native thread that xxh3-64s queued buffers (see _hashq.c).",
@@ -239,7 +239,7 @@ static PyObject *digest(PyObject *self, PyObject *args)
 {
     Py_buffer b;
     if (xxh3 == NULL) {
-        PyErr_SetString(PyExc_RuntimeError, "kvshare._hashq: call bind() first");
+        PyErr_SetString(PyExc_RuntimeError, "kvshare._native._hashq: call bind() first");
         return NULL;
     }
     if (!PyArg_ParseTuple(args, "y*", &b))
@@ -256,7 +256,7 @@ static PyMethodDef methods[] = {
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "kvshare._hashq",
+    PyModuleDef_HEAD_INIT, "kvshare._native._hashq",
     "Checksums in a native thread (see _hashq.c).", -1, methods, NULL, NULL, NULL, NULL,
 };
 

@@ -548,7 +548,7 @@ static PyMemberDef book_members[] = {
 static PySequenceMethods book_as_seq = {.sq_length = (lenfunc)book_len};
 
 static PyTypeObject BookType = {
-    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "kvshare._pending.Book",
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "kvshare._native._pending.Book",
     .tp_basicsize = sizeof(Book),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE,
     .tp_doc = "router.pending.PendingBlocks' book in C (see the module docstring).",
@@ -560,7 +560,7 @@ static PyTypeObject BookType = {
     .tp_as_sequence = &book_as_seq,
 };
 
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "kvshare._pending",
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "kvshare._native._pending",
                                     "The router's pending blocks in C (router.pending).", -1,
                                     NULL};
 

@@ -93,7 +93,7 @@ static PyMethodDef methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "kvshare._plan",
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "kvshare._native._plan",
                                     "The cost model's cut-point scan in C (kvshare.cost).", -1,
                                     methods};
 

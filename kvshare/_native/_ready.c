@@ -290,7 +290,7 @@ static PyMethodDef book_methods[] = {
 static PySequenceMethods book_as_seq = {.sq_length = (lenfunc)book_len};
 
 static PyTypeObject BookType = {
-    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "kvshare._ready.Book",
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "kvshare._native._ready.Book",
     .tp_basicsize = sizeof(Book),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE,
     .tp_doc = "router.ready.ReadyBlocks' book in C (see the module docstring).",
@@ -301,7 +301,7 @@ static PyTypeObject BookType = {
     .tp_as_sequence = &book_as_seq,
 };
 
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "kvshare._ready",
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "kvshare._native._ready",
                                     "The router's ready blocks in C (router.ready).", -1, NULL};
 
 PyMODINIT_FUNC PyInit__ready(void)

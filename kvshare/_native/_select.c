@@ -279,7 +279,7 @@ static PyObject *select_(PyObject *self, PyObject *const *args, Py_ssize_t nargs
         return NULL;
     }
     if (ready_obj != Py_None && !PyObject_TypeCheck(ready_obj, ReadyType)) {
-        PyErr_SetString(PyExc_TypeError, "select reads a kvshare._ready.Book only");
+        PyErr_SetString(PyExc_TypeError, "select reads a kvshare._native._ready.Book only");
         return NULL;
     }
     const ReadyBook *ready = ready_obj == Py_None ? NULL : (const ReadyBook *)ready_obj;
@@ -664,13 +664,13 @@ static PyMethodDef methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "kvshare._select",
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "kvshare._native._select",
                                     "The cost policy's candidate loop in C (router.policy).", -1,
                                     methods};
 
 PyMODINIT_FUNC PyInit__select(void)
 {
-    PyObject *ready = PyImport_ImportModule("kvshare._ready");
+    PyObject *ready = PyImport_ImportModule("kvshare._native._ready");
     if (!ready)
         return NULL;
     ReadyType = (PyTypeObject *)PyObject_GetAttrString(ready, "Book");

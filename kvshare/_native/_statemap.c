@@ -461,7 +461,7 @@ static PyMethodDef sm_methods[] = {
 static PySequenceMethods sm_as_sequence = {.sq_length = (lenfunc)sm_len};
 
 static PyTypeObject StateMapType = {
-    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "kvshare._statemap.StateMap",
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "kvshare._native._statemap.StateMap",
     .tp_basicsize = sizeof(StateMap),
     .tp_dealloc = (destructor)sm_dealloc,
     .tp_as_sequence = &sm_as_sequence,
