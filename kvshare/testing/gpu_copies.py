@@ -41,7 +41,7 @@ from kvshare.tiers.host import HostSlab
 from kvshare.vllm.connector import paged
 
 COPY_CHUNKS_BUILT: bool = paged._COPY_CHUNKS
-"""Whether the CPU layout's C copy (``kvshare._copy.copy_chunks``) was built."""
+"""Whether the CPU layout's C copy (``kvshare._native._copy.copy_chunks``) was built."""
 
 Record = dict[str, Any]
 
