@@ -1,0 +1,194 @@
+"""KVShareStorage: SGLang HiCache's storage tier (L3) over the kvshare cluster.
+
+Loaded by SGLang, never imported by the rest of kvshare::
+
+    python -m sglang.launch_server ... --enable-hierarchical-cache \\
+      --hicache-mem-layout layer_first --hicache-storage-backend dynamic \\
+      --hicache-storage-backend-extra-config '{"backend_name": "kvshare",
+        "module_path": "kvshare.sglang.backend", "class_name": "KVShareStorage",
+        "interface_v1": 1, "namespace": "NAME", "ray_address": "auto"}'
+
+Contract, as SGLang's ``HiCacheStorage`` states it: ``batch_exists(keys)`` is the number of
+leading pages held anywhere in the cluster (this node's pool, other nodes' pools through the
+index); ``batch_get_v1``/``batch_set_v1`` move pages between the cluster and SGLang's host pool
+by ``host_indices`` (one copy per page through the SDK, shm on this node, NIXL or the object
+store from others), returning one bool per page. Stores are write-through into this node's
+pool; a page is visible to every server once its store returns. A fault (the index down, a
+dead pool, a corrupt or late page, a holder gone mid-load) is a miss: the call returns False
+for that page, SGLang recomputes it, and the cause is counted (:attr:`KVShareStorage.counters`).
+
+Configuration errors fail SGLang's start when the host pool is attached
+(:meth:`KVShareStorage.register_mem_pool_host`), naming the fix: settings
+(:class:`~kvshare.sglang.settings.StorageSettings`), a Ray cluster to join, an unknown
+namespace or one deployed with another layout (``--block-tokens`` must be SGLang's
+``--page-size``), a host pool layout other than ``layer_first``.
+
+Keys and bytes: :mod:`kvshare.sglang.pages`. TP ranks of a non-MLA model hold different heads
+and never share pages (the rank is part of the namespace root); the hybrid (v2) calls are not
+implemented (SGLang then keeps hybrid models' pages out of L3).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections import Counter
+from typing import Any, TypeVar
+
+import torch
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig
+
+from kvshare.client.join import check_deployed, join_ray
+from kvshare.client.sdk import KVShareClient
+from kvshare.hashing import namespace_root
+from kvshare.identity import path_identity
+from kvshare.sglang.pages import HostPages, host_layout, page_hashes
+from kvshare.sglang.settings import StorageSettings
+from kvshare.types import BlockHash
+
+log = logging.getLogger(__name__)
+ENGINE = "kvshare's SGLang storage backend"
+_T = TypeVar("_T")
+
+
+class KVShareStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is untyped here
+    """One SGLang server's (one TP rank's) view of the kvshare cluster as HiCache storage."""
+
+    def __init__(self, storage_config: HiCacheStorageConfig, kwargs: Any = None) -> None:
+        self.config = storage_config
+        self.settings = StorageSettings.from_extra(storage_config.extra_config)
+        self.counters: Counter[str] = Counter()
+        self.client: KVShareClient | None = None
+        self.root: BlockHash | None = None
+        self.page_size = 0
+
+    # -------------------------------------------------------------------- start-up
+    def register_mem_pool_host(self, mem_pool_host: Any) -> None:
+        """Attach SGLang's host pool and connect to the cluster (the start-up checks)."""
+        super().register_mem_pool_host(mem_pool_host)
+        self.page_size = int(mem_pool_host.page_size)
+        layout = host_layout(mem_pool_host.kv_buffer, self.page_size, str(mem_pool_host.layout))
+        model = str(self.config.model_name or "")
+        if not os.path.isdir(model):
+            raise ValueError(f"{ENGINE}: the model {model!r} is not a local directory, so its "
+                             "identity (config, weights, tokenizer) cannot be digested: serve "
+                             "it from a path every node can read (--model-path DIR)")
+        identity = path_identity(model, f"kv={layout.dtype}")
+        shard = ("mla" if self.config.is_mla_model
+                 else f"tp={self.config.tp_rank}/{self.config.tp_size}")
+        self.root = namespace_root(identity, layout.fingerprint(), f"sglang;{shard}")
+        s = self.settings
+        join_ray(s.ray_address, s.ray_namespace, ENGINE, "--hicache-storage-backend-extra-config")
+        self.client = KVShareClient.connect(
+            s.namespace, layout, self.root, index_timeout_s=s.index_timeout_s,
+            ray_namespace=s.ray_namespace, node=s.node or None, remote=s.remote,
+            worker_id=f"sglang-{os.getpid()}-{shard.replace('/', 'of')}",
+            load_deadline_s=s.load_deadline_s, store_deadline_s=s.store_deadline_s)
+        check_deployed(self.client.index, s.namespace, layout, ENGINE)
+
+    def _ready(self) -> KVShareClient:
+        if self.client is None or self.root is None:
+            raise RuntimeError(f"{ENGINE}: used before SGLang attached its host pool")
+        return self.client
+
+    def _plan(self, keys: list[str]) -> tuple[KVShareClient, Any]:
+        client = self._ready()
+        assert self.root is not None
+        hashes = page_hashes(self.root, keys)
+        return client, client.lookup([0] * (len(keys) * self.page_size), hashes)
+
+    # -------------------------------------------------------------------- v1: host pool pages
+    def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
+        """Leading pages of ``keys`` some pool in the cluster holds (a fault: 0)."""
+        if not keys:
+            return 0
+        try:
+            _, plan = self._plan(keys)
+        except Exception as exc:  # noqa: BLE001 - any fault is a miss
+            return self._fault("exists", exc, 0)
+        self.counters["exists_pages"] += plan.load_blocks
+        return int(plan.load_blocks)
+
+    def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor,
+                     extra_info: Any = None) -> list[bool]:
+        """Load ``keys`` into the host pool pages at ``host_indices``; True per page loaded
+        (a contiguous leading run: a page after a miss is not used)."""
+        try:
+            pages = HostPages.from_indices(self.mem_pool_host.kv_buffer, self.page_size,
+                                           host_indices)
+            client, plan = self._plan(keys)
+            loaded = client.load(plan, pages).loaded_blocks if plan.load_blocks else 0
+        except Exception as exc:  # noqa: BLE001
+            return self._fault("get", exc, [False] * len(keys))
+        self.counters["pages_loaded"] += loaded
+        self.counters["pages_missed"] += len(keys) - loaded
+        return [i < loaded for i in range(len(keys))]
+
+    def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor,
+                     extra_info: Any = None) -> list[bool]:
+        """Store the host pool pages at ``host_indices`` under ``keys`` (write-through to this
+        node's pool); True per page stored or already held."""
+        try:
+            client = self._ready()
+            assert self.root is not None
+            pages = HostPages.from_indices(self.mem_pool_host.kv_buffer, self.page_size,
+                                           host_indices)
+            hashes = page_hashes(self.root, keys)
+            tokens = [0] * (len(keys) * self.page_size)
+            result = client.store(tokens, pages, hashes=hashes).result(
+                self.settings.store_deadline_s + 5.0)
+        except Exception as exc:  # noqa: BLE001
+            return self._fault("set", exc, [False] * len(keys))
+        missed = set(result.missed)
+        self.counters["pages_stored"] += result.stored
+        self.counters["pages_not_stored"] += len(missed)
+        return [i not in missed for i in range(len(keys))]
+
+    # -------------------------------------------------------------------- legacy: flat pages
+    def _flat(self, flat: torch.Tensor) -> HostPages:
+        """One page in SGLang's flat ``get_data_page`` order as a one-page host buffer."""
+        pool = self.mem_pool_host
+        shape = (2, pool.layer_num, self.page_size, pool.head_num, pool.head_dim)
+        return HostPages(flat.view(shape), self.page_size, [0])
+
+    def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> Any:
+        """Page ``key`` into the flat page ``target_location``; None on a miss."""
+        try:
+            client, plan = self._plan([key])
+            ok = plan.load_blocks and client.load(plan, self._flat(target_location)).loaded_blocks
+        except Exception as exc:  # noqa: BLE001
+            return self._fault("get", exc, None)
+        return target_location if ok else None
+
+    def batch_get(self, keys: list[str], target_locations: Any = None,
+                  target_sizes: Any = None) -> list[Any]:
+        return [self.get(k, t) for k, t in zip(keys, target_locations or [None] * len(keys),
+                                              strict=True)]
+
+    def set(self, key: str, value: Any = None, target_location: Any = None,
+            target_sizes: Any = None) -> bool:
+        """Store the flat page ``value`` under ``key``."""
+        try:
+            client = self._ready()
+            assert self.root is not None
+            result = client.store([0] * self.page_size, self._flat(value.contiguous()),
+                                  hashes=page_hashes(self.root, [key])).result(
+                self.settings.store_deadline_s + 5.0)
+        except Exception as exc:  # noqa: BLE001
+            return self._fault("set", exc, False)
+        return not result.missed
+
+    def batch_set(self, keys: list[str], values: Any = None, target_locations: Any = None,
+                  target_sizes: Any = None) -> bool:
+        return all([self.set(k, v) for k, v in zip(keys, values, strict=True)])
+
+    def exists(self, key: str) -> bool:
+        return self.batch_exists([key]) == 1
+
+    def clear(self) -> None:
+        """Nothing: the cluster's pages are shared; ``kvshare clear NAMESPACE`` drops them."""
+
+    def _fault(self, op: str, exc: Exception, answer: _T) -> _T:
+        self.counters[f"{op}_fault_{type(exc).__name__}"] += 1
+        log.warning("%s: %s failed, a miss (%s)", ENGINE, op, exc)
+        return answer

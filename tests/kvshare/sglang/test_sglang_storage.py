@@ -1,0 +1,162 @@
+"""kvshare as SGLang HiCache's storage tier, against SGLang's own ``HiCacheStorage`` contract.
+
+SGLang's real CPU pools (``MHATokenToKVPool`` and ``MHATokenToKVPoolHost`` on ``device="cpu"``,
+``pin_memory=False``, as upstream's aibrix unit test builds them) and a real kvshare
+deployment (head + 2 Ray nodes). SGLang needs its own environment (it pins torch 2.14.1):
+``make sglang-install`` builds ``.venv-sglang`` and ``make test-sglang`` runs this folder
+there; in the project's main environment this module skips, saying so.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+pytest.importorskip(
+    "sglang.srt.mem_cache.hicache_storage",
+    reason="SGLang lives in its own environment (torch 2.14.1): make sglang-install, then "
+           "make test-sglang runs this folder there")
+
+import torch  # noqa: E402
+from conftest import start_cluster, stop_cluster  # noqa: E402
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig  # noqa: E402
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool  # noqa: E402
+from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost  # noqa: E402
+
+from kvshare.layout import KVLayout  # noqa: E402
+from kvshare.sglang.backend import KVShareStorage  # noqa: E402
+from kvshare.testing.tiny_model import TinyModelSpec, build_tiny_llama  # noqa: E402
+
+PAGE, LAYERS, HEADS, DIM = 16, 2, 2, 64
+NS = "sgl"
+SPEC = TinyModelSpec(num_layers=LAYERS, hidden_size=HEADS * 2 * DIM, num_heads=HEADS * 2,
+                     num_kv_heads=HEADS, intermediate_size=256)
+
+
+def host_pool() -> Any:
+    """SGLang's CPU device pool and its host pool (layer_first, not pinned)."""
+    kv = MHATokenToKVPool(512, PAGE, torch.bfloat16, HEADS, DIM, LAYERS, "cpu", False,
+                          v_head_dim=DIM, start_layer=0, end_layer=LAYERS - 1)
+    return MHATokenToKVPoolHost(
+        kv.get_device_pool_infos()[0].buffer_info, 2, 0, PAGE, "layer_first", pin_memory=False,
+        device="cpu", device_capacity_tokens=kv.size, start_layer=kv.start_layer,
+        end_layer=kv.end_layer, write_back_staging=kv.hicache_write_back_staging)
+
+
+def storage(model: str, **extra: Any) -> KVShareStorage:
+    config = HiCacheStorageConfig(
+        tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
+        is_mla_model=False, enable_storage_metrics=False, is_page_first_layout=False,
+        model_name=model, extra_config={"backend_name": "kvshare", "interface_v1": 1,
+                                        "namespace": NS, "ray_namespace": "kvshare-test",
+                                        **extra})
+    return KVShareStorage(config)
+
+
+def indices(pages: list[int]) -> torch.Tensor:
+    return torch.tensor([p * PAGE + t for p in pages for t in range(PAGE)], dtype=torch.int64)
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    import ray
+
+    from kvshare.actors.deploy import deploy
+
+    model = build_tiny_llama(str(tmp_path_factory.mktemp("model") / "tiny"), SPEC)
+    cluster = start_cluster(num_workers=2, object_store_mb=150)
+    try:
+        deploy(namespace=NS, layout=KVLayout(LAYERS, HEADS, DIM, "bf16", block_tokens=PAGE),
+               host_gb=0.05, ray_namespace="kvshare-test")
+        nodes = {k: n["NodeID"] for n in ray.nodes() for k in n["Resources"]
+                 if k.startswith("node_")}
+        env: dict[str, Any] = {"model": model, "nodes": nodes, "backends": []}
+        yield env
+        for backend in env["backends"]:  # their threads must not call Ray after it stops
+            if backend.client is not None:
+                backend.client.close()
+    finally:
+        stop_cluster(cluster)
+
+
+def attached(env: dict[str, Any], node: str) -> tuple[KVShareStorage, Any]:
+    pool = host_pool()
+    backend = storage(env["model"], node=env["nodes"][node])
+    backend.register_mem_pool_host(pool)
+    env["backends"].append(backend)
+    return backend, pool
+
+
+def test_v1_pages_round_trip_byte_for_byte_and_another_node_loads_them(
+        env: dict[str, Any]) -> None:
+    a, pool_a = attached(env, "node_0")
+    keys = [f"{os.getpid():x}-v1-{i}" for i in range(4)]
+    src = indices([1, 2, 3, 4])
+    pool_a.kv_buffer[:, :, src] = torch.randn(2, LAYERS, len(src), HEADS, DIM).to(torch.bfloat16)
+    want = pool_a.kv_buffer[:, :, src].clone()
+    assert a.batch_exists(keys) == 0
+    assert a.batch_set_v1(keys, src) == [True] * 4
+    assert a.batch_exists(keys) == 4 and a.batch_exists(keys[:2] + ["other"]) == 2
+    dst = indices([7, 8, 9, 10])
+    assert a.batch_get_v1(keys, dst) == [True] * 4
+    assert torch.equal(pool_a.kv_buffer[:, :, dst], want)
+    b, pool_b = attached(env, "node_1")  # another node: its pool holds none of them
+    assert b.batch_exists(keys) == 4
+    assert b.batch_get_v1(keys, indices([5, 6, 7, 8])) == [True] * 4
+    assert torch.equal(pool_b.kv_buffer[:, :, indices([5, 6, 7, 8])], want)
+    assert b.counters["pages_loaded"] == 4 and b.client is not None
+    wire = b.client.counters
+    assert wire.get("bytes_nixl", 0) + wire.get("bytes_objstore", 0) > 0  # not from its own pool
+
+
+def test_legacy_flat_pages_and_a_miss(env: dict[str, Any]) -> None:
+    a, pool = attached(env, "node_0")
+    page = torch.randn(2, LAYERS, PAGE, HEADS, DIM).to(torch.bfloat16).flatten()
+    key = f"{os.getpid():x}-legacy"
+    assert not a.exists(key)
+    assert a.set(key, page) and a.exists(key)
+    out = pool.get_dummy_flat_data_page()
+    assert a.get(key, out) is out and torch.equal(out, page)
+    assert a.get("never-stored", pool.get_dummy_flat_data_page()) is None
+    assert a.batch_get_v1(["never-stored"], indices([3])) == [False]
+
+
+def test_a_dead_pool_is_a_miss_counted_never_an_error(env: dict[str, Any]) -> None:
+    import ray
+
+    from kvshare.discovery import find_pool
+
+    a, pool = attached(env, "node_0")
+    keys = [f"{os.getpid():x}-dead-{i}" for i in range(2)]
+    assert a.batch_set_v1(keys, indices([1, 2])) == [True, True]
+    b, _ = attached(env, "node_1")
+    ray.kill(find_pool(env["nodes"]["node_0"], "kvshare-test"))
+    got = b.batch_get_v1(keys, indices([3, 4]))
+    assert got == [False, False]
+    assert b.counters["pages_missed"] == 2
+
+
+@pytest.mark.parametrize("extra, match", [
+    ({"namespace": ""}, "needs 'namespace'"),
+    ({"namspace": "x"}, r"unknown kvshare keys \['namspace'\]"),
+    ({"remote": "carrier-pigeon"}, "remote must be one of"),
+])
+def test_bad_settings_fail_sglangs_start_naming_the_fix(extra: dict[str, Any], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        storage("/nonexistent", **extra)
+
+
+def test_an_unknown_namespace_or_another_page_size_fails_the_attach(env: dict[str, Any]) -> None:
+    with pytest.raises(ValueError, match="unknown kvshare namespace 'nope'.*kvshare up"):
+        storage(env["model"], namespace="nope").register_mem_pool_host(host_pool())
+    kv = MHATokenToKVPool(512, 32, torch.bfloat16, HEADS, DIM, LAYERS, "cpu", False,
+                          v_head_dim=DIM, start_layer=0, end_layer=LAYERS - 1)
+    pool32 = MHATokenToKVPoolHost(
+        kv.get_device_pool_infos()[0].buffer_info, 2, 0, 32, "layer_first", pin_memory=False,
+        device="cpu", device_capacity_tokens=kv.size, start_layer=kv.start_layer,
+        end_layer=kv.end_layer, write_back_staging=kv.hicache_write_back_staging)
+    with pytest.raises(ValueError, match="block-tokens 32"):
+        storage(env["model"]).register_mem_pool_host(pool32)
