@@ -16,6 +16,7 @@ from kvshare.events import BlockStored
 from kvshare.hashing import block_hashes, namespace_root
 from kvshare.match import MatchResult
 from kvshare.router.core.embed import CacheAwareRouter, InProcessIndex, RouterConfig, Tenant
+from kvshare.router.core.index import QueryIndex
 from kvshare.router.core.policy import NoEligibleWorker
 from kvshare.router.core.workers_view import IndexWorkers, StaticWorkers
 from kvshare.types import BlockHash, NodeId, Tier, WorkerId, node_location
@@ -132,7 +133,7 @@ def test_slow_index_falls_back_to_load_only_and_counts_it() -> None:
 
     assert isinstance(SlowIndex(), IndexQuery)
     w = workers()
-    r = CacheAwareRouter(SlowIndex(), w, CFG)
+    r = CacheAwareRouter(QueryIndex(SlowIndex()), w, CFG)  # (match_async only)
     w.report(WorkerLoad(WorkerId("w0"), 5000, 3, 2000.0, 0.0))
     routed = run(r.route(prompt=PROMPT))
     assert routed.fallback == "index_timeout"
