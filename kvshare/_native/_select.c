@@ -670,7 +670,7 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "kvshare._select",
 
 PyMODINIT_FUNC PyInit__select(void)
 {
-    PyObject *ready = PyImport_ImportModule("kvshare._ready");
+    PyObject *ready = PyImport_ImportModule("kvshare._native._ready");
     if (!ready)
         return NULL;
     ReadyType = (PyTypeObject *)PyObject_GetAttrString(ready, "Book");
