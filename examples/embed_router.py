@@ -68,13 +68,13 @@ async def main() -> None:
     for q in ("clause 1", "clause 2", "clause 3"):
         print("  ", await handle([{"role": "user", "content": fresh + q}], globex))
 
-    class DeadIndex(InProcessIndex):
+    class DeadIndex(InProcessIndex):  # awaited (not inline), and every match fails
         inline = False
 
-        async def match_async(self, namespace, hashes):  # type: ignore[no-untyped-def]
+        async def match_runs_async(self, namespace, hashes):  # type: ignore[no-untyped-def]
             raise ConnectionError("index is down")
 
-    router.index = DeadIndex(index)
+    router.core.index = DeadIndex(index)
     print("4) the index is down: load-only routing, counted as a fallback:")
     print("  ", await handle(chat, acme), f"[fallbacks={router.fallbacks}]")
 

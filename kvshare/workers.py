@@ -1,9 +1,10 @@
 """What the index knows about inference workers, and the query interface routers use.
 
 Workers register ``WorkerInfo`` under a lease that their ``WorkerLoad`` reports renew; the
-index drops an expired or dead worker together with its gpu-tier entries. Routers and the SDK
-talk to the index through :class:`IndexQuery`, implemented by the (sharded) index client in
-``actors`` and by the in-process ``GlobalIndex`` (simulator, unit tests).
+index drops an expired or dead worker together with its gpu-tier entries. The SDK and the
+transfer readers talk to the index through :class:`IndexQuery`, implemented by the (sharded)
+index client in ``actors`` and by the in-process ``GlobalIndex`` (simulator, unit tests); the
+routing core asks for its matches through ``kvshare.router.core.index.RouterIndex``.
 """
 
 from __future__ import annotations

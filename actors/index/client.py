@@ -4,7 +4,9 @@ Shard of a block = ``hash[0] * N // 256``. Queries fan out to the shards that ow
 and are merged; event batches are split by shard, each part carrying the batch's seq range
 so every shard judges gaps on the whole batch. Generations and the worker registry live on
 shard 0. Implements :class:`kvshare.workers.IndexQuery` (sync ``match`` and async
-``match_async``, which awaits object refs and never blocks the event loop).
+``match_async``, which awaits object refs and never blocks the event loop) and the routing
+core's :class:`~kvshare.router.core.index.RouterIndex` (``match_runs``/``match_runs_async``,
+not ``inline``: a router awaits it under its deadline).
 
 An unreachable index (restarting, dead, timed out) is a miss, not an error: ``match`` returns
 an empty result whose ``unavailable`` says why (:func:`unavailable_reason`); the client also
@@ -53,6 +55,8 @@ def unavailable_reason(exc: BaseException) -> str:
 
 class IndexClient:
     """Sharded access to the global index. Picklable: pass it to actors."""
+
+    inline = False  # every match is a round trip to the shards (RouterIndex.inline)
 
     def __init__(self, shards: Sequence[Any], timeout_s: float = 5.0,
                  ray_namespace: str | None = None) -> None:
@@ -224,6 +228,18 @@ class IndexClient:
     async def match_async(self, namespace: str, hashes: Sequence[BlockHash]) -> MatchResult:
         """Same as :meth:`match`, awaiting object refs (never blocks the event loop)."""
         return from_runs(*await self.match_runs_async(namespace, hashes))
+
+    def match_runs(self, namespace: str, hashes: Sequence[BlockHash]) -> HolderRuns:
+        """:meth:`match` in run form (see :meth:`match_runs_async`); blocks until the shards
+        answer. Empty if unreachable."""
+        try:
+            if len(self.shards) == 1:
+                ref = self.shards[0].match_query.remote(encode_query(namespace, *_pack(hashes)))
+                return HolderRuns(*decode_runs(self._get(ref)))
+            refs, idx = self._lookup_refs(namespace, hashes)
+            return HolderRuns(len(hashes), _runs_of_blocks(self._per_block(len(hashes), self._get(refs), idx)))
+        except UNAVAILABLE as exc:
+            return HolderRuns(len(hashes), [], self._unavailable(exc))
 
     async def match_runs_async(self, namespace: str, hashes: Sequence[BlockHash]) -> HolderRuns:
         """:meth:`match_async` in run form ``(num_blocks, runs)`` (see :mod:`kvshare.actors.index.runs`): what

@@ -9,8 +9,9 @@ restarted (new epoch) or a reader that fell behind the shard's feed starts over 
 snapshots of every shard. The replica therefore lags the actor index by about one round
 (``poll_s`` plus a round trip), the event batching delay, and is otherwise equal to it.
 
-It implements :class:`~kvshare.workers.IndexQuery` (``match``, ``match_async``,
-``match_runs_async``) answering inline. Until the first sync, and while no round succeeded
+It implements :class:`~kvshare.workers.IndexQuery` (``match``, ``match_async``) and the
+routing core's :class:`~kvshare.router.core.index.RouterIndex` (``match_runs``,
+``match_runs_async``), answering inline. Until the first sync, and while no round succeeded
 for ``stale_after_s``, answers are empty with ``unavailable`` = :data:`NOT_SYNCED` (and
 counted in :attr:`unavailable`): the router then routes on load only, as with an unreachable
 index. The actor index stays the source of truth

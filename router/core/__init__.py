@@ -1,6 +1,7 @@
 """The routing core: one place a routing decision is made.
 
 - :mod:`~kvshare.router.core.routing`: :class:`RoutingCore` (match, books, policy, ranking);
+- :mod:`~kvshare.router.core.index`: :class:`RouterIndex`, the index as the core asks it;
 - :mod:`~kvshare.router.core.embed`: :class:`CacheAwareRouter` for any asyncio gateway;
 - :mod:`~kvshare.router.core.policy`: the policy interface, the registry, the cost policy and
   the baselines;

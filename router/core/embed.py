@@ -32,6 +32,7 @@ from kvshare.hashing import DEFAULT_HASH_FN, HashFn, PackedIds, fast_ids
 from kvshare.match import MatchResult
 from kvshare.pool.types import check_namespace
 from kvshare.quick_init import quick_init
+from kvshare.router.core.index import RouterIndex
 from kvshare.router.core.metrics import RouterMetrics
 from kvshare.router.core.policy import DEFAULT_POLICY, Decision, Policy, Ranking, RouteRequest
 from kvshare.router.core.recent import RecentDecisions
@@ -40,7 +41,7 @@ from kvshare.router.core.sources import Sharing
 from kvshare.router.core.workers_view import WorkerSource
 from kvshare.tokenizer import ByteTokenizer, Tokenizer
 from kvshare.types import BlockHash, WorkerId
-from kvshare.workers import IndexQuery, WorkerInfo, WorkerLoad
+from kvshare.workers import WorkerInfo, WorkerLoad
 
 
 @dataclass(frozen=True)
@@ -174,10 +175,11 @@ def _token_ids(prompt: Sequence[Any]) -> bool:
 
 
 class InProcessIndex:
-    """:class:`~kvshare.workers.IndexQuery` over an in-process ``GlobalIndex`` (embedding a
-    router next to its own index, tests, benchmarks), with the worker registry reads of
-    ``IndexClient`` too. ``match_async`` runs inline: an in-process match takes microseconds
-    and must not hop threads."""
+    """:class:`~kvshare.workers.IndexQuery` and :class:`~kvshare.router.core.index.RouterIndex`
+    over an in-process ``GlobalIndex`` (embedding a router next to its own index, tests,
+    benchmarks), with the worker registry reads of ``IndexClient`` too
+    (:class:`~kvshare.router.core.workers_view.WorkerRegistry`). It answers inline: an
+    in-process match takes microseconds and must not hop threads."""
 
     inline = True
 
@@ -214,7 +216,7 @@ class CacheAwareRouter:
 
     def __init__(
         self,
-        index: IndexQuery | None,
+        index: RouterIndex | None,
         workers: WorkerSource,
         config: RouterConfig | None = None,
         tokenizer: Tokenizer | None = None,
@@ -239,7 +241,7 @@ class CacheAwareRouter:
         self.recent = RecentDecisions()  # for the live page (router/web)
 
     @property
-    def index(self) -> IndexQuery | None:
+    def index(self) -> RouterIndex | None:
         return self.core.index
 
     @property
@@ -366,10 +368,8 @@ class CacheAwareRouter:
         self.core.finished(request_id)
 
     def report_load(self, load: WorkerLoad) -> None:
-        """Record a worker's load report (for worker sources that accept reports)."""
-        report = getattr(self.workers, "report", None)
-        if report is not None:
-            report(load)
+        """Hand a worker's load report to the worker source (:meth:`~kvshare.router.core.workers_view.WorkerSource.report`)."""
+        self.workers.report(load)
 
     @property
     def prefill_samples(self) -> int:

@@ -231,7 +231,7 @@ def cut(match: Match, drops: dict[str, tuple[int, ...]]) -> HolderRuns:
         pos += n
     gap = next((j for j, (h, _) in enumerate(out) if not h), len(out))
     del out[gap:]  # (nothing past a gap is reachable: a view stops at the first)
-    return HolderRuns(match.num_blocks, tuple(out), getattr(match, "unavailable", ""))
+    return HolderRuns(match.num_blocks, tuple(out), match.unavailable)
 
 
 class TimedHoldings:

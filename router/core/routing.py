@@ -48,8 +48,9 @@ from typing import Any
 
 from kvshare.cost import Bandwidths, CostModel, PrefillModel, PrefillTimings
 from kvshare.hasher import Hasher, Tokens
-from kvshare.match import EMPTY_MATCH, MatchResult
+from kvshare.match import EMPTY_MATCH
 from kvshare.quick_init import quick_init
+from kvshare.router.core.index import RouterIndex
 from kvshare.router.core.pending import PendingBook, pending_blocks
 from kvshare.router.core.policy import (
     Candidate,
@@ -62,7 +63,7 @@ from kvshare.router.core.policy import (
 from kvshare.router.core.sources import Match, Sharing
 from kvshare.router.core.workers_view import InFlight
 from kvshare.types import BlockHash, Tier, WorkerId, worker_location
-from kvshare.workers import IndexQuery, WorkerInfo, WorkerLoad
+from kvshare.workers import WorkerInfo, WorkerLoad
 
 PENDING_TIER = Tier.GPU
 """Where pending blocks are recorded: the chosen worker's own gpu tier (module docstring)."""
@@ -126,7 +127,7 @@ class RoutingCore:
 
     def __init__(
         self,
-        index: IndexQuery | None,
+        index: RouterIndex | None,
         cost: CostInputs,
         *,
         policy: str,
@@ -203,20 +204,17 @@ class RoutingCore:
         return hasher.hashes(token_ids, salt)  # a list is packed in one C pass, packed ids read as they are
 
     async def query(self, namespace: str, hashes: Sequence[BlockHash]) -> IndexAnswer:
-        """The index's match under ``index_timeout_s`` (an in-process index, ``inline``, runs
-        without one, its ``match_runs`` called directly); in run form when the index offers
-        ``match_runs_async``."""
+        """The index's match under ``index_timeout_s`` (an :attr:`~kvshare.router.core.index.RouterIndex.inline`
+        index answers at once, without one: :meth:`query_inline`)."""
         now = self.query_inline(namespace, hashes)
         if now is not None:
             return now
         index = self.index
+        assert index is not None  # (query_inline answers for no index)
         t = time.perf_counter()
         try:
-            if getattr(index, "inline", False):  # in-process: no I/O, no deadline needed
-                match = await self._ask(index, namespace, hashes)
-            else:
-                match = await asyncio.wait_for(self._ask(index, namespace, hashes),
-                                               self.index_timeout_s)
+            match = await asyncio.wait_for(index.match_runs_async(namespace, hashes),
+                                           self.index_timeout_s)
         except TimeoutError:
             return IndexAnswer(EMPTY_MATCH, "index_timeout", time.perf_counter() - t)
         except KeyError:  # namespace not declared yet: nothing cached anywhere
@@ -227,31 +225,21 @@ class RoutingCore:
 
     def query_inline(self, namespace: str, hashes: Sequence[BlockHash]) -> IndexAnswer | None:
         """:meth:`query`'s answer computed now, without a coroutine, where no await is needed
-        (no index, no hashes, or an ``inline`` index with ``match_runs``: an in-process
-        index or a replica); None: await :meth:`query`."""
+        (no index, no hashes, or an :attr:`~kvshare.router.core.index.RouterIndex.inline`
+        index: an in-process index or a replica); None: await :meth:`query`."""
         index = self.index
         if index is None or not hashes:
             return IndexAnswer(EMPTY_MATCH)
-        runs = getattr(index, "match_runs", None) if getattr(index, "inline", False) else None
-        if runs is None:
+        if not index.inline:
             return None
         t = time.perf_counter()
         try:
-            match: Match = runs(namespace, hashes)
+            match = index.match_runs(namespace, hashes)
         except KeyError:  # namespace not declared yet: nothing cached anywhere
             return IndexAnswer(EMPTY_MATCH, "", time.perf_counter() - t, answered=True)
         except Exception:  # noqa: BLE001 - any index failure means load-only routing
             return IndexAnswer(EMPTY_MATCH, "index_error", time.perf_counter() - t)
         return _answered(match, time.perf_counter() - t)
-
-    @staticmethod
-    async def _ask(index: Any, namespace: str, hashes: Sequence[BlockHash]) -> Match:
-        runs = getattr(index, "match_runs_async", None)
-        if runs is not None:
-            got: Match = await runs(namespace, hashes)
-            return got
-        result: MatchResult = await index.match_async(namespace, hashes)
-        return result
 
     def candidates(self, infos: Sequence[WorkerInfo],
                    loads: Mapping[WorkerId, WorkerLoad]) -> list[Candidate]:

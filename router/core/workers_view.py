@@ -2,8 +2,10 @@
 
 - :class:`StaticWorkers`: a fixed list (``kvshare gateway --workers URL,...``); loads come
   from :meth:`report` (worker reports) only.
-- :class:`IndexWorkers`: workers registered in the cluster index (``IndexClient``'s
-  ``workers_async``/``loads_async``), refreshed at most every ``refresh_s``.
+- :class:`IndexWorkers`: workers registered in the cluster index (a :class:`WorkerRegistry`:
+  ``IndexClient``'s ``workers_async``/``loads_async``), refreshed at most every ``refresh_s``.
+- Ray Serve's replicas: :class:`kvshare.router.serve.workers_view.ReplicaWorkers` (the
+  registry's workers and loads for the replicas Serve offers).
 - :class:`InFlight`: what this router has sent and not yet seen prefilled or finished, added
   on top of the last report so a burst between two reports is not all sent to one worker
   (Dynamo tracks active blocks in the router the same way).
@@ -19,7 +21,7 @@ import math
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
 from operator import is_
-from typing import Any, Protocol
+from typing import Protocol
 
 from kvshare.types import WorkerId
 from kvshare.workers import WorkerInfo, WorkerLoad
@@ -28,8 +30,27 @@ log = logging.getLogger(__name__)
 
 
 class WorkerSource(Protocol):
+    """Where a router gets its workers and their load reports."""
+
     async def snapshot(self) -> tuple[list[WorkerInfo], dict[WorkerId, WorkerLoad]]:
         """Current workers and their latest load reports."""
+        ...
+
+    def report(self, load: WorkerLoad) -> None:
+        """A load report handed to the router (a source that reads its reports elsewhere
+        ignores it)."""
+        ...
+
+
+class WorkerRegistry(Protocol):
+    """The worker registry's reads (the index client, an in-process index)."""
+
+    async def workers_async(self) -> list[WorkerInfo]:
+        """The registered workers."""
+        ...
+
+    async def loads_async(self) -> dict[WorkerId, WorkerLoad]:
+        """Their latest load reports."""
         ...
 
 
@@ -62,7 +83,8 @@ class IndexWorkers:
     with sparse traffic refreshes only when it routes): a worker that did leave fails to
     connect, and the gateway then tries another."""
 
-    def __init__(self, client: Any, refresh_s: float = 0.5, empty_grace_s: float = 5.0) -> None:
+    def __init__(self, client: WorkerRegistry, refresh_s: float = 0.5,
+                 empty_grace_s: float = 5.0) -> None:
         self.client = client
         self.refresh_s = refresh_s
         self.empty_grace_s = empty_grace_s
@@ -70,6 +92,9 @@ class IndexWorkers:
         self._empty_since: float | None = None  # the first empty listing after some workers
         self._at = -1e18
         self._cache: tuple[list[WorkerInfo], dict[WorkerId, WorkerLoad]] = ([], {})
+
+    def report(self, load: WorkerLoad) -> None:
+        """Ignored: the loads are the ones the workers report to the index."""
 
     async def snapshot(self) -> tuple[list[WorkerInfo], dict[WorkerId, WorkerLoad]]:
         now = time.monotonic()

@@ -27,9 +27,10 @@ does it). For every request the router
 Steps 1-3 are :class:`~kvshare.router.core.routing.RoutingCore`'s, the same core the asyncio gateway uses
 (hashing, the index deadline and its fallback, in-flight load, pending blocks, the cost model
 and the full ranking); this module only translates Serve's replicas and requests to it and
-its ranking back to Serve's shortlists. If the index is not connected yet, the workers'
-registrations cannot be read in time, or the request carries no prompt, the router uses
-Serve's own power-of-two choice and counts the fallback (Ray metric
+its ranking back to Serve's shortlists; the replicas' workers and their registrations and
+load reports come from its workers view (:class:`~kvshare.router.serve.workers_view.ReplicaWorkers`).
+If the index is not connected yet, the workers' registrations cannot be read in time, or
+the request carries no prompt, the router uses Serve's own power-of-two choice and counts the fallback (Ray metric
 ``kvshare_serve_routing_total{reason}``); an index slower than its deadline gives the core's
 fallback ranking. Replicas added, removed or dead reach it through ``update_replicas`` /
 ``on_replica_actor_died``. Request parsing and settings live in :mod:`kvshare.router.serve.request`.
@@ -41,9 +42,8 @@ import asyncio
 import logging
 import time
 import weakref
-from collections.abc import Coroutine, Mapping
-from dataclasses import replace
-from typing import Any, NamedTuple
+from collections.abc import Mapping
+from typing import Any, NamedTuple, Protocol
 
 from ray.exceptions import RayError
 from ray.serve._private.common import ReplicaID
@@ -58,22 +58,29 @@ from ray.serve._private.request_router.request_router import (
 from ray.util import metrics
 
 from kvshare.cost import Bandwidths
+from kvshare.router.core.index import RouterIndex
 from kvshare.router.core.policy import Ranking, RouteRequest
 from kvshare.router.core.routing import CostInputs, IndexAnswer, RoutingCore
 from kvshare.router.core.sources import Sharing
+from kvshare.router.core.workers_view import WorkerRegistry
 from kvshare.router.serve.request import (
-    FRONTS_WORKER,
     PromptInput,
     ServeRouterSettings,
     WorkerHashing,
     extract_prompt,
-    replica_worker_id,
 )
-from kvshare.types import BlockHash, NodeId, WorkerId
+from kvshare.router.serve.workers_view import ReplicaWorkers
+from kvshare.types import BlockHash, WorkerId
 from kvshare.workers import WorkerInfo, WorkerLoad
 
 log = logging.getLogger("ray.serve")
 BANDWIDTH_REFRESH_S = 30.0  # how often measured transport bandwidths are re-read
+
+
+class ServeIndex(RouterIndex, WorkerRegistry, Protocol):
+    """What the Serve router reads of the index: matches (the core's) and the worker registry
+    (its workers view's): an :class:`~kvshare.actors.index.client.IndexClient`, an
+    :class:`~kvshare.router.core.embed.InProcessIndex`."""
 
 
 class _Routing(NamedTuple):
@@ -93,16 +100,11 @@ class KVShareRequestRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         Runs on Serve's event loop: nothing here blocks; the index is connected lazily.
         """
         self.settings = ServeRouterSettings.from_kwargs(kwargs)
-        self._client: Any = None
-        self._connect_task: asyncio.Task[Any] | None = None
+        self._client: ServeIndex | None = None
+        self._connect_task: asyncio.Task[ServeIndex] | None = None
         self._next_connect = 0.0
-        self._workers: dict[WorkerId, WorkerInfo] = {}
-        self._workers_at = -1e9
-        self._workers_task: asyncio.Task[None] | None = None
-        self._loads: dict[WorkerId, WorkerLoad] = {}
-        self._loads_at = -1e9
-        self._loads_task: asyncio.Task[None] | None = None
-        self._replica: Any = None  # settings.index_replica: the router's copy of the index
+        self.workers = ReplicaWorkers(self.settings, self._learn)
+        self._replica: RouterIndex | None = None  # settings.index_replica: the router's copy
         self._hashing: dict[str, WorkerHashing] = {}
         st = self.settings
         self.core = RoutingCore(
@@ -114,7 +116,6 @@ class KVShareRequestRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         self._bw_task: asyncio.Task[None] | None = None
         self._refresh_bandwidth = True  # False when the index was handed in (use_index)
         self._last: dict[str, _Routing] = {}
-        self._fronted: dict[ReplicaID, WorkerId] = {}
         self.counters: dict[str, int] = {}
         # Serve pickles this module by value into each handle's process, so counters go out
         # as Ray metrics (Prometheus), not through a module-level registry.
@@ -134,31 +135,30 @@ class KVShareRequestRouter(LocalityMixin, MultiplexMixin, RequestRouter):
 
     def stats(self) -> dict[str, Any]:
         """Decisions by reason, fallbacks by cause, known workers and replicas."""
-        return {"counters": dict(self.counters), "workers": len(self._workers),
+        return {"counters": dict(self.counters), "workers": len(self.workers.registered),
                 "replicas": len(self._replicas), "index_connected": self._client is not None}
 
-    # ------------------------------------------------------------------ replicas -> workers
-    def _wid(self, replica: RunningReplica) -> WorkerId:
-        """The kvshare worker a replica serves: the one it names in its routing stats
-        (:data:`~kvshare.router.serve.request.FRONTS_WORKER`, e.g. a replica in front of a vLLM server
-        registered by ``kvshare vllm start``), else its own :func:`replica_worker_id`."""
-        named = (getattr(replica, "routing_stats", None) or {}).get(FRONTS_WORKER)
-        wid = WorkerId(named) if isinstance(named, str) and named else replica_worker_id(
-            replica.replica_id)
-        self._fronted[replica.replica_id] = wid
-        return wid
+    # the workers view's state, under the names it had here (tests read them)
+    @property
+    def _workers(self) -> dict[WorkerId, WorkerInfo]:
+        return self.workers.registered
 
-    def _wid_of(self, replica_id: ReplicaID) -> WorkerId:
-        return self._fronted.get(replica_id) or replica_worker_id(replica_id)
+    @property
+    def _workers_task(self) -> asyncio.Task[None] | None:
+        return self.workers.workers_task
+
+    @property
+    def _loads_at(self) -> float:
+        return self.workers.loads_at
 
     # ------------------------------------------------------------------ index access
-    def use_index(self, client: Any) -> None:
-        """Route with this index client (an :class:`~kvshare.actors.index.client.IndexClient` or any
-        object with its ``workers_async``/``loads_async``/``match_async``) instead of
-        connecting to the deployment's; the transports' bandwidths then come from
-        ``settings.bandwidths`` only."""
+    def use_index(self, client: ServeIndex) -> None:
+        """Route with this index (an :class:`~kvshare.actors.index.client.IndexClient`, an
+        :class:`~kvshare.router.core.embed.InProcessIndex`) instead of connecting to the
+        deployment's; the transports' bandwidths then come from ``settings.bandwidths`` only."""
         self._client = client
         self.core.index = client
+        self.workers.registry = client
         self._refresh_bandwidth = False
 
     def _start_connect(self) -> None:
@@ -169,7 +169,7 @@ class KVShareRequestRouter(LocalityMixin, MultiplexMixin, RequestRouter):
             return
         from kvshare.actors.index.client import IndexClient
 
-        def connect() -> Any:
+        def connect() -> ServeIndex:
             client = IndexClient.connect(self.settings.ray_namespace, self.settings.index_timeout_s)
             client.timeout_s = max(1.0, self.settings.index_timeout_s)
             client.loads()  # warm the connection to the index actor (first calls are slow)
@@ -177,13 +177,14 @@ class KVShareRequestRouter(LocalityMixin, MultiplexMixin, RequestRouter):
             if self.settings.index_replica:
                 from kvshare.actors.index.replica import IndexReplica
 
-                self._replica = IndexReplica.follow(client, poll_s=self.settings.replica_poll_s)
-                weakref.finalize(self, self._replica.close)  # a deleted router stops polling
+                replica = IndexReplica.follow(client, poll_s=self.settings.replica_poll_s)
+                weakref.finalize(self, replica.close)  # a deleted router stops polling
+                self._replica = replica
             return client
 
         self._connect_task = self._event_loop.create_task(asyncio.to_thread(connect))
 
-    async def _index(self) -> Any:
+    async def _index(self) -> ServeIndex | None:
         """The index client, or None while it is not (yet) reachable; never blocks."""
         if self._client is not None:
             return self._client
@@ -195,6 +196,7 @@ class KVShareRequestRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         try:
             self._client = await asyncio.wait_for(asyncio.shield(task), self.settings.index_timeout_s)
             self.core.index = self._replica or self._client
+            self.workers.registry = self._client
             self._connect_task = None
         except TimeoutError:
             return None
@@ -205,45 +207,16 @@ class KVShareRequestRouter(LocalityMixin, MultiplexMixin, RequestRouter):
             self._next_connect = now + self.settings.connect_retry_s
         return self._client
 
-    async def _refresh_workers(self, client: Any) -> None:
-        """The workers' registrations. Read in a request's path only while a replica's worker
-        is unknown (at most every 0.25 s); once every replica's is known, re-read in the
-        background every ``workers_refresh_s``, so a decision waits on no registry call."""
+    def _learn(self, infos: list[WorkerInfo]) -> None:
+        """Registrations were read: the namespaces' hashing, and the transports' measured
+        bandwidths when they are older than :data:`BANDWIDTH_REFRESH_S`."""
         now = time.monotonic()
-        age = now - self._workers_at
-        if all(self._wid_of(r) in self._workers for r in self._replica_id_set):
-            if age >= self.settings.workers_refresh_s and self._workers_task is None:
-                self._workers_at = now  # a failed read is retried a period later
-                self._workers_task = self._in_background(
-                    self._read_workers(client), "_workers_task", "worker registrations")
-            return
-        if age >= 0.25:
-            await self._read_workers(client)
-
-    async def _read_workers(self, client: Any) -> None:
-        infos = await client.workers_async()
-        now = time.monotonic()
-        self._workers = {w.worker_id: w for w in infos}
-        self._workers_at = now
         for w in infos:
             for ns in w.namespaces:
                 if ns not in self._hashing and (h := WorkerHashing.from_meta(w.meta)) is not None:
                     self._hashing[ns] = h
         if self._refresh_bandwidth and now - self._bw_at > BANDWIDTH_REFRESH_S and self._bw_task is None:
             self._bw_task = asyncio.get_running_loop().create_task(self._refresh_bandwidths())
-
-    def _in_background(self, read: Coroutine[Any, Any, None], slot: str, what: str
-                       ) -> asyncio.Task[None]:
-        """``read`` as a task that empties attribute ``slot`` when it ends; a failed read
-        keeps what the last one read (and is retried)."""
-        def ended(task: asyncio.Task[None]) -> None:
-            setattr(self, slot, None)
-            if not task.cancelled() and task.exception() is not None:
-                log.info("kvshare %s unavailable: %s", what, task.exception())
-
-        task = asyncio.get_running_loop().create_task(read)
-        task.add_done_callback(ended)
-        return task
 
     async def _refresh_bandwidths(self) -> None:
         """The transports' measured bytes/s (the pools probe them at start), off the loop."""
@@ -263,8 +236,7 @@ class KVShareRequestRouter(LocalityMixin, MultiplexMixin, RequestRouter):
             return prompt.namespace
         if self.settings.namespace:
             return self.settings.namespace
-        mine = {ns for r in self._replica_id_set
-                if (w := self._workers.get(self._wid_of(r))) is not None for ns in w.namespaces}
+        mine = self.workers.namespaces(self._replica_id_set)
         return next(iter(mine)) if len(mine) == 1 else None
 
     def _use_cost(self, hashing: WorkerHashing) -> None:
@@ -319,7 +291,8 @@ class KVShareRequestRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.settings.index_timeout_s
         try:
-            await asyncio.wait_for(self._refresh_workers(client), self.settings.index_timeout_s)
+            await asyncio.wait_for(self.workers.refresh(self._replica_id_set),
+                                   self.settings.index_timeout_s)
         except TimeoutError:
             self._count("fallback_index_slow")
             return None
@@ -332,49 +305,10 @@ class KVShareRequestRouter(LocalityMixin, MultiplexMixin, RequestRouter):
             return None
         namespace, hashing, hashes, num_tokens = key
         answer, loads = await asyncio.gather(
-            self.core.query(namespace, hashes), self._fresh_loads(client, deadline))
+            self.core.query(namespace, hashes), self.workers.loads(deadline))
         return self._order(replicas, RouteRequest(namespace, hashes, num_tokens,
                                                   request_id=pr.metadata.internal_request_id),
                            answer, loads, hashing, pr)
-
-    async def _fresh_loads(self, client: Any, deadline: float) -> dict[WorkerId, WorkerLoad]:
-        """The workers' load reports by ``deadline`` (the last ones read, if late or down);
-        with ``loads_refresh_s``, the latest read, refreshed in the background."""
-        every = self.settings.loads_refresh_s
-        if every and self._loads_task is None:
-            self._loads_task = self._in_background(
-                self._follow_loads(client, every, weakref.ref(self)), "_loads_task",
-                "load reports")
-        if every and self._loads:
-            return self._loads
-        try:
-            remaining = max(0.001, deadline - asyncio.get_running_loop().time())
-            await asyncio.wait_for(self._read_loads(client), remaining)
-        except (TimeoutError, RayError):
-            pass
-        return self._loads
-
-    async def _read_loads(self, client: Any) -> None:
-        self._loads = dict(await client.loads_async())
-        self._loads_at = time.monotonic()
-
-    @staticmethod
-    async def _follow_loads(client: Any, every: float,
-                            router: weakref.ref[KVShareRequestRouter]) -> None:
-        """Read the load reports every ``every`` seconds for as long as the router lives, so a
-        decision's are at most about that old however far apart decisions come (read only
-        when a decision found them old, a quiet spell left the next decision seconds-old
-        reports). A failed read keeps the last ones and is retried at the next tick."""
-        while True:
-            await asyncio.sleep(every)  # (the decision that started this has just read them)
-            me = router()
-            if me is None:
-                return
-            try:
-                await me._read_loads(client)
-            except (TimeoutError, RayError) as exc:
-                log.debug("kvshare load reports unavailable: %s", exc)
-            del me  # (the sleep must not keep the router alive)
 
     def _repass(
         self, replicas: list[RunningReplica], pr: PendingRequest
@@ -386,7 +320,7 @@ class KVShareRequestRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         prev = self._last.get(rid)
         if prev is None or not prev.shortlist or prev.passes + 1 >= self.settings.spill_after_passes:
             return None
-        live = {self._wid(r): r for r in replicas}
+        live = {self.workers.worker_of(r): r for r in replicas}
         shortlist = [[live[w]] for w in prev.shortlist if w in live]
         if shortlist:
             self._count("repass")
@@ -417,16 +351,15 @@ class KVShareRequestRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         self, replicas: list[RunningReplica], request: RouteRequest, answer: IndexAnswer,
         reported: Mapping[WorkerId, WorkerLoad], hashing: WorkerHashing, pr: PendingRequest,
     ) -> list[list[RunningReplica]]:
-        by_worker = {self._wid(r): r for r in replicas}
+        by_worker = {self.workers.worker_of(r): r for r in replicas}
         rid = request.request_id
         prev = self._last.pop(rid, None)
         passes = prev.passes + 1 if prev is not None else 1
         pr.routing_context.should_backoff = passes > 1
         if answer.fallback:
             self._count(f"fallback_{answer.fallback}")
-        infos = [self._workers.get(w) or WorkerInfo(w, NodeId(r.node_id), (request.namespace,))
-                 for w, r in by_worker.items()]
-        loads = self._with_queue_lengths(by_worker, reported)
+        infos = self.workers.infos(by_worker, request.namespace)
+        loads = self.workers.with_queue_lengths(by_worker, reported, self._replica_queue_len_cache)
         self._use_cost(hashing)
         ranking = self.core.rank(request, answer, self.core.candidates(infos, loads))
         decision = ranking.decision
@@ -457,19 +390,6 @@ class KVShareRequestRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         self.core.expect(rid, ranking)
         return [[by_worker[w]] for w in order]
 
-    def _with_queue_lengths(self, by_worker: Mapping[WorkerId, RunningReplica],
-                            reported: Mapping[WorkerId, WorkerLoad]) -> dict[WorkerId, WorkerLoad]:
-        """The reports, with each replica's running count at least the queue length Serve
-        last probed (Serve's own, fresher view of what runs there)."""
-        loads = dict(reported)
-        for wid, replica in by_worker.items():
-            queue_len = self._replica_queue_len_cache.get(replica.replica_id) or 0
-            report = loads.get(wid)
-            if queue_len and (report is None or report.running < queue_len):
-                loads[wid] = (replace(report, running=queue_len) if report is not None
-                              else WorkerLoad(wid, 0, queue_len))
-        return loads
-
     def _remember(self, rid: str, routing: _Routing) -> None:
         while len(self._last) >= 4096:  # requests cancelled before being routed
             gone = next(iter(self._last))
@@ -484,7 +404,7 @@ class KVShareRequestRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         rid = pending_request.metadata.internal_request_id
         last = self._last.pop(rid, None)
         if last is not None:
-            self.core.routed(rid, last.ranking, self._wid_of(replica_id))
+            self.core.routed(rid, last.ranking, self.workers.worker_of_id(replica_id))
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         """The request left the replica: its queued tokens no longer count there."""
@@ -494,16 +414,14 @@ class KVShareRequestRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         """Serve's replica set changed: forget removed replicas' queued work."""
         super().update_replicas(replicas)
         self._start_connect()  # connect before the first request needs the index
-        live = {self._wid(r) for r in replicas}
+        live = {self.workers.worker_of(r) for r in replicas}
         self.core.inflight.keep_only(live)
-        self._workers_at = -1e9  # re-read registrations on the next request
+        self.workers.replicas_changed()  # re-read registrations on the next request
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         """A replica died: never route to it again, drop its queued work."""
         super().on_replica_actor_died(replica_id)
-        wid = self._wid_of(replica_id)
-        self._workers.pop(wid, None)
-        self.core.inflight.drop(wid)
+        self.core.inflight.drop(self.workers.died(replica_id))
         self._count("replica_died")
 
 

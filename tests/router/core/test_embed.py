@@ -12,10 +12,11 @@ import pytest
 from conftest import wait_dead
 
 from kvshare.actors.index.global_index import GlobalIndex
-from kvshare.events import BlockStored
+from kvshare.events import BlockStored, events_to_arrow
 from kvshare.hashing import block_hashes, namespace_root
 from kvshare.match import MatchResult
 from kvshare.router.core.embed import CacheAwareRouter, InProcessIndex, RouterConfig, Tenant
+from kvshare.router.core.index import QueryIndex
 from kvshare.router.core.policy import NoEligibleWorker
 from kvshare.router.core.workers_view import IndexWorkers, StaticWorkers
 from kvshare.types import BlockHash, NodeId, Tier, WorkerId, node_location
@@ -132,7 +133,7 @@ def test_slow_index_falls_back_to_load_only_and_counts_it() -> None:
 
     assert isinstance(SlowIndex(), IndexQuery)
     w = workers()
-    r = CacheAwareRouter(SlowIndex(), w, CFG)
+    r = CacheAwareRouter(QueryIndex(SlowIndex()), w, CFG)  # (match_async only)
     w.report(WorkerLoad(WorkerId("w0"), 5000, 3, 2000.0, 0.0))
     routed = run(r.route(prompt=PROMPT))
     assert routed.fallback == "index_timeout"
@@ -198,6 +199,37 @@ def test_index_actor_down_means_load_only_routing(local_ray: None) -> None:
     assert (dead.available, dead.unavailable, dead.combined_prefix) == (False, "index_down", 0)
     runs = run(client.match_runs_async(NS, hashes))
     assert (runs.available, runs.unavailable, runs.runs) == (False, "index_down", [])
+
+
+@pytest.mark.cluster
+@pytest.mark.parametrize("shards", [1, 2])
+def test_the_index_client_matches_in_run_form_blocking_or_awaited(local_ray: None,
+                                                                  shards: int) -> None:
+    """``IndexClient.match_runs`` (the core's RouterIndex, blocking) answers as
+    ``match_runs_async`` and ``match`` do, over one shard or several."""
+    import ray
+
+    from kvshare.actors.config import IndexConfig
+    from kvshare.actors.index.actor import GlobalIndexActor
+    from kvshare.actors.index.client import IndexClient
+    from kvshare.actors.index.runs import from_runs
+
+    actors = [GlobalIndexActor.remote(IndexConfig(worker_ttl_s=120.0)) for _ in range(shards)]
+    client = IndexClient(actors, timeout_s=30.0)
+    client.declare_namespace(NS)
+    r = CacheAwareRouter(None, workers(), CFG)
+    hashes = r.hashes(r.tokenize(PROMPT), Tenant())
+    client.publish(events_to_arrow(stored(hashes[:3], "n1")))
+    probe = list(hashes[:5])
+    try:
+        runs = client.match_runs(NS, probe)
+        assert runs == run(client.match_runs_async(NS, probe))
+        assert from_runs(*runs) == client.match(NS, probe)
+        assert (runs.num_blocks, runs.combined_prefix, runs.unavailable) == (5, 3, "")
+        assert not client.inline
+    finally:
+        for a in actors:
+            ray.kill(a, no_restart=True)
 
 
 def test_a_decision_carries_the_worker_as_routed_when_the_list_changes_after() -> None:

@@ -30,6 +30,7 @@ from kvshare.hasher import Hasher
 from kvshare.match import EMPTY_MATCH as EMPTY
 from kvshare.match import MatchResult
 from kvshare.router.core.embed import CacheAwareRouter, InProcessIndex, RouterConfig
+from kvshare.router.core.index import QueryIndex
 from kvshare.router.core.policy import RouteRequest
 from kvshare.router.core.routing import CostInputs, IndexAnswer, RoutingCore
 from kvshare.router.core.workers_view import IndexWorkers, InFlight
@@ -457,8 +458,8 @@ def test_a_restarted_reference_worker_reports_another_epoch_and_routers_forget_i
             r.stop()
 
 
-@pytest.mark.parametrize("index, cause", [(SlowIndex(), "index_timeout"),
-                                           (SlowIndex("index_down"), "index_unavailable")])
+@pytest.mark.parametrize("index, cause", [(QueryIndex(SlowIndex()), "index_timeout"),
+                                           (QueryIndex(SlowIndex("index_down")), "index_unavailable")])
 def test_a_slow_or_unavailable_index_falls_back_to_pending_then_to_load(index: Any, cause: str) -> None:
     c = core(index)
     loads = {w.worker_id: WorkerLoad(w.worker_id, 4000 * (w.worker_id == "w2"), 0, TPS, 0.0)
@@ -496,7 +497,7 @@ def test_a_ranking_says_how_much_the_cluster_held_only_when_the_index_answered()
     assert held(SYSTEMS[0] + [1] * 40) == 24  # n0's pool holds SYSTEMS[0]
     assert held(SYSTEMS[2]) == 0  # new to the cluster (now pending where it was sent)
     assert held(SYSTEMS[2] + [2] * BT) == 40  # the router's own pending blocks
-    c.index = SlowIndex("index_down")
+    c.index = QueryIndex(SlowIndex("index_down"))
     assert held(SYSTEMS[0]) is None
 
 
