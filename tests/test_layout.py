@@ -351,3 +351,11 @@ def test_resolve_config() -> None:
     assert resolve_config("tiny-llama.json") == CONFIGS / "tiny-llama.json"
     with pytest.raises(FileNotFoundError, match="bundled configs: .*Llama-3.1-8B"):
         resolve_config("no-such-model")
+
+
+@pytest.mark.parametrize("name", ["DeepSeek-V3", "gpt-oss-20b"])
+def test_the_reference_engine_refuses_kinds_it_cannot_load(name: str) -> None:
+    from kvshare.engines.hf import EngineConfig, model_keys
+
+    with pytest.raises(ValueError, match="reference engine copies K and V per kv head"):
+        model_keys(EngineConfig(model_config=load(name)))
