@@ -16,6 +16,7 @@ import sys
 from collections.abc import Sequence
 from importlib.metadata import entry_points
 
+from kvshare.attention import AttentionKind
 from kvshare.layout import KVLayout, format_bytes, resolve_config
 
 
@@ -23,22 +24,61 @@ def _size(args: argparse.Namespace) -> int:
     path = resolve_config(args.config)
     layout = KVLayout.from_hf_config(path, dtype=args.dtype, block_tokens=args.block_tokens)
     total = layout.bytes_per_token * args.tokens
+    hit_blocks = args.tokens // layout.block_tokens
     if args.json:
-        print(json.dumps({
+        out: dict[str, object] = {
             "bytes_per_token": layout.bytes_per_token,
             "bytes_per_block": layout.bytes_per_block,
             "total_bytes": total,
             "tokens": args.tokens,
             "layout": layout.to_dict(),
-        }))
-    else:
-        print(f"layout          {layout.num_layers} layers x {layout.num_kv_heads} kv heads x "
-              f"head_dim {layout.head_dim}, {layout.dtype}")
-        print(f"bytes/token     {layout.bytes_per_token:,} ({format_bytes(layout.bytes_per_token)})")
-        print(f"bytes/block     {layout.bytes_per_block:,} ({format_bytes(layout.bytes_per_block)}, "
-              f"{layout.block_tokens} tokens)")
-        print(f"{args.tokens:,} tokens  {total:,} ({format_bytes(total)})")
+        }
+        if layout.kind is AttentionKind.SLIDING:
+            out["groups"] = [{**g.to_dict(), "bytes_per_token": layout.group_bytes_per_token(g),
+                              "hit_blocks": g.blocks_needed(hit_blocks, layout.block_tokens)}
+                             for g in layout.groups]
+            out["hit_tokens"] = hit_blocks * layout.block_tokens
+            out["hit_bytes"] = layout.hit_bytes(hit_blocks)
+        print(json.dumps(out))
+        return 0
+    print(f"layout          {_describe(layout)}")
+    for i, g in enumerate(layout.groups):
+        per = layout.group_bytes_per_token(g)
+        if g.window is None:
+            what = "full attention"
+        else:
+            wb = g.window_blocks(layout.block_tokens)
+            what = (f"window {g.window:,}: a hit needs only its last {wb} "
+                    f"block{'s' if wb != 1 else ''} ({wb * layout.block_tokens:,} tokens)")
+        print(f"group {i}         {len(g.layers)} layers, {per:,} bytes/token "
+              f"({format_bytes(per)}), {what}")
+    live = ", every layer's pages live" if layout.groups else ""
+    print(f"bytes/token     {layout.bytes_per_token:,} ({format_bytes(layout.bytes_per_token)})"
+          f"{live}")
+    print(f"bytes/block     {layout.bytes_per_block:,} ({format_bytes(layout.bytes_per_block)}, "
+          f"{layout.block_tokens} tokens)")
+    print(f"{args.tokens:,} tokens  {total:,} ({format_bytes(total)})")
+    if layout.groups and not hit_blocks:
+        print(f"hit             none: a hit needs at least one full block ({layout.block_tokens} "
+              "tokens)")
+    elif layout.groups:
+        hit, every = layout.hit_bytes(hit_blocks), hit_blocks * layout.bytes_per_block
+        print(f"hit on {hit_blocks * layout.block_tokens:,} tokens  {hit:,} ({format_bytes(hit)}"
+              f", {hit / every:.1%} of all layers'): every block of the full-attention group, "
+              "the last window of each sliding group")
     return 0
+
+
+def _describe(layout: KVLayout) -> str:
+    if layout.kind is AttentionKind.MLA:
+        return (f"{layout.num_layers} layers x one {layout.head_dim}-wide latent (kv_lora_rank "
+                f"{layout.head_dim - layout.rope_dim} + rope {layout.rope_dim}), {layout.dtype}, "
+                "MLA: no K/V pair, no heads, the same on every TP rank")
+    heads = (f"{layout.num_layers} layers x {layout.num_kv_heads} kv heads x "
+             f"head_dim {layout.head_dim}, {layout.dtype}")
+    if layout.kind is AttentionKind.SLIDING:
+        return f"{heads}, {len(layout.groups)} KV-cache groups by attention window"
+    return heads
 
 
 def _positive_int(text: str) -> int:

@@ -27,6 +27,7 @@ from itertools import groupby
 
 import numpy as np
 
+from kvshare.layout import KVLayout
 from kvshare.quick_init import quick_init
 from kvshare.types import Tier
 
@@ -226,22 +227,52 @@ class CutPlan:
         return sum([v for s, v in self.sources.items() if s >= REMOTE_OFFSET])
 
 
+Windows = tuple[tuple[int, int], ...]
+"""Sliding-window KV-cache groups as ``(window blocks, bytes per token)`` each
+(:meth:`kvshare.layout.KVLayout.fetch_terms`)."""
+
+
 @dataclass(frozen=True)
 class CostModel:
-    """Prefill model + bandwidths + block geometry: plans one request on one worker."""
+    """Prefill model + bandwidths + block geometry: plans one request on one worker.
+
+    ``bytes_per_token`` is what every fetched block moves per token: the whole KV of an MHA or
+    MLA layout (MLA's latent), a sliding-window layout's full-attention layers. Each of
+    ``windows`` adds its bytes for the last ``min(k, window blocks)`` blocks of a cut at ``k``
+    only (a hit needs no sliding-window KV behind the window), at those blocks' sources.
+    :meth:`for_layout` takes both from a :class:`~kvshare.layout.KVLayout`.
+    """
 
     prefill: PrefillModel
     bandwidths: Bandwidths
     block_tokens: int
     bytes_per_token: int
+    windows: Windows = ()
     block_fetch_s: tuple[float, ...] = field(init=False, repr=False, compare=False)
     """Seconds per block from each :class:`Source` (index by the enum); derived."""
+    window_fetch_s: tuple[tuple[int, tuple[float, ...]], ...] = field(
+        init=False, repr=False, compare=False)
+    """Per window: its blocks and seconds per block from each :class:`Source`; derived."""
 
     def __post_init__(self) -> None:
-        if self.block_tokens <= 0 or self.bytes_per_token <= 0:
+        if self.block_tokens <= 0 or self.bytes_per_token < 0 or (
+                self.bytes_per_token == 0 and not self.windows):
             raise ValueError("CostModel needs positive block_tokens and bytes_per_token")
+        if any(wb < 0 or bpt <= 0 for wb, bpt in self.windows):
+            raise ValueError(f"CostModel windows are (blocks >= 0, bytes_per_token > 0), got "
+                             f"{self.windows}")
         fetch = self.bandwidths.per_block_s(self.block_tokens * self.bytes_per_token)
         object.__setattr__(self, "block_fetch_s", fetch)
+        object.__setattr__(self, "window_fetch_s", tuple(
+            (wb, self.bandwidths.per_block_s(self.block_tokens * bpt))
+            for wb, bpt in self.windows if wb))
+
+    @classmethod
+    def for_layout(cls, prefill: PrefillModel, bandwidths: Bandwidths,
+                   layout: KVLayout) -> CostModel:
+        """The model of ``layout``'s blocks: what a hit on them moves, per attention kind."""
+        every, windows = layout.fetch_terms()
+        return cls(prefill, bandwidths, layout.block_tokens, every, windows)
 
     @property
     def block_bytes(self) -> int:
@@ -264,7 +295,9 @@ class CostModel:
         bw = self.bandwidths
         scan_args = (self.block_fetch_s, self.prefill.a, self.prefill.b, self.block_tokens,
                      total_tokens, bw.remote_latency_s, bw.local_latency_s, runs)
-        if _native_scan is not None:
+        if self.window_fetch_s:
+            best_k, best_total, best_fetch = _scan_windows(self.window_fetch_s, *scan_args)
+        elif _native_scan is not None:
             try:
                 best_k, best_total, best_fetch = _native_scan(*scan_args)
             except (TypeError, ValueError, OverflowError):  # not the plain case: Python's loop
@@ -339,4 +372,36 @@ def _scan_py(fetch: Sequence[float], a: float, b: float, bt: int, p: int, lat_r:
         else:
             continue
         break
+    return best_k, best_total, best_fetch
+
+
+def _scan_windows(windows: Sequence[tuple[int, Sequence[float]]], fetch: Sequence[float],
+                  a: float, b: float, bt: int, p: int, lat_r: float, lat_l: float,
+                  runs: Sequence[tuple[int, int]]) -> tuple[int, float, float]:
+    """:func:`_scan_py` of a layout with sliding-window groups, block by block: a cut at ``k``
+    fetches every block's ``fetch`` and, per window of ``w`` blocks, that window's seconds for
+    blocks ``k - w .. k - 1`` only (a running sum over each window)."""
+    last = p - 1
+    best_k, best_total, best_fetch = 0, a * p + b * p * p / 2, 0.0
+    srcs = [src for src, ln in runs for _ in range(ln)][: last // bt + 1]
+    sums = [0.0] * len(windows)
+    cum = lat = 0.0
+    any_r = any_l = False
+    for i, src in enumerate(srcs, 1):
+        cum += fetch[src]
+        for j, (w, wf) in enumerate(windows):
+            sums[j] += wf[src] - (wf[srcs[i - 1 - w]] if i > w else 0.0)
+        if src >= 3:
+            if not any_r:
+                any_r, lat = True, lat + lat_r
+        elif src and not any_l:
+            any_l, lat = True, lat + lat_l
+        c = min(i * bt, last)
+        n = p - c
+        got = cum + sum(sums) + lat
+        total = got + a * n + b * n * (c + n / 2)
+        if total <= best_total:
+            best_k, best_total, best_fetch = i, total, got
+        if c >= last:
+            break
     return best_k, best_total, best_fetch

@@ -39,7 +39,7 @@ class CostCut:
             prefill = PrefillModel.fit(self._timings.samples)
         except ValueError:
             prefill = PrefillModel.from_tokens_per_s(5_000.0)
-        return CostModel(prefill, self._bw, self.layout.block_tokens, self.layout.bytes_per_token)
+        return CostModel.for_layout(prefill, self._bw, self.layout)
 
     def set_bandwidths(self, measured: Mapping[str, float]) -> None:
         """Use measured bytes/s (keys as :meth:`kvshare.cost.Bandwidths.from_measured` takes;

@@ -1,7 +1,26 @@
-"""KV layout: the shape and size of one block of attention keys and values.
+"""KV layout: the shape and size of one block of KV cache, per attention kind.
 
-A block's canonical payload is ``[layer][k|v][kv_head][token][head_dim]`` in the layout's
-dtype, all kv heads. Bytes per token ``= 2 * layers * kv_heads * head_dim * dtype_bytes``.
+Canonical share-block payloads (``B`` = ``block_tokens`` tokens, in the layout's dtype):
+
+- ``mha`` (MHA/GQA): ``[layer][k|v][kv_head][token][head_dim]``, all kv heads; bytes per token
+  ``= 2 * layers * kv_heads * head_dim * dtype_bytes``. Tensor-parallel rank r owns a contiguous
+  range of kv heads in each layer.
+- ``mla``: ``[layer][token][latent]``, one latent per token per layer (``kv_lora_rank`` values
+  then the ``qk_rope_head_dim`` rotary key, ``head_dim`` = their sum, ``num_kv_heads`` 1);
+  bytes per token ``= layers * (kv_lora_rank + qk_rope_head_dim) * dtype_bytes``: no K/V pair,
+  no heads. Every TP rank holds the whole latent, so a block is stored once and each rank reads
+  all of it (no shards). DeepSeek-V3 in bf16: 61 * 576 * 2 = 70,272 bytes per token.
+- ``sliding``: the layers fall into KV-cache groups, one per attention window (full attention
+  is a group without one). Block ``i`` of a prompt has one share block per group,
+  ``[layer of the group][k|v][kv_head][token][head_dim]``. A hit on the first ``k`` blocks
+  needs the full group's blocks ``0..k-1`` but a window-``W`` group's last
+  ``ceil((W - 1) / B)`` blocks only: what the engine still holds at save time (vLLM frees the
+  pages behind the window) and all the next token can see. So a sliding group's blocks are
+  kept for the last window of a saved prefix, and :meth:`KVLayout.hit_bytes` prices a hit at
+  far fewer bytes than :attr:`KVLayout.bytes_per_token` suggests.
+
+The layout fingerprint (part of the namespace root) covers the kind and, per kind, the MLA
+rotary width or the layer-to-group map with each group's window.
 """
 
 from __future__ import annotations
@@ -11,6 +30,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from kvshare.attention import AttentionKind, KVGroup, canonical_groups, read_attention
 
 DTYPE_BYTES: dict[str, int] = {
     "fp32": 4,
@@ -36,7 +57,7 @@ _DTYPE_ALIASES: dict[str, str] = {
     "fp8_e5m2": "fp8_e5m2",
 }
 
-SUPPORTED_KINDS = ("mha",)  # MHA and GQA share one layout (GQA = fewer kv heads)
+SUPPORTED_KINDS = tuple(k.value for k in AttentionKind)
 
 
 def normalize_dtype(dtype: str) -> str:
@@ -51,14 +72,20 @@ def normalize_dtype(dtype: str) -> str:
 
 @dataclass(frozen=True)
 class KVLayout:
-    """How one model's KV cache is cut into shareable blocks."""
+    """How one model's KV cache is cut into shareable blocks (see the module docstring).
+
+    ``rope_dim`` is MLA's only (the latent's trailing rotary width); ``groups`` the SLIDING
+    kind's only (its KV-cache groups, kept in :func:`canonical_groups` order).
+    """
 
     num_layers: int
     num_kv_heads: int
     head_dim: int
     dtype: str = "bf16"
     block_tokens: int = 256
-    kind: str = "mha"
+    kind: AttentionKind = AttentionKind.MHA
+    rope_dim: int = 0
+    groups: tuple[KVGroup, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim", "block_tokens"):
@@ -67,17 +94,43 @@ class KVLayout:
                 raise ValueError(f"KVLayout.{name} must be a positive int, got {value!r}")
         object.__setattr__(self, "dtype", normalize_dtype(self.dtype))
         if self.kind not in SUPPORTED_KINDS:
-            raise ValueError(
-                f"attention kind {self.kind!r} is not supported yet (supported: MHA/GQA)"
-            )
+            raise ValueError(f"attention kind {self.kind!r} is not supported yet (supported: "
+                             f"{', '.join(SUPPORTED_KINDS)})")
+        kind = AttentionKind(self.kind)
+        object.__setattr__(self, "kind", kind)
+        if kind is AttentionKind.MLA:
+            if self.num_kv_heads != 1 or not 0 < self.rope_dim < self.head_dim:
+                raise ValueError(
+                    "an MLA KVLayout has num_kv_heads 1, head_dim = kv_lora_rank + rope_dim and "
+                    f"0 < rope_dim < head_dim; got {self.num_kv_heads} kv heads, head_dim "
+                    f"{self.head_dim}, rope_dim {self.rope_dim} (KVLayout.mla builds one)")
+        elif self.rope_dim:
+            raise ValueError(f"KVLayout.rope_dim is MLA's only, got {self.rope_dim} for {kind}")
+        if kind is AttentionKind.SLIDING:
+            object.__setattr__(self, "groups", canonical_groups(self.groups, self.num_layers))
+        elif self.groups:
+            raise ValueError(f"KVLayout.groups are the sliding kind's only, not {kind}'s")
+
+    @classmethod
+    def mla(cls, num_layers: int, kv_lora_rank: int, rope_dim: int, dtype: str = "bf16",
+            block_tokens: int = 256) -> KVLayout:
+        """An MLA layout: one ``kv_lora_rank + rope_dim`` latent per token per layer."""
+        return cls(num_layers, 1, kv_lora_rank + rope_dim, dtype, block_tokens,
+                   AttentionKind.MLA, rope_dim=rope_dim)
 
     @property
     def dtype_bytes(self) -> int:
         return DTYPE_BYTES[self.dtype]
 
     @property
+    def planes(self) -> int:
+        """Tensors per layer and token: 2 (K and V), MLA's 1 (the latent)."""
+        return 1 if self.kind is AttentionKind.MLA else 2
+
+    @property
     def bytes_per_token(self) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes
+        """KV bytes one token keeps in every layer (a SLIDING model's while all are live)."""
+        return self.planes * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes
 
     @property
     def bytes_per_block(self) -> int:
@@ -85,30 +138,68 @@ class KVLayout:
 
     @property
     def block_shape(self) -> tuple[int, int, int, int, int]:
-        """``(layers, 2, kv_heads, block_tokens, head_dim)``: the canonical block payload."""
-        return (self.num_layers, 2, self.num_kv_heads, self.block_tokens, self.head_dim)
+        """``(layers, planes, kv_heads, block_tokens, head_dim)``: the canonical block payload
+        (MLA: ``(layers, 1, 1, block_tokens, latent)``)."""
+        return (self.num_layers, self.planes, self.num_kv_heads, self.block_tokens,
+                self.head_dim)
+
+    def group_bytes_per_token(self, group: KVGroup) -> int:
+        """KV bytes one token keeps in the layers of ``group``."""
+        return self.planes * len(group.layers) * self.num_kv_heads * self.head_dim * \
+            self.dtype_bytes
+
+    def hit_bytes(self, blocks: int) -> int:
+        """Bytes a hit on a prompt's first ``blocks`` blocks moves: every block's, except that
+        a sliding group moves only its last window's blocks (:meth:`KVGroup.blocks_needed`)."""
+        if blocks < 0:
+            raise ValueError(f"blocks must be >= 0, got {blocks}")
+        if self.kind is not AttentionKind.SLIDING:
+            return blocks * self.bytes_per_block
+        return sum(g.blocks_needed(blocks, self.block_tokens) * self.block_tokens
+                   * self.group_bytes_per_token(g) for g in self.groups)
+
+    def fetch_terms(self) -> tuple[int, tuple[tuple[int, int], ...]]:
+        """For the cost model: bytes per token that every fetched block moves, and per
+        sliding group ``(window blocks, bytes per token)`` moved by the last window only."""
+        if self.kind is not AttentionKind.SLIDING:
+            return self.bytes_per_token, ()
+        every = sum(self.group_bytes_per_token(g) for g in self.groups if g.window is None)
+        windows = tuple((g.window_blocks(self.block_tokens), self.group_bytes_per_token(g))
+                        for g in self.groups if g.window is not None)
+        return every, windows
 
     def fingerprint(self) -> str:
         """A short stable digest of every field; two layouts share blocks only if equal."""
-        text = json.dumps(
-            [self.kind, self.num_layers, self.num_kv_heads, self.head_dim, self.dtype,
-             self.block_tokens],
-            separators=(",", ":"),
-        )
+        fields: list[Any] = [self.kind.value, self.num_layers, self.num_kv_heads, self.head_dim,
+                             self.dtype, self.block_tokens]
+        if self.kind is AttentionKind.MLA:
+            fields.append(self.rope_dim)
+        elif self.kind is AttentionKind.SLIDING:  # the layer-to-group map and the windows
+            fields.append([[g.window, list(g.layers)] for g in self.groups])
+        text = json.dumps(fields, separators=(",", ":"))
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        out: dict[str, Any] = {
             "num_layers": self.num_layers,
             "num_kv_heads": self.num_kv_heads,
             "head_dim": self.head_dim,
             "dtype": self.dtype,
             "block_tokens": self.block_tokens,
-            "kind": self.kind,
+            "kind": self.kind.value,
         }
+        if self.kind is AttentionKind.MLA:
+            out["rope_dim"] = self.rope_dim
+        elif self.kind is AttentionKind.SLIDING:
+            out["groups"] = [g.to_dict() for g in self.groups]
+        return out
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> KVLayout:
+        data = dict(data)
+        if "groups" in data:
+            data["groups"] = tuple(KVGroup(tuple(g["layers"]), g.get("window"))
+                                   for g in data["groups"])
         return cls(**data)
 
     @classmethod
@@ -127,7 +218,9 @@ class KVLayout:
         when present. A key the config omits is taken from the transformers default of its
         ``model_type`` (as transformers itself does when it loads the config; real configs
         such as llava-1.5's ``text_config`` rely on that); without a ``model_type`` that
-        transformers knows, a missing key is a ValueError naming it.
+        transformers knows, a missing key is a ValueError naming it. The attention kind comes
+        from :func:`~kvshare.attention.read_attention` (MLA from ``kv_lora_rank``; sliding
+        windows from ``layer_types``, ``sliding_window`` and the model type's pattern).
         """
         source = str(config) if not isinstance(config, dict) else "config"
         if not isinstance(config, dict):
@@ -141,7 +234,6 @@ class KVLayout:
             cfg = {**cfg["text_config"]}
             for key in ("torch_dtype", "dtype"):
                 cfg.setdefault(key, outer.get(key))
-        kind = _attention_kind(cfg, source)
 
         def need(key: str) -> int:
             if cfg.get(key) is None:
@@ -152,6 +244,16 @@ class KVLayout:
             return int(cfg[key])
 
         num_layers = need("num_hidden_layers")
+        attn = read_attention(cfg, num_layers, source)
+        if dtype is None:
+            dtype = cfg.get("dtype") or cfg.get("torch_dtype")
+            if dtype is None:
+                raise ValueError(
+                    f"{source}: missing key 'torch_dtype' (or 'dtype'); pass dtype= explicitly"
+                )
+        if attn.kind is AttentionKind.MLA:
+            return cls.mla(num_layers, attn.latent_dim - attn.rope_dim, attn.rope_dim,
+                           str(dtype), block_tokens)
         num_heads = need("num_attention_heads")
         kv_heads = int(cfg["num_key_value_heads"]) if cfg.get("num_key_value_heads") else num_heads
         if cfg.get("head_dim"):
@@ -164,13 +266,8 @@ class KVLayout:
                     f"{num_heads}; set 'head_dim' explicitly"
                 )
             head_dim = hidden // num_heads
-        if dtype is None:
-            dtype = cfg.get("dtype") or cfg.get("torch_dtype")
-            if dtype is None:
-                raise ValueError(
-                    f"{source}: missing key 'torch_dtype' (or 'dtype'); pass dtype= explicitly"
-                )
-        return cls(num_layers, kv_heads, head_dim, str(dtype), block_tokens, kind)
+        return cls(num_layers, kv_heads, head_dim, str(dtype), block_tokens, attn.kind,
+                   groups=attn.groups)
 
 
 CONFIG_DIR = Path(__file__).parent / "configs"
@@ -210,19 +307,6 @@ def _transformers_default(model_type: object, key: str) -> int | None:
 
 
 _DEFAULTABLE = ("num_hidden_layers", "num_attention_heads", "hidden_size")
-
-
-def _attention_kind(cfg: dict[str, Any], source: str) -> str:
-    if cfg.get("kv_lora_rank"):
-        raise ValueError(f"{source}: MLA attention (kv_lora_rank) is not supported yet")
-    window = cfg.get("sliding_window")
-    if window and cfg.get("use_sliding_window", True) is not False:
-        raise ValueError(
-            f"{source}: sliding-window attention (sliding_window={window}) is not supported yet"
-        )
-    if cfg.get("layer_types") and any(t != "full_attention" for t in cfg["layer_types"]):
-        raise ValueError(f"{source}: hybrid attention (layer_types) is not supported yet")
-    return "mha"
 
 
 def format_bytes(n: float) -> str:

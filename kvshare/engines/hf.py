@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from kvshare.attention import AttentionKind
 from kvshare.hasher import Hasher
 from kvshare.identity import path_identity, random_init_identity
 from kvshare.kv_convert import TORCH_DTYPES, check_contiguous
@@ -119,6 +120,11 @@ def model_keys(cfg: EngineConfig) -> ModelKeys:
         config_dict["torch_dtype"] = _HF_DTYPE[cfg.dtype]
         identity = random_init_identity(config_dict, cfg.seed, cfg.dtype)
     layout = KVLayout.from_hf_config(config_dict, dtype=cfg.dtype, block_tokens=cfg.block_tokens)
+    if layout.kind is not AttentionKind.MHA:
+        raise ValueError(
+            f"the reference engine copies K and V per kv head (MHA/GQA) only; this model's KV "
+            f"layout is {layout.kind.value!r}, which kvshare sizes and keys (`kvshare size`) but "
+            "no engine loads yet: serve it with a plain model (no kvshare)")
     vocab = int(config_dict.get("vocab_size") or config_dict.get("text_config", {}).get("vocab_size", 512))
     tokenizer = load_tokenizer(cfg.model_path, vocab)
     root = Hasher.for_layout(identity, layout, cfg.tenant_salt).root

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvshare.actors.index.runs import HolderRuns
-from kvshare.cost import Bandwidths
+from kvshare.cost import Bandwidths, Windows
 from kvshare.hasher import Hasher
 from kvshare.hashing import DEFAULT_HASH_FN, HashFn, PackedIds, fast_ids
 from kvshare.match import MatchResult
@@ -69,7 +69,8 @@ class RouterConfig:
     :meth:`CacheAwareRouter.observe_prefill` timings refit it; ``bandwidths`` in bytes/s
     (:meth:`~kvshare.cost.Bandwidths.from_measured` takes the transports' probes);
     ``bytes_per_token`` defaults to a Llama-3.1-8B bf16 KV cache (128 KiB/token) — use
-    :meth:`from_model_keys` to take the workers' layout.
+    :meth:`from_model_keys` to take the workers' layout (of a sliding-window layout, the bytes
+    every block moves, with ``kv_windows`` the groups only a hit's last window moves).
     """
 
     namespace: str = "default"
@@ -78,6 +79,7 @@ class RouterConfig:
     block_tokens: int = 256
     hash_fn: HashFn = DEFAULT_HASH_FN
     bytes_per_token: int = 131_072
+    kv_windows: Windows = ()
     policy: str = DEFAULT_POLICY
     policy_options: Mapping[str, Any] = field(default_factory=dict)
     sharing: Sharing = Sharing.GLOBAL
@@ -104,14 +106,15 @@ class RouterConfig:
     def from_model_keys(cls, keys: Any, **options: Any) -> RouterConfig:
         """Hashing settings from a worker's ``kvshare.engines.hf.ModelKeys`` (same root)."""
         layout = keys.layout
+        every, windows = layout.fetch_terms()
         return cls(model_id=keys.identity, layout_fingerprint=layout.fingerprint(),
-                   block_tokens=layout.block_tokens, bytes_per_token=layout.bytes_per_token,
+                   block_tokens=layout.block_tokens, bytes_per_token=every, kv_windows=windows,
                    **options)
 
     def cost_inputs(self) -> CostInputs:
         """What the router's cost model is assembled from (:class:`~kvshare.router.core.routing.RoutingCore`)."""
         return CostInputs(self.block_tokens, self.bytes_per_token, self.bandwidths,
-                          self.prefill_tokens_per_s, self.sharing)
+                          self.prefill_tokens_per_s, self.sharing, self.kv_windows)
 
 
 @quick_init

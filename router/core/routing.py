@@ -46,7 +46,7 @@ from itertools import compress
 from operator import is_, is_not
 from typing import Any
 
-from kvshare.cost import Bandwidths, CostModel, PrefillModel, PrefillTimings
+from kvshare.cost import Bandwidths, CostModel, PrefillModel, PrefillTimings, Windows
 from kvshare.hasher import Hasher, Tokens
 from kvshare.match import EMPTY_MATCH
 from kvshare.quick_init import quick_init
@@ -97,6 +97,9 @@ class CostInputs:
     bandwidths: Bandwidths
     prefill_tokens_per_s: float
     sharing: Sharing = Sharing.GLOBAL
+    windows: Windows = ()
+    """Sliding-window groups of the workers' layout (``bytes_per_token`` is then what every
+    block moves): :meth:`kvshare.layout.KVLayout.fetch_terms`, :class:`~kvshare.cost.CostModel`."""
 
     def measured(self, reports: Iterable[WorkerLoad]) -> CostInputs:
         """These inputs with what the workers measured, where they did: their median reported
@@ -179,7 +182,7 @@ class RoutingCore:
 
     def _model(self, c: CostInputs) -> CostModel:
         prefill = self._prefill or PrefillModel.from_tokens_per_s(c.prefill_tokens_per_s)
-        return CostModel(prefill, c.bandwidths, c.block_tokens, c.bytes_per_token)
+        return CostModel(prefill, c.bandwidths, c.block_tokens, c.bytes_per_token, c.windows)
 
     def _set(self, model: CostModel, sharing: Sharing) -> None:
         for p in (self.policy, self._load_only):

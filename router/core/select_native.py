@@ -9,7 +9,8 @@ the plans and picks as before (``tests/test_router_fastpaths.py`` routes both in
 
 It needs the C ready book (:class:`~kvshare.router.core.ready_native.NativeReady`) when the policy has
 ready blocks; anything else (no extension, a Python book, inputs outside the plain case:
-numbers that are not exact floats) answers None and the policy runs its Python loop.
+numbers that are not exact floats, a cost model with sliding-window terms) answers None and
+the policy runs its Python loop.
 """
 
 from __future__ import annotations
@@ -88,7 +89,8 @@ class NativeSelect:
         """Every candidate's estimate (inf where pruned) and the plans' runs and scans, as
         :meth:`CostPolicy._select <kvshare.router.core.policy.CostPolicy._select>` computes them; None where
         the C loop cannot run it (module docstring). Changes nothing the policy reads."""
-        if kernel is None or (ready is not None and not isinstance(ready, _ReadyBook)):
+        if kernel is None or cost.window_fetch_s or (
+                ready is not None and not isinstance(ready, _ReadyBook)):
             self.declined += 1
             return None
         pending_runs = () if pending is None else (

@@ -81,9 +81,10 @@ def serve_from_args(args: argparse.Namespace) -> int:
         from kvshare.vllm.server.worker import VllmKeys
 
         vk = VllmKeys.from_model(args.vllm_model, args.block_tokens, args.dtype)
+        every, windows = vk.layout.fetch_terms()
         cfg = RouterConfig(model_id=vk.identity, layout_fingerprint=vk.layout.fingerprint(),
-                           block_tokens=args.block_tokens,
-                           bytes_per_token=vk.layout.bytes_per_token, **common)
+                           block_tokens=args.block_tokens, bytes_per_token=every,
+                           kv_windows=windows, **common)
         tokenizer = HFTokenizer(args.vllm_model)
     elif args.engine_config:
         from kvshare.engines.hf import EngineConfig, model_keys

@@ -125,11 +125,10 @@ class ClusterConfig:
         return Bandwidths(self.host_bw, self.disk_bw, self.net_bw, 0.0, self.remote_latency_s)
 
     def cost_model(self) -> CostModel:
-        """The router's cost model: fitted prefill speed + the cluster's bandwidths."""
-        return CostModel(
-            PrefillModel.fit(self.measured_timings()), self.bandwidths(), self.block_tokens,
-            self.layout.bytes_per_token,
-        )
+        """The router's cost model: fitted prefill speed + the cluster's bandwidths, pricing
+        what a hit on the model's layout moves (:meth:`CostModel.for_layout`)."""
+        return CostModel.for_layout(PrefillModel.fit(self.measured_timings()), self.bandwidths(),
+                                    self.layout)
 
     def capacity_meta(self) -> dict[str, str]:
         """What each worker reports of its caches' sizes in its meta, in blocks: its engine's

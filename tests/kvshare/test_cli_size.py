@@ -74,11 +74,41 @@ def test_main_human_readable(capsys: pytest.CaptureFixture[str]) -> None:
     assert "17,179,869,184 (16.00 GiB)" in text  # total
 
 
+def test_mla_size_of_the_issue(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["size", "DeepSeek-V3", "--tokens", "1"]) == 0
+    text = capsys.readouterr().out
+    assert "61 layers x one 576-wide latent (kv_lora_rank 512 + rope 64), bf16, MLA" in text
+    assert "bytes/token     70,272 (68.62 KiB)" in text  # 61 x 576 x 2
+    assert "1 tokens  70,272 (68.62 KiB)" in text
+    assert main(["size", "DeepSeek-V3", "--tokens", "1", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert (out["bytes_per_token"], out["layout"]["kind"], out["layout"]["rope_dim"]) == (
+        70272, "mla", 64)
+
+
+def test_sliding_sizes_per_group(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["size", "gpt-oss-20b", "--tokens", "131072"]) == 0
+    text = capsys.readouterr().out
+    assert "group 0         12 layers, 24,576 bytes/token (24.00 KiB), full attention" in text
+    assert ("group 1         12 layers, 24,576 bytes/token (24.00 KiB), window 128: a hit needs "
+            "only its last 1 block (256 tokens)") in text
+    assert "131,072 tokens  6,442,450,944 (6.00 GiB)" in text  # 49,152 per token, all layers
+    # 512 blocks of the full group + 1 of the sliding group: 513 x 6 MiB
+    assert "hit on 131,072 tokens  3,227,516,928 (3.01 GiB, 50.1% of all layers')" in text
+    assert main(["size", "gemma-2-9b-it", "--tokens", "100000", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["bytes_per_token"] == 2 * 42 * 8 * 256 * 2
+    assert [(g["window"], g["bytes_per_token"], g["hit_blocks"]) for g in out["groups"]] == [
+        (None, 172032, 390), (4096, 172032, 16)]
+    assert out["hit_tokens"] == 390 * 256
+    assert out["hit_bytes"] == (390 + 16) * 172032 * 256
+
+
 @pytest.mark.parametrize("cfg, message", [
     ({"model_type": "deepseek_v2", "num_hidden_layers": 27, "num_attention_heads": 16,
-      "hidden_size": 2048, "kv_lora_rank": 512, "torch_dtype": "bfloat16"}, "not supported yet"),
-    ({"model_type": "mistral", "num_hidden_layers": 32, "num_attention_heads": 32,
-      "hidden_size": 4096, "sliding_window": 4096, "torch_dtype": "bfloat16"}, "not supported yet"),
+      "hidden_size": 2048, "kv_lora_rank": 512, "torch_dtype": "bfloat16"}, "qk_rope_head_dim"),
+    ({"model_type": "qwen3_next", "num_hidden_layers": 4, "num_attention_heads": 4,
+      "hidden_size": 256, "torch_dtype": "bfloat16"}, "(model_type 'qwen3_next') keeps gated DeltaNet"),
     ({"num_hidden_layers": 2, "num_attention_heads": 4, "hidden_size": 256}, "torch_dtype"),
 ])
 def test_main_bad_configs_exit_2(cfg: dict[str, object], message: str, tmp_path: Path,

@@ -10,7 +10,9 @@ import numpy as np
 import pytest
 
 from kvshare import hashing
+from kvshare.attention import AttentionKind, KVGroup
 from kvshare.hashing import DEFAULT_HASH_FN, HashFn, block_hashes, namespace_root, tokens_to_u32le
+from kvshare.layout import KVLayout
 
 MODEL = "meta-llama/Llama-3.1-8B"
 LAYOUT_FP = "38ad274327873df6"  # KVLayout(32, 8, 128, "bf16", 256).fingerprint()
@@ -227,3 +229,38 @@ def test_shared_block_tokens_counts_the_full_blocks_two_prompts_start_with() -> 
     assert shared_block_tokens([1, 2], [3, 4], 1) == 0
     with pytest.raises(ValueError, match="block_tokens"):
         shared_block_tokens(a, a, 0)
+
+
+# The layout fingerprint is what brings the attention kind into the root: an MLA layout
+# (kind + rotary width) and a sliding-window layout (kind + layer-to-group map + windows).
+# Computed once (sha256, scheme version 1) and pasted here.
+KIND_VECTORS = {
+    "mla": ("c3cb59fc31842ac2",
+            "6af43cdd09c9bdbad8f864bbf5122d0dec303a594fb4dda7a68c5f47afc41f93",
+            "633446402ac8ba6f2203787b8dab4044832ea4771e1ab7491bd1690d378ba61b"),
+    "sliding": ("f91c2bdd3d59e658",
+                "e671138b715f97594cb0e0ef0b2b3b2a13d0c3a1ea9fea3341eeb214c65e11b3",
+                "d2e9bb33d8b10750a7646f9d2d8ee212e084667d6802fb18bd6a1d3a1ec8e8a5"),
+}
+
+
+def _kind_layouts() -> dict[str, tuple[str, KVLayout]]:
+    gpt_oss = (KVGroup(tuple(range(1, 24, 2))), KVGroup(tuple(range(0, 24, 2)), 128))
+    return {
+        "mla": ("deepseek-ai/DeepSeek-V3", KVLayout.mla(61, 512, 64, "bf16", block_tokens=16)),
+        "sliding": ("openai/gpt-oss-20b", KVLayout(24, 8, 64, "bf16", 16, AttentionKind.SLIDING,
+                                                   groups=gpt_oss)),
+    }
+
+
+@pytest.mark.parametrize("kind", sorted(KIND_VECTORS))
+def test_fixed_vectors_of_the_attention_kinds(kind: str) -> None:
+    fp_hex, root_hex, first_hex = KIND_VECTORS[kind]
+    model, layout = _kind_layouts()[kind]
+    assert layout.fingerprint() == fp_hex
+    root = namespace_root(model, layout.fingerprint(), SALT)
+    assert root.hex() == root_hex
+    assert block_hashes(root, TOKENS, 16)[0].hex() == first_hex
+    # the same numbers read as MHA (or with another window) are another namespace
+    as_mha = KVLayout(layout.num_layers, layout.num_kv_heads, layout.head_dim, "bf16", 16)
+    assert namespace_root(model, as_mha.fingerprint(), SALT) != root

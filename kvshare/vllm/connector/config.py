@@ -56,6 +56,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from kvshare.attention import AttentionKind
 from kvshare.layout import KVLayout, normalize_dtype
 
 SHAREABLE_KV_DTYPES = ("auto", "float16", "bfloat16", "float32", "fp8", "fp8_e4m3", "fp8_e5m2")
@@ -196,20 +197,42 @@ class ModelKeys:
         return bytes(Hasher.for_layout(self.identity, self.layout).root_for(cache_salt or ""))
 
 
+_NOT_YET = {
+    AttentionKind.MLA: (
+        "MLA (one latent per token per layer): kvshare's KVLayout sizes and keys it (`kvshare "
+        "size`), but the vLLM connector does not load or save MLA pages yet (its paged copy and "
+        "KV events read K and V per kv head)"),
+    AttentionKind.SLIDING: (
+        "sliding-window attention: kvshare's KVLayout describes its KV-cache groups, but the vLLM "
+        "connector does not implement SupportsHMA yet (per-group block ids, only the last "
+        "window of a sliding group) and KV events carry no group yet"),
+}
+
+
+def refuse_kind(layout: KVLayout, model: str) -> None:
+    """ValueError naming what the vLLM integration cannot do yet with ``layout``'s attention
+    kind (MHA/GQA passes): raised before vLLM starts, not from inside the engine."""
+    why = _NOT_YET.get(layout.kind)
+    if why is not None:
+        raise ValueError(f"KVShareConnector: {model} uses {why}: serve it without kvshare (no "
+                         "KVShareConnector in --kv-transfer-config) until then")
+
+
 def check_model(vllm_config: Any, settings: ConnectorSettings) -> None:
     """ValueError naming the fix when this engine's KV cannot be shared as configured."""
     mc, cc = vllm_config.model_config, vllm_config.cache_config
     kind = ""
     if getattr(mc, "use_mla", False):
-        kind = "MLA (multi-head latent attention)"
+        kind = _NOT_YET[AttentionKind.MLA]
     elif mc.is_hybrid or getattr(mc, "is_attention_free", False):
-        kind = "hybrid / state-space (Mamba-style) layers"
+        kind = ("hybrid / state-space (Mamba-style) layers, whose per-sequence state has no "
+                "kvshare block format yet")
     elif mc.get_sliding_window() is not None:
-        kind = f"sliding-window attention (window {mc.get_sliding_window()})"
+        kind = f"{_NOT_YET[AttentionKind.SLIDING]} (window {mc.get_sliding_window()})"
     if kind:
         raise ValueError(
-            f"KVShareConnector: {mc.model} uses {kind}, which kvshare does not share yet "
-            "(MHA/GQA only): remove the KVShareConnector from --kv-transfer-config for this model")
+            f"KVShareConnector: {mc.model} uses {kind}: remove the KVShareConnector from "
+            "--kv-transfer-config for this model")
     pc = vllm_config.parallel_config
     if int(pc.pipeline_parallel_size) > 1:
         raise ValueError("KVShareConnector: pipeline parallelism is not supported yet: run with "

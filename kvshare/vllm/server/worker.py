@@ -20,7 +20,7 @@ from kvshare.hasher import Hasher
 from kvshare.identity import path_identity
 from kvshare.layout import KVLayout, normalize_dtype
 from kvshare.types import NodeId, WorkerId
-from kvshare.vllm.connector.config import ConnectorSettings
+from kvshare.vllm.connector.config import ConnectorSettings, refuse_kind
 from kvshare.vllm.events.consumer import EventsConfig, KVEventsConsumer
 from kvshare.vllm.server.launch import VllmProcess, VllmSpec
 from kvshare.vllm.server.load import MetricsLoad
@@ -39,12 +39,14 @@ class VllmKeys:
 
     @classmethod
     def from_model(cls, model_dir: str, block_tokens: int, dtype: str = "") -> VllmKeys:
-        """Keys of the model in ``model_dir`` served in ``dtype`` (default: its config's)."""
+        """Keys of the model in ``model_dir`` served in ``dtype`` (default: its config's);
+        ValueError for attention kinds the vLLM side does not share yet (MLA, sliding)."""
         with open(os.path.join(model_dir, "config.json")) as f:
             cfg = json.load(f)
         dt = normalize_dtype(dtype or str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"))
         layout = KVLayout.from_hf_config(os.path.join(model_dir, "config.json"), dtype=dt,
                                          block_tokens=block_tokens)
+        refuse_kind(layout, model_dir)
         return cls(path_identity(model_dir, f"model={dt};kv={dt}"), layout)
 
     def hasher(self) -> Hasher:

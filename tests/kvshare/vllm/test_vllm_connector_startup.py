@@ -16,9 +16,10 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from kvshare.layout import KVLayout  # noqa: E402
-from kvshare.vllm.connector.config import ConnectorSettings  # noqa: E402
+from kvshare.layout import KVLayout, resolve_config  # noqa: E402
+from kvshare.vllm.connector.config import ConnectorSettings, check_model, refuse_kind  # noqa: E402
 from kvshare.vllm.connector.kv_connector import check_namespace  # noqa: E402
+from kvshare.vllm.server.worker import VllmKeys  # noqa: E402
 
 LAYOUT = KVLayout(2, 2, 16, "fp32", 32)
 KEYS: Any = SimpleNamespace(layout=LAYOUT)
@@ -60,3 +61,31 @@ def test_an_unknown_namespace_or_another_layout_is_refused_at_once() -> None:
     with pytest.raises(ValueError, match="was deployed with another KV layout"):
         check_namespace(index, SETTINGS, KEYS, startup_s=30)
     assert index.asked == 1
+
+
+def _vllm_config(use_mla: bool = False, window: int | None = None) -> Any:
+    mc = SimpleNamespace(model="/models/m", use_mla=use_mla, is_hybrid=False,
+                         is_attention_free=False, get_sliding_window=lambda: window)
+    return SimpleNamespace(model_config=mc, cache_config=SimpleNamespace(block_size=16))
+
+
+@pytest.mark.parametrize("use_mla, window, match", [
+    (True, None, "uses MLA .* does not load or save MLA pages yet"),
+    (False, 4096, "sliding-window attention: .* SupportsHMA yet .*window 4096"),
+])
+def test_the_engine_refuses_kinds_the_connector_cannot_load_yet(
+        use_mla: bool, window: int | None, match: str) -> None:
+    with pytest.raises(ValueError, match=f"(?s){match}.*remove the KVShareConnector"):
+        check_model(_vllm_config(use_mla, window), SETTINGS)
+
+
+@pytest.mark.parametrize("name, match", [
+    ("DeepSeek-V3", "uses MLA"), ("gpt-oss-20b", "SupportsHMA"), ("gemma-2-9b-it", "SupportsHMA"),
+])
+def test_a_worker_refuses_them_before_vllm_starts(name: str, match: str, tmp_path: Any) -> None:
+    """VllmKeys (the worker's and the gateway's keys) sizes the layout, then refuses it before
+    a vLLM process is started or a weight file is read."""
+    (tmp_path / "config.json").write_text(resolve_config(name).read_text())
+    with pytest.raises(ValueError, match=f"(?s)KVShareConnector: {tmp_path} .*{match}"):
+        VllmKeys.from_model(str(tmp_path), 256)
+    refuse_kind(LAYOUT, "tiny")  # MHA/GQA passes
