@@ -5,16 +5,16 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
-from pathlib import Path
 
 import pytest
+from paths import ROOT
 
 from kvshare.attention import AttentionKind, KVGroup
 from kvshare.cost import Bandwidths, CostModel, PrefillModel, Source
 from kvshare.cost_cut import CostCut
 from kvshare.layout import KVLayout
 
-CONFIGS = Path(__file__).resolve().parent.parent / "kvshare" / "configs"
+CONFIGS = ROOT / "kvshare" / "configs"
 OSS = KVLayout.from_hf_config(CONFIGS / "gpt-oss-20b.json")  # 12 full + 12 window-128 layers
 OSS_AS_MHA = KVLayout(24, 8, 64, "bf16")  # the same 24 layers, all full attention
 GROUP_BLOCK = 12 * 2 * 8 * 64 * 2 * 256  # one group's share block: 6 MiB
