@@ -65,6 +65,23 @@ except OSError as e:
     print(type(e).__name__, e)
 """
 
+# A prober: connects to IP:PORT every ~0.1 s (0.25 s connect timeout) for up to SECONDS;
+# prints how many tries failed and the monotonic time of the first that worked (or "nan").
+PROBE = """
+import socket, sys, time
+ip, port, seconds = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+end, failed, ok = time.monotonic() + seconds, 0, float("nan")
+while time.monotonic() < end:
+    try:
+        socket.create_connection((ip, port), timeout=0.25).close()
+        ok = time.monotonic()
+        break
+    except OSError:
+        failed += 1
+        time.sleep(0.1)
+print(failed, ok)
+"""
+
 PORT = 47001
 
 
@@ -129,14 +146,14 @@ def test_tbf_limits_a_stream_between_two_hosts(hosts: EmulatedHosts) -> None:
     assert send(hosts, a, b, 32 << 20) == "ok"  # unshaped
     hosts.shape(b, "100mbit")
     try:
-        assert send(hosts, a, b, 4 << 20) == "ok"  # ~0.34 s at 100 Mbit/s
+        assert send(hosts, a, b, 12 << 20) == "ok"  # ~1 s at 100 Mbit/s
     finally:
         hosts.shape(b, None)
     (n_free, t_free), (n_shaped, t_shaped) = results(rx)
     free_mbit, shaped_mbit = n_free * 8 / t_free / 1e6, n_shaped * 8 / t_shaped / 1e6
     print(f"unshaped {free_mbit:.0f} Mbit/s, tbf 100mbit {shaped_mbit:.0f} Mbit/s")
-    assert n_free == 32 << 20 and n_shaped == 4 << 20
-    assert 60 <= shaped_mbit <= 115  # tbf's burst lets the first ~32 KiB through at once
+    assert n_free == 32 << 20 and n_shaped == 12 << 20
+    assert 70 <= shaped_mbit <= 115  # measured 102 (and 52 at 50mbit, 387 at 400mbit)
     assert free_mbit > 2 * shaped_mbit
 
 
@@ -146,17 +163,14 @@ def test_partition_cuts_the_link_and_it_comes_back(hosts: EmulatedHosts) -> None
     assert send(hosts, a, b, 10) == "ok"
     t0 = time.monotonic()
     hosts.partition(b, 2.0)
-    cut = send(hosts, a, b, 10)
-    assert cut.startswith(("TimeoutError", "OSError")), cut  # connect timed out or no route
-    assert time.monotonic() - t0 < 2.0
-    back = None
-    while time.monotonic() - t0 < 8:  # bounded: a few tries after the link returns
-        if send(hosts, a, b, 10) == "ok":
-            back = time.monotonic() - t0
-            break
+    args = [sys.executable, "-c", PROBE, b.ip, str(PORT), "8"]
+    failed, back = hosts.run(a, args, timeout=20).stdout.split()
     rx.kill()
-    print(f"partition of 2.0 s: connects work again {back} s after the cut")
-    assert back is not None and 1.9 <= back < 6
+    rx.wait(timeout=10)
+    back_s = float(back) - t0  # CLOCK_MONOTONIC is one clock for every namespace here
+    print(f"partition of 2.0 s: {failed} connects failed, the first worked {back_s:.2f} s "
+          "after the cut")
+    assert int(failed) >= 1 and 1.9 <= back_s < 3.5
 
 
 def test_teardown_and_a_killed_run_leave_nothing(tmp_path: Path) -> None:
