@@ -211,30 +211,74 @@ def wait_gone(pid: int, timeout_s: float) -> bool:
     return False
 
 
-def test_ray_nodes_on_two_hosts(tmp_path: Path) -> None:
-    import numpy as np
+@pytest.fixture(scope="module")
+def ray_hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmulatedHosts]:
+    """Two hosts with a Ray node each, the head in the root namespace, this process joined."""
     import ray
 
     t0 = time.monotonic()
-    with EmulatedHosts(2, ray=True, base_dir=tmp_path) as hs:
-        started = time.monotonic() - t0
+    with EmulatedHosts(2, ray=True, base_dir=tmp_path_factory.mktemp("rayhosts")) as hs:
+        print(f"2-host Ray cluster up in {time.monotonic() - t0:.1f} s")
         ray.init(address=hs.ray_address, _node_ip_address=hs.bridge_ip,
                  namespace="kvs-test-hosts", log_to_driver=False)
         try:
-            probe = _probe()  # defined here: pickled by value, the hosts need not import tests
-            a = probe.options(resources={"kvs-h0": 0.01}).remote()
-            b = probe.options(resources={"kvs-h1": 0.01}).remote()
-            (name_a, ip_a, shm_a), (name_b, ip_b, shm_b) = ray.get(
-                [a.where.remote(), b.where.remote()], timeout=60)
-            assert (name_a, ip_a) == ("kvs-h0", hs[0].ip)
-            assert (name_b, ip_b) == ("kvs-h1", hs[1].ip)
-            assert shm_a != shm_b  # each raylet's object store is in its own /dev/shm
-            ref = a.make.remote(8 << 20)
-            assert ray.get(b.digest.remote(ref), timeout=60) == int(np.arange(8 << 20,
-                                                                             dtype=np.uint8).sum())
+            yield hs
         finally:
             ray.shutdown()
-    print(f"2-host Ray cluster up in {started:.1f} s")
+
+
+def test_ray_nodes_on_two_hosts(ray_hosts: EmulatedHosts) -> None:
+    import numpy as np
+    import ray
+
+    hs = ray_hosts
+    probe = _probe()  # defined here: pickled by value, the hosts need not import tests
+    a = probe.options(resources={"kvs-h0": 0.01}).remote()
+    b = probe.options(resources={"kvs-h1": 0.01}).remote()
+    (name_a, ip_a, shm_a), (name_b, ip_b, shm_b) = ray.get(
+        [a.where.remote(), b.where.remote()], timeout=60)
+    assert (name_a, ip_a) == ("kvs-h0", hs[0].ip)
+    assert (name_b, ip_b) == ("kvs-h1", hs[1].ip)
+    assert shm_a != shm_b  # each raylet's object store is in its own /dev/shm
+    ref = a.make.remote(8 << 20)
+    expect = int(np.arange(8 << 20, dtype=np.uint8).sum())
+    assert ray.get(b.digest.remote(ref), timeout=60) == expect
+    for actor in (a, b):
+        ray.kill(actor)
+
+
+def test_listeners_on_a_host_bind_and_advertise_its_address(
+        ray_hosts: EmulatedHosts, tmp_path: Path) -> None:
+    import httpx
+    import ray
+
+    from kvshare.engines.hf import EngineConfig
+    from kvshare.engines.service import WorkerService
+    from kvshare.vllm.server.launch import VllmSpec
+
+    b = ray_hosts[1]
+    on_b = {"resources": {b.name: 0.01}, "num_cpus": 0}
+
+    @ray.remote(**on_b)  # type: ignore[call-overload]
+    def resolve(model: str) -> tuple[str, int, str, bool]:
+        spec = VllmSpec(model=model).on_this_node()  # what a vLLM worker on B would serve
+        return spec.host, spec.port, spec.events_dir, os.path.isdir(spec.events_dir)
+
+    host, port, events_dir, made = ray.get(resolve.remote(str(tmp_path)), timeout=60)
+    assert host == b.ip and port > 0 and made and events_dir.startswith("/tmp/kvshare-vllm-ev-")
+    os.rmdir(events_dir)  # (made on B; /tmp is one disk under every emulated host)
+
+    # The reference worker on B serves on B's address, and the driver reaches it there.
+    cfg = EngineConfig(overrides={"num_hidden_layers": 1})
+    svc = ray.remote(**on_b)(WorkerService).remote("ns", cfg, worker_id="wb", connect=False)
+    try:
+        info = ray.get(svc.ready.remote(), timeout=120)
+        assert info["endpoint"].startswith(f"http://{b.ip}:")
+        health = httpx.get(f"{info['endpoint']}/health", timeout=5).json()
+        assert health == {"ok": True, "worker_id": "wb"}
+    finally:
+        ray.get(svc.stop.remote(), timeout=30)
+        ray.kill(svc)
 
 
 def _probe() -> Any:
