@@ -144,17 +144,17 @@ def test_tbf_limits_a_stream_between_two_hosts(hosts: EmulatedHosts) -> None:
     a, b = hosts[0], hosts[1]
     rx = receive(hosts, b, seconds=25, count=2)
     assert send(hosts, a, b, 32 << 20) == "ok"  # unshaped
-    hosts.shape(b, "100mbit")
+    hosts.shape(b, "50mbit")  # far below what the unshaped link gives on a loaded machine
     try:
-        assert send(hosts, a, b, 12 << 20) == "ok"  # ~1 s at 100 Mbit/s
+        assert send(hosts, a, b, 6 << 20) == "ok"  # ~1 s at 50 Mbit/s
     finally:
         hosts.shape(b, None)
     (n_free, t_free), (n_shaped, t_shaped) = results(rx)
     free_mbit, shaped_mbit = n_free * 8 / t_free / 1e6, n_shaped * 8 / t_shaped / 1e6
-    print(f"unshaped {free_mbit:.0f} Mbit/s, tbf 100mbit {shaped_mbit:.0f} Mbit/s")
-    assert n_free == 32 << 20 and n_shaped == 12 << 20
-    assert 70 <= shaped_mbit <= 115  # measured 102 (and 52 at 50mbit, 387 at 400mbit)
-    assert free_mbit > 2 * shaped_mbit
+    print(f"unshaped {free_mbit:.0f} Mbit/s, tbf 50mbit {shaped_mbit:.0f} Mbit/s")
+    assert n_free == 32 << 20 and n_shaped == 6 << 20
+    assert 35 <= shaped_mbit <= 65  # measured 52-56 (and 102 at 100mbit, 387 at 400mbit)
+    assert free_mbit > 3 * shaped_mbit  # unshaped: 0.4-6.8 Gbit/s at load 13-22
 
 
 def test_partition_cuts_the_link_and_it_comes_back(hosts: EmulatedHosts) -> None:
@@ -219,8 +219,7 @@ def ray_hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmulatedHost
     t0 = time.monotonic()
     with EmulatedHosts(2, ray=True, base_dir=tmp_path_factory.mktemp("rayhosts")) as hs:
         print(f"2-host Ray cluster up in {time.monotonic() - t0:.1f} s")
-        ray.init(address=hs.ray_address, _node_ip_address=hs.bridge_ip,
-                 namespace="kvs-test-hosts", log_to_driver=False)
+        hs.connect_ray("kvs-test-hosts")
         try:
             yield hs
         finally:

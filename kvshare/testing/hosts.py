@@ -131,8 +131,8 @@ class EmulatedHosts:
 
     ``hosts[i]`` is a :class:`Host`; :meth:`popen`/:meth:`run` start processes on a host;
     :meth:`shape`, :meth:`down`, :meth:`up` and :meth:`partition` act on its link;
-    :attr:`ray_address` is ``"10.231.<slot>.1:PORT"`` for ``ray.init`` (pass
-    ``_node_ip_address=hosts.bridge_ip``: other clusters' raylets run on this machine too).
+    :meth:`connect_ray` joins this process to the hosts' Ray cluster (``ray=True``), where
+    ``resources={host.name: 0.01}`` pins a task or actor to a host.
     """
 
     def __init__(
@@ -388,6 +388,17 @@ class EmulatedHosts:
                               capture_output=True, timeout=timeout, check=check, input=input)
 
     # ---------------------------------------------------------------- Ray
+    def connect_ray(self, namespace: str, **kw: Any) -> None:
+        """``ray.init`` this process (in the root namespace) to the hosts' cluster, on the
+        head's raylet: other clusters' raylets on this machine must not be picked."""
+        import ray
+
+        if not self.ray_address:
+            raise ValueError("start the hosts with ray=True to join their Ray cluster")
+        kw.setdefault("log_to_driver", False)
+        ray.init(address=self.ray_address, _node_ip_address=self.bridge_ip, namespace=namespace,
+                 **kw)
+
     def _ray(self) -> str:
         exe = Path(sys.executable).parent / "ray"
         return str(exe) if exe.exists() else "ray"
