@@ -280,6 +280,32 @@ def test_listeners_on_a_host_bind_and_advertise_its_address(
         ray.kill(svc)
 
 
+def test_a_worker_on_a_host_registers_its_hosts_address(ray_hosts: EmulatedHosts) -> None:
+    import ray
+
+    from kvshare.actors.deploy import deploy, shutdown
+    from kvshare.actors.index.client import IndexClient
+    from kvshare.engines.hf import EngineConfig, model_keys
+    from kvshare.engines.service import WorkerService
+
+    b, ray_ns = ray_hosts[1], "kvshare"  # the default: the hosts' cluster is this test's own
+    cfg = EngineConfig(overrides={"num_hidden_layers": 1})
+    layout = model_keys(cfg).layout
+    deploy(namespace="h", layout=layout, host_gb=8 * layout.bytes_per_block / 2**30,
+           ray_namespace=ray_ns)
+    worker = ray.remote(resources={b.name: 0.01}, num_cpus=0)(WorkerService).remote(
+        "h", cfg, worker_id="wb")
+    try:
+        info = ray.get(worker.ready.remote(), timeout=180)
+        listed = {w.worker_id: w for w in IndexClient.connect(ray_ns).workers()}
+        assert listed["wb"].endpoint == info["endpoint"]
+        assert listed["wb"].endpoint.startswith(f"http://{b.ip}:")  # B's, not 127.0.0.1
+    finally:
+        ray.get(worker.stop.remote(), timeout=30)
+        ray.kill(worker)
+        shutdown(ray_ns)
+
+
 def _probe() -> Any:
     import ray
 
