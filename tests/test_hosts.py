@@ -280,7 +280,8 @@ def test_listeners_on_a_host_bind_and_advertise_its_address(
         ray.kill(svc)
 
 
-def test_a_worker_on_a_host_registers_its_hosts_address(ray_hosts: EmulatedHosts) -> None:
+def test_workers_on_two_hosts_register_their_address_and_share_kv_by_network(
+        ray_hosts: EmulatedHosts) -> None:
     import ray
 
     from kvshare.actors.deploy import deploy, shutdown
@@ -288,22 +289,32 @@ def test_a_worker_on_a_host_registers_its_hosts_address(ray_hosts: EmulatedHosts
     from kvshare.engines.hf import EngineConfig, model_keys
     from kvshare.engines.service import WorkerService
 
-    b, ray_ns = ray_hosts[1], "kvshare"  # the default: the hosts' cluster is this test's own
     cfg = EngineConfig(overrides={"num_hidden_layers": 1})
     layout = model_keys(cfg).layout
-    deploy(namespace="h", layout=layout, host_gb=8 * layout.bytes_per_block / 2**30,
-           ray_namespace=ray_ns)
-    worker = ray.remote(resources={b.name: 0.01}, num_cpus=0)(WorkerService).remote(
-        "h", cfg, worker_id="wb")
+    deploy(namespace="h", layout=layout, host_gb=8 * layout.bytes_per_block / 2**30)
+    worker = ray.remote(num_cpus=0)(WorkerService)
+    on = {h.name: worker.options(resources={h.name: 0.01}).remote("h", cfg, worker_id=h.name)
+          for h in ray_hosts.hosts}
     try:
-        info = ray.get(worker.ready.remote(), timeout=180)
-        listed = {w.worker_id: w for w in IndexClient.connect(ray_ns).workers()}
-        assert listed["wb"].endpoint == info["endpoint"]
-        assert listed["wb"].endpoint.startswith(f"http://{b.ip}:")  # B's, not 127.0.0.1
+        infos = ray.get([w.ready.remote() for w in on.values()], timeout=180)
+        listed = {w.worker_id: w.endpoint for w in IndexClient.connect().workers()}
+        for h, info in zip(ray_hosts.hosts, infos, strict=True):
+            assert listed[h.name] == info["endpoint"]
+            assert info["endpoint"].startswith(f"http://{h.ip}:")  # its host's, not 127.0.0.1
+        # Host A computes and stores two blocks; host B reuses them over the network.
+        tokens = [(7 * i) % 500 + 3 for i in range(2 * layout.block_tokens + 5)]
+        a = ray.get(on["kvs-h0"].generate.remote(tokens, 2), timeout=120)
+        b = ray.get(on["kvs-h1"].generate.remote(tokens, 2), timeout=120)
+        print(f"host B reused {b['reused_tokens']} tokens: {b['bytes_by_transport']}; "
+              f"its pool's probe (GB/s): {infos[1]['bandwidths_gbps']}")
+        assert b["tokens"] == a["tokens"] and b["reused_tokens"] == 2 * layout.block_tokens
+        assert not b["bytes_by_transport"].get("shm")  # shared memory stays within a host
+        assert sum(b["bytes_by_transport"].values()) == 2 * layout.bytes_per_block
     finally:
-        ray.get(worker.stop.remote(), timeout=30)
-        ray.kill(worker)
-        shutdown(ray_ns)
+        ray.get([w.stop.remote() for w in on.values()], timeout=30)
+        for w in on.values():
+            ray.kill(w)
+        shutdown()
 
 
 def _probe() -> Any:
