@@ -12,8 +12,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import secrets
 import sys
-import tempfile
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -71,21 +71,14 @@ def start_workers(model: str, nodes: Sequence[str], *, namespace: str, block_tok
     any worker starts."""
     if cpus and len(cpus) != len(nodes):
         raise ValueError(f"cpus: one core set per node, got {len(cpus)} for {len(nodes)} nodes")
-    from kvshare.engines.server import free_port
-
-    events_dir = tempfile.mkdtemp(prefix="kvshare-vllm-ev-", dir="/tmp")
     actors = []
-    ports: list[int] = []
-    while len(ports) < len(nodes):  # distinct: two free_port() calls may return the same one
-        port = base_port + len(ports) if base_port else free_port()
-        if port not in ports:
-            ports.append(port)
-    for i, (node, port) in enumerate(zip(nodes, ports, strict=True)):
-        spec = VllmSpec(model=os.path.abspath(model), port=port,
-                        events_dir=events_dir, block_size=page_tokens, max_model_len=max_model_len,
+    for i, node in enumerate(nodes):
+        # Address, port (unless base_port) and events dir are chosen by the worker on its node.
+        spec = VllmSpec(model=os.path.abspath(model), port=base_port + i if base_port else 0,
+                        block_size=page_tokens, max_model_len=max_model_len,
                         kv_cache_gb=kv_cache_gb, num_blocks=num_blocks,
                         cpus=tuple(cpus[i]) if cpus else ())
-        wid = f"vllm-{node[:8]}-{spec.port}"
+        wid = f"vllm-{node[:8]}-{spec.port or secrets.token_hex(3)}"
         cfg = VllmWorkerConfig(wid, node, namespace, spec, block_tokens, dtype, connector,
                                ray_namespace, connector_settings=dict(connector_settings or {}))
         actors.append(VllmWorkerActor.options(

@@ -27,7 +27,8 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--remote", default="auto", choices=("auto", "nixl", "objstore"),
                    help="remote transport (auto: the faster one the node's pool measured)")
     p.add_argument("--worker-id", default=None)
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--host", default=None,
+                   help="address to bind and register (default: the node's, see kvshare.addresses)")
     p.add_argument("--port", type=int, default=8001)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     return p.parse_args(argv)

@@ -4,7 +4,11 @@ A plain class; run it as a Ray actor with a one-line wrapper (the cluster layer 
 ``ray.remote(WorkerService).options(resources={...}).remote(...)``)::
 
     svc = WorkerService("tiny", EngineConfig(), worker_id="w0")
-    svc.endpoint()          # http://127.0.0.1:PORT, registered with the index
+    svc.endpoint()          # http://NODE_IP:PORT, registered with the index
+
+It listens on its node's address (:func:`kvshare.addresses.node_ip`: Ray's node IP inside a
+cluster; ``host`` overrides it) on a port it binds itself (``port=0``), so what it registers is
+reachable from the other hosts.
 
 Inside Ray the SDK connects to the deployment (index + node pools) with
 :meth:`KVShareClient.connect`; ``connect=False`` runs without any cache (the cold baseline).
@@ -17,6 +21,7 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
+from kvshare.addresses import node_ip
 from kvshare.auth import WorkerAuth, cluster_secret
 from kvshare.breakdown import breakdown_of
 from kvshare.client.sdk import CutPolicy, KVShareClient
@@ -61,7 +66,7 @@ class WorkerService:
         remote: str = TRANSPORT_AUTO,
         cut_policy: CutPolicy | str = "cost",
         model_name: str = "",
-        host: str = "127.0.0.1",
+        host: str | None = None,
         port: int = 0,
     ) -> None:
         if isinstance(cut_policy, str) and cut_policy not in CUT_POLICIES:
@@ -91,7 +96,7 @@ class WorkerService:
             registrar = index if isinstance(index, WorkerRegistrar) else None
             self.server = WorkerServer(
                 self.worker, self.info, model_name=model_name or namespace,
-                registrar=registrar, host=host, port=port,
+                registrar=registrar, host=host or node_ip(), port=port,
                 auth=WorkerAuth.from_secret(cluster_secret()),  # on a cluster: its token only
             )
             self.server.start()

@@ -16,7 +16,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import httpx
@@ -24,7 +24,10 @@ import httpx
 
 @dataclass(frozen=True)
 class VllmSpec:
-    """One vLLM server. ``events_dir``: where the events/replay ipc sockets live.
+    """One vLLM server. ``host``, ``port``, ``events_dir`` (the events/replay ipc sockets):
+    ``""``, ``0``, ``""`` mean "chosen on the node that runs it" (:meth:`on_this_node`: the
+    node's address, a port free there, a new directory there); :class:`VllmProcess` resolves
+    them where it starts, so a driver never picks them for another host.
     ``kv_cache_gb``: ``VLLM_CPU_KVCACHE_SPACE``; ``num_blocks``: cap on vLLM's KV pages
     (``--num-gpu-blocks-override``, small values force evictions); ``kv_transfer_config``:
     the KV connector's ``--kv-transfer-config`` (None: no connector); ``cpus``: the CPU cores
@@ -33,9 +36,9 @@ class VllmSpec:
     sharing a machine do not fight over the same cores."""
 
     model: str
-    port: int
-    events_dir: str
-    host: str = "127.0.0.1"
+    port: int = 0
+    events_dir: str = ""
+    host: str = ""
     block_size: int = 32
     max_model_len: int = 4096
     kv_cache_gb: float = 1.0
@@ -54,8 +57,17 @@ class VllmSpec:
         if not os.path.isdir(self.model):
             raise ValueError(f"model {self.model!r} is not a local model directory")
 
+    def on_this_node(self) -> VllmSpec:
+        """This spec with what is left to the node filled in (called on that node)."""
+        from kvshare.addresses import dir_on_node, node_ip, port_on
+
+        host = self.host or node_ip()
+        return replace(self, host=host, port=self.port or port_on(host),
+                       events_dir=self.events_dir or dir_on_node("kvshare-vllm-ev-"))
+
     @property
     def endpoint(self) -> str:
+        assert self.host and self.port, "resolve the spec with on_this_node() first"
         return f"http://{self.host}:{self.port}"
 
     @property
@@ -99,7 +111,7 @@ class VllmProcess:
     """A running vLLM server (its own process group)."""
 
     def __init__(self, spec: VllmSpec, log_path: str | None = None) -> None:
-        self.spec = spec
+        self.spec = spec = spec.on_this_node()
         self.log_path = log_path or os.path.join(spec.events_dir, f"vllm-{spec.port}.log")
         self.proc: subprocess.Popen[bytes] | None = None
 

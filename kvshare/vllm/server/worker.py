@@ -106,7 +106,7 @@ class VllmWorker:
     def __init__(self, config: VllmWorkerConfig, index: IndexSink) -> None:
         self.config = config
         self.keys = VllmKeys.from_model(config.spec.model, config.block_tokens, config.dtype)
-        spec = config.spec
+        spec = config.spec.on_this_node()  # its address, port and events dir: this node's
         if config.connector:
             extra = config.extra_config()
             spec = VllmSpec(**{**spec.__dict__, "kv_transfer_config": {
