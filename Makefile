@@ -9,7 +9,7 @@ export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
 export NIXL_LOG_LEVEL := WARN
 
 .PHONY: demo demo-reference test lint docs install bench-install browser clean gpu-check \
-	gpu-check-cpu gpu-wheels
+	gpu-check-cpu gpu-wheels sglang-install test-sglang
 
 $(STAMP): pyproject.toml setup.py $(wildcard kvshare/_native/*.c) $(wildcard kvshare/_native/*.h)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -93,5 +93,30 @@ gpu-wheels: $(STAMP)
 	$(BIN)/python -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 \
 	  --platform manylinux_2_28_x86_64 -d .gpu-wheels "nixl==1.5.1" "nixl-cu13==1.5.1"
 
+# SGLang (issue: kvshare as HiCache's storage tier) pins torch==2.14.1 and transformers 5.19, so
+# it lives in $(SGLANG_VENV): layered over .venv like .venv-bench (kvshare, Ray, NIXL come from
+# .venv), adding SGLang without its CUDA kernel packages plus the few modules its HiCache and
+# memory-pool imports need, and torch 2.14.1 (its CUDA build runs on CPU; ~5 GB with its
+# libraries). test-sglang runs SGLang's HiCacheStorage contract suite there; .ci/run runs it
+# after `make test`.
+SGLANG_VENV := .venv-sglang
+SGLANG_STAMP := $(SGLANG_VENV)/.installed
+
+$(SGLANG_STAMP): $(STAMP)
+	test -x $(SGLANG_VENV)/bin/python || $(PYTHON) -m venv $(SGLANG_VENV)
+	$(SGLANG_VENV)/bin/python -c "import site, sysconfig; open(sysconfig.get_paths()['purelib'] \
+	  + '/kvshare_base_venv.pth', 'w').write('import site; site.addsitedir(%r)\n' \
+	  % '$(abspath $(VENV))/lib/python3.11/site-packages')"
+	$(SGLANG_VENV)/bin/python -m pip install --quiet --no-deps "sglang==0.5.23"
+	$(SGLANG_VENV)/bin/python -m pip install --quiet orjson IPython gguf "torch==2.14.1" \
+	  "torchvision==0.29.1"
+	$(SGLANG_VENV)/bin/python -c "import sglang.srt.mem_cache.pool_host.mha, kvshare.sglang.pages"
+	touch $(SGLANG_STAMP)
+
+sglang-install: $(SGLANG_STAMP)
+
+test-sglang: $(SGLANG_STAMP)
+	$(SGLANG_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/kvshare/sglang
+
 clean:
-	rm -rf $(VENV) build site *.egg-info kvshare/_native/*.so
+	rm -rf $(VENV) $(SGLANG_VENV) build site *.egg-info kvshare/_native/*.so

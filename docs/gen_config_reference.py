@@ -30,6 +30,9 @@ SETTINGS: tuple[tuple[str, str, str], ...] = (
     ("kvshare.router.serve.request", "ServeRouterSettings",
      "Ray Serve's `request_router_kwargs` for `KVShareRequestRouter`; an unknown key is an "
      "error"),
+    ("kvshare.sglang.settings", "StorageSettings",
+     "SGLang's `--hicache-storage-backend-extra-config` for `KVShareStorage`; an unknown key "
+     "is an error"),
 )
 
 
