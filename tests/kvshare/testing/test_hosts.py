@@ -304,10 +304,11 @@ def test_workers_on_two_hosts_register_their_address_and_share_kv_by_network(
             assert info["endpoint"].startswith(f"http://{h.ip}:")  # its host's, not 127.0.0.1
         # Host A computes and stores two blocks; host B reuses them over the network.
         tokens = [(7 * i) % 500 + 3 for i in range(2 * layout.block_tokens + 5)]
-        a = ray.get(on["kvs-h0"].generate.remote(tokens, 2), timeout=120)
-        b = ray.get(on["kvs-h1"].generate.remote(tokens, 2), timeout=120)
+        host_a, host_b = (h.name for h in ray_hosts.hosts)
+        a = ray.get(on[host_a].generate.remote(tokens, 2), timeout=120)
+        b = ray.get(on[host_b].generate.remote(tokens, 2), timeout=120)
         print(f"host B reused {b['reused_tokens']} tokens: {b['bytes_by_transport']}; "
-              f"its pool's probe (GB/s): {infos[1]['bandwidths_gbps']}")
+              f"its pool's probe (bytes/s): {infos[1]['bandwidths_bytes_per_s']}")
         assert b["tokens"] == a["tokens"] and b["reused_tokens"] == 2 * layout.block_tokens
         assert not b["bytes_by_transport"].get("shm")  # shared memory stays within a host
         assert sum(b["bytes_by_transport"].values()) == 2 * layout.bytes_per_block
