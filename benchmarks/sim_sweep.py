@@ -68,7 +68,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo's router, not ./router.py
 
 from kvshare.router.cli import jitter_ms, positive_int  # noqa: E402
-from kvshare.router.core.policy import POLICIES  # noqa: E402
+from kvshare.router.core.registry import POLICIES  # noqa: E402
 from kvshare.router.sim.cluster_model import ClusterConfig  # noqa: E402
 from kvshare.router.sim.replicas import gap_beyond_noise, replay_figures  # noqa: E402
 from kvshare.router.sim.trace import Trace, TraceRequest  # noqa: E402

@@ -44,7 +44,7 @@ def jitter_ms(text: str) -> float:
 
 def register(subparsers: Any) -> None:
     """Add ``sim`` and ``gateway`` to the ``kvshare`` command, and ``--web`` to ``status``."""
-    from kvshare.router.core.policy import DEFAULT_POLICY, policy_names
+    from kvshare.router.core.registry import DEFAULT_POLICY, policy_names
 
     _add_status_web(subparsers)
 

@@ -34,8 +34,9 @@ from kvshare.pool.types import check_namespace
 from kvshare.quick_init import quick_init
 from kvshare.router.core.index import RouterIndex
 from kvshare.router.core.metrics import RouterMetrics
-from kvshare.router.core.policy import DEFAULT_POLICY, Decision, Policy, Ranking, RouteRequest
+from kvshare.router.core.policy import Decision, Policy, Ranking, RouteRequest
 from kvshare.router.core.recent import RecentDecisions
+from kvshare.router.core.registry import DEFAULT_POLICY
 from kvshare.router.core.routing import CostInputs, RoutingCore
 from kvshare.router.core.sources import Sharing
 from kvshare.router.core.workers_view import WorkerSource

@@ -1,4 +1,4 @@
-"""Routing policies behind one interface, and a registry by name.
+"""Routing policies behind one interface: the base, the cost policy and the cache-blind baselines.
 
 A policy gets a request (namespace, block hashes, token count), the index's
 :class:`~kvshare.match.MatchResult` and every candidate worker's info and load, and returns a
@@ -11,7 +11,7 @@ model's estimate for it) and every candidate's :class:`Estimate`, best first.
   PrefixCacheAffinityRouter, :mod:`kvshare.router.core.baselines.ray_prefix`), ``dynamo_kv`` (NVIDIA Dynamo's KV
   router cost, :mod:`kvshare.router.core.baselines.dynamo`), ``llmd_precise`` (llm-d's precise prefix scorer,
   :mod:`kvshare.router.core.baselines.llmd`). The older names ``prefix_affinity`` and ``kv_overlap`` are
-  aliases of ``ray_prefix`` and ``dynamo_kv`` (:data:`ALIASES`).
+  aliases of ``ray_prefix`` and ``dynamo_kv`` (:data:`kvshare.router.core.registry.ALIASES`).
 - ``cost`` (default): estimated TTFT = queue wait + the cost model's best plan (fetch from
   the worker's gpu/node/other nodes + prefill of the rest, see :mod:`kvshare.cost`).
 
@@ -870,34 +870,3 @@ def _work_s(t: float, work: float, bound: list[float] | None, typical: list[floa
     if bound is None:
         return work * t
     return (work + bound[i] * max(0.0, t - typical[i])) * t
-
-
-POLICIES: dict[str, Callable[..., Policy]] = {
-    cls.name: cls for cls in (RoundRobin, LeastLoaded, CostPolicy)
-}
-DEFAULT_POLICY = "cost"
-ALIASES: dict[str, str] = {"prefix_affinity": "ray_prefix", "kv_overlap": "dynamo_kv"}
-"""Older names of the peers' rules, still accepted: each is the policy it names, options and
-all (``--policy all`` and sweeps run the policies of :data:`POLICIES` once each)."""
-
-
-def policy_names() -> list[str]:
-    """Every name :func:`make_policy` accepts: the registry's, then the aliases."""
-    return [*sorted(POLICIES), *sorted(ALIASES)]
-
-
-def make_policy(
-    name: str, cost: CostModel, sharing: Sharing | str = Sharing.GLOBAL, **options: Any
-) -> Policy:
-    """A fresh policy by registry name or alias; KeyError listing the names if unknown."""
-    try:
-        factory = POLICIES[ALIASES.get(name, name)]
-    except KeyError:
-        raise KeyError(f"unknown policy {name!r}: choose one of {policy_names()}") from None
-    return factory(cost, Sharing(sharing), **options)
-
-
-# Peers' rules subclass Policy, so they register after it exists.
-from kvshare.router.core.baselines import PEER_POLICIES  # noqa: E402
-
-POLICIES.update(PEER_POLICIES)

@@ -58,8 +58,8 @@ from kvshare.router.core.policy import (
     Policy,
     Ranking,
     RouteRequest,
-    make_policy,
 )
+from kvshare.router.core.registry import make_policy
 from kvshare.router.core.sources import Match, Sharing
 from kvshare.router.core.workers_view import InFlight
 from kvshare.types import BlockHash, Tier, WorkerId, worker_location

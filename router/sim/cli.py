@@ -20,7 +20,7 @@ PLOT_FRACTIONS = (1 / 30, 1 / 10, 1 / 3, 1.0, 2.0)  # per-node capacities of the
 
 
 def run_sim(args: argparse.Namespace) -> int:
-    from kvshare.router.core.policy import POLICIES
+    from kvshare.router.core.registry import POLICIES
     from kvshare.router.sim.cluster_model import ClusterConfig
     from kvshare.router.sim.replay import simulate
     from kvshare.router.sim.report import format_table, json_summary, summarize, write_parquet

@@ -417,7 +417,7 @@ def simulate(
 ) -> SimResult:
     """Run each policy on a fresh cluster (and ``global_lru`` first unless ``reference`` is
     False); ``progress(n)`` ticks once per request of each pass."""
-    from kvshare.router.core.policy import make_policy
+    from kvshare.router.core.registry import make_policy
 
     ref = global_lru(requests, config, progress=progress) if reference else None
     rows: dict[str, dict[str, Any]] = {}

@@ -1,7 +1,7 @@
 """What the peers' routing rules share (``dynamo_kv``, ``llmd_precise``, ``ray_prefix``).
 
 Each peer rule is a :class:`~kvshare.router.core.policy.Policy` tuned by the peer's own knobs, under the
-peer's names and defaults, as keyword options of :func:`~kvshare.router.core.policy.make_policy`; a bad
+peer's names and defaults, as keyword options of :func:`~kvshare.router.core.registry.make_policy`; a bad
 value is a ``ValueError`` naming the rule and no policy is made. Ties break at random from
 the rule's own seeded stream (``seed``), as the peers' routers do.
 """

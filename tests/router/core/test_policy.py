@@ -9,15 +9,8 @@ import pytest
 from kvshare.cost import Bandwidths, CostModel, PrefillModel, Source
 from kvshare.match import EMPTY_MATCH, MatchResult, build_match
 from kvshare.router.core.pending import PendingBlocks
-from kvshare.router.core.policy import (
-    ALIASES,
-    POLICIES,
-    Candidate,
-    NoEligibleWorker,
-    RouteRequest,
-    make_policy,
-    policy_names,
-)
+from kvshare.router.core.policy import Candidate, NoEligibleWorker, RouteRequest
+from kvshare.router.core.registry import ALIASES, POLICIES, make_policy, policy_names
 from kvshare.router.core.sources import Sharing, SourceMap
 from kvshare.types import (
     BlockHash,

@@ -9,8 +9,9 @@ import random
 from kvshare.actors.index.runs import HolderRuns
 from kvshare.cost import Bandwidths, CostModel, PrefillModel
 from kvshare.match import MatchResult, build_match
-from kvshare.router.core.policy import Candidate, CostPolicy, RouteRequest, make_policy
+from kvshare.router.core.policy import Candidate, CostPolicy, RouteRequest
 from kvshare.router.core.recency import RecencyBook, ShadowLru
+from kvshare.router.core.registry import make_policy
 from kvshare.router.core.select_native import kernel
 from kvshare.router.core.sources import Sharing
 from kvshare.types import BlockHash, Location, NodeId, Tier, WorkerId, node_location

@@ -7,8 +7,9 @@ from __future__ import annotations
 from kvshare.cost import Bandwidths, CostModel, PrefillModel, Source
 from kvshare.match import MatchResult, build_match
 from kvshare.router.core.pending import PendingBlocks
-from kvshare.router.core.policy import Candidate, RouteRequest, make_policy
+from kvshare.router.core.policy import Candidate, RouteRequest
 from kvshare.router.core.ready import ReadyBlocks
+from kvshare.router.core.registry import make_policy
 from kvshare.router.core.sources import Sharing
 from kvshare.router.core.survival import Capacities, Turnover
 from kvshare.types import (

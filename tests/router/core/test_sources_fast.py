@@ -16,7 +16,8 @@ from hypothesis import strategies as st
 import kvshare.router.core.policy as policy_module
 from kvshare.actors.index.runs import HolderRuns, Holders
 from kvshare.cost import Bandwidths, CostModel, PrefillModel
-from kvshare.router.core.policy import Candidate, RouteRequest, make_policy
+from kvshare.router.core.policy import Candidate, RouteRequest
+from kvshare.router.core.registry import make_policy
 from kvshare.router.core.sources import (
     _NONE,
     Match,

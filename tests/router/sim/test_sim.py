@@ -175,7 +175,7 @@ def _children_cpu() -> float:
 
 
 def _policy(name: str, cfg: ClusterConfig):  # type: ignore[no-untyped-def]
-    from kvshare.router.core.policy import make_policy
+    from kvshare.router.core.registry import make_policy
 
     return make_policy(name, cfg.cost_model(), "global")
 

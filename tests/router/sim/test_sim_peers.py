@@ -10,7 +10,8 @@ import pytest
 from kvshare.cost import Bandwidths, CostModel, PrefillModel
 from kvshare.match import MatchResult, build_match
 from kvshare.router.core.baselines.dynamo import sample_lowest
-from kvshare.router.core.policy import POLICIES, Candidate, RouteRequest, make_policy
+from kvshare.router.core.policy import Candidate, RouteRequest
+from kvshare.router.core.registry import POLICIES, make_policy
 from kvshare.router.core.sources import SourceMap
 from kvshare.types import BlockHash, Location, NodeId, Tier, WorkerId, node_location
 from kvshare.workers import WorkerInfo, WorkerLoad

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from kvshare.cost import Bandwidths, CostModel, PrefillModel, Source
 from kvshare.match import EMPTY_MATCH
-from kvshare.router.core.policy import Candidate, RouteRequest, make_policy
+from kvshare.router.core.policy import Candidate, RouteRequest
 from kvshare.router.core.ready import ReadyBlocks
+from kvshare.router.core.registry import make_policy
 from kvshare.types import BlockHash, NodeId, WorkerId
 from kvshare.workers import WorkerInfo, WorkerLoad
 
