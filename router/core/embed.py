@@ -145,15 +145,6 @@ class Routed:
     model say what body to send): a later snapshot may no longer list it (its lease lapsed
     for a moment), and the request must still go to it in its engine's form."""
 
-    def vllm_hint(self) -> dict[str, Any] | None:
-        """What the index answered when this was routed (None: it did not answer, or no
-        ranking), as vLLM's ``kv_transfer_params``: forwarded to vLLM workers as the router
-        hint (:mod:`kvshare.vllm.router_hint`, :meth:`~kvshare.router.core.policy.Ranking.hint`). Built
-        here, when a vLLM worker is sent the request, not for every decision."""
-        if self.ranking is None or not self.block_tokens:
-            return None
-        return self.ranking.hint(self.block_tokens)
-
     def token_list(self) -> list[int]:
         """:attr:`token_ids` as a list of ints (JSON bodies need one; a list is not copied)."""
         ids = self.token_ids

@@ -40,7 +40,6 @@ from kvshare.router.core.select_native import NativeSelect
 from kvshare.router.core.sources import Match, Sharing, SourceMap, SourceRuns, holder_runs
 from kvshare.router.core.survival import Capacities, Turnover
 from kvshare.types import BlockHash, NodeId, WorkerId, node_location, worker_location
-from kvshare.vllm import router_hint
 from kvshare.workers import META_GPU_PRIVATE, WorkerInfo, WorkerLoad
 
 _Best = TypeVar("_Best", bound=tuple[Any, ...])  # a cheapest candidate: (index, ..., estimate)
@@ -137,15 +136,6 @@ class Ranking:
         self._estimates: list[Estimate] | None = None
         self.held_blocks = held_blocks
         self.index_match = index_match
-
-    def hint(self, block_tokens: int) -> dict[str, Any] | None:
-        """The router hint for a vLLM engine's ``kv_transfer_params`` (held tokens and the
-        pools' part of the index answer: :mod:`kvshare.vllm.router_hint`); None when the index
-        did not answer (the engine looks up)."""
-        if self.held_blocks is None:
-            return None
-        pools = router_hint.pool_runs(self.index_match) if self.index_match is not None else None
-        return router_hint.encode(self.held_blocks * block_tokens, pools, self.request.hashes)
 
     def estimates(self) -> list[Estimate]:
         """Every eligible candidate ranked (computed on first use, from the decision's view)."""

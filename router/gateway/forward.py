@@ -22,6 +22,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from kvshare.router.core.embed import Routed
+from kvshare.router.core.policy import Ranking
+from kvshare.vllm import router_hint
 from kvshare.workers import WorkerInfo
 
 
@@ -47,7 +49,7 @@ def forward_body(body: Mapping[str, Any], routed: Routed, info: WorkerInfo | Non
     if routed.tenant.salt:
         out["cache_salt"] = routed.tenant.salt
     params: dict[str, Any] = {}
-    hint = routed.vllm_hint()
+    hint = vllm_hint(routed.ranking, routed.block_tokens) if routed.ranking is not None else None
     if hint is not None:
         params.update(hint)
     if not chat:
@@ -57,3 +59,16 @@ def forward_body(body: Mapping[str, Any], routed: Routed, info: WorkerInfo | Non
     if params:
         out["kv_transfer_params"] = params
     return out
+
+
+def vllm_hint(ranking: Ranking, block_tokens: int) -> dict[str, Any] | None:
+    """What the index answered when ``ranking`` was made, as vLLM's ``kv_transfer_params``: the
+    router hint (held tokens and the pools' part of the index answer,
+    :mod:`kvshare.vllm.router_hint`) forwarded to a vLLM worker, so its connector need not ask
+    the index again. None when the index did not answer (the engine looks up). Built when a
+    vLLM worker is sent the request (here, or by the Serve router), not for every decision."""
+    if ranking.held_blocks is None or not block_tokens:
+        return None
+    match = ranking.index_match
+    pools = router_hint.pool_runs(match) if match is not None else None
+    return router_hint.encode(ranking.held_blocks * block_tokens, pools, ranking.request.hashes)

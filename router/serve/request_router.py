@@ -63,6 +63,7 @@ from kvshare.router.core.policy import Ranking, RouteRequest
 from kvshare.router.core.routing import CostInputs, IndexAnswer, RoutingCore
 from kvshare.router.core.sources import Sharing
 from kvshare.router.core.workers_view import WorkerRegistry
+from kvshare.router.gateway.forward import vllm_hint
 from kvshare.router.serve.request import (
     PromptInput,
     ServeRouterSettings,
@@ -381,7 +382,7 @@ class KVShareRequestRouter(LocalityMixin, MultiplexMixin, RequestRouter):
         else:
             self._count("spilled")
         self._remember(rid, _Routing(ranking, passes, tuple(order)))
-        hint = ranking.hint(hashing.block_tokens) if self.settings.hint_kwarg else None
+        hint = vllm_hint(ranking, hashing.block_tokens) if self.settings.hint_kwarg else None
         if hint is not None:
             # sent with the request (Serve sends ``pr`` as ranked): the engine need not ask
             pr.kwargs[self.settings.hint_kwarg] = hint

@@ -34,6 +34,7 @@ from kvshare.router.core.index import QueryIndex
 from kvshare.router.core.policy import RouteRequest
 from kvshare.router.core.routing import CostInputs, IndexAnswer, RoutingCore
 from kvshare.router.core.workers_view import IndexWorkers, InFlight
+from kvshare.router.gateway.forward import vllm_hint
 from kvshare.router.serve.request import (
     FRONTS_WORKER,
     META_BLOCK_TOKENS,
@@ -131,7 +132,7 @@ def test_embed_and_serve_adapters_make_identical_decisions() -> None:
             chosen = shortlist[0][0]
             got_s.append((replica_worker_id(chosen.replica_id),
                           [replica_worker_id(s[0].replica_id) for s in shortlist]))
-            hints.append((routed.vllm_hint(), pr.kwargs["held"]))  # the router hint, both ways
+            hints.append((vllm_hint(routed.ranking, routed.block_tokens), pr.kwargs["held"]))  # the router hint, both ways
             serve.on_request_routed(pr, chosen.replica_id, None)
             if i % 5 == 4:  # some finish, on both
                 embed.finished(f"q{i - 2}")
