@@ -18,7 +18,10 @@ minus the direct leg's at one request in flight (``--sequential`` requests each)
 the gateway's own time per request, not queueing behind other clients.
 
 The last line is one JSON object: ``requests_per_s``, ``added_p50_ms``, ``added_p99_ms``,
-``vs_direct`` (gateway requests/s over direct requests/s), and the direct figures.
+``vs_direct`` (gateway requests/s over direct requests/s), and the direct figures; also the
+gateway process's CPU time per request in the concurrent legs (``gateway_cpu_ms_per_request``,
+from /proc: what the gateway costs whatever else the machine runs) and the 1-minute load
+average at the end (on a shared machine the wall-clock figures move with it).
 ``benchmarks/native_value.py`` reuses the legs to run gateways with and without C modules.
 """
 
@@ -137,6 +140,12 @@ class Child:
             raise RuntimeError(f"the {role} process exited before it listened")
         self.urls = [f"http://127.0.0.1:{p}" for p in line.split()]
 
+    def cpu_s(self) -> float:
+        """CPU seconds the process has used (user + system, /proc)."""
+        with open(f"/proc/{self.proc.pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
     def stop(self) -> None:
         self.proc.terminate()
         self.proc.wait(timeout=10)
@@ -148,7 +157,7 @@ def upstream(workers: int) -> Child:
 
 def gateway(upstream_urls: Sequence[str], blocked: Sequence[str] = ()) -> Child:
     """A gateway process over ``upstream_urls``; ``blocked``: C modules it runs without
-    (``_pending``, ``_select``, ...: their Python twins instead)."""
+    (``_chain``, ``_statemap``: their Python twins instead)."""
     return Child("gateway", ",".join(blocked) or ",", *upstream_urls)
 
 
@@ -255,12 +264,15 @@ def main() -> None:
     gw = gateway(up.urls)
     try:
         direct: dict[str, list[float]] = {"rps": [], "p50": [], "p99": []}
-        via: dict[str, list[float]] = {"rps": [], "p50": [], "p99": []}
+        via: dict[str, list[float]] = {"rps": [], "p50": [], "p99": [], "cpu_ms": []}
         run_leg(gw.urls, body_list, 4, count=200)  # warm-up: both sides' first requests
         for _ in range(args.rounds):
             for urls, into in ((up.urls, direct), (gw.urls, via)):
                 one = run_leg(urls, body_list, 1, count=args.sequential)
+                cpu0 = gw.cpu_s()
                 many = run_leg(urls, body_list, args.concurrency, seconds=args.seconds)
+                if into is via:
+                    into["cpu_ms"].append(1000 * (gw.cpu_s() - cpu0) / len(many.latencies_s))
                 into["p50"].append(one.ms(50))
                 into["p99"].append(one.ms(99))
                 into["rps"].append(many.requests_per_s)
@@ -276,8 +288,10 @@ def main() -> None:
           f"p99 {d['p99']:6.2f} ms (one in flight)")
     print(f"through gateway:    {g['rps']:8.0f} req/s   p50 {g['p50']:6.2f} ms  "
           f"p99 {g['p99']:6.2f} ms (one in flight)")
+    load = os.getloadavg()[0]
     print(f"gateway / direct: {g['rps'] / d['rps']:.3f}x requests/s; added p50 "
-          f"{g['p50'] - d['p50']:.2f} ms, p99 {g['p99'] - d['p99']:.2f} ms")
+          f"{g['p50'] - d['p50']:.2f} ms, p99 {g['p99'] - d['p99']:.2f} ms; gateway CPU "
+          f"{g['cpu_ms']:.2f} ms a request; load average {load:.1f}")
     print(json.dumps({
         "requests_per_s": round(g["rps"], 1),
         "added_p50_ms": round(g["p50"] - d["p50"], 3),
@@ -286,6 +300,7 @@ def main() -> None:
         "direct_requests_per_s": round(d["rps"], 1),
         "direct_p50_ms": round(d["p50"], 3), "direct_p99_ms": round(d["p99"], 3),
         "gateway_p50_ms": round(g["p50"], 3), "gateway_p99_ms": round(g["p99"], 3),
+        "gateway_cpu_ms_per_request": round(g["cpu_ms"], 3), "load_avg_1m": round(load, 2),
         "tokens": TOKENS, "concurrency": args.concurrency, "seconds": args.seconds,
         "rounds": args.rounds, "workers": args.workers,
     }))

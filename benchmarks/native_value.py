@@ -5,24 +5,20 @@ away by blocking its import (``sys.modules["kvshare._x"] = None``: the import fa
 fallback as an install without a compiler) in a child process, or by the switch its caller
 has, and the figure is measured both ways, alternated ``--rounds`` times (medians):
 
-- ``_pending``, ``_ready``, ``_select``, ``_plan`` (the router's books, the cost policy's
-  candidate loop, the cut-point scan) and ``_chain``, ``_statemap`` (also on a gateway's path):
-  gateway requests/s, :mod:`benchmarks.gateway_load`'s concurrent leg, against gateway
-  processes with everything built and with that module blocked (and with the four router
-  modules blocked together);
 - ``_chain``: hashing tokens/s of 8,192-token prompts (lists of ints, 256-token blocks, as
   the gateway hashes them), sha256 (the default) and the opt-in xxh3-128;
 - ``_statemap``: the index's events/s (Arrow batches of BlockStored) and match/s
   (``benchmarks/index.py``'s workload);
 - ``_copy``: the host tier's store and load GB/s (``benchmarks/pool_bandwidth.py``'s pool
   steps, ``HostSlab.stream_copies`` on and off on the same slab);
-- ``_hashq``: NIXL READ GB/s of 256 MiB in 16 MiB blocks between two fake nodes with the
-  reader checking what landed (``NixlTransport(end_to_end=True)``), with its checks in the
-  native thread and without (checked after the read), and the default transport beside them
-  (the pool checks); ``--no-transfer`` skips it (it starts a two-node Ray cluster).
+- for context, gateway requests/s (:mod:`benchmarks.gateway_load`'s concurrent leg) with
+  everything built and with ``_chain`` or ``_statemap`` blocked.
 
-Verdict per module: kept where it lifts its figure by >= 1.3x (the lower of its figures where
-it serves two). The table is printed; the last line is one JSON object, module -> figures.
+Verdict per module: kept where a figure it serves lifts >= 1.3x. The table is printed; the
+last line is one JSON object. The modules this removed (``_pending``, ``_ready``,
+``_select``, ``_plan``: gateway requests/s 0.86-0.95x; ``_hashq``: NIXL reads checked by
+the reader 1.02x) were measured by this script at commit 57497ad, which still has them
+(``docs/native_modules.md``).
 """
 
 from __future__ import annotations
@@ -44,7 +40,6 @@ sys.path.insert(0, str(ROOT))
 from benchmarks import gateway_load  # noqa: E402
 
 KEEP_AT = 1.3
-ROUTER_MODULES = ("_pending", "_ready", "_select", "_plan")
 TOKENS = 8192
 BLOCK = 256
 
@@ -184,45 +179,6 @@ def pool_figures(rounds: int, mib: int) -> dict[str, dict[str, float]]:
             for side in ("with", "without")}
 
 
-def transfer_figures(rounds: int) -> dict[str, float]:
-    """NIXL READ GB/s (256 MiB, 16 MiB blocks, two fake nodes): the reader's landing checks
-    with ``kvshare._hashq`` and without (checked after the read), and the default transport."""
-    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT),
-                                                            os.environ.get("PYTHONPATH")]))
-    import ray
-
-    from actors.local_cluster import local_cluster
-    from benchmarks.transfer import MiB, PoolHost, Reader
-
-    class LandingReader(Reader):
-        def landing(self, on: bool) -> bool:
-            """Switch the native landing checks (``kvshare._hashq``) on or off; whether on."""
-            import kvshare.transfer.nixl as nixl
-            from kvshare.transfer.verify import LANDING_CHECKS
-
-            nixl.LANDING_CHECKS = on and LANDING_CHECKS
-            return nixl.LANDING_CHECKS
-
-    host_cls = ray.remote(num_cpus=0, max_concurrency=4)(PoolHost)
-    reader_cls = ray.remote(num_cpus=0)(LandingReader)
-    runs: dict[str, list[float]] = {"with": [], "without": [], "default": []}
-    with local_cluster(2, head_cpus=0, head_store_mib=200, node_store_mib=700,
-                       resources=[{"bench_a": 10}, {"bench_b": 10}], temp_prefix="kvs-nv-"):
-        host = host_cls.options(resources={"bench_a": 1}).remote("nv-a")
-        b = reader_cls.options(resources={"bench_b": 1}).remote("nv-b", host, "nv/b/reader")
-        ray.get(host.ready.remote())
-        if not ray.get(b.landing.remote(True)):
-            raise RuntimeError("kvshare._hashq is not built or not bound in the reader")
-        ray.get(b.pull.remote("nixl_end_to_end", 16 * MiB))  # warm-up
-        for _ in range(rounds):
-            for side in ("with", "without"):
-                ray.get(b.landing.remote(side == "with"))
-                runs[side].append(ray.get(b.pull.remote("nixl_end_to_end", 16 * MiB)))
-            runs["default"].append(ray.get(b.pull.remote("nixl", 16 * MiB)))
-        ray.get(host.shutdown.remote())
-    return {k: statistics.median(v) for k, v in runs.items()}
-
-
 def gateway_figures(rounds: int, seconds: float, concurrency: int,
                     variants: dict[str, tuple[str, ...]]) -> dict[str, float]:
     """Gateway requests/s per variant (C modules blocked in that gateway), alternated."""
@@ -266,7 +222,6 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=3.0, help="per gateway leg (default 3)")
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--mib", type=int, default=256, help="host tier pass size (default 256)")
-    ap.add_argument("--no-transfer", action="store_true", help="skip the NIXL (_hashq) leg")
     args = ap.parse_args()
     if args.child:
         _block(args.block)
@@ -275,14 +230,11 @@ def main() -> None:
 
     rows: list[dict[str, Any]] = []
     variants: dict[str, tuple[str, ...]] = {"all built": ()}
-    variants.update({f"no {m}": (m,) for m in (*ROUTER_MODULES, "_chain", "_statemap")})
-    variants["no router C (4)"] = ROUTER_MODULES
+    variants.update({f"no {m}": (m,) for m in ("_chain", "_statemap")})
     gw = gateway_figures(args.rounds, args.seconds, args.concurrency, variants)
-    for m in (*ROUTER_MODULES, "_chain", "_statemap"):
+    for m in ("_chain", "_statemap"):
         rows.append(row(m, "gateway requests/s", gw["all built"], gw[f"no {m}"], "req/s",
-                        primary=m in ROUTER_MODULES))
-    rows.append(row("+".join(ROUTER_MODULES), "gateway requests/s", gw["all built"],
-                    gw["no router C (4)"], "req/s", primary=False))
+                        primary=False))
 
     hashing: dict[str, list[dict[str, float]]] = {"with": [], "without": []}
     index: dict[str, list[dict[str, float]]] = {"with": [], "without": []}
@@ -307,22 +259,15 @@ def main() -> None:
     for key, label in (("store_GBps", "host tier store GB/s"), ("load_GBps", "host tier load GB/s")):
         rows.append(row("_copy", label, pool["with"][key], pool["without"][key], "GB/s"))
 
-    if not args.no_transfer:
-        tr = transfer_figures(args.rounds)
-        rows.append(row("_hashq", "NIXL read GB/s, reader checks (end_to_end)", tr["with"],
-                        tr["without"], "GB/s"))
-        rows.append(row("_hashq", "NIXL read GB/s, default (pool checks) vs end_to_end+_hashq",
-                        tr["default"], tr["with"], "GB/s", primary=False))
-
     verdict: dict[str, str] = {}
     for r in rows:  # kept where it lifts any figure it serves by KEEP_AT
         if r["primary"]:
             kept = verdict.get(r["module"]) == "kept" or r["ratio"] >= KEEP_AT
             verdict[r["module"]] = "kept" if kept else "removed"
-    print(f"\n{'module':29s} {'figure':58s} {'with':>12s} {'without':>12s} {'ratio':>6s}")
+    print(f"\n{'module':10s} {'figure':28s} {'with':>12s} {'without':>12s} {'ratio':>6s}")
     for r in rows:
         mark = "" if r["primary"] else "  (context)"
-        print(f"{r['module']:29s} {r['figure']:58s} {r['with']:12,.2f} {r['without']:12,.2f} "
+        print(f"{r['module']:10s} {r['figure']:28s} {r['with']:12,.2f} {r['without']:12,.2f} "
               f"{r['ratio']:6.2f}{mark}")
     print(f"keep at >= {KEEP_AT}x: " + ", ".join(f"{m} {v}" for m, v in verdict.items()))
     print(json.dumps({"rows": [{k: (round(v, 3) if isinstance(v, float) else v)

@@ -30,11 +30,6 @@ import numpy as np
 from kvshare.quick_init import quick_init
 from kvshare.types import Tier
 
-try:  # the optional C scan (setup.py builds it where a compiler is found)
-    from kvshare._plan import scan as _native_scan
-except ImportError:  # not built: _scan_py runs instead (same floats)
-    _native_scan = None  # type: ignore[assignment]
-
 
 class Source(IntEnum):
     """Where a worker would get one block from, cheapest first."""
@@ -267,22 +262,9 @@ class CostModel:
         if total_tokens <= 0:
             raise ValueError(f"total_tokens must be positive, got {total_tokens}")
         bw = self.bandwidths
-        scan_args = (self.block_fetch_s, self.prefill.a, self.prefill.b, self.block_tokens,
-                     total_tokens, bw.remote_latency_s, bw.local_latency_s, runs)
-        if _native_scan is not None:
-            try:
-                best_k, best_total, best_fetch = _native_scan(*scan_args)
-            except (TypeError, ValueError, OverflowError):  # not the plain case: Python's loop
-                best_k, best_total, best_fetch = _scan_py(*scan_args)
-        else:
-            best_k, best_total, best_fetch = _scan_py(*scan_args)
-        return self.plan_of_scan(total_tokens, runs, best_k, best_total, best_fetch)
-
-    def plan_of_scan(self, total_tokens: int, runs: Sequence[tuple[int, int]], best_k: int,
-                     best_total: float, best_fetch: float) -> CutPlan:
-        """The plan of ``runs`` from their cut-point scan (its best cut in blocks, that cut's
-        total and fetch seconds, as :meth:`plan_runs` computes them; ``kvshare._select`` scans
-        in C and hands them over)."""
+        best_k, best_total, best_fetch = _scan(
+            self.block_fetch_s, self.prefill.a, self.prefill.b, self.block_tokens, total_tokens,
+            bw.remote_latency_s, bw.local_latency_s, runs)
         counts: dict[Source, int] = {}
         left = best_k
         for src, ln in runs:
@@ -301,10 +283,10 @@ class CostModel:
         return self.prefill.time(total_tokens, 0)
 
 
-def _scan_py(fetch: Sequence[float], a: float, b: float, bt: int, p: int, lat_r: float,
-             lat_l: float, runs: Sequence[tuple[int, int]]) -> tuple[int, float, float]:
+def _scan(fetch: Sequence[float], a: float, b: float, bt: int, p: int, lat_r: float,
+          lat_l: float, runs: Sequence[tuple[int, int]]) -> tuple[int, float, float]:
     """The cut-point scan of :meth:`CostModel.plan_runs`: the best cut (blocks), its total and
-    its fetch seconds (the C extension ``kvshare._plan.scan`` gives the same floats)."""
+    its fetch seconds."""
     last = p - 1
     best_k, best_total, best_fetch = 0, a * p + b * p * p / 2, 0.0
     cum = lat = 0.0

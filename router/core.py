@@ -52,7 +52,7 @@ from kvshare.match import EMPTY_MATCH, MatchResult
 from kvshare.quick_init import quick_init
 from kvshare.types import BlockHash, Tier, WorkerId, worker_location
 from kvshare.workers import IndexQuery, WorkerInfo, WorkerLoad
-from router.pending import PendingBook, pending_blocks
+from router.pending import PendingBlocks
 from router.policy import Candidate, Decision, Policy, Ranking, RouteRequest, make_policy
 from router.sources import Match, Sharing
 from router.workers_view import InFlight
@@ -141,7 +141,7 @@ class RoutingCore:
         model = self._model(cost)
         self.policy: Policy = make_policy(policy, model, cost.sharing, **dict(policy_options or {}))
         self._load_only = make_policy("least_loaded", model, cost.sharing)
-        self.pending: PendingBook = pending_blocks(pending_ttl_s)
+        self.pending = PendingBlocks(pending_ttl_s)
         self.inflight = InFlight()
         self._cands: dict[WorkerId, Candidate] = {}
         self._last_key: tuple[tuple[WorkerInfo, ...], list[tuple[WorkerLoad, int]]] = ((), [])
