@@ -82,6 +82,8 @@ def _serve(app: Any, ports: int) -> None:
     from kvshare.engines.server import listening_socket
 
     socks = [listening_socket("127.0.0.1", 0) for _ in range(ports)]
+    for s in socks:  # (connections queue from now on, before uvicorn accepts them)
+        s.listen(2048)
     print(" ".join(str(s.getsockname()[1]) for s in socks), flush=True)
     config = uvicorn.Config(app, log_level="warning", access_log=False)
     uvicorn.Server(config).run(sockets=socks)
