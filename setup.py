@@ -1,20 +1,25 @@
-"""Build hook: the one import name and the optional C accelerators; other metadata lives in
-pyproject.toml.
+"""Build hook: the one import name and the optional C accelerators (the one place they are
+built); other metadata lives in pyproject.toml.
 
 Installed, the project claims only ``kvshare``: the top-level folders ``actors/`` and ``router/``
-install as ``kvshare.actors`` and ``kvshare.router`` (DESIGN.md, "Layout").
+install as ``kvshare.actors`` and ``kvshare.router`` (DESIGN.md, "Layout"); ``kvshare/actors``
+and ``kvshare/router`` are links to them, so a checkout, mypy and pytest see the same names.
 
+Three C accelerators live in ``kvshare/_native/``, each kept because it lifts the figure it
+serves by >= 1.3x over its Python twin (``benchmarks/native_value.py`` measures both in one
+run; the table is on the results page):
 
-``kvshare._native._chain`` runs the sha256 block-hash chain loop in C with OpenSSL's libcrypto (and the
-opt-in xxh3-128 chain with the ``xxhash`` package's own XXH3_128bits, found at run time);
-``kvshare._native._plan`` is the cost model's cut-point scan; ``kvshare._native._copy`` copies pool blocks with non-temporal stores; ``kvshare._native._statemap`` is the
-block index's hash table (block hash -> holder state); ``kvshare._native._hashq`` checksums NIXL
-reads in a native thread while they land; ``kvshare._native._pending`` and ``kvshare._native._ready`` are the
-router's books of blocks its decisions are creating (``kvshare.router.core.pending``, ``kvshare.router.core.ready``);
-``kvshare._native._select`` is the cost policy's candidate loop over them (``kvshare.router.core.policy``). All are ``optional``: where no
-compiler (or no OpenSSL headers) is found, the build prints a warning, installs without them and
-``kvshare.hashing`` / ``kvshare.tiers.base.copy_block`` / the index table use their pure-Python/numpy paths (same
-results, slower).
+- ``kvshare._native._chain``: the sha256 block-hash chain loop in C with OpenSSL's libcrypto
+  (and the opt-in xxh3-128 chain with the ``xxhash`` package's own XXH3_128bits, found at run
+  time): hashing tokens/s (``kvshare.hashing``);
+- ``kvshare._native._statemap``: the block index's hash table (block hash -> holder state):
+  index events/s and match/s (``kvshare.statemap``);
+- ``kvshare._native._copy``: pool block copies with non-temporal stores: host tier GB/s
+  (``kvshare.tiers.base.copy_block``).
+
+All are ``optional``: where no compiler (or no OpenSSL headers) is found, the build prints a
+warning and installs without them, and those modules run their pure-Python/numpy paths (same
+results, slower). ``tests/kvshare/test_native_conformance.py`` runs one suite over both.
 """
 
 from setuptools import Extension, find_packages, setup
@@ -23,65 +28,22 @@ PACKAGE_DIR = {"kvshare.actors": "actors", "kvshare.router": "router"}
 PACKAGES = find_packages(include=["kvshare", "kvshare.*"], exclude=["kvshare.actors*", "kvshare.router*"]) + [
     f"kvshare.{name}" for name in find_packages(include=["actors", "actors.*", "router", "router.*"])
 ]
+NATIVE = "kvshare/_native"
+
+
+def native(name: str, sources: list[str], **options: object) -> Extension:
+    """One optional C accelerator ``kvshare._native.<name>`` built from ``kvshare/_native``."""
+    return Extension(f"kvshare._native.{name}", sources=[f"{NATIVE}/{s}" for s in sources],
+                     extra_compile_args=["-O2"], optional=True, **options)  # type: ignore[arg-type]
+
 
 setup(
     packages=PACKAGES,
     package_dir=PACKAGE_DIR,
     ext_modules=[
-        Extension(
-            "kvshare._native._chain",
-            sources=["kvshare/_native/_chain.c", "kvshare/_native/_chain_memo.c", "kvshare/_native/_chain_xxh3.c"],
-            depends=["kvshare/_native/_u32.h"],
-            libraries=["crypto", "dl"],
-            extra_compile_args=["-O2"],
-            optional=True,
-        ),
-        Extension(
-            "kvshare._native._statemap",
-            sources=["kvshare/_native/_statemap.c"],
-            extra_compile_args=["-O2"],
-            optional=True,
-        ),
-        Extension(
-            "kvshare._native._hashq",
-            sources=["kvshare/_native/_hashq.c"],
-            extra_compile_args=["-O2"],
-            libraries=["dl", "pthread"],
-            optional=True,
-        ),
-        Extension(
-            "kvshare._native._plan",
-            sources=["kvshare/_native/_plan.c"],
-            depends=["kvshare/_native/_scan.h"],
-            extra_compile_args=["-O2", "-ffp-contract=off"],
-            optional=True,
-        ),
-        Extension(
-            "kvshare._native._pending",
-            sources=["kvshare/_native/_pending.c"],
-            depends=["kvshare/_native/_books.h"],
-            extra_compile_args=["-O2"],
-            optional=True,
-        ),
-        Extension(
-            "kvshare._native._ready",
-            sources=["kvshare/_native/_ready.c"],
-            depends=["kvshare/_native/_books.h", "kvshare/_native/_ready.h"],
-            extra_compile_args=["-O2"],
-            optional=True,
-        ),
-        Extension(
-            "kvshare._native._select",
-            sources=["kvshare/_native/_select.c"],
-            depends=["kvshare/_native/_books.h", "kvshare/_native/_ready.h", "kvshare/_native/_scan.h"],
-            extra_compile_args=["-O2", "-ffp-contract=off"],
-            optional=True,
-        ),
-        Extension(
-            "kvshare._native._copy",
-            sources=["kvshare/_native/_copy.c"],
-            extra_compile_args=["-O2"],
-            optional=True,
-        ),
-    ]
+        native("_chain", ["_chain.c", "_chain_memo.c", "_chain_xxh3.c"],
+               depends=[f"{NATIVE}/_u32.h"], libraries=["crypto", "dl"]),
+        native("_statemap", ["_statemap.c"]),
+        native("_copy", ["_copy.c"]),
+    ],
 )

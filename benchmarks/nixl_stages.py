@@ -8,8 +8,8 @@ round trip; ``prepare``: peer lookup, registration check, descriptors; ``post``:
 posting the transfers (UCX cma copies inside the post); ``move``: polling until done;
 ``release``: the handles; ``finish``: the release call with the pool's checksum verdict).
 Legs: ``nixl`` (the default: the pool checks while the READ runs), ``nixl_unverified``
-(``verify=False``: what the checksum costs), ``nixl_end_to_end`` (the reader checks as
-blocks land) and ``bare_in_actor`` (the reader actor's own agent reading the pinned slots with
+(``verify=False``: what the checksum costs), ``nixl_end_to_end`` (the reader checks the
+blocks once they landed) and ``bare_in_actor`` (the reader actor's own agent reading the pinned slots with
 one initialize_xfer/transfer/poll, nothing else: what the actor process costs against two
 plain processes). Last line: one JSON object.
 

@@ -218,20 +218,17 @@ def parts(router: CacheAwareRouter, traffic: Traffic, n: int) -> dict[str, float
     """Median microseconds of the score stage's parts over ``n`` more decisions, each part
     timed by a wrapper (adds ~0.2 us to each): worker list and in-flight load (candidates, of
     which ``inflight_loads``), the pending blocks' match and recording, the policy's ranking
-    (``policy_rank``: of which, where the C loop runs, ``select_c``, that loop with its
-    argument glue, and ``ready_add``, the ready blocks' record; where it does not, ``select``
-    and ``source_view``, the Python loop and its view), the in-flight record, metrics and the
+    (``policy_rank``: of which ``select`` and ``source_view``, the candidate loop and its view,
+    and ``ready_add``, the ready blocks' record), the in-flight record, metrics and the
     recent-decisions record."""
     import kvshare.router.core.policy as policy_module
 
     core, times = router.core, dict[str, list[float]]()
     policy = core.policy
-    native = getattr(policy, "_native", None)
     targets = ((core, "candidates", "candidates"), (core.inflight, "loads", "inflight_loads"),
                (core.pending, "match_runs", "pending_match"),
                (core.pending, "add", "pending_add"), (policy_module, "SourceMap", "source_view"),
                (policy, "rank", "policy_rank"), (policy, "_select", "select"),
-               *(((native, "run", "select_c"),) if native is not None else ()),
                (policy, "observe", "ready_add"), (core.inflight, "add", "inflight_add"),
                (router, "_count", "metrics"), (router.recent, "add", "recent"))
     saved = []

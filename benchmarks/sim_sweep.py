@@ -162,9 +162,6 @@ def main() -> int:
     ap.add_argument("--cells", default="*",
                     help="comma-separated shell patterns over cell names (trace/Ww/HM), e.g. "
                          "'dynamo/32w/*'; the other cells are not run")
-    ap.add_argument("--survival", action="store_true",
-                    help="cost counts a held block only where its holder likely still holds it "
-                         "at the job's start (CostPolicy(survival=True); router/survival.py)")
     ap.add_argument("--no-recency", action="store_true",
                     help="cost without its recency rule (the shadow LRU per tier: "
                          "CostPolicy(recency=False); router/recency.py)")
@@ -207,7 +204,7 @@ def main() -> int:
             table: dict[str, list[str]] = {}
             for w, h in picked:
                 cfg = ClusterConfig(workers=w, host_tokens=h, block_tokens=block_tokens)
-                opts: dict[str, Any] = {"survival": True} if args.survival else {}
+                opts: dict[str, Any] = {}
                 if args.no_recency:
                     opts["recency"] = False
                 per: dict[str, list[list[float]]] = {n: [] for n in names}  # per replica

@@ -9,7 +9,7 @@ hosts without RDMA get). Each figure is the median of 5 timed batches (3 for obj
 checksums verified as in production. Baseline: plain numpy copy of the same 256 MiB in the
 reader. ``nixl`` is the default ``NixlTransport``: the holding pool checks the pinned slots
 against their checksums while one READ runs; ``nixl_end_to_end`` has the reader check every
-block as it lands instead (a native thread hashes each ~16 MiB group while the next copies).
+block once it landed instead (after the read).
 Second baseline, raw NIXL (``benchmarks/raw_nixl.py``): two plain processes, one READ
 of the same 256 MiB in 16 MiB blocks from a tmpfs mapping like the pool's slab, nothing of
 kvshare around it, no checksum (``nixl_vs_raw_same_memory`` = kvshare's default nixl / raw,
@@ -43,7 +43,6 @@ from kvshare.tiers.host import shm_huge_pages
 from kvshare.transfer.holder.local import make_local_pool
 from kvshare.transfer.node_api import TransferEndpoints, TransferService
 from kvshare.transfer.probe import PROBE_NAMESPACE
-from kvshare.transfer.verify import LANDING_CHECKS
 from kvshare.types import BlockHash
 
 MiB = 2**20
@@ -259,7 +258,6 @@ def main() -> None:
         "nixl_end_to_end_vs_raw": round(out["nixl_end_to_end"][big] / raw, 3),
         "nixl_stages_ms": nixl_stages,
         "raw_nixl_ms": round(TOTAL / raw / 1e6, 2),
-        "nixl_landing_checks": LANDING_CHECKS,
         "shm_huge_pages": shm_huge_pages(),
         "slab_huge_page_MiB": huge // MiB,
     }

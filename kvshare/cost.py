@@ -31,11 +31,6 @@ from kvshare.layout import KVLayout
 from kvshare.quick_init import quick_init
 from kvshare.types import Tier
 
-try:  # the optional C scan (setup.py builds it where a compiler is found)
-    from kvshare._native._plan import scan as _native_scan
-except ImportError:  # not built: _scan_py runs instead (same floats)
-    _native_scan = None  # type: ignore[assignment]
-
 
 class Source(IntEnum):
     """Where a worker would get one block from, cheapest first."""
@@ -297,20 +292,8 @@ class CostModel:
                      total_tokens, bw.remote_latency_s, bw.local_latency_s, runs)
         if self.window_fetch_s:
             best_k, best_total, best_fetch = _scan_windows(self.window_fetch_s, *scan_args)
-        elif _native_scan is not None:
-            try:
-                best_k, best_total, best_fetch = _native_scan(*scan_args)
-            except (TypeError, ValueError, OverflowError):  # not the plain case: Python's loop
-                best_k, best_total, best_fetch = _scan_py(*scan_args)
         else:
-            best_k, best_total, best_fetch = _scan_py(*scan_args)
-        return self.plan_of_scan(total_tokens, runs, best_k, best_total, best_fetch)
-
-    def plan_of_scan(self, total_tokens: int, runs: Sequence[tuple[int, int]], best_k: int,
-                     best_total: float, best_fetch: float) -> CutPlan:
-        """The plan of ``runs`` from their cut-point scan (its best cut in blocks, that cut's
-        total and fetch seconds, as :meth:`plan_runs` computes them; ``kvshare._native._select`` scans
-        in C and hands them over)."""
+            best_k, best_total, best_fetch = _scan(*scan_args)
         counts: dict[Source, int] = {}
         left = best_k
         for src, ln in runs:
@@ -329,10 +312,10 @@ class CostModel:
         return self.prefill.time(total_tokens, 0)
 
 
-def _scan_py(fetch: Sequence[float], a: float, b: float, bt: int, p: int, lat_r: float,
-             lat_l: float, runs: Sequence[tuple[int, int]]) -> tuple[int, float, float]:
+def _scan(fetch: Sequence[float], a: float, b: float, bt: int, p: int, lat_r: float,
+          lat_l: float, runs: Sequence[tuple[int, int]]) -> tuple[int, float, float]:
     """The cut-point scan of :meth:`CostModel.plan_runs`: the best cut (blocks), its total and
-    its fetch seconds (the C extension ``kvshare._native._plan.scan`` gives the same floats)."""
+    its fetch seconds."""
     last = p - 1
     best_k, best_total, best_fetch = 0, a * p + b * p * p / 2, 0.0
     cum = lat = 0.0
@@ -378,7 +361,7 @@ def _scan_py(fetch: Sequence[float], a: float, b: float, bt: int, p: int, lat_r:
 def _scan_windows(windows: Sequence[tuple[int, Sequence[float]]], fetch: Sequence[float],
                   a: float, b: float, bt: int, p: int, lat_r: float, lat_l: float,
                   runs: Sequence[tuple[int, int]]) -> tuple[int, float, float]:
-    """:func:`_scan_py` of a layout with sliding-window groups, block by block: a cut at ``k``
+    """:func:`_scan` of a layout with sliding-window groups, block by block: a cut at ``k``
     fetches every block's ``fetch`` and, per window of ``w`` blocks, that window's seconds for
     blocks ``k - w .. k - 1`` only (a running sum over each window)."""
     last = p - 1

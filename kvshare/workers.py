@@ -42,11 +42,11 @@ META_GPU_CACHE_BLOCKS = "gpu_cache_blocks"
 number; least recently used evicted first; e.g. vLLM's ``num_gpu_blocks`` x ``block_size`` /
 the share's ``block_tokens``). Absent: no limit is assumed. The cost policy stops counting
 the blocks there that the worker's queue will have pushed out before a job queued now starts
-(:mod:`kvshare.router.core.survival`)."""
+(:mod:`kvshare.router.core.recency`)."""
 
 META_POOL_BLOCKS = "pool_blocks"
 """``WorkerInfo.meta`` key: how many blocks its node's pool holds over all its tiers (a whole
-number; least recently used evicted first). Absent: no limit is assumed (:mod:`kvshare.router.core.survival`)."""
+number; least recently used evicted first). Absent: no limit is assumed (:mod:`kvshare.router.core.recency`)."""
 
 
 @quick_init

@@ -10,13 +10,8 @@ waits for the verdict: a slot whose bytes no longer match their checksum (bit ro
 slab) makes that lease invalid, so the reader's block is a ``corrupt`` miss and the pool drops
 the block. What this does not cover is damage on the wire or in the reader's memory: UCX's
 transports deliver bytes intact (``cma`` is a kernel copy, RDMA NICs check a CRC per packet,
-TCP its own sums).
-
-The other way, :class:`LandingCheck`: the reader checksums each group of blocks the moment it
-landed, in a native thread (``kvshare._native._hashq``, no GIL) while the next group copies, so the
-check costs about one cache-warm hash of the last group and covers the wire and the reader's
-memory too. ``NixlTransport(end_to_end=True)`` uses it where the extension is built
-(``LANDING_CHECKS``); on a 2-core host the pool's check measured faster, so it stays the default.
+TCP its own sums). ``NixlTransport(end_to_end=True)`` has the reader checksum what arrived
+instead (after the read), which covers the wire and the reader's memory too.
 """
 
 from __future__ import annotations
@@ -31,27 +26,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import NamedTuple
 
-from kvshare.tiers.base import ByteArray, block_checksum
+from kvshare.tiers.base import block_checksum
 from kvshare.tiers.host import HostSlab
 from kvshare.types import BlockHash
 
 log = logging.getLogger(__name__)
 
-
-def _bind_native() -> bool:
-    """Whether ``kvshare._native._hashq`` is built and computes the same xxh3-64 as block_checksum."""
-    try:
-        import xxhash._xxhash as lib
-
-        from kvshare._native import _hashq
-    except ImportError:
-        return False
-    probe = bytes(range(256)) * 1031
-    return bool(_hashq.bind(lib.__file__ or "")) and _hashq.digest(probe) == block_checksum(probe)
-
-
-LANDING_CHECKS: bool = _bind_native()
-"""Whether :class:`LandingCheck` can hash in a native thread (the extension built and bound)."""
 
 TASK_BYTES = 32 * 1024 * 1024
 """Slots are checksummed in tasks of about this many bytes (so two threads share big batches)."""
@@ -143,36 +123,3 @@ class SlotVerifier:
             self._pending.clear()
         if pool is not None:
             pool.shutdown(wait=True, cancel_futures=True)
-
-
-class LandingCheck:
-    """Checksums buffers in a native thread as the caller reports them landed.
-
-    :meth:`landed` queues a buffer (kept alive and unchanged by the caller until :meth:`sums`
-    returned or :meth:`close`); :meth:`sums` waits for all of them. Needs ``LANDING_CHECKS``.
-    """
-
-    def __init__(self, capacity: int) -> None:
-        from kvshare._native import _hashq
-
-        self._queue: _hashq.HashQueue | None = _hashq.HashQueue(capacity)
-        self._order: list[int] = []
-
-    def landed(self, key: int, buf: ByteArray) -> None:
-        """Queue ``buf`` (C-contiguous) under ``key``."""
-        assert self._queue is not None, "LandingCheck used after close"
-        self._queue.push(int(buf.ctypes.data), int(buf.nbytes))
-        self._order.append(key)
-
-    def sums(self, timeout: float) -> dict[int, int] | None:
-        """key -> xxh3-64 of every landed buffer, or None if not done within ``timeout`` s.
-        Closes the check either way."""
-        got = self._queue.wait(timeout) if self._queue is not None else None
-        self.close()
-        return None if got is None else dict(zip(self._order, got, strict=True))
-
-    def close(self) -> None:
-        """Stop hashing (after the buffer in progress); no buffer is read afterwards."""
-        queue, self._queue = self._queue, None
-        if queue is not None:
-            queue.close()

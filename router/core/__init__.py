@@ -8,6 +8,6 @@
 - :mod:`~kvshare.router.core.sources`, :mod:`~kvshare.router.core.workers_view`: per-worker
   views of a match and of the workers' loads;
 - :mod:`~kvshare.router.core.pending`, :mod:`~kvshare.router.core.ready`,
-  :mod:`~kvshare.router.core.recency`, :mod:`~kvshare.router.core.survival`: the router's books;
+  :mod:`~kvshare.router.core.recency`: the router's books;
 - :mod:`~kvshare.router.core.metrics`, :mod:`~kvshare.router.core.recent`: what it exposes.
 """

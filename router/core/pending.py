@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Any
 
 from kvshare.actors.index.runs import HolderRuns
 from kvshare.match import EMPTY_MATCH, LocationMatch, MatchResult
@@ -25,38 +25,6 @@ _Entry = tuple[_Holders, int, float]
 """What a block's key maps to: its holders, the number of the ``add`` call that last
 refreshed it (the order of entries across namespaces) and the earliest of the holders'
 expiries (before it, none has expired); shared like the holder map."""
-
-
-class PendingBook(Protocol):
-    """What the router reads and records of its pending blocks (:class:`PendingBlocks`, or the
-    same in C: :class:`~kvshare.router.core.pending_native.NativePending`)."""
-
-    ttl_s: float
-
-    def __len__(self) -> int: ...
-
-    def add(self, namespace: str, location: Location, hashes: Sequence[BlockHash],
-            tier: Tier = Tier.GPU) -> None: ...
-
-    def match(self, namespace: str, hashes: Sequence[BlockHash]) -> MatchResult: ...
-
-    def match_runs(self, namespace: str, hashes: Sequence[BlockHash]) -> HolderRuns: ...
-
-    def forget(self, location: Location) -> None: ...
-
-
-def pending_blocks(ttl_s: float = 10.0, clock: Callable[[], float] = time.monotonic,
-                   max_entries: int = 1_000_000, native: bool = True) -> PendingBook:
-    """The C book where it was built (and ``native``), else :class:`PendingBlocks`: the same
-    answers either way (``tests/test_router_books.py`` runs both on random sequences)."""
-    if native:
-        try:
-            from kvshare.router.core.pending_native import NativePending
-        except ImportError:  # no compiler at install: the Python book
-            pass
-        else:
-            return NativePending(ttl_s, clock, max_entries)
-    return PendingBlocks(ttl_s, clock, max_entries)
 
 
 class PendingBlocks:
@@ -270,7 +238,7 @@ def _row(seg: Sequence[tuple[int, int, Tier]], total: int) -> tuple[int, dict[Ti
 
 def match_of_runs(num_blocks: int, k: int, runs: Sequence[Sequence[Any]]) -> MatchResult:
     """:meth:`PendingBlocks.match` from its live runs ``[start, end, ((location, tier), ...)]``
-    covering the first ``k`` blocks (shared by the C book, :mod:`kvshare.router.core.pending_native`)."""
+    covering the first ``k`` blocks."""
     if not k:
         return EMPTY_MATCH
     segs: dict[Location, list[tuple[int, int, Tier]]] = {}

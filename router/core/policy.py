@@ -22,7 +22,6 @@ already differ by hash root, so one tenant never matches another's blocks.
 
 from __future__ import annotations
 
-import functools
 import math
 import time
 from abc import ABC, abstractmethod
@@ -34,11 +33,9 @@ from typing import Any, ClassVar, TypeVar
 
 from kvshare.cost import CostModel, CutPlan
 from kvshare.quick_init import quick_init
-from kvshare.router.core.ready import ReadyBlocks, ReadyBook, ready_blocks
+from kvshare.router.core.ready import ReadyBlocks
 from kvshare.router.core.recency import RecencyBook, TimedHoldings
-from kvshare.router.core.select_native import NativeSelect
 from kvshare.router.core.sources import Match, Sharing, SourceMap, SourceRuns, holder_runs
-from kvshare.router.core.survival import Capacities, Turnover
 from kvshare.types import BlockHash, NodeId, WorkerId, node_location, worker_location
 from kvshare.workers import META_GPU_PRIVATE, WorkerInfo, WorkerLoad
 
@@ -162,16 +159,15 @@ class Ranking:
 
 class _Estimator:
     """What a ranking needs to estimate every candidate later: the policy's cost model and
-    sharing as they were when it decided, the view (or how to build it from the same inputs)
-    and the plans already made."""
+    sharing as they were when it decided, the view and the plans already made."""
 
-    def __init__(self, policy: Policy, request: RouteRequest, view_of: Callable[[], SourceMap],
+    def __init__(self, policy: Policy, request: RouteRequest, view: SourceMap,
                  cands: list[Candidate], planned: dict[WorkerId, CutPlan]) -> None:
         self.cost, self.sharing, self.queue_s = policy.cost, policy.sharing, policy.queue_s
-        self.request, self.view_of, self.cands, self.planned = request, view_of, cands, planned
+        self.request, self.view, self.cands, self.planned = request, view, cands, planned
 
     def estimates(self, decision: Decision) -> list[Estimate]:
-        cost, view, n = self.cost, self.view_of(), self.request.num_tokens
+        cost, view, n = self.cost, self.view, self.request.num_tokens
         by_runs: dict[SourceRuns, CutPlan] = {}
         out = []
         for c in self.cands:
@@ -273,17 +269,10 @@ class Policy(ABC):
                 + ": register one with that namespace"
             )
         self._prepare(request, match, pending)
-        native = self._select_native(request, match, pending, cands, nodes)
-        if native is None:
-            view = SourceMap(match, nodes, pending, self._private)
-            idx, reason = self._select(request, view, cands)
-            chosen = cands[idx]
-            plan = self.plan_for(request, view, chosen)
-            view_of: Callable[[], SourceMap] = lambda: view  # noqa: E731
-        else:  # (the view is built only if the ranking's other estimates are read)
-            idx, reason, plan = native
-            chosen = cands[idx]
-            view_of = functools.partial(SourceMap, match, nodes, pending, self._private)
+        view = SourceMap(match, nodes, pending, self._private)
+        idx, reason = self._select(request, view, cands)
+        chosen = cands[idx]
+        plan = self.plan_for(request, view, chosen)
         queue = self.queue_s(chosen.load)
         est = queue + plan.total_s
         saved = max(0.0, self.cost.recompute_s(request.num_tokens) - plan.total_s)
@@ -292,15 +281,8 @@ class Policy(ABC):
             plan.cut, plan.remote_blocks, plan,
         )
         self.observe(request, decision)
-        return Ranking(request, decision, _Estimator(self, request, view_of, cands,
+        return Ranking(request, decision, _Estimator(self, request, view, cands,
                                                      self._planned()))
-
-    def _select_native(self, request: RouteRequest, match: Match, pending: Match | None,
-                       cands: list[Candidate], nodes: dict[WorkerId, NodeId]
-                       ) -> tuple[int, str, CutPlan] | None:
-        """:meth:`_select` and the chosen plan computed in C without a Python view, where a
-        policy has such a path (the same answer); None: run :meth:`_select`."""
-        return None
 
     def _planned(self) -> dict[WorkerId, CutPlan]:
         """Plans :meth:`_select` computed for this request (reused by the ranking)."""
@@ -493,28 +475,14 @@ class CostPolicy(Policy):
     the creator's own plan counts them as its local gpu blocks, with its wait at least until
     their job's estimated end (it cannot start before).
 
-    Where the C extensions were built, the ready blocks are kept in C and the candidate loop of
-    :meth:`_select` runs in C (:meth:`_select_native`, :mod:`kvshare.router.core.select_native`): the same
-    estimates, plans and pick, which ``tests/test_router_fastpaths.py`` checks in lockstep.
-
-    With ``survival`` (off by default: measured, not adopted; README), a plan counts a block
-    only where its holder will still hold it when the job starts: where the workers report
-    their engine cache's and node pool's capacity
-    (:data:`~kvshare.workers.META_GPU_CACHE_BLOCKS`, :data:`~kvshare.workers.META_POOL_BLOCKS`),
-    a holder whose queued writes by the candidate's queue wait reach its capacity has turned
-    over, and its blocks count only where a job ahead uses them again (pending and ready
-    blocks, the ready ones by the same test from their job's end):
-    :mod:`kvshare.router.core.survival`.
-
-    With ``recency`` (on by default; README), the index's and pending holdings of each engine
+    With ``recency`` (on by default), the index's and pending holdings of each engine
     cache and node pool whose capacity the workers report are cut, per candidate, to the
     leading blocks still held there when that candidate would start, from a shadow LRU per
     tier that replays this policy's decisions at their estimated times (:mod:`kvshare.router.core.recency`):
-    a block's own LRU position, not a bound for any position. It runs the Python loop (the C
-    loop prices every candidate on one view). Where no worker reports a capacity (kvshare's
-    vLLM and reference workers do not: a router's shadow sees only its own traffic, so a
-    deployment with several routers or a restarted one would count other blocks as gone) there
-    is nothing to shadow, and the policy is the plain one, C loop included; the simulator's
+    a block's own LRU position, not a bound for any position. Where no worker reports a
+    capacity (kvshare's vLLM and reference workers do not: a router's shadow sees only its own
+    traffic, so a deployment with several routers or a restarted one would count other blocks
+    as gone) there is nothing to shadow, and the policy is the plain one; the simulator's
     workers report theirs (one router sees all of the cluster's traffic there).
     """
 
@@ -522,11 +490,10 @@ class CostPolicy(Policy):
 
     def __init__(
         self, cost: CostModel, sharing: Sharing = Sharing.GLOBAL, tie_s: float = 0.001,
-        survival: bool = False, recency: bool = True,
+        recency: bool = True,
     ) -> None:
         super().__init__(cost, sharing)
         self.tie_s = tie_s
-        self.survival = survival
         self._recency = RecencyBook() if recency else None
         self._shadowed: dict[WorkerId, NodeId] = {}  # workers whose tiers the book keeps
         self._timed: TimedHoldings | None = None  # this request's holdings by time (recency)
@@ -534,11 +501,8 @@ class CostPolicy(Policy):
         self._last_end: dict[WorkerId, float] = {}  # per worker: its last job's replay end
         self._plans: dict[WorkerId, CutPlan] = {}
         self._rotate = _Rotation()
-        # (survival runs the Python book and loop: the C ones do not test turnover)
-        self._ready: ReadyBook = ready_blocks(native=not survival)
-        self._native = NativeSelect()
+        self._ready = ReadyBlocks()
         self._behind: dict[str, int] = {}  # per namespace: decisions since every worker fell behind
-        self._caps: Capacities | None = None  # the candidates' reported capacities (survival)
 
     def forget(self, worker: WorkerId) -> None:
         """The blocks ``worker``'s queued jobs were creating (its ready blocks) go."""
@@ -546,8 +510,7 @@ class CostPolicy(Policy):
 
     def _prepare(self, request: RouteRequest, match: Match, pending: Match | None) -> None:
         """With ``recency``, price this request on the holdings each tier will still have
-        (class docstring); no worker reports a capacity: nothing to shadow, the plain path
-        and its C loop."""
+        (class docstring); no worker reports a capacity: nothing to shadow, the plain path."""
         book = self._recency  # (None without recency; empty, so false, with nothing to shadow)
         self._timed = TimedHoldings(book, request.hashes, match, pending) if book else None
 
@@ -586,8 +549,6 @@ class CostPolicy(Policy):
         queues, order = self.queues(cands)
         timed = self._timed
         waits = self._waits = {}
-        turnover = self._turnover(cands, queues)
-        lost = turnover.lost if turnover is not None else None
         fewest, work, bound, typical = self._pressure(ns, cands, queues)
         self._note_behind(ns, fewest)
         ests = [math.inf] * len(cands)
@@ -603,15 +564,9 @@ class CostPolicy(Policy):
                 info = cands[i].info
                 seen = view if timed is None else timed.view(
                     view, max(now + q, self._last_end.get(info.worker_id, now)))
-                runs = seen.source_runs(info.worker_id, info.node, self.sharing, fetch,
-                                        lost(q) if lost is not None else _KEPT)
+                runs = seen.source_runs(info.worker_id, info.node, self.sharing, fetch)
                 wait = q
-                if ready is not None and turnover is not None:
-                    assert isinstance(ready, ReadyBlocks)  # (survival: the Python book)
-                    runs, start = ready.extend(runs, ns, hashes, info.worker_id, now, now + q,
-                                               turnover)
-                    wait = start - now
-                elif ready is not None:
+                if ready is not None:
                     runs, start = ready.extend(runs, ns, hashes, info.worker_id, now, now + q)
                     wait = start - now
                 t = bounds.get(runs)
@@ -658,60 +613,6 @@ class CostPolicy(Policy):
         else:
             self._behind.pop(ns, None)
 
-    def _select_native(self, request: RouteRequest, match: Match, pending: Match | None,
-                       cands: list[Candidate], nodes: dict[WorkerId, NodeId]
-                       ) -> tuple[int, str, CutPlan] | None:
-        """:meth:`_select` with its loop in C (:mod:`kvshare.router.core.select_native`: the same estimates
-        and plans, no Python view), then the same pick; None where it cannot run (and with
-        ``survival``, or ``recency`` with a tier to shadow: the C loop does not test turnover
-        or read holdings at each candidate's start)."""
-        if self.survival or self._timed is not None:
-            return None
-        got = self._cheapest_native(request, match, pending, cands, nodes)
-        if got is None:
-            return None
-        i, reason, plan, est = got
-        moved = self._idle_instead(
-            cands, i, plan.total_s, est,
-            lambda idle: self._cheapest_native(request, match, pending, idle, nodes))
-        return (moved[0], moved[1][1], moved[1][2]) if moved is not None else (i, reason, plan)
-
-    def _cheapest_native(self, request: RouteRequest, match: Match, pending: Match | None,
-                         cands: list[Candidate], nodes: dict[WorkerId, NodeId]
-                         ) -> tuple[int, str, CutPlan, float] | None:
-        """:meth:`_cheapest` in C: also the chosen plan; None where the C loop cannot run."""
-        ns, n = request.namespace, request.num_tokens
-        queues, order = self.queues(cands)
-        fewest, work, bound, typical = self._pressure(ns, cands, queues)
-        glob = self.sharing is Sharing.GLOBAL
-        got = self._native.run(
-            match=match, pending=pending, cands=cands, nodes=nodes, private=self._private,
-            queues=queues, order=order, bound=bound,
-            typical=typical if bound is not None else None, work=work,
-            ready=self._ready if self._ready and glob else None, namespace=ns,
-            hashes=request.hashes, now=self.clock(), tokens=n, cost=self.cost,
-            tie_s=self.tie_s, remote=glob)
-        if got is None:
-            return None
-        self._note_behind(ns, fewest)
-        ests, evaluated = got
-        cost = self.cost
-        plans: dict[WorkerId, CutPlan] = {}
-        by_runs: dict[SourceRuns, CutPlan] = {}
-        for i, runs, k, total, fetch in evaluated:
-            plan = by_runs.get(runs)
-            if plan is None:
-                plan = by_runs[runs] = cost.plan_of_scan(n, runs, k, total, fetch)
-            plans[cands[i].info.worker_id] = plan
-        self._plans = plans
-        if len(evaluated) == 1 and ests[evaluated[0][0]] < math.inf:
-            # one plan computed, every other candidate pruned (inf): it is the only tie
-            best_i = self._rotate.pick((evaluated[0][0],), cands)
-            plan = plans[cands[best_i].info.worker_id]
-            return best_i, plan_reason(plan), plan, ests[best_i]
-        best_i, reason = self._pick(ests, plans, cands)
-        return best_i, reason, plans[cands[best_i].info.worker_id], ests[best_i]
-
     def _idle_instead(self, cands: list[Candidate], i: int, plan_s: float, est: float,
                       cheapest: Callable[[list[Candidate]], _Best | None]
                       ) -> tuple[int, _Best] | None:
@@ -752,21 +653,6 @@ class CostPolicy(Policy):
             ties = [i for i, r in zip(ties, remote, strict=True) if r == least]
         best_i = self._rotate.pick(ties, cands)
         return best_i, plan_reason(plans[cands[best_i].info.worker_id])
-
-    def _turnover(self, cands: list[Candidate], queues: list[float]
-                  ) -> Turnover | None:
-        """Which holders will have turned over when (:mod:`kvshare.router.core.survival`); None when none
-        can (``survival`` off, no capacity reported, or queues too short)."""
-        if not self.survival:
-            return None
-        infos = [c.info for c in cands]
-        caps = self._caps
-        if caps is None or len(caps.infos) != len(infos) or not all(map(is_, caps.infos, infos)):
-            caps = self._caps = Capacities(infos)
-        if not caps.reported:
-            return None
-        turnover = Turnover(caps, [c.load for c in cands], queues, self.cost.block_tokens)
-        return turnover if turnover.possible else None
 
     def _bound(self, n: int, runs: SourceRuns) -> float:
         """A lower bound of ``plan_runs(n, runs).total_s``, from the runs' first source and
@@ -840,7 +726,6 @@ class CostPolicy(Policy):
 _SHRINK = 1.0 - 1e-9
 _INFO = attrgetter("info")  # (C-level reads over the candidates)
 _WAITING = attrgetter("load.waiting")
-_KEPT: frozenset[str] = frozenset()  # no holder lost
 
 
 def _convoy(waiting: int, queue: float, plan_s: float, saved: float) -> bool:

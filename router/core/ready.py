@@ -16,47 +16,14 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import Protocol
 
 from kvshare.cost import Source
 from kvshare.router.core.sources import SourceRuns
-from kvshare.router.core.survival import Turnover
 from kvshare.types import BlockHash, WorkerId
 
 _REMOTE_HOST = int(Source.REMOTE_HOST)
-_LOCAL_HOST = int(Source.LOCAL_HOST)
 _LOCAL_GPU = int(Source.LOCAL_GPU)
 _Entry = tuple[WorkerId, float, int, bool]
-
-
-class ReadyBook(Protocol):
-    """What the cost policy reads and records of the blocks its decisions create
-    (:class:`ReadyBlocks`, or the same in C: :class:`~kvshare.router.core.ready_native.NativeReady`)."""
-
-    def __len__(self) -> int: ...
-
-    def add(self, namespace: str, worker: WorkerId, hashes: Sequence[BlockHash],
-            ready_s: float, now: float, stored_from: int = 0) -> None: ...
-
-    def run_from(self, namespace: str, hashes: Sequence[BlockHash], start: int) -> int: ...
-
-    def extend(self, runs: SourceRuns, namespace: str, hashes: Sequence[BlockHash],
-               worker: WorkerId, now: float, start_s: float) -> tuple[SourceRuns, float]: ...
-
-    def forget(self, worker: WorkerId) -> None: ...
-
-
-def ready_blocks(max_entries: int = 1_000_000, native: bool = True) -> ReadyBook:
-    """The C book where it was built (and ``native``), else :class:`ReadyBlocks`: the same
-    answers either way (``tests/test_router_books.py`` runs both on random sequences)."""
-    if native:
-        try:
-            from kvshare.router.core.ready_native import NativeReady
-        except ImportError:  # no compiler at install: the Python book
-            pass
-        else:
-            return NativeReady(max_entries)
-    return ReadyBlocks(max_entries)
 
 
 class ReadyBlocks:
@@ -166,8 +133,7 @@ class ReadyBlocks:
         return k - start
 
     def extend(self, runs: SourceRuns, namespace: str, hashes: Sequence[BlockHash],
-               worker: WorkerId, now: float, start_s: float, turnover: Turnover | None = None
-               ) -> tuple[SourceRuns, float]:
+               worker: WorkerId, now: float, start_s: float) -> tuple[SourceRuns, float]:
         """``worker``'s runs (its view of the index and pending blocks) followed by the blocks
         decisions are creating that it will hold or reach when it starts, at ``start_s``, and
         the time it can start at the earliest for that view (``start_s`` or later):
@@ -180,9 +146,7 @@ class ReadyBlocks:
         - other workers' stored after ``now`` and by ``start_s``, as remote host copies.
 
         An entry whose time has passed is the index's word (a block it does not show was not
-        stored). With ``turnover``, a block counts only where it is still held at ``start_s``
-        (:meth:`~kvshare.router.core.survival.Turnover.keeps`): its creator's engine or node pool for its
-        own, the creator's node pool for others."""
+        stored)."""
         at = self._at.get(namespace) if self._size else None
         if not at:
             return runs, start_s
@@ -197,16 +161,10 @@ class ReadyBlocks:
             if entry is None or not now < entry[1]:
                 break
             if entry[0] == worker:
-                if turnover is None or turnover.keeps(worker, True, entry[1] - now, start_s - now):
-                    src = _LOCAL_GPU
-                elif entry[3] and turnover.keeps(worker, False, entry[1] - now, start_s - now):
-                    src = _LOCAL_HOST
-                else:
-                    break
+                src = _LOCAL_GPU
                 if entry[1] > begin:
                     begin = entry[1]
-            elif entry[3] and entry[1] <= start_s and (turnover is None or turnover.keeps(
-                    entry[0], False, entry[1] - now, start_s - now)):
+            elif entry[3] and entry[1] <= start_s:
                 src = _REMOTE_HOST
             else:
                 break

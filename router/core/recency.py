@@ -3,8 +3,7 @@
 A tier that evicts its least recently used block (an engine's prefix cache, a node's pool)
 holding ``capacity`` blocks still holds a block once the jobs queued in front of a request have
 run only if fewer than ``capacity`` other blocks were used there since the block's last use:
-its LRU stack distance. :mod:`kvshare.router.core.survival` bounds that from the capacity alone, for any
-rank; this module keeps the rank. The router sees every job it sends, in each worker's queue
+its LRU stack distance; this module keeps the rank. The router sees every job it sends, in each worker's queue
 order, so it replays them into a shadow LRU per tier (a key per block, no bytes):
 
 - the chosen worker's engine cache uses every block of the prompt at the job's estimated end
@@ -44,9 +43,22 @@ from collections.abc import Sequence
 
 from kvshare.actors.index.runs import HolderRuns, Holders
 from kvshare.router.core.sources import Match, SourceMap, holder_runs
-from kvshare.router.core.survival import capacity
 from kvshare.types import BlockHash, node_location, worker_location
 from kvshare.workers import META_GPU_CACHE_BLOCKS, META_POOL_BLOCKS, WorkerInfo
+
+
+def capacity(info: WorkerInfo, key: str) -> int:
+    """A capacity the worker reports in its meta (blocks); 0 when it reports none (no limit
+    assumed: nothing is ever lost there). ValueError naming the key for a malformed one."""
+    raw = info.meta.get(key)
+    if not raw:
+        return 0
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"worker {info.worker_id}: meta[{key!r}] must be a whole number of "
+                         f"blocks, got {raw!r}") from None
+    return max(0, value)
 
 
 class ShadowLru:

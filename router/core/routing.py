@@ -51,7 +51,7 @@ from kvshare.hasher import Hasher, Tokens
 from kvshare.match import EMPTY_MATCH
 from kvshare.quick_init import quick_init
 from kvshare.router.core.index import RouterIndex
-from kvshare.router.core.pending import PendingBook, pending_blocks
+from kvshare.router.core.pending import PendingBlocks
 from kvshare.router.core.policy import (
     Candidate,
     Decision,
@@ -152,7 +152,7 @@ class RoutingCore:
         model = self._model(cost)
         self.policy: Policy = make_policy(policy, model, cost.sharing, **dict(policy_options or {}))
         self._load_only = make_policy("least_loaded", model, cost.sharing)
-        self.pending: PendingBook = pending_blocks(pending_ttl_s)
+        self.pending = PendingBlocks(pending_ttl_s)
         self.inflight = InFlight()
         self._cands: dict[WorkerId, Candidate] = {}
         self._last_key: tuple[tuple[WorkerInfo, ...], list[tuple[WorkerLoad, int]]] = ((), [])

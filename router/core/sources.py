@@ -235,19 +235,14 @@ class SourceMap:
         node: NodeId,
         sharing: Sharing,
         fetch_s: Sequence[float] | None = None,
-        lost: frozenset[str] = frozenset(),
     ) -> SourceRuns:
         """Cheapest source of each leading block for ``worker``, as runs; stops at the first gap.
 
         ``fetch_s[source]`` (seconds per block, :attr:`CostModel.block_fetch_s`) decides
         between a local and a remote copy; without it the faster tier wins, local first.
-        ``lost``: locations whose index holdings will be gone by the time it starts
-        (:mod:`kvshare.router.core.survival`); their pending blocks still count.
         Equal views give equal (canonical) runs.
         """
         w_loc, n_loc = _worker_loc(worker), _node_loc(node)
-        if lost and not lost.isdisjoint(self._index_locs):
-            return self._runs_without(w_loc, n_loc, node, sharing, fetch_s, lost)
         held, mine = self._index_locs, self._pending_ranks
         remote = sharing is Sharing.GLOBAL
         if (w_loc not in held and w_loc not in mine and n_loc not in held and n_loc not in mine
@@ -261,28 +256,9 @@ class SourceMap:
             return self._remote_only
         return self._runs(self._own(w_loc), self._own(n_loc), node, remote, fetch_s)
 
-    def _runs_without(self, w_loc: str, n_loc: str, node: str, sharing: Sharing,
-                      fetch_s: Sequence[float] | None, lost: frozenset[str]) -> SourceRuns:
-        """:meth:`source_runs` with the index holdings of ``lost`` locations left out."""
-        pending = self._pending_ranks
-        own_w = pending.get(w_loc) if w_loc in lost else self._own(w_loc)
-        own_n = pending.get(n_loc) if n_loc in lost else self._own(n_loc)
-        remote = sharing is Sharing.GLOBAL
-        if not remote:
-            return self._runs(own_w, own_n, node, False, fetch_s)
-        b1, b1n, b2 = [], [], []
-        for ranks in self._index_ranks:
-            _, r1, n1, r2 = _bests([(loc, r) for loc, r in ranks.items() if loc not in lost],
-                                   self._worker_nodes, self._private)
-            b1.append(r1)
-            b1n.append(n1)
-            b2.append(r2)
-        return self._runs(own_w, own_n, node, True, fetch_s, (b1, b1n, b2))
-
     def _runs(self, own_w: list[int] | None, own_n: list[int] | None, node: str | None,
-              remote: bool, fetch_s: Sequence[float] | None,
-              bests: tuple[list[int], list[str | None], list[int]] | None = None) -> SourceRuns:
-        b1, b1n, b2 = bests or (self._best1, self._best1_node, self._best2)
+              remote: bool, fetch_s: Sequence[float] | None) -> SourceRuns:
+        b1, b1n, b2 = self._best1, self._best1_node, self._best2
         lens = self._lens
         far = REMOTE_OFFSET  # tier code -> its remote Source
         out: list[tuple[int, int]] = []

@@ -132,7 +132,7 @@ class ClusterConfig:
 
     def capacity_meta(self) -> dict[str, str]:
         """What each worker reports of its caches' sizes in its meta, in blocks: its engine's
-        prefix cache and its node's pool (host + disk; :mod:`kvshare.router.core.survival`)."""
+        prefix cache and its node's pool (host + disk; :mod:`kvshare.router.core.recency`)."""
         bt = self.block_tokens
         out = {META_POOL_BLOCKS: str((self.host_tokens + self.disk_tokens) // bt)}
         if self.gpu_cache_capacity_tokens >= bt:

@@ -116,13 +116,11 @@ def test_bad_windows(windows: tuple[tuple[int, int], ...]) -> None:
 
 
 def test_the_router_prices_a_sliding_layout_by_its_windows() -> None:
-    """RouterConfig takes the workers' layout terms; the routing core's model carries them
-    (and the C candidate loop declines it, so plans go through the windowed scan)."""
+    """RouterConfig takes the workers' layout terms; the routing core's model carries them."""
     from types import SimpleNamespace
 
     from kvshare.router.core.embed import RouterConfig
     from kvshare.router.core.routing import RoutingCore
-    from kvshare.router.core.select_native import NativeSelect
 
     cfg = RouterConfig.from_model_keys(SimpleNamespace(identity="m", layout=OSS))
     assert (cfg.bytes_per_token, cfg.kv_windows) == (24576, ((1, 24576),))
@@ -131,9 +129,3 @@ def test_the_router_prices_a_sliding_layout_by_its_windows() -> None:
                                   cfg.bandwidths, 256, 24576, ((1, 24576),))
     mha = RouterConfig.from_model_keys(SimpleNamespace(identity="m", layout=OSS_AS_MHA))
     assert (mha.bytes_per_token, mha.kv_windows) == (49152, ())
-    select = NativeSelect()
-    got = select.run(match=None, pending=None, cands=(), nodes={}, private=frozenset(),  # type: ignore[arg-type]
-                     queues=[], order=[], bound=None, typical=None, work=0.0, ready=None,
-                     namespace="ns", hashes=(), now=0.0, tokens=1, cost=core.cost, tie_s=0.0,
-                     remote=True)
-    assert got is None and select.declined == 1

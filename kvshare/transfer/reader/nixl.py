@@ -6,9 +6,8 @@ source pool to pin the blocks (one control message), posts ONE transfer with bat
 descriptor lists, polls ``check_xfer_state`` until done or the deadline (then cancels), and
 ends the pins (one control message). Integrity (:mod:`kvshare.transfer.verify`): by default
 the pool checksums the pinned slots while one transfer runs and the ``finish`` reply says
-which were intact; with ``end_to_end=True`` the reader checksums what arrived, group by group
-(about ``GROUP_BYTES`` per transfer) in a native thread while the next group copies (where
-``kvshare._native._hashq`` is built), and sends the ``finish`` without waiting for its reply.
+which were intact; with ``end_to_end=True`` the reader checksums what arrived (after the
+read), and sends the ``finish`` without waiting for its reply.
 Remote agent
 metadata is cached per source agent name ``{namespace}/{node}/{generation}``; when a source's
 generation changes the old agent is removed with ``remove_remote_agent``. Connections are
@@ -42,7 +41,6 @@ from kvshare.transfer.base import (
     lease_ttl,
 )
 from kvshare.transfer.nixl_agent import dram_reg, make_agent, xfer_descs
-from kvshare.transfer.verify import LANDING_CHECKS, LandingCheck
 from kvshare.transfer.wire import (
     PRESENT,
     BlockControl,
@@ -55,10 +53,6 @@ from kvshare.types import BlockHash
 log = logging.getLogger(__name__)
 
 MAX_REGIONS = 16
-GROUP_BYTES = 16 * 1024 * 1024
-"""A read checked on landing moves in transfers of about this many bytes: each group is hashed
-(cache-warm) while the next one copies. Measured (cma, 256 MiB): 16 transfers cost ~1% against
-one, 64 about 5%."""
 
 
 HUGE_PAGE = 2 * 1024 * 1024
@@ -110,9 +104,8 @@ class NixlTransport(Transport):
 
     ``verify``: every block read is checked against its checksum. ``end_to_end`` says who
     checks: the holding pool while the transfer runs (False, the default: the faster of the
-    two on the results page), or this reader as the blocks land (True; hashing in a native thread where
-    ``verify.LANDING_CHECKS``, else after the whole read), which also covers the wire and this
-    host's memory.
+    two on the results page), or this reader once they landed (True: after the whole read), which also
+    covers the wire and this host's memory.
     Raises :class:`TransportUnavailable` (reason ``nixl_unavailable``) if NIXL cannot start.
     """
 
@@ -205,7 +198,7 @@ class NixlTransport(Transport):
         bufs: Sequence[ByteArray], deadline_s: float,
     ) -> Transfer:
         t = self.new_transfer(op, hashes, bufs, deadline_s, self.agent_name)
-        t.state.update(control=control, bufs=list(bufs), handles=[], outcome={}, check=None,
+        t.state.update(control=control, bufs=list(bufs), handles=[], outcome={},
                        stages={}, mark=time.perf_counter())
         if not hashes:
             t.finish([], 0)
@@ -263,14 +256,8 @@ class NixlTransport(Transport):
                 for i in moving:
                     self._ensure_registered(bufs[i], keep)
             remotes = [info.base_addr + entries[i].slot * size for i in moving]  # type: ignore[union-attr]
-            per = len(moving)
-            if t.op == "read" and self.verify and self.end_to_end and LANDING_CHECKS:
-                t.state["check"] = LandingCheck(len(moving))
-                per = max(1, GROUP_BYTES // size)
             _stage(t, "prepare")
-            for lo in range(0, len(moving), per):
-                self._post(t, remote, moving[lo : lo + per], addrs[lo : lo + per],
-                           remotes[lo : lo + per], size)
+            self._post(t, remote, moving, addrs, remotes, size)
             _stage(t, "post")
         except TimeoutError:
             return self._end(t, DEADLINE)
@@ -298,13 +285,8 @@ class NixlTransport(Transport):
         self._advance(t, t.state["handles"][-1], self.agent.transfer(handle))
 
     def _advance(self, t: Transfer, entry: list[Any], status: str) -> None:
-        """Record a transfer's status; a group that just landed goes to the landing check."""
+        """Record a transfer's status."""
         entry[1] = status
-        check: LandingCheck | None = t.state["check"]
-        if status == "DONE" and check is not None:
-            bufs: list[ByteArray] = t.state["bufs"]
-            for i in entry[2]:
-                check.landed(i, bufs[i])
 
     def _status(self, t: Transfer) -> str:
         """DONE when every transfer is done, PROC while some still run, else a failure."""
@@ -353,16 +335,9 @@ class NixlTransport(Transport):
             self._source_verdict(t, lease_ids)
         elif t.op == "read":
             control.finish(t.holder, [])  # the pins end; nothing to wait for
-            check: LandingCheck | None = t.state["check"]
-            sums = check.sums(max(t.remaining, 0.0) + FINISH_WAIT_S) if check is not None else None
-            if check is not None and sums is None:  # not hashed in time: not known intact
-                sums = {}
             for i in t.state["moving"]:
-                got = sums.get(i) if sums is not None else (
-                    block_checksum(bufs[i]) if self.verify else entries[i].checksum)
-                if got is None:
-                    outcome[i] = DEADLINE
-                elif got != entries[i].checksum:
+                got = block_checksum(bufs[i]) if self.verify else entries[i].checksum
+                if got != entries[i].checksum:
                     outcome[i] = CORRUPT
                     bad.append(t.hashes[i])
                 else:
@@ -396,9 +371,6 @@ class NixlTransport(Transport):
     def _end(self, t: Transfer, reason: str | None) -> Transfer:
         """Stop the transfer: blocks still moving miss with ``reason``; leases end."""
         self._release(t)
-        check: LandingCheck | None = t.state.get("check")
-        if check is not None:
-            check.close()
         outcome: dict[int, str] = t.state["outcome"]
         if reason is not None:
             for i in range(len(t.hashes)):

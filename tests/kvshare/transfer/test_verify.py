@@ -1,5 +1,5 @@
 """Who checks a NIXL read's bytes: the holding pool while the transfer runs (default), or the
-reader as they land (``end_to_end``, hashed in a native thread where ``kvshare._native._hashq`` is built). Either way a rotten
+reader once they landed (``end_to_end``). Either way a rotten
 slot is a ``corrupt`` miss, the pool drops the block, and nothing stays pinned or pending. In
 one process, real NIXL."""
 
@@ -17,10 +17,9 @@ from kvshare.tiers.host import HostSlab
 from kvshare.transfer.base import CORRUPT, Transport
 from kvshare.transfer.holder.local import make_local_source
 from kvshare.transfer.holder.server import BlockServer
-from kvshare.transfer.reader import nixl
 from kvshare.transfer.reader.control import LocalControl
 from kvshare.transfer.reader.nixl import NixlTransport
-from kvshare.transfer.verify import LANDING_CHECKS, LandingCheck, PinnedSlot, SlotVerifier
+from kvshare.transfer.verify import PinnedSlot, SlotVerifier
 from kvshare.types import BlockHash, Tier
 
 LAYOUT = KVLayout(1, 1, 8, "fp32", 64)  # 4 KiB blocks
@@ -108,13 +107,8 @@ def test_verifier_names_the_failed_lease_and_forgets_abandoned_holders() -> None
         slab.close()
 
 
-def test_rot_in_one_of_many_groups_is_the_only_miss(
-    source: BlockServer, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A read in several transfers (2 blocks each), hashed group by group as they land."""
-    if not LANDING_CHECKS:
-        pytest.skip("kvshare._native._hashq is not built: reads are checked by the pool")
-    monkeypatch.setattr(nixl, "GROUP_BYTES", 2 * B)
+def test_rot_in_one_of_many_blocks_is_the_only_miss(source: BlockServer) -> None:
+    """A read of 7 blocks checked by the reader: the one rotten block alone misses."""
     t = NixlTransport(f"uv{os.getpid()}/reader/groups", end_to_end=True)
     try:
         keys = [h(200 + i) for i in range(7)]
@@ -128,27 +122,6 @@ def test_rot_in_one_of_many_groups_is_the_only_miss(
         assert keys[3] not in source.pool and source.pool.stats()["active_leases"] == 0
     finally:
         t.close()
-
-
-def test_landing_check_sums_equal_block_checksums() -> None:
-    if not LANDING_CHECKS:
-        pytest.skip("kvshare._native._hashq is not built")
-    bufs = [payload(i) for i in range(5)] + [np.zeros(0, np.uint8)]
-    check = LandingCheck(len(bufs))
-    for i in (2, 0, 1, 5, 4, 3):
-        check.landed(i, bufs[i])
-    assert check.sums(10.0) == {i: block_checksum(b) for i, b in enumerate(bufs)}
-    closed = LandingCheck(1)
-    closed.close()
-    with pytest.raises(AssertionError):
-        closed.landed(0, bufs[0])
-    from kvshare._native import _hashq
-
-    q = _hashq.HashQueue(1)
-    q.push(int(bufs[0].ctypes.data), B)
-    with pytest.raises(ValueError, match="capacity"):
-        q.push(int(bufs[1].ctypes.data), B)
-    q.close()
 
 
 def test_a_read_records_where_its_time_went(source: BlockServer, reader: Transport) -> None:

@@ -243,18 +243,12 @@ def test_cost_policy_keeps_a_long_prompt_off_a_worker_crowded_with_short_ones() 
     assert d.worker == "w0"
 
 
-@pytest.mark.parametrize("native", [True, False], ids=["c_loop", "python_loop"])
-def test_cost_policy_sends_a_request_to_an_idle_worker_rather_than_lengthen_a_convoy(
-        native: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_cost_policy_sends_a_request_to_an_idle_worker_rather_than_lengthen_a_convoy() -> None:
     """w0's gpu holds the first half of the prompt and 2 requests wait at w0 for 30 ms of
     work (~67 arrive there a second); idle w1 would pull that half from w0 (41 ms) instead.
     Alone the request is 11 ms sooner at w0, but the ~6 requests expected to join w0 behind
     it before w0 drains would each wait its 64 ms of prefill or go elsewhere at about 11 ms
     more: it goes to w1. With nothing waiting at w0, or no idle worker, it joins w0."""
-    from kvshare.router.core import select_native
-
-    if not native:
-        monkeypatch.setattr(select_native, "kernel", None)
     m = cost_model(a=1e-3, remote=1.6e6)  # 64 tokens: 64 ms to prefill, 41 ms to pull
     match = held({worker_location("w0"): (4, Tier.GPU)})
     req = RouteRequest(NS, HASHES, 128)

@@ -3,13 +3,11 @@
 - A random stream of requests (prompts sharing system prompts, tails never seen, finishes,
   new load reports with queues, waits and measured speeds, blocks stored on nodes' pools or
   workers' gpus between decisions) is routed in lockstep by two routers on one fake clock:
-  one with the C paths (the cost model's cut-point scan, the xxh3 chain, the pending and ready
-  books, the cost policy's candidate loop) and the index answering inline
-  (:meth:`RoutingCore.query_inline`), one with their pure-Python fallbacks and the index
-  awaited under its deadline. Every
-  decision and every candidate's estimate (read from the view the C path builds only then)
-  must be equal, for sha256 and xxh3 hashing, under global and local sharing, with and without
-  gpu-private workers and busy periods (every worker with requests waiting).
+  one with the fast paths (the xxh3 chain in C, the index answering inline:
+  :meth:`RoutingCore.query_inline`), one with the pure-Python chain and the index awaited
+  under its deadline. Every decision and every candidate's estimate must be equal, for sha256
+  and xxh3 hashing, under global and local sharing, with and without gpu-private workers and
+  busy periods (every worker with requests waiting).
 - The inline index answer is the awaited one, for an index that answers, fails, does not know
   the namespace or is not synced; the policy's queue waits, kept between calls and recomputed
   only for the candidates that changed, equal computing them all again.
@@ -36,23 +34,15 @@ from kvshare.actors.index.replica import NOT_SYNCED, IndexReplica
 from kvshare.cost import Bandwidths
 from kvshare.events import BlockStored
 from kvshare.hashing import HashFn
-from kvshare.router.core import select_native
 from kvshare.router.core.embed import CacheAwareRouter, InProcessIndex, Routed, RouterConfig
-from kvshare.router.core.pending import PendingBlocks, pending_blocks
+from kvshare.router.core.pending import PendingBlocks
 from kvshare.router.core.policy import Candidate, CostPolicy
-from kvshare.router.core.ready import ReadyBlocks, ready_blocks
+from kvshare.router.core.ready import ReadyBlocks
 from kvshare.router.core.routing import CostInputs, IndexAnswer, RoutingCore
 from kvshare.router.core.sources import Sharing
 from kvshare.router.core.workers_view import InFlight, StaticWorkers
 from kvshare.types import BlockHash, NodeId, Tier, WorkerId, node_location, worker_location
 from kvshare.workers import META_GPU_PRIVATE, WorkerInfo, WorkerLoad
-
-try:
-    import kvshare.router.core.pending_native  # noqa: F401
-
-    NATIVE_BOOKS = True
-except ImportError:  # (not built: both routers run the Python books)
-    NATIVE_BOOKS = False
 
 NS = "fast"
 BT = 16
@@ -61,16 +51,13 @@ WORKERS = 6
 
 @contextmanager
 def python_paths() -> Iterator[None]:
-    """The C paths switched off (each falls back to its pure-Python loop)."""
-    scan, bound, kernel = cost._native_scan, hashing._XXH3_BOUND, select_native.kernel
-    cost._native_scan = None  # type: ignore[assignment]
+    """The C xxh3 chain switched off (the pure-Python loop)."""
+    bound = hashing._XXH3_BOUND
     hashing._XXH3_BOUND = False
-    select_native.kernel = None
     try:
         yield
     finally:
-        cost._native_scan, hashing._XXH3_BOUND = scan, bound
-        select_native.kernel = kernel
+        hashing._XXH3_BOUND = bound
 
 
 class Clock:
@@ -100,9 +87,7 @@ def make_router(index: GlobalIndex, clock: Clock, fn: HashFn, native: bool,
     if not native:  # the Python loops from the start (the hasher binds its chain when built)
         router.hasher._xxh3 = None
     core = router.core
-    core.pending = router.pending = pending_blocks(cfg.pending_ttl_s, clock=clock, native=native)
-    core.policy._ready = ready_blocks(native=native)  # type: ignore[attr-defined]
-    assert (type(core.pending) is PendingBlocks) is (not native or not NATIVE_BOOKS)
+    core.pending = router.pending = PendingBlocks(cfg.pending_ttl_s, clock=clock)
     core.inflight = router.inflight = InFlight(clock=clock)
     core.policy.clock = clock
     return router
@@ -157,9 +142,6 @@ async def stream(seed: int, fn: HashFn, n: int = 40, sharing: Sharing = Sharing.
             got.append(summary(routed))
         assert got[0] == got[1]
         reasons.append(got[0][2])
-        if select_native.kernel is not None:  # (built: the fast router chose in C, always)
-            native_loop = fast.core.policy._native  # type: ignore[attr-defined]
-            assert native_loop.declined == 0 and native_loop.ran > 0
         open_ids.append(routed.request_id)
         if rng.random() < 0.5 and open_ids:  # a request finishes
             rid = open_ids.pop(rng.randrange(len(open_ids)))
