@@ -8,7 +8,7 @@ Actor names live in one Ray namespace; both are the SDK's contract (:mod:`kvshar
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from kvshare.discovery import INDEX_NAME as INDEX_NAME  # the actor names: the SDK's contract
 from kvshare.discovery import POOL_PREFIX as POOL_PREFIX
@@ -30,14 +30,16 @@ class NamespaceSpec:
     ``hash_size`` is the block hash length (32 for sha256/blake3, 16 for xxh3-128).
     """
 
-    name: str = field(metadata={"doc": "The namespace's name (one model and layout)."})
-    layout: KVLayout = field(metadata={"doc": "The KV layout of the namespace's blocks."})
-    host_bytes: int = field(metadata={"doc": (
-        "Bytes of the shared-memory host slab per node for this namespace.")})
-    disk_bytes: int = field(default=0, metadata={"doc": (
-        "Bytes of the disk tier per node for this namespace (0 = no disk tier).")})
-    hash_size: int = field(default=32, metadata={"doc": (
-        "Block hash length in bytes: 32 for sha256/blake3, 16 for xxh3-128.")})
+    name: str
+    """The namespace's name (one model and layout)."""
+    layout: KVLayout
+    """The KV layout of the namespace's blocks."""
+    host_bytes: int
+    """Bytes of the shared-memory host slab per node for this namespace."""
+    disk_bytes: int = 0
+    """Bytes of the disk tier per node for this namespace (0 = no disk tier)."""
+    hash_size: int = 32
+    """Block hash length in bytes: 32 for sha256/blake3, 16 for xxh3-128."""
 
     def __post_init__(self) -> None:
         check_namespace(self.name)
@@ -68,36 +70,31 @@ class PoolSettings:
     leases of dead holders are looked for.
     """
 
-    namespaces: tuple[NamespaceSpec, ...] = field(metadata={"doc": (
-        "The namespaces every pool serves, one `NamespaceSpec` each (distinct names).")})
-    disk_dir: str = field(default="/tmp/kvshare-disk", metadata={"doc": (
-        "Root of the disk tier; each node uses `{disk_dir}/{node_id}/{namespace}`.")})
-    lease_ttl_s: float = field(default=30.0, metadata={"doc": (
-        "Seconds a lease (pin or reservation) lasts unless its holder releases it first.")})
-    demote_min_hits: int = field(default=0, metadata={"doc": (
-        "Hits a host block needs before eviction demotes it to disk instead of dropping it.")})
-    publish_interval_s: float = field(default=0.05, metadata={"doc": (
-        "Events reach the index at most this many seconds late.")})
-    publish_max_events: int = field(default=4096, metadata={"doc": (
-        "Events are published as soon as this many are pending.")})
-    publish_on_commit: bool = field(default=True, metadata={"doc": (
-        "A committed write is published before the writer's commit returns "
-        "(read-after-write).")})
-    maintain_interval_s: float = field(default=0.05, metadata={"doc": (
-        "Unused: a pool's maintenance pass (demotion, expired leases, publishing) runs every "
-        "`publish_interval_s`.")})
-    holder_check_s: float = field(default=1.0, metadata={"doc": (
-        "How often, in seconds, leases of dead holders are looked for.")})
-    ray_namespace: str = field(default=RAY_NAMESPACE, metadata={"doc": (
-        "The Ray namespace the pools are registered in.")})
-    probe_every_s: float = field(default=600.0, metadata={"doc": (
-        "Re-measure the transports this often, in seconds (0 = only when a pool comes up).")})
+    namespaces: tuple[NamespaceSpec, ...]
+    """The namespaces every pool serves, one `NamespaceSpec` each (distinct names)."""
+    disk_dir: str = "/tmp/kvshare-disk"
+    """Root of the disk tier; each node uses `{disk_dir}/{node_id}/{namespace}`."""
+    lease_ttl_s: float = 30.0
+    """Seconds a lease (pin or reservation) lasts unless its holder releases it first."""
+    demote_min_hits: int = 0
+    """Hits a host block needs before eviction demotes it to disk instead of dropping it."""
+    publish_interval_s: float = 0.05
+    """Events reach the index at most this many seconds late."""
+    publish_max_events: int = 4096
+    """Events are published as soon as this many are pending."""
+    publish_on_commit: bool = True
+    """A committed write is published before the writer's commit returns (read-after-write)."""
+    maintain_interval_s: float = 0.05
+    """Unused: a pool's maintenance pass (demotion, expired leases, publishing) runs every
+    `publish_interval_s`."""
+    holder_check_s: float = 1.0
+    """How often, in seconds, leases of dead holders are looked for."""
+    ray_namespace: str = RAY_NAMESPACE
+    """The Ray namespace the pools are registered in."""
+    probe_every_s: float = 600.0
     """Re-measure the transports this often (seconds; 0 = only when a pool comes up), so
     the cost model follows bandwidth that changes under load."""
-    bandwidth_overrides: tuple[tuple[str, float], ...] = field(default=(), metadata={"doc": (
-        "bytes/s per transport (`shm`/`nixl`/`objstore`) that replace what the probes measure "
-        "(`kvshare up --bandwidth nixl=10` gives GB/s); a node's `KVSHARE_BANDWIDTH_GBPS` wins "
-        "over these.")})
+    bandwidth_overrides: tuple[tuple[str, float], ...] = ()
     """Bytes/s per transport (``shm``/``nixl``/``objstore``) that replace what the pools'
     probes measure; a node's ``KVSHARE_BANDWIDTH_GBPS`` env var (GB/s) wins over these. A
     mapping is accepted and stored as sorted pairs."""
@@ -133,18 +130,17 @@ class IndexConfig:
     ``namespaces`` are declared at every start, so a restarted index answers misses (not
     "unknown namespace") until the pools have republished."""
 
-    shard: int = field(default=0, metadata={"doc": "This shard's number, 0 <= shard < num_shards."})
-    num_shards: int = field(default=1, metadata={"doc": (
-        "How many shards the index is split into by hash range.")})
-    worker_ttl_s: float = field(default=3.0, metadata={"doc": (
-        "A worker whose load reports stop is dropped after this many seconds.")})
-    snapshot_path: str = field(default="", metadata={"doc": (
-        "Parquet file to warm-start from ('' = none); each shard adds its number to the name.")})
-    ray_namespace: str = field(default=RAY_NAMESPACE, metadata={"doc": (
-        "The Ray namespace the index shards are registered in.")})
-    namespaces: tuple[tuple[str, int, str], ...] = field(default=(), metadata={"doc": (
-        "`(name, hash_size, layout_fingerprint)` of the namespaces known from the start, so a "
-        "restarted index answers misses until the pools have republished.")})
+    shard: int = 0
+    """This shard's number, 0 <= shard < num_shards."""
+    num_shards: int = 1
+    """How many shards the index is split into by hash range."""
+    worker_ttl_s: float = 3.0
+    """A worker whose load reports stop is dropped after this many seconds."""
+    snapshot_path: str = ""
+    """Parquet file to warm-start from ('' = none); each shard adds its number to the name."""
+    ray_namespace: str = RAY_NAMESPACE
+    """The Ray namespace the index shards are registered in."""
+    namespaces: tuple[tuple[str, int, str], ...] = ()
     """``(name, hash_size, layout_fingerprint)`` known from the start (also after a restart)."""
 
     def __post_init__(self) -> None:

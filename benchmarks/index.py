@@ -35,6 +35,7 @@ import json
 import os
 import sys
 import time
+from typing import Any
 
 import numpy as np
 
@@ -70,6 +71,25 @@ def make_prompts(rng: np.random.Generator, docs: list[np.ndarray], n: int) -> li
     return out
 
 
+def event_batches(hashes: list[list[BlockHash]], placement: list[list[int]],
+                  nodes: list[Location]) -> tuple[GlobalIndex, list[Any]]:
+    """A fresh index with the bench namespace, and the Arrow event batches the pools of
+    ``nodes`` publish for the stored prompts (``placement[p]``: the nodes holding prompt p)."""
+    index = GlobalIndex()
+    index.declare_namespace("bench")
+    gens = {loc: index.new_generation(loc) for loc in nodes}
+    seqs = dict.fromkeys(nodes, 0)
+    batches = []
+    for p, where in enumerate(placement):
+        for ni in where:
+            loc = nodes[ni]
+            evs = [BlockStored("bench", loc, Tier.HOST, h, gens[loc], seqs[loc] + i + 1)
+                   for i, h in enumerate(hashes[p])]
+            seqs[loc] += len(evs)
+            batches.append(events_to_arrow(evs))
+    return index, batches
+
+
 def vocabulary(rng: np.random.Generator) -> list[str]:
     """VOCAB distinct 'words' averaging ~4 characters with their leading space (English
     text averages about 4 characters per Llama token)."""
@@ -99,18 +119,7 @@ def main() -> None:
     placement = [rng.choice(NODES, int(rng.integers(1, 4)), replace=False).tolist() for _ in stored]
 
     # ---- kvshare GlobalIndex: ingest Arrow batches as pools publish them
-    index = GlobalIndex()
-    index.declare_namespace("bench")
-    gens = {loc: index.new_generation(loc) for loc in nodes}
-    seqs = dict.fromkeys(nodes, 0)
-    batches = []
-    for p, where in enumerate(placement):
-        for ni in where:
-            loc = nodes[ni]
-            evs = [BlockStored("bench", loc, Tier.HOST, h, gens[loc], seqs[loc] + i + 1)
-                   for i, h in enumerate(hashes[p])]
-            seqs[loc] += len(evs)
-            batches.append(events_to_arrow(evs))
+    index, batches = event_batches(hashes, placement, nodes)
     n_events = sum(b.num_rows for b in batches)
     t = CLOCK()
     for b in batches:

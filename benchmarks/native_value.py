@@ -79,11 +79,17 @@ def index_figures() -> dict[str, float]:
 
     import numpy as np
 
-    from benchmarks.index import BLOCK_TOKENS, DOCS, NODES, PROMPTS, VOCAB, make_prompts
-    from kvshare.actors.index.global_index import GlobalIndex
-    from kvshare.events import BlockStored, events_to_arrow
+    from benchmarks.index import (
+        BLOCK_TOKENS,
+        DOCS,
+        NODES,
+        PROMPTS,
+        VOCAB,
+        event_batches,
+        make_prompts,
+    )
     from kvshare.hashing import block_hashes, namespace_root
-    from kvshare.types import Location, Tier
+    from kvshare.types import Location
 
     rng = np.random.default_rng(0)
     root = namespace_root("bench-model", "bench-layout")
@@ -98,18 +104,7 @@ def index_figures() -> dict[str, float]:
     apply_s = match_s = float("inf")
     n_events = 0
     for _ in range(3):
-        index = GlobalIndex()
-        index.declare_namespace("bench")
-        gens = {loc: index.new_generation(loc) for loc in nodes}
-        seqs = dict.fromkeys(nodes, 0)
-        batches = []
-        for p, where in enumerate(placement):
-            for ni in where:
-                loc = nodes[ni]
-                evs = [BlockStored("bench", loc, Tier.HOST, h, gens[loc], seqs[loc] + i + 1)
-                       for i, h in enumerate(hashes[p])]
-                seqs[loc] += len(evs)
-                batches.append(events_to_arrow(evs))
+        index, batches = event_batches(hashes, placement, nodes)
         n_events = sum(b.num_rows for b in batches)
         t = time.process_time()
         for b in batches:

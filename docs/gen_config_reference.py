@@ -1,6 +1,6 @@
 """Generate docs/reference/configuration.md from the settings dataclasses.
 
-Every field's description is its ``metadata["doc"]``; type and default come from the
+Every field's description is its attribute docstring; type and default come from the
 dataclass itself, so the page cannot drift from the code (``tests/test_docs.py`` checks the
 committed page equals :func:`render`). Run ``python docs/gen_config_reference.py`` (``make
 docs`` does) after changing a field.
@@ -8,9 +8,13 @@ docs`` does) after changing a field.
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import importlib
+import inspect
+import re
 import sys
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +48,22 @@ def settings_classes() -> list[tuple[type[Any], str]]:
             for module, name, where in SETTINGS]
 
 
+def field_docs(cls: type[Any]) -> dict[str, str]:
+    """Each field's attribute docstring (the string statement right after it in the class
+    body, as Sphinx reads them), in Markdown: RST literals and roles become code spans."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    out: dict[str, str] = {}
+    for st, nxt in zip(body, body[1:], strict=False):
+        if (isinstance(st, ast.AnnAssign) and isinstance(st.target, ast.Name)
+                and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
+                and isinstance(nxt.value.value, str)):
+            text = nxt.value.value.split("\n\n")[0]
+            text = re.sub(r":\w+:`~?([^`]+)`", lambda m: f"`{m.group(1).split('.')[-1]}`", text)
+            out[st.target.id] = text.replace("``", "`")
+    return out
+
+
 def _default(f: dataclasses.Field[Any]) -> str:
     if f.default is not dataclasses.MISSING:
         return f"`{f.default!r}`"
@@ -70,16 +90,17 @@ def render() -> str:
         "do not edit by hand. -->",
         "",
         "Every table is generated from the settings dataclass named in its heading: the "
-        "type and default are the code's, the description is the field's "
-        '`metadata["doc"]`. Values are validated when the settings are built, and an error '
+        "type and default are the code's, the description is the field's docstring. "
+        "Values are validated when the settings are built, and an error "
         "names the field and what to change.",
         "",
     ]
     for cls, where in settings_classes():
         out += [f"## {cls.__name__}", "", f"`{cls.__module__}.{cls.__name__}`: {where}.", "",
                 "| key | type | default | description |", "|---|---|---|---|"]
+        docs = field_docs(cls)
         for f in dataclasses.fields(cls):
-            doc = _cell(str(f.metadata.get("doc", "")))
+            doc = _cell(docs.get(f.name, ""))
             out.append(f"| `{f.name}` | {_type(f)} | {_default(f)} | {doc} |")
         out.append("")
     return "\n".join(out)

@@ -42,8 +42,9 @@ def test_every_settings_field_has_a_doc() -> None:
         "ConnectorSettings", "PoolSettings", "NamespaceSpec", "IndexConfig",
         "ServeRouterSettings", "StorageSettings"}
     missing = [f"{cls.__name__}.{f.name}" for cls, _ in classes
-               for f in dataclasses.fields(cls) if not str(f.metadata.get("doc", "")).strip()]
-    assert not missing, f'give these fields metadata={{"doc": "..."}}: {missing}'
+               for f in dataclasses.fields(cls)
+               if not _generator().field_docs(cls).get(f.name, "").strip()]
+    assert not missing, f"give these fields a docstring (the string right after them): {missing}"
 
 
 def test_mkdocs_builds_strictly(tmp_path: Path) -> None:

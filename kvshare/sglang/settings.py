@@ -9,7 +9,7 @@ error naming the known ones, so a typo never silently falls back to a default.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from typing import Any
 
 SGLANG_KEYS = frozenset({"backend_name", "module_path", "class_name", "interface_v1",
@@ -22,25 +22,25 @@ REMOTES = ("auto", "nixl", "objstore")
 class StorageSettings:
     """kvshare's keys of SGLang's ``--hicache-storage-backend-extra-config``, validated."""
 
-    namespace: str = field(metadata={"doc": (
-        "the kvshare namespace of this model's pages, deployed with `kvshare up --namespace "
-        "NAME --layout MODEL/config.json --block-tokens PAGE_SIZE` (required)")})
-    ray_address: str = field(default="", metadata={"doc": (
-        "the Ray cluster to join (`auto`, `HOST:PORT`); empty: the process must already be "
-        "connected to Ray (an SGLang server launched by `kvshare sglang start`)")})
-    ray_namespace: str = field(default="kvshare", metadata={"doc": (
-        "the Ray namespace kvshare was deployed in")})
-    node: str = field(default="", metadata={"doc": (
-        "the Ray node id whose pool this server uses as its own (default: the node its Ray "
-        "connection lands on)")})
-    remote: str = field(default="auto", metadata={"doc": (
-        "transport for other nodes' pages: `auto` (the faster measured), `nixl`, `objstore`")})
-    load_deadline_s: float = field(default=5.0, metadata={"doc": (
-        "a page load not done by then is a miss (SGLang recomputes it)")})
-    store_deadline_s: float = field(default=10.0, metadata={"doc": (
-        "a page store not done by then is reported not stored")})
-    index_timeout_s: float = field(default=2.0, metadata={"doc": (
-        "an index that does not answer within this is treated as down (pages are misses)")})
+    namespace: str
+    """the kvshare namespace of this model's pages, deployed with `kvshare up --namespace NAME
+    --layout MODEL/config.json --block-tokens PAGE_SIZE` (required)"""
+    ray_address: str = ""
+    """the Ray cluster to join (`auto`, `HOST:PORT`); empty: the process must already be connected
+    to Ray (an SGLang server launched by `kvshare sglang start`)"""
+    ray_namespace: str = "kvshare"
+    """the Ray namespace kvshare was deployed in"""
+    node: str = ""
+    """the Ray node id whose pool this server uses as its own (default: the node its Ray connection
+    lands on)"""
+    remote: str = "auto"
+    """transport for other nodes' pages: `auto` (the faster measured), `nixl`, `objstore`"""
+    load_deadline_s: float = 5.0
+    """a page load not done by then is a miss (SGLang recomputes it)"""
+    store_deadline_s: float = 10.0
+    """a page store not done by then is reported not stored"""
+    index_timeout_s: float = 2.0
+    """an index that does not answer within this is treated as down (pages are misses)"""
 
     def __post_init__(self) -> None:
         if not isinstance(self.namespace, str) or not self.namespace:

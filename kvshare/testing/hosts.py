@@ -46,6 +46,8 @@ from pathlib import Path
 from types import FrameType, TracebackType
 from typing import Any, TextIO
 
+from kvshare.process import pid_alive
+
 STATE_DIR = Path("/run/kvshare-hosts")
 MAX_SLOTS = 16
 TOOLS = ("ip", "tc", "unshare", "nsenter")
@@ -65,6 +67,7 @@ _INIT = (
     "    except ChildProcessError:\n"
     "        time.sleep(0.2)\n"
 )
+
 
 
 def root_missing_reason() -> str | None:
@@ -109,15 +112,6 @@ def _die_with_parent() -> None:
 def _sh(*argv: str, check: bool = True, timeout: float = 20.0) -> subprocess.CompletedProcess[str]:
     return subprocess.run(argv, check=check, capture_output=True, text=True, timeout=timeout)
 
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _free_port(ip: str) -> int:
@@ -502,7 +496,7 @@ def _clean_slot(slot: int) -> None:
         except ValueError:
             state = {}
         for pid in state.get("anchors", []):
-            if pid and _pid_alive(pid) and _is_anchor(pid):
+            if pid and pid_alive(pid) and _is_anchor(pid):
                 os.kill(pid, signal.SIGKILL)
     prefix = f"kvs-s{slot}h"
     for ns in _sh("ip", "netns", "list", check=False).stdout.split("\n"):

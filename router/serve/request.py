@@ -17,7 +17,7 @@ from __future__ import annotations
 import functools
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from ray.serve._private.common import ReplicaID
@@ -77,53 +77,50 @@ class ServeRouterSettings:
     replica's method need not accept one).
     """
 
-    namespace: str = field(default="", metadata={"doc": (
-        "The kvshare namespace to route in ('' = the one the replicas registered).")})
-    policy: str = field(default="cost", metadata={"doc": (
-        "The routing policy's registered name (`cost`, `round_robin`, `least_loaded`, the "
-        "peers' rules).")})
-    sharing: str = field(default="", metadata={"doc": (
-        "`global` (workers pull blocks from any node) or `local` (only from their own node); "
-        "'' = what the workers registered, else global.")})
-    ray_namespace: str = field(default="kvshare", metadata={"doc": (
-        "The Ray namespace kvshare's actors are registered in.")})
-    index_timeout_s: float = field(default=0.2, metadata={"doc": (
-        "Deadline in seconds for the index answer before falling back.")})
-    connect_retry_s: float = field(default=2.0, metadata={"doc": (
-        "Seconds between attempts to reach an index that is not deployed yet or restarting.")})
-    workers_refresh_s: float = field(default=1.0, metadata={"doc": (
-        "Once every replica's worker is known, the registrations are re-read in the "
-        "background this often (seconds).")})
-    pending_ttl_s: float = field(default=10.0, metadata={"doc": (
-        "How long a routed prefix counts as held by its replica before the index confirms it "
-        "(seconds).")})
-    spill_ratio: float = field(default=0.5, metadata={"doc": (
-        "On a request's first routing passes, replicas estimated more than this much slower "
-        "than the best are held back.")})
-    spill_after_passes: int = field(default=4, metadata={"doc": (
-        "From this routing pass on every replica is offered.")})
-    prefill_tokens_per_s: float = field(default=4000.0, metadata={"doc": (
-        "Prefill speed assumed until the workers report one.")})
-    bytes_per_token: int = field(default=0, metadata={"doc": (
-        "KV bytes per token for the cost model when the workers' hashing does not say "
-        "(0 = unknown).")})
-    bandwidths: Mapping[str, float] | None = field(default=None, metadata={"doc": (
-        "Bytes/s by transport (`shm`, `disk`, `nixl`, ...) that override what the pools "
-        "measured.")})
-    log_decisions: bool = field(default=False, metadata={"doc": (
-        "Log every decision (estimates per replica) at INFO in Serve's log.")})
-    index_replica: bool = field(default=False, metadata={"doc": (
-        "Keep a copy of the index in the router's process, so a decision waits on no index "
-        "call.")})
-    replica_poll_s: float = field(default=0.02, metadata={"doc": (
-        "With `index_replica`: how often the copy polls the shards' change streams "
-        "(seconds).")})
-    loads_refresh_s: float = field(default=0.0, metadata={"doc": (
-        "> 0: the workers' load reports are read in the background this often (seconds) and a "
-        "decision uses the latest read; 0: read for every request.")})
-    hint_kwarg: str = field(default="", metadata={"doc": (
-        "The keyword argument the replicas take the router hint in (e.g. `kvshare_hint`); '' "
-        "sends none.")})
+    namespace: str = ""
+    """The kvshare namespace to route in ('' = the one the replicas registered)."""
+    policy: str = "cost"
+    """The routing policy's registered name (`cost`, `round_robin`, `least_loaded`, the peers'
+    rules)."""
+    sharing: str = ""
+    """`global` (workers pull blocks from any node) or `local` (only from their own node); '' =
+    what the workers registered, else global."""
+    ray_namespace: str = "kvshare"
+    """The Ray namespace kvshare's actors are registered in."""
+    index_timeout_s: float = 0.2
+    """Deadline in seconds for the index answer before falling back."""
+    connect_retry_s: float = 2.0
+    """Seconds between attempts to reach an index that is not deployed yet or restarting."""
+    workers_refresh_s: float = 1.0
+    """Once every replica's worker is known, the registrations are re-read in the background this
+    often (seconds)."""
+    pending_ttl_s: float = 10.0
+    """How long a routed prefix counts as held by its replica before the index confirms it
+    (seconds)."""
+    spill_ratio: float = 0.5
+    """On a request's first routing passes, replicas estimated more than this much slower than the
+    best are held back."""
+    spill_after_passes: int = 4
+    """From this routing pass on every replica is offered."""
+    prefill_tokens_per_s: float = 4000.0
+    """Prefill speed assumed until the workers report one."""
+    bytes_per_token: int = 0
+    """KV bytes per token for the cost model when the workers' hashing does not say (0 = unknown).
+    KV bytes per token for the cost model when the workers' hashing does not say (0 = unknown)."""
+    bandwidths: Mapping[str, float] | None = None
+    """Bytes/s by transport (`shm`, `disk`, `nixl`, ...) that override what the pools measured."""
+    log_decisions: bool = False
+    """Log every decision (estimates per replica) at INFO in Serve's log."""
+    index_replica: bool = False
+    """Keep a copy of the index in the router's process, so a decision waits on no index call."""
+    replica_poll_s: float = 0.02
+    """With `index_replica`: how often the copy polls the shards' change streams (seconds)."""
+    loads_refresh_s: float = 0.0
+    """> 0: the workers' load reports are read in the background this often (seconds) and a
+    decision uses the latest read; 0: read for every request."""
+    hint_kwarg: str = ""
+    """The keyword argument the replicas take the router hint in (e.g. `kvshare_hint`); '' sends
+    none."""
 
     def __post_init__(self) -> None:
         if self.index_timeout_s <= 0 or self.pending_ttl_s <= 0:

@@ -53,7 +53,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from typing import Any
 
 from kvshare.attention import AttentionKind
@@ -66,57 +66,55 @@ SHAREABLE_KV_DTYPES = ("auto", "float16", "bfloat16", "float32", "fp8", "fp8_e4m
 class ConnectorSettings:
     """``kv_connector_extra_config``, validated."""
 
-    namespace: str = field(metadata={"doc": (
-        "The kvshare namespace this model's blocks live in, as deployed by "
-        "`kvshare up --namespace NAME --layout MODEL/config.json --dtype DTYPE --block-tokens N`.")})
-    ray_address: str = field(default="", metadata={"doc": (
-        "The Ray cluster to join (`auto`, `HOST:PORT`); not needed when the engine already "
-        "runs inside Ray (a Ray actor or task).")})
-    node: str = field(default="", metadata={"doc": (
-        "The Ray node id whose pool this engine uses as its own ('' = the node its Ray "
-        "connection lands on); set it where several Ray nodes share a host, as a process that "
-        "joins Ray lands on the head there.")})
-    ray_namespace: str = field(default="kvshare", metadata={"doc": (
-        "The Ray namespace kvshare's actors are registered in.")})
-    block_tokens: int = field(default=256, metadata={"doc": (
-        "Tokens per share block: a multiple of vLLM's `--block-size`, as given to "
-        "`kvshare up --block-tokens`.")})
-    remote: str = field(default="auto", metadata={"doc": (
-        "How blocks held on other nodes travel: `auto` (the faster of nixl and objstore as "
-        "measured), `nixl` or `objstore`.")})
-    cut: str = field(default="cost", metadata={"doc": (
-        "`cost`: the cost model picks how much of the cached prefix to load; `all`: load all "
-        "of it.")})
-    save: bool = field(default=True, metadata={"doc": (
-        "Store new full blocks in this node's pool (write-through).")})
-    load_deadline_s: float = field(default=5.0, metadata={"doc": (
-        "Seconds a load's block transfers may take; a block not read by then is a miss, "
-        "which vLLM recomputes.")})
-    store_deadline_s: float = field(default=10.0, metadata={"doc": (
-        "Seconds a store into this node's pool may take before it is given up.")})
-    index_timeout_s: float = field(default=2.0, metadata={"doc": (
-        "Deadline for an index lookup, in seconds; an index slower than that is a miss.")})
-    sync_local_mib: float = field(default=256.0, metadata={"doc": (
-        "A load wholly from this node's pool of at most this many MiB completes inside the "
-        "step that computes the request's suffix, before its forward pass; larger loads and "
-        "loads from other nodes are asynchronous. 0: every load asynchronous.")})
-    sync_save_mib: float = field(default=256.0, metadata={"doc": (
-        "A request whose saved blocks come to at most this many MiB and whose stores are "
-        "still running when it finishes is held (at most 0.5 s) until they are published, "
-        "so the next turn finds them on any node (read-after-write). 0: every save in the "
-        "background.")})
-    lookup_threads: int = field(default=4, metadata={"doc": (
-        "Index lookups in flight at once.")})
-    price_lookups: bool = field(default=True, metadata={"doc": (
-        "Hold a request for its lookup only as long as the prefill the lookup could save; "
-        "false: up to `index_timeout_s`.")})
-    router_hints: bool = field(default=True, metadata={"doc": (
-        "Trust the index answer a request routed by kvshare's gateway or Serve router "
-        "carries (`kv_transfer_params.kvshare`) and do not ask the index again; false: every "
-        "request is looked up.")})
-    router_hint_max_age_s: float = field(default=1.0, metadata={"doc": (
-        "A router hint is trusted only while the request has waited less than this many "
-        "seconds since it reached the engine; a request that queued longer is looked up.")})
+    namespace: str
+    """The kvshare namespace this model's blocks live in, as deployed by `kvshare up --namespace
+    NAME --layout MODEL/config.json --dtype DTYPE --block-tokens N`."""
+    ray_address: str = ""
+    """The Ray cluster to join (`auto`, `HOST:PORT`); not needed when the engine already runs
+    inside Ray (a Ray actor or task)."""
+    node: str = ""
+    """The Ray node id whose pool this engine uses as its own ('' = the node its Ray connection
+    lands on); set it where several Ray nodes share a host, as a process that joins Ray lands on
+    the head there."""
+    ray_namespace: str = "kvshare"
+    """The Ray namespace kvshare's actors are registered in."""
+    block_tokens: int = 256
+    """Tokens per share block: a multiple of vLLM's `--block-size`, as given to `kvshare up
+    --block-tokens`."""
+    remote: str = "auto"
+    """How blocks held on other nodes travel: `auto` (the faster of nixl and objstore as measured),
+    `nixl` or `objstore`."""
+    cut: str = "cost"
+    """`cost`: the cost model picks how much of the cached prefix to load; `all`: load all of it."""
+    save: bool = True
+    """Store new full blocks in this node's pool (write-through)."""
+    load_deadline_s: float = 5.0
+    """Seconds a load's block transfers may take; a block not read by then is a miss, which vLLM
+    recomputes."""
+    store_deadline_s: float = 10.0
+    """Seconds a store into this node's pool may take before it is given up."""
+    index_timeout_s: float = 2.0
+    """Deadline for an index lookup, in seconds; an index slower than that is a miss."""
+    sync_local_mib: float = 256.0
+    """A load wholly from this node's pool of at most this many MiB completes inside the step that
+    computes the request's suffix, before its forward pass; larger loads and loads from other
+    nodes are asynchronous. 0: every load asynchronous."""
+    sync_save_mib: float = 256.0
+    """A request whose saved blocks come to at most this many MiB and whose stores are still
+    running when it finishes is held (at most 0.5 s) until they are published, so the next turn
+    finds them on any node (read-after-write). 0: every save in the background."""
+    lookup_threads: int = 4
+    """Index lookups in flight at once."""
+    price_lookups: bool = True
+    """Hold a request for its lookup only as long as the prefill the lookup could save; false: up
+    to `index_timeout_s`."""
+    router_hints: bool = True
+    """Trust the index answer a request routed by kvshare's gateway or Serve router carries
+    (`kv_transfer_params.kvshare`) and do not ask the index again; false: every request is
+    looked up."""
+    router_hint_max_age_s: float = 1.0
+    """A router hint is trusted only while the request has waited less than this many seconds since
+    it reached the engine; a request that queued longer is looked up."""
 
     @classmethod
     def from_extra(cls, extra: Mapping[str, Any] | None) -> ConnectorSettings:

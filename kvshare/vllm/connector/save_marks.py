@@ -34,6 +34,8 @@ import time
 
 import numpy as np
 
+from kvshare.process import pid_alive
+
 SYNC_SAVE_WAIT_S = 0.5
 """The longest an answer is held for its saves (``sync_save_mib``); a slower store (a busy
 pool) goes on in the background, as a larger one does."""
@@ -43,18 +45,10 @@ _PID = 0
 _PREFIX = "kvshare-saves-"
 
 
+
 def _directory() -> str:
     return "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def sweep_stale(directory: str | None = None) -> int:
@@ -64,7 +58,7 @@ def sweep_stale(directory: str | None = None) -> int:
     removed = 0
     for name in os.listdir(directory):
         m = re.fullmatch(rf"{_PREFIX}(\d+)-\w+", name)
-        if m is None or _alive(int(m.group(1))):
+        if m is None or pid_alive(int(m.group(1))):
             continue
         with contextlib.suppress(FileNotFoundError):
             os.unlink(os.path.join(directory, name))
