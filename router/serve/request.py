@@ -14,7 +14,6 @@ into every process holding a handle; this one is imported by reference.
 
 from __future__ import annotations
 
-import functools
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -221,10 +220,16 @@ class WorkerHashing:
     tokenizer: ByteTokenizer | HFTokenizer
     sharing: Sharing
 
-    @functools.cached_property
+    @property
     def hasher(self) -> Hasher:
-        """Hashes under the workers' root (the router learns no identity, so no other salt)."""
-        return Hasher.from_root(self.root, self.block_tokens)
+        """Hashes under the workers' root (the router learns no identity, so no other salt);
+        made on first use. (Not ``functools.cached_property``: Ray Serve pickles this package
+        by value with the request router, and that descriptor holds a lock.)"""
+        made: Hasher | None = self.__dict__.get("_hasher")
+        if made is None:
+            made = Hasher.from_root(self.root, self.block_tokens)
+            object.__setattr__(self, "_hasher", made)
+        return made
 
     @classmethod
     def from_meta(cls, meta: Mapping[str, str]) -> WorkerHashing | None:

@@ -27,6 +27,7 @@ TESTS_DIR = str(TESTS)
 # SIGKILL lands while files are being written.
 WRITER = """
 import sys
+import kvshare  # first: tests/ holds a folder named kvshare (the tests mirror the package)
 sys.path.insert(0, sys.argv[2])
 from pool_helpers import BB, LAYOUT, data, h
 from kvshare.pool.tiered import TieredBlockPool

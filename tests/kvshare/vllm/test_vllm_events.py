@@ -71,7 +71,7 @@ class Worker:
     def __init__(self, model: str, index: Any, wid: str, events_dir: str) -> None:
         # 40 pages of 32 tokens: a few 512-token prompts fill it, so vLLM evicts
         self.spec = VllmSpec(model=model, port=free_port(), events_dir=events_dir,
-                             num_blocks=40, max_model_len=1024)
+                             num_blocks=40, max_model_len=1024).on_this_node()
         self.index = index
         self.info = WorkerInfo(WorkerId(wid), NodeId("node-a"), (NS,), self.spec.endpoint)
         self.proc = VllmProcess(self.spec).start()

@@ -47,6 +47,7 @@ LONG = {"model": NS, "prompt": PROMPT, "max_tokens": CONTEXT - 200, "ignore_eos"
 
 WORKER = textwrap.dedent('''
     import sys, threading
+    import kvshare  # first: tests/ holds a folder named kvshare (the tests mirror the package)
     sys.path.insert(0, sys.argv[4])
     from engine_helpers import small_engine
     from kvshare.engines.server import WorkerServer
