@@ -62,13 +62,16 @@ class PoolSettings:
     published before the writer's commit returns (read-after-write: a worker that waits for
     its stores before answering leaves blocks any worker's next lookup finds; see
     :meth:`kvshare.actors.node_pool.NodePool.transfer_commit_write`). ``holder_check_s``: how often
-    leases of dead holders are looked for.
+    leases of dead holders are looked for. ``sizing_blocks``: blocks each namespace's
+    hit-rate-against-capacity estimate tracks at most (~280 bytes each; 0: none; see
+    :mod:`kvshare.pool.sizing`).
     """
 
     namespaces: tuple[NamespaceSpec, ...]
     disk_dir: str = "/tmp/kvshare-disk"
     lease_ttl_s: float = 30.0
     demote_min_hits: int = 0
+    sizing_blocks: int = 16384
     publish_interval_s: float = 0.05
     publish_max_events: int = 4096
     publish_on_commit: bool = True

@@ -154,3 +154,43 @@ def test_config_refuses_nonsense(kwargs: dict[str, float]) -> None:
     args: dict[str, float] = {"block_bytes": BB} | kwargs
     with pytest.raises(ValueError):
         SizingConfig(**args)  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------- the pool's hook
+def test_pool_sizes_each_tier_from_its_own_uses() -> None:
+    from pool_helpers import BB as POOL_BB
+    from pool_helpers import h as block
+    from pool_helpers import make_pool
+
+    pool = make_pool(host=2, disk=2, null=True, sizing_blocks=1000)
+    a, b = [block(i) for i in (1, 2, 3)], [block(i) for i in (7, 8, 9)]
+    for chain in (a, b) * 3:  # readers asking for two conversations' blocks in turn
+        assert pool.pin(chain, "r") == [None] * 3  # misses are uses too
+    got = pool.sizing()
+    assert got is not None and got["lookups"] == 6 and got["blocks"] == 18
+    # 6 blocks or more serve rounds 2 and 3 (12 of 18 uses); 4 blocks keep each chain's
+    # first block across the other's 3 (4 of 18)
+    assert got["tiers"]["host"] == [(POOL_BB, 0.0), (2 * POOL_BB, 0.0), (4 * POOL_BB, 0.2222),
+                                    (8 * POOL_BB, 0.6667)]
+    # disk at m x 2 blocks under 2 host blocks: 3, 4, 6 and 10 blocks in all
+    assert [r for _, r in got["tiers"]["disk"]] == [0.0, 0.2222, 0.6667, 0.6667]
+    assert pool.stats()["sizing"]["tiers"] == got["tiers"]
+
+
+def test_pool_reads_count_as_uses_and_sizing_is_off_by_default() -> None:
+    from pool_helpers import h as block
+    from pool_helpers import make_pool
+
+    from kvshare.pool.types import Reserved
+
+    pool = make_pool(host=4, null=True, sizing_blocks=100)
+    chain = [block(i) for i in range(3)]
+    pool.commit([r.lease_id for r in pool.reserve(chain, "w") if isinstance(r, Reserved)])
+    for _ in range(3):
+        pool.unpin([x.lease_id for x in pool.pin(chain, "r") if x is not None])
+    got = pool.sizing()
+    assert got is not None
+    # 12 uses, the first 3 cold; 2 blocks hold the chain's first two (its tail goes first)
+    assert [r for _, r in got["tiers"]["host"]] == [0.5, 0.75, 0.75, 0.75]
+    assert make_pool(host=4, null=True).sizing() is None
+    assert "sizing" not in make_pool(host=4, null=True).stats()
