@@ -35,8 +35,8 @@ FRACTIONS = (0.25, 0.5, 1.0)
 
 
 def one_trace(path: Path, fractions: tuple[float, ...], limit: int | None,
-              max_tracked: int) -> dict[str, Any]:
-    trace = read_trace(path, limit)
+              max_tracked: int, block_tokens: int | None = None) -> dict[str, Any]:
+    trace = read_trace(path, limit, block_tokens=block_tokens)
     cfg = ClusterConfig(block_tokens=trace.block_tokens)
     bt = cfg.block_tokens
     bpt = cfg.layout.bytes_per_token
@@ -72,13 +72,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fractions", default=",".join(map(str, FRACTIONS)),
                     help="capacities as fractions of each trace's working set (default %(default)s)")
     ap.add_argument("--limit", type=int, default=None, help="the first N requests of each trace")
+    ap.add_argument("--block-tokens", type=int, default=None,
+                    help="tokens a block (default: the format's; a multiple of an agentic "
+                    "trace's 64 coarsens its ids, as kvshare sim --block-tokens does)")
     ap.add_argument("--max-tracked", type=int, default=SizingConfig(1).max_tracked,
                     help="the sampled estimator's bound (default: the pool's, %(default)s)")
     args = ap.parse_args(argv)
     fractions = tuple(float(x) for x in args.fractions.split(","))
     results = []
     for p in args.trace:
-        r = one_trace(Path(p), fractions, args.limit, args.max_tracked)
+        r = one_trace(Path(p), fractions, args.limit, args.max_tracked, args.block_tokens)
         results.append(r)
         print(f"{r['trace']}: {r['requests']} requests, {r['working_set_blocks']:,} blocks of "
               f"{r['block_tokens']} tokens, rate {r['rate']:.3f} ({r['tracked']:,} tracked, "
@@ -97,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         "per_trace": {r["trace"]: {"max_abs_error": max(abs(x["error"]) for x in r["capacities"]),
                                    "capacities": r["capacities"], "rate": round(r["rate"], 4)}
                       for r in results},
-        "max_tracked": args.max_tracked,
+        "max_tracked": args.max_tracked, "block_tokens": args.block_tokens,
         "memory_bytes": max(r["memory_bytes"] for r in results),
         "bytes_per_tracked_block": round(max(r["memory_bytes"] / max(1, r["tracked"]) for r in results)),
         "us_per_access": round(sum(r["us_per_access"] * r["blocks_looked_up"] for r in results) / blocks, 3),

@@ -37,9 +37,11 @@ Error: at rate 1 the curve equals an exact LRU stack simulation of the same look
 check it against a brute-force LRU). Sampled, the error is statistical, shrinking as
 1/sqrt(sampled blocks) with the hot blocks taken out of it; ``benchmarks/sizing.py`` measures
 it against the simulator's exact replay on whole traces (the README's "Sizing tiers" has the
-figures: within 0.03 on every shared trace). The pool differs from the stack model in two small
-ways: it does not refresh blocks present after a chain's first miss, and it stamps newly
-stored blocks above the hit prefix.
+figures: within 0.03 on every shared trace at 25-100% of its working set). The pool is not
+quite this stack model: it stamps a request's newly stored blocks above the prefix it read and
+does not refresh blocks present after a chain's first miss, so where a tier holds about one
+chain it evicts the end of a hit prefix first and serves less than the estimate says (the
+README's figures: up to 2x less at 5% of a working set of long agentic chains).
 
 Memory: at most ``max_tracked`` tracked blocks (a dict entry, a heap entry and two slots of a
 Fenwick tree of at most ``2 * max_tracked`` timestamps) and ``hot_blocks`` counters, ~280
