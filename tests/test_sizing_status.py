@@ -39,3 +39,13 @@ def test_prometheus_exports_one_series_per_capacity() -> None:
     base = (("namespace", "m"), ("node", "n1"), ("tier", "host"))
     assert got == {(("capacity_bytes", str(c * GIB)), *base): r
                    for c, r in ((2, 0.42), (4, 0.61), (8, 0.72), (16, 0.74))}
+
+
+def test_live_page_view_carries_each_tier_curve() -> None:
+    from kvshare.router.web.view import cluster_view
+
+    node = cluster_view(snapshot())["nodes"][0]
+    assert node["sizing"] == [{"namespace": "m", "tier": "host", "points": [
+        {"capacity_bytes": c * GIB, "hit_rate": r, "multiple": c / 4}
+        for c, r in ((2, 0.42), (4, 0.61), (8, 0.72), (16, 0.74))]}]
+    assert cluster_view(snapshot())["nodes"][1]["sizing"] == []
