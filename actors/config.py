@@ -101,6 +101,9 @@ class PoolSettings:
             raise ValueError(f"namespaces must be distinct, got {names}")
         if self.publish_interval_s <= 0 or self.publish_max_events <= 0:
             raise ValueError("publish_interval_s and publish_max_events must be positive")
+        if self.sizing_blocks < 0:
+            raise ValueError(f"sizing_blocks must be >= 0 (0: no sizing estimate), got "
+                             f"{self.sizing_blocks}")
         if not self.probe_every_s >= 0:
             raise ValueError(f"probe_every_s must be >= 0 (0 = no periodic probe), got "
                              f"{self.probe_every_s}")

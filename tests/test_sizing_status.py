@@ -18,7 +18,7 @@ def snapshot() -> dict[str, Any]:
                       "misses": 1}}
     sizing = {"tiers": {"host": [(2 * GIB, 0.42), (4 * GIB, 0.61), (8 * GIB, 0.72),
                                  (16 * GIB, 0.74)]},
-              "lookups": 1234, "blocks": 5000, "rate": 0.25, "memory_bytes": 10}
+              "lookups": 1234, "blocks": 5000, "rate": 0.25, "tracked": 10}
     return {"nodes": [{"node_id": "n1", "alive": True,
                        "pool": {"namespaces": {"m": {"tiers": tiers, "sizing": sizing}}}},
                       {"node_id": "n2", "alive": False, "pool_error": "died"}],

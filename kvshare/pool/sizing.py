@@ -291,7 +291,7 @@ class HitRateCurve:
         while len(self._last) > self.config.max_tracked:
             key = -heapq.heappop(self._heap)
             self._add(self._last.pop(key), -1)
-            self._threshold = key
+            self._threshold = max(1, key)
 
     def _compact(self) -> None:
         """Renumber the tracked blocks' timestamps 1..n in order and rebuild the tree."""

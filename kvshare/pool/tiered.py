@@ -142,7 +142,8 @@ class TieredBlockPool:
     def sizing(self, multiples: Sequence[float] = SIZING_MULTIPLES) -> dict[str, Any] | None:
         """What hit rate each tier would have at ``multiples`` of its configured capacity
         (None without ``sizing_blocks``): ``{"tiers": {tier: [(capacity_bytes, hit_rate)]},
-        "lookups", "blocks", "rate", "memory_bytes"}``.
+        "lookups", "blocks", "rate", "tracked"}`` (uses and blocks seen, the share of blocks
+        sampled now, blocks tracked).
 
         ``hit_rate`` is the share of the block uses (pins, touches, reserves) that tier would
         have served. The first tier is an LRU of its capacity; a lower tier holds what the
@@ -498,7 +499,7 @@ class TieredBlockPool:
             ]
             above += cap
         return {"tiers": tiers, "lookups": curve.lookups, "blocks": curve.blocks,
-                "rate": curve.rate, "memory_bytes": curve.memory_bytes()}
+                "rate": curve.rate, "tracked": curve.tracked}
 
     def _check_payload(self, payload: ByteArray) -> None:
         if payload.nbytes != self.block_bytes:
