@@ -46,7 +46,10 @@ def _status(args: argparse.Namespace) -> int:
     from kvshare.actors.deploy import status
 
     _connect(args.address, args.ray_namespace, start=False)
-    _print_status(status(args.ray_namespace), args.json)
+    st = status(args.ray_namespace)
+    _print_status(st, args.json)
+    if args.sizing and not args.json:
+        print("\n".join(sizing_lines(st)) or "no sizing estimate (no pool answered)")
     return 0
 
 
@@ -99,6 +102,23 @@ def rows(st: dict[str, Any]) -> list[list[str]]:
                 used = f"{format_bytes(t['used_bytes'])} / {format_bytes(t['capacity_bytes'])}"
                 out.append([short, "yes" if node["alive"] else "no", ns, tier, used,
                             str(t["blocks"]), rate])
+    return out
+
+
+def sizing_lines(st: dict[str, Any]) -> list[str]:
+    """Per node and namespace, the hit rate each tier would have at other sizes:
+    ``host 4.00 GiB -> 61%; 8.00 GiB -> 72%`` (:meth:`TieredBlockPool.sizing`)."""
+    out = []
+    for node in st["nodes"]:
+        for ns, info in ((node.get("pool") or {}).get("namespaces") or {}).items():
+            est = info.get("sizing")
+            if not est:
+                continue
+            tiers = " | ".join(
+                f"{tier} " + "; ".join(f"{format_bytes(c)} -> {r:.0%}" for c, r in points)
+                for tier, points in est["tiers"].items())
+            out.append(f"sizing {node['node_id'][:12]} {ns}: {tiers} "
+                       f"({est['lookups']:,} lookups, sampled {est['rate']:.0%})")
     return out
 
 
@@ -155,6 +175,9 @@ def register(subparsers: Any) -> None:
     status = subparsers.add_parser("status", help="nodes, tiers, capacity, blocks, hit rates")
     common(status)
     status.add_argument("--json", action="store_true", help="print one JSON object")
+    status.add_argument("--sizing", action="store_true",
+                        help="also print the hit rate each tier would have at 0.5x, 1x, 2x "
+                        "and 4x its size, estimated from the live lookups")
     status.set_defaults(func=_status)
     metrics = subparsers.add_parser(
         "metrics", help="serve the pools' and index's Prometheus metrics over HTTP")

@@ -67,7 +67,9 @@ class PoolSettings:
     published before the writer's commit returns (read-after-write: a worker that waits for
     its stores before answering leaves blocks any worker's next lookup finds; see
     :meth:`kvshare.actors.node_pool.NodePool.transfer_commit_write`). ``holder_check_s``: how often
-    leases of dead holders are looked for.
+    leases of dead holders are looked for. ``sizing_blocks``: blocks each namespace's
+    hit-rate-against-capacity estimate tracks at most (~280 bytes each; 0: none; see
+    :mod:`kvshare.pool.sizing`).
     """
 
     namespaces: tuple[NamespaceSpec, ...]
@@ -78,6 +80,9 @@ class PoolSettings:
     """Seconds a lease (pin or reservation) lasts unless its holder releases it first."""
     demote_min_hits: int = 0
     """Hits a host block needs before eviction demotes it to disk instead of dropping it."""
+    sizing_blocks: int = 16384
+    """Blocks each namespace's hit-rate-against-capacity estimate tracks at most (~280 bytes
+    each; 0: none; see :mod:`kvshare.pool.sizing`)."""
     publish_interval_s: float = 0.05
     """Events reach the index at most this many seconds late."""
     publish_max_events: int = 4096
@@ -114,6 +119,9 @@ class PoolSettings:
             raise ValueError(f"namespaces must be distinct, got {names}")
         if self.publish_interval_s <= 0 or self.publish_max_events <= 0:
             raise ValueError("publish_interval_s and publish_max_events must be positive")
+        if self.sizing_blocks < 0:
+            raise ValueError(f"sizing_blocks must be >= 0 (0: no sizing estimate), got "
+                             f"{self.sizing_blocks}")
         if not self.probe_every_s >= 0:
             raise ValueError(f"probe_every_s must be >= 0 (0 = no periodic probe), got "
                              f"{self.probe_every_s}")

@@ -105,6 +105,10 @@ def _pool_families(nodes: Iterable[dict[str, Any]]) -> Iterator[Metric]:
                                labels=ns_l)
     expired = CounterMetricFamily("kvshare_pool_leases_expired", "Leases that hit their deadline",
                                   labels=ns_l)
+    sizing = GaugeMetricFamily(
+        "kvshare_sizing_hit_rate",
+        "Estimated hit rate the tier would have at capacity_bytes (kvshare.pool.sizing)",
+        labels=[*tier_l, "capacity_bytes"])
     bw = GaugeMetricFamily("kvshare_transfer_bandwidth_bytes_per_second",
                            "Probed (or configured) pull bandwidth from this node per transport, bytes/s",
                            labels=["node", "transport"])
@@ -136,7 +140,10 @@ def _pool_families(nodes: Iterable[dict[str, Any]]) -> Iterator[Metric]:
                 cap.add_metric(labels, float(t.get("capacity_bytes", 0)))
                 for key, family in tier_c.items():
                     family.add_metric(labels, float(t.get(key, 0)))
-    yield from (alive, up, gen, holders, blocks, used, cap, leases, pinned, expired, bw)
+            for tier, points in sorted((info.get("sizing") or {}).get("tiers", {}).items()):
+                for capacity, rate in points:
+                    sizing.add_metric([nid, ns, tier, str(int(capacity))], float(rate))
+    yield from (alive, up, gen, holders, blocks, used, cap, leases, pinned, expired, bw, sizing)
     yield from tier_c.values()
     yield from pool_c.values()
 

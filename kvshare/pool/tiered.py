@@ -14,6 +14,9 @@ Invariants (checked by property tests):
 Eviction is LRU per tier. Chains are stamped tail-first (the last block of a batch is touched
 first), so a prefix outlives its tail. An evicted block moves to the next tier if it was hit at
 least ``demote_min_hits`` times and that tier can make room; otherwise it is dropped.
+With ``PoolConfig.sizing_blocks``, every block a reader pins or touches and every block a
+writer reserves is one use for :class:`~kvshare.pool.sizing.HitRateCurve` (one call, one chain),
+and :meth:`TieredBlockPool.sizing` answers what hit rate each tier would have at other sizes.
 Thread-safe: every public method takes one lock. The books (tiers, slots, LRU, moves,
 events, recovery) are :mod:`kvshare.pool.books`; the leases and their deadlines
 :mod:`kvshare.pool.leases`.
@@ -32,6 +35,7 @@ import numpy as np
 from kvshare.events import BlockRemoved, Event
 from kvshare.pool.books import Entry, PoolBooks
 from kvshare.pool.leases import Lease, LeaseTable, check_lease_request
+from kvshare.pool.sizing import HitRateCurve, SizingConfig
 from kvshare.pool.types import (
     AlreadyPresent,
     InFlightWrite,
@@ -53,6 +57,7 @@ from kvshare.tiers.base import (
 from kvshare.types import BlockHash, Tier
 
 log = logging.getLogger(__name__)
+SIZING_MULTIPLES = (0.5, 1.0, 2.0, 4.0)  # of each tier's capacity, in stats()["sizing"]
 
 
 class TieredBlockPool:
@@ -71,6 +76,10 @@ class TieredBlockPool:
         self._leases = LeaseTable(clock, config.lease_ttl_s)
         self.leases_expired = 0
         self.recovered = self.books.recover()
+        n = config.sizing_blocks
+        self._sizing = HitRateCurve(SizingConfig(
+            self.block_bytes, max_tracked=n, hot_blocks=min(n, SizingConfig.hot_blocks),
+        )) if n else None
 
     # ------------------------------------------------------------------ queries
     @property
@@ -127,7 +136,22 @@ class TieredBlockPool:
                 "pinned_blocks": sum(1 for e in self.books.entries.values() if e.pins),
                 "leases_expired": self.leases_expired,
                 "recovered": self.recovered,
+                **({"sizing": self._sizing_locked(SIZING_MULTIPLES)} if self._sizing else {}),
             }
+
+    def sizing(self, multiples: Sequence[float] = SIZING_MULTIPLES) -> dict[str, Any] | None:
+        """What hit rate each tier would have at ``multiples`` of its configured capacity
+        (None without ``sizing_blocks``): ``{"tiers": {tier: [(capacity_bytes, hit_rate)]},
+        "lookups", "blocks", "rate", "tracked"}`` (uses and blocks seen, the share of blocks
+        sampled now, blocks tracked).
+
+        ``hit_rate`` is the share of the block uses (pins, touches, reserves) that tier would
+        have served. The first tier is an LRU of its capacity; a lower tier holds what the
+        tiers above it evict (``demote_min_hits`` = 0), so at capacity C it serves the uses an
+        LRU of (the tiers above + C) serves that the tiers above do not.
+        """
+        with self._lock:
+            return self._sizing_locked(multiples) if self._sizing else None
 
     def take_events(self) -> list[Event]:
         """Drain the events emitted since the last call, in order."""
@@ -142,6 +166,7 @@ class TieredBlockPool:
         check_lease_request(hashes, self.config.hash_size, ttl_s)
         with self._lock:
             self._expire()
+            self._use(hashes)
             out: list[ReserveResult] = []
             tier = self.books.order[0]
             for h in hashes:
@@ -256,6 +281,7 @@ class TieredBlockPool:
         check_lease_request(hashes, self.config.hash_size, ttl_s)
         with self._lock:
             self._expire()
+            self._use(hashes)
             out: list[ReadLease | None] = []
             for h in hashes:
                 e = self.books.entries.get(h)
@@ -311,6 +337,7 @@ class TieredBlockPool:
         lease (it knew their slots and checked their epochs itself): the LRU and the hit
         counters see them as ``acquire`` would. Returns how many are still in ``tier``."""
         with self._lock:
+            self._use(hashes)
             st = self.books.tiers[tier]
             n = 0
             for h in reversed(hashes):
@@ -453,6 +480,27 @@ class TieredBlockPool:
                     st.store.close()
 
     # ------------------------------------------------------------------ internals
+    def _use(self, hashes: Sequence[BlockHash]) -> None:
+        """One reader's or writer's chain of blocks, for the sizing estimate."""
+        if self._sizing is not None and hashes:
+            self._sizing.lookup(hashes)
+
+    def _sizing_locked(self, multiples: Sequence[float]) -> dict[str, Any]:
+        curve = self._sizing
+        assert curve is not None
+        tiers: dict[str, list[tuple[int, float]]] = {}
+        above = 0  # bytes of the tiers above this one
+        for tier in self.books.order:
+            cap = self.books.tiers[tier].num_slots * self.block_bytes
+            base = curve.hit_rate(above) if above else 0.0
+            tiers[tier.value] = [
+                (int(m * cap), round(curve.hit_rate(above + int(m * cap)) - base, 4))
+                for m in multiples
+            ]
+            above += cap
+        return {"tiers": tiers, "lookups": curve.lookups, "blocks": curve.blocks,
+                "rate": curve.rate, "tracked": curve.tracked}
+
     def _check_payload(self, payload: ByteArray) -> None:
         if payload.nbytes != self.block_bytes:
             raise ValueError(

@@ -41,6 +41,8 @@ class PoolConfig:
     ``tiers`` are fastest first; writes land in the first, eviction demotes down the list and
     drops from the last. ``demote_min_hits``: a block is demoted (not dropped) only if it was
     hit at least that often. Watermarks are fractions of the first tier's slots.
+    ``sizing_blocks``: blocks the hit-rate-against-capacity estimator tracks at most
+    (:mod:`kvshare.pool.sizing`, ~280 bytes each; 0: no estimate, as the simulator runs).
     """
 
     namespace: str
@@ -53,10 +55,13 @@ class PoolConfig:
     high_watermark: float = 0.95
     low_watermark: float = 0.85
     hash_size: int = 32
+    sizing_blocks: int = 0
     extra: dict[str, str] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
         check_namespace(self.namespace)
+        if self.sizing_blocks < 0:
+            raise ValueError(f"sizing_blocks must be >= 0 (0: off), got {self.sizing_blocks}")
         if not self.tiers:
             raise ValueError("a pool needs at least one tier")
         order = [t.tier.rank for t in self.tiers]

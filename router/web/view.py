@@ -50,6 +50,19 @@ def _tiers(pool: Mapping[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
+def _sizing(pool: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """Per namespace and tier, the hit rate it would have at 0.5x..4x its size
+    (:meth:`kvshare.pool.tiered.TieredBlockPool.sizing`); empty where pools do not estimate."""
+    out = []
+    for ns, info in sorted(pool.get("namespaces", {}).items()):
+        for tier, points in ((info.get("sizing") or {}).get("tiers") or {}).items():
+            size = float(info.get("tiers", {}).get(tier, {}).get("capacity_bytes", 0))
+            out.append({"namespace": ns, "tier": tier, "points": [
+                {"capacity_bytes": int(c), "hit_rate": float(r),
+                 "multiple": round(c / size, 2) if size else None} for c, r in points]})
+    return out
+
+
 def _peers(bandwidth: Mapping[str, Any]) -> list[dict[str, Any]]:
     per_node = bandwidth.get("per_node") or {}
     rows: list[dict[str, Any]] = []
@@ -69,7 +82,7 @@ def cluster_view(status: Mapping[str, Any]) -> dict[str, Any]:
         nodes.append({
             "node_id": nid, "address": node.get("address", ""), "state": node_state(node),
             "error": node.get("pool_error", ""), "generation": pool.get("generation"),
-            "tiers": _tiers(pool),
+            "tiers": _tiers(pool), "sizing": _sizing(pool),
             "bandwidth_gbps": {str(k): float(v) / GB for k, v in
                                sorted((node.get("bandwidth_bytes_per_s") or {}).items())},
             "peers": _peers(node.get("bandwidth") or {}),

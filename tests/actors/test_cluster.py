@@ -132,6 +132,22 @@ def test_demoted_blocks_are_advertised_in_the_disk_tier(kv: dict[str, Any]) -> N
     assert counts[Tier.DISK] > 0 and counts[Tier.HOST] > 0 and sum(counts.values()) == 24
 
 
+def test_status_sizes_each_tier_from_the_pools_traffic(kv: dict[str, Any]) -> None:
+    from kvshare.actors.cli import sizing_lines
+    from kvshare.actors.deploy import status
+
+    bb = kv["layout"].bytes_per_block
+    st = status(RAY_NS)
+    node_b = next(n for n in st["nodes"] if n["node_id"] == kv["b"])
+    est = node_b["pool"]["namespaces"]["m"]["sizing"]
+    # node B stored 5 blocks, read them back, then stored 24 more: 34 uses, 5 of them repeats
+    assert est["blocks"] >= 34 and set(est["tiers"]) == {"host", "disk"}
+    host = est["tiers"]["host"]
+    assert [c for c, _ in host] == [8 * bb, 16 * bb, 32 * bb, 64 * bb]  # 0.5x..4x of 16 slots
+    assert 0 < host[0][1] <= host[-1][1] < 1
+    assert any(line.startswith(f"sizing {kv['b'][:12]} m: host ") for line in sizing_lines(st))
+
+
 def test_bad_input_at_the_actor_boundary_changes_nothing(kv: dict[str, Any]) -> None:
     import ray
 
