@@ -56,6 +56,14 @@ def add_bench(subparsers: Any, positive_int: Any) -> None:
     b.add_argument("--metrics-interval", type=_positive_float, default=1.0, metavar="S",
                    help="seconds between /metrics scrapes for the hit rate over time (default 1)")
     b.add_argument("--timeout", type=_positive_float, default=300.0, help="per request, s")
+    agentic = b.add_argument_group("agentic traces (kv-cache-tester's replay knobs, as in kvshare sim)")
+    agentic.add_argument("--users", type=positive_int, default=None,
+                         help="concurrent users (default: one per conversation)")
+    agentic.add_argument("--warm-prefix-pct", type=float, default=None,
+                         help="fraction of max(tool+system tokens) every conversation shares "
+                         "(default 0.5)")
+    agentic.add_argument("--max-delay", type=float, default=None,
+                         help="cap on the gap between a user's requests, s (default 60)")
     b.add_argument("--json", action="store_true", help="print one JSON object after the table")
     b.add_argument("--plot", default=None, metavar="PNG", help="write TTFT CDF and hit rate over time")
     b.add_argument("--progress", action="store_true",
@@ -79,7 +87,9 @@ def run_bench(args: argparse.Namespace) -> int:
 
     try:
         source = read_source(args.trace, args.format, block_tokens=args.block_tokens,
-                             max_tokens=args.max_tokens, limit=args.max_requests)
+                             max_tokens=args.max_tokens, limit=args.max_requests,
+                             users=args.users, warm_prefix_pct=args.warm_prefix_pct,
+                             max_delay_s=args.max_delay)
     except (ValueError, FileNotFoundError) as e:
         print(f"kvshare bench: {e} (nothing sent)", file=sys.stderr)
         return 2

@@ -173,16 +173,24 @@ def detect_chat_log(path: Path) -> bool:
 
 
 def read_source(paths: Sequence[Path], fmt: str = "auto", *, block_tokens: int | None = None,
-                max_tokens: int | None = None, limit: int | None = None) -> Trace | Workload:
+                max_tokens: int | None = None, limit: int | None = None,
+                users: int | None = None, warm_prefix_pct: float | None = None,
+                max_delay_s: float | None = None) -> Trace | Workload:
     """The checked requests of ``paths`` (``fmt``: auto, mooncake, agentic or chat): a trace
     (made into requests per endpoint by :func:`from_trace`) or a chat log's workload. Nothing
-    is sent before this returns: a bad row is a ValueError naming it."""
+    is sent before this returns: a bad row is a ValueError naming it. ``users``,
+    ``warm_prefix_pct``, ``max_delay_s``: the agentic replay's knobs
+    (:func:`kvshare.router.sim.trace_agentic.read_agentic`; None: its default)."""
+    agentic = {"users": users, "warm_prefix_pct": warm_prefix_pct, "max_delay_s": max_delay_s}
     if fmt == "chat" or (fmt == "auto" and len(paths) == 1 and paths[0].is_file()
                          and detect_chat_log(paths[0])):
         if len(paths) != 1:
             raise ValueError("replay one chat log at a time")
+        knobs = [k for k, v in agentic.items() if v is not None]
+        if block_tokens is not None or knobs:
+            raise ValueError(f"{['block_tokens', *knobs] if block_tokens else knobs} apply to "
+                             "traces, not to a chat log")
         return read_chat_log(paths[0], max_tokens, limit)
-    if fmt == "chat" and block_tokens is not None:
-        raise ValueError("--block-tokens applies to traces, not chat logs")
     return read_trace(list(paths), limit, fmt=None if fmt == "auto" else fmt,
-                      block_tokens=block_tokens)
+                      block_tokens=block_tokens, users=users,
+                      warm_prefix_pct=warm_prefix_pct, max_delay_s=max_delay_s)

@@ -44,3 +44,27 @@ def test_percentiles_and_ratios() -> None:
          "requests_per_s": 3.0, "output_tokens_per_s": 150.0, "hit_rate": 0.5}
     assert ratios(a, b) == {"ttft_p50": 0.5, "ttft_p90": 0.25, "ttft_p99": 0.5, "itl_p50": None,
                             "requests_per_s": 1.5, "output_tokens_per_s": 1.5, "hit_rate": None}
+
+
+def test_a_gateway_is_told_by_its_health_and_its_workers_read_for_tiers() -> None:
+    import asyncio
+
+    import httpx
+
+    from kvshare.router.bench.tiers import Target, discover
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        if request.url.host == "gw":
+            return httpx.Response(200, json={"status": "ok", "policy": "cost",
+                                             "endpoints": ["http://w1:1", "http://w2:2"]})
+        return httpx.Response(200, json={})  # vLLM's /health has no body of note
+
+    async def both() -> list[Target]:
+        async with httpx.AsyncClient(transport=httpx.MockTransport(answer)) as http:
+            return [await discover(http, "http://gw:8000"), await discover(http, "http://v:8000"),
+                    await discover(http, "http://gw:8000", ["http://w3:3"])]
+
+    gw, vllm, given = asyncio.run(both())
+    assert (gw.kind, gw.metrics_urls) == ("gateway", ("http://w1:1", "http://w2:2"))
+    assert (vllm.kind, vllm.metrics_urls) == ("vllm", ("http://v:8000",))
+    assert given.metrics_urls == ("http://w3:3",)

@@ -137,3 +137,11 @@ def test_a_bad_chat_log_row_is_an_error_naming_the_row_and_field(
     good = {"messages": [{"role": "user", "content": "x"}], "timestamp": 0}
     with pytest.raises(ValueError, match=message):
         read_source([chat_log(tmp_path, [good, row])], fmt="chat")
+
+
+def test_trace_knobs_are_refused_for_a_chat_log(tmp_path: Path) -> None:
+    path = chat_log(tmp_path, [{"messages": [{"role": "user", "content": "x"}], "timestamp": 0}])
+    with pytest.raises(ValueError, match="not to a chat log"):
+        read_source([path], block_tokens=16)
+    with pytest.raises(ValueError, match="users"):
+        read_source([path], users=2)
