@@ -93,7 +93,13 @@ def run_bench(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError) as e:
         print(f"kvshare bench: {e} (nothing sent)", file=sys.stderr)
         return 2
-    runs = asyncio.run(_runs(args, source))
+    import httpx
+
+    try:
+        runs = asyncio.run(_runs(args, source))
+    except (httpx.HTTPError, ValueError) as e:
+        print(f"kvshare bench: {e}", file=sys.stderr)
+        return 2
     print(table(runs))
     if args.plot:
         plot(runs, args.plot)
@@ -123,7 +129,10 @@ async def _one(args: argparse.Namespace, url: str, source: Trace | Workload,
 
     async with httpx.AsyncClient(timeout=30.0) as http:
         target = await discover(http, url, workers)
-        model, max_len = await served_model(http, url)
+        try:
+            model, max_len = await served_model(http, url)
+        except httpx.HTTPError as e:
+            raise ValueError(f"{url}/v1/models: {e} (is --url an OpenAI-compatible server?)") from e
         model = args.model or model
         workload = source if isinstance(source, Workload) else from_trace(
             source, args.vocab, args.max_tokens, max_len, args.max_requests)
@@ -152,6 +161,6 @@ async def _one(args: argparse.Namespace, url: str, source: Trace | Workload,
         await asyncio.sleep(SETTLE_S)
         stop.set()
         await scraping
-        for e in sampler.errors[:3]:
-            print(f"{url}: tier counters: {e}", file=sys.stderr)
+        for problem in sampler.errors[:3]:
+            print(f"{url}: tier counters: {problem}", file=sys.stderr)
         return summarize(run, target, sampler if target.metrics_urls else None)

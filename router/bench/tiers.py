@@ -99,12 +99,17 @@ class TierSampler:
             except httpx.HTTPError as e:
                 self.errors.append(f"{u}/metrics: {e}")
                 return
+            if PROMPT not in r.text:
+                self.errors.append(f"{u}/metrics has no {PROMPT}: not a vLLM server?")
+                return
             for k, v in parse_tier_counters(r.text).items():
                 total[k] = total.get(k, 0.0) + v
         self.samples.append((time.perf_counter() - t0, total))
 
     async def run(self, http: httpx.AsyncClient, t0: float, stop: asyncio.Event) -> None:
         """Scrape until ``stop`` is set, then once more."""
+        if not self.urls:
+            return
         while not stop.is_set():
             await self.scrape(http, t0)
             try:

@@ -113,3 +113,14 @@ def test_a_bad_trace_sends_nothing(tmp_path: Path, capsys: pytest.CaptureFixture
     err = capsys.readouterr().err
     assert rc == 2 and state["requests"] == 0
     assert "line 2: 1 hash ids but input_length 40" in err and "nothing sent" in err
+
+
+def test_an_unreachable_url_is_a_clear_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from kvshare.engines.server import listening_socket
+
+    sock = listening_socket("127.0.0.1", 0)
+    port = sock.getsockname()[1]
+    sock.close()  # nothing listens there now
+    rc = main(["bench", "--url", f"http://127.0.0.1:{port}", "--trace", str(trace(tmp_path)),
+               "--block-tokens", str(BLOCK)])
+    assert rc == 2 and f"127.0.0.1:{port}/v1/models" in capsys.readouterr().err
