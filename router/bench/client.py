@@ -91,7 +91,10 @@ async def send(http: httpx.AsyncClient, url: str, model: str, req: BenchRequest,
                     continue
                 event = json.loads(line[6:])
                 now = time.perf_counter()
-                if _has_text(event):
+                if "error" in event:  # an error the server streamed after its 200
+                    res.error = f"streamed error: {str(event['error'])[:300]}"
+                    return res
+                if event.get("choices"):
                     if res.ttft_s is None:
                         res.ttft_s = now - start
                     else:
@@ -110,10 +113,6 @@ async def send(http: httpx.AsyncClient, url: str, model: str, req: BenchRequest,
     if res.ttft_s is None:
         res.error = "no token streamed"
     return res
-
-
-def _has_text(event: dict[str, Any]) -> bool:
-    return bool(event.get("choices"))
 
 
 async def replay(url: str, model: str, workload: Workload, limits: Limits,
