@@ -148,9 +148,10 @@ async def _one(args: argparse.Namespace, url: str, source: Trace | Workload,
 
         def progress(sent: int, done: int, failed: int, elapsed: float) -> None:
             if show:
-                end = "\n" if not sys.stderr.isatty() else ""
-                print(f"\r{url}: sent {sent}/{n}, done {done}, failed {failed}, {elapsed:.0f} s",
-                      end=end, file=sys.stderr, flush=True)
+                tty = sys.stderr.isatty()
+                line = f"{url}: sent {sent}/{n}, done {done}, failed {failed}, {elapsed:.0f} s"
+                print("\r" + line if tty else line, end="" if tty else "\n", file=sys.stderr,
+                      flush=True)
 
         print(f"{url} ({target.kind}, model {model}): {n} requests from {workload.name}",
               file=sys.stderr)

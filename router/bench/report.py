@@ -27,8 +27,8 @@ def percentiles(xs: Sequence[float]) -> dict[str, float] | None:
     if not xs:
         return None
     a = np.asarray(xs, float)
-    out = {f"p{p}": float(np.percentile(a, p)) for p in PCTS}
-    out["mean"] = float(a.mean())
+    out = {f"p{p}": round(float(np.percentile(a, p)), 6) for p in PCTS}
+    out["mean"] = round(float(a.mean()), 6)
     return out
 
 
@@ -36,7 +36,9 @@ def summarize(run: RunResult, target: Target, tiers: TierSampler | None) -> dict
     ok = [r for r in run.results if r.error is None]
     errors = sorted({r.error for r in run.results if r.error is not None})
     rates = tiers.total() if tiers is not None else None
-    hit = None if rates is None else sum(v for t, v in rates.items() if t != COMPUTED)
+    if rates is not None:
+        rates = {t: round(v, 4) for t, v in rates.items()}
+    hit = None if rates is None else round(sum(v for t, v in rates.items() if t != COMPUTED), 4)
     return {
         "url": run.url, "kind": target.kind, "model": run.model,
         "requests": {"sent": len(run.results), "completed": len(ok),
@@ -44,14 +46,16 @@ def summarize(run: RunResult, target: Target, tiers: TierSampler | None) -> dict
         "wall_s": round(run.wall_s, 3),
         "ttft_s": percentiles([r.ttft_s for r in ok if r.ttft_s is not None]),
         "itl_s": percentiles([x for r in ok for x in r.itl_s]),
-        "requests_per_s": len(ok) / run.wall_s if run.wall_s > 0 else 0.0,
-        "output_tokens_per_s": sum(r.completion_tokens for r in ok) / run.wall_s if run.wall_s > 0 else 0.0,
+        "requests_per_s": round(len(ok) / run.wall_s, 4) if run.wall_s > 0 else 0.0,
+        "output_tokens_per_s": round(sum(r.completion_tokens for r in ok) / run.wall_s, 3)
+        if run.wall_s > 0 else 0.0,
         "prompt_tokens": sum(r.prompt_tokens for r in ok),
         "output_tokens": sum(r.completion_tokens for r in ok),
         "hit_rate": hit,
         "hit_rate_by_tier": rates,
         "hit_rate_from": list(target.metrics_urls),
-        "hit_rate_over_time": [{"t_s": round(t, 3), **r} for t, r in tiers.series()] if tiers else [],
+        "hit_rate_over_time": [{"t_s": round(t, 3), **{k: round(v, 4) for k, v in r.items()}}
+                               for t, r in tiers.series()] if tiers else [],
         "workers": sorted({r.worker for r in ok if r.worker}),
         "errors": errors[:5],
         "ttfts_s": sorted(r.ttft_s for r in ok if r.ttft_s is not None),
@@ -129,15 +133,18 @@ def plot(runs: Sequence[dict[str, Any]], path: str) -> None:
 
     fig, (cdf, over) = plt.subplots(1, 2, figsize=(11, 4))
     styles = ("-", "--")
+    colors = dict(zip(TIERS.values(), ("tab:blue", "tab:green", "tab:orange", "tab:purple",
+                                       "tab:gray"), strict=True))
     for k, run in enumerate(runs):
         xs = np.asarray(run["ttfts_s"]) * 1000
         if xs.size:
-            cdf.plot(xs, np.arange(1, xs.size + 1) / xs.size, styles[k % 2], label=run["url"])
+            cdf.plot(np.sort(xs), np.arange(1, xs.size + 1) / xs.size, styles[k % 2], color="black",
+                     label=run["url"])
         series = run["hit_rate_over_time"]
         for t in TIERS.values():
             ys = [p[t] for p in series]
             if any(ys):
-                over.plot([p["t_s"] for p in series], ys, styles[k % 2], marker=".",
+                over.plot([p["t_s"] for p in series], ys, styles[k % 2], marker=".", color=colors[t],
                           label=f"{t} ({run['url']})" if len(runs) > 1 else t)
     cdf.set(xlabel="TTFT (ms)", ylabel="fraction of requests", title="TTFT CDF")
     over.set(xlabel="time (s)", ylabel="share of prompt tokens", title="hit rate per tier",
