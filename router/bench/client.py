@@ -2,7 +2,9 @@
 
 As in vLLM's serving benchmark: a request's TTFT is from sending it until the first streamed
 chunk with choices; inter-token latencies are the gaps between later such chunks (one chunk,
-one gap). Token counts are the server's ``usage`` (asked for with
+one gap; a proxy that relays several chunks in one read shows near-zero gaps), and TPOT
+per request is (last chunk - first chunk) / (output tokens - 1), which batching does not
+skew. Token counts are the server's ``usage`` (asked for with
 ``stream_options.include_usage``); ``ignore_eos`` makes the output as long as the trace's.
 """
 
@@ -29,6 +31,7 @@ class RequestResult:
     error: str | None = None
     ttft_s: float | None = None
     itl_s: list[float] = field(default_factory=list)
+    decode_s: float = 0.0  # first chunk to last
     done_s: float | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
@@ -100,6 +103,7 @@ async def send(http: httpx.AsyncClient, url: str, model: str, req: BenchRequest,
                     else:
                         res.itl_s.append(now - last)
                     last = now
+                    res.decode_s = now - start - res.ttft_s
                 usage = event.get("usage")
                 if isinstance(usage, dict):
                     res.prompt_tokens = int(usage.get("prompt_tokens") or 0)

@@ -1,7 +1,7 @@
 """A run's summary: percentiles, the table, the JSON object and the PNG.
 
 One JSON object: ``{"runs": [run, ...], "ratios": {...} | null}``; a run has ``requests``
-(sent, completed, failed, skipped), ``ttft_s`` and ``itl_s`` (p50/p90/p99/mean, seconds),
+(sent, completed, failed, skipped), ``ttft_s``, ``itl_s`` and ``tpot_s`` (p50/p90/p99/mean, seconds),
 ``requests_per_s`` and ``output_tokens_per_s`` (completed, over the run's wall time),
 ``hit_rate`` (tier -> share of prompt tokens, :mod:`.tiers`; null when no counters were read)
 and ``hit_rate_over_time``. ``ratios``: the second run's value over the first's.
@@ -18,7 +18,7 @@ from kvshare.router.bench.client import RunResult
 from kvshare.router.bench.tiers import COMPUTED, TIERS, Target, TierSampler
 
 PCTS = (50, 90, 99)
-RATIO_KEYS = ("ttft_p50", "ttft_p90", "ttft_p99", "itl_p50", "requests_per_s",
+RATIO_KEYS = ("ttft_p50", "ttft_p90", "ttft_p99", "itl_p50", "tpot_p50", "requests_per_s",
               "output_tokens_per_s", "hit_rate")
 
 
@@ -46,6 +46,8 @@ def summarize(run: RunResult, target: Target, tiers: TierSampler | None) -> dict
         "wall_s": round(run.wall_s, 3),
         "ttft_s": percentiles([r.ttft_s for r in ok if r.ttft_s is not None]),
         "itl_s": percentiles([x for r in ok for x in r.itl_s]),
+        "tpot_s": percentiles([r.decode_s / (r.completion_tokens - 1) for r in ok
+                               if r.completion_tokens > 1]),
         "requests_per_s": round(len(ok) / run.wall_s, 4) if run.wall_s > 0 else 0.0,
         "output_tokens_per_s": round(sum(r.completion_tokens for r in ok) / run.wall_s, 3)
         if run.wall_s > 0 else 0.0,
@@ -72,7 +74,7 @@ def ratios(a: dict[str, Any], b: dict[str, Any]) -> dict[str, float | None]:
 
 
 def _value(run: dict[str, Any], key: str) -> float | None:
-    if key.startswith(("ttft_", "itl_")):
+    if key.startswith(("ttft_", "itl_", "tpot_")):
         kind, p = key.split("_")
         d = run[f"{kind}_s"]
         return None if d is None else float(d[p])
@@ -103,6 +105,7 @@ def table(runs: Sequence[dict[str, Any]]) -> str:
     for p in PCTS:
         rows.append((f"TTFT p{p} (ms)", *(ms(r["ttft_s"], f"p{p}") for r in runs)))
     rows.append(("ITL p50 (ms)", *(ms(r["itl_s"], "p50") for r in runs)))
+    rows.append(("TPOT p50 (ms)", *(ms(r["tpot_s"], "p50") for r in runs)))
     rows.append(("requests/s", *(f"{r['requests_per_s']:.2f}" for r in runs)))
     rows.append(("output tokens/s", *(f"{r['output_tokens_per_s']:.1f}" for r in runs)))
     rows.append(("hit rate", *(pct(r["hit_rate"]) for r in runs)))
@@ -113,7 +116,7 @@ def table(runs: Sequence[dict[str, Any]]) -> str:
     if len(runs) == 2:
         rat = ratios(runs[0], runs[1])
         keys = {"TTFT p50 (ms)": "ttft_p50", "TTFT p90 (ms)": "ttft_p90", "TTFT p99 (ms)": "ttft_p99",
-                "ITL p50 (ms)": "itl_p50", "requests/s": "requests_per_s",
+                "ITL p50 (ms)": "itl_p50", "TPOT p50 (ms)": "tpot_p50", "requests/s": "requests_per_s",
                 "output tokens/s": "output_tokens_per_s", "hit rate": "hit_rate"}
         rows = [(*row, "second / first" if i == 0 else
                  (f"{rat[keys[row[0]]]:.2f}x" if row[0] in keys and rat[keys[row[0]]] is not None

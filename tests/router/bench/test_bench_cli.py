@@ -92,6 +92,7 @@ def test_bench_against_a_stub_reports_ttft_throughput_hits_and_ratios(
         assert run["kind"] == "vllm" and run["requests"] == {"sent": 3, "completed": 3, "failed": 0,
                                                              "skipped": 0}
         assert set(run["ttft_s"]) == {"p50", "p90", "p99", "mean"} and run["itl_s"]["p50"] > 0
+        assert run["tpot_s"]["p50"] >= 0.004  # the stub's 5 ms a token
         assert run["output_tokens"] == 12 and run["prompt_tokens"] == 160
         assert run["hit_rate_by_tier"]["engine"] == pytest.approx(48 / 160)  # 3 blocks of row 2
         assert run["hit_rate"] == pytest.approx(48 / 160)

@@ -38,12 +38,12 @@ def test_percentiles_and_ratios() -> None:
     assert percentiles([]) is None
     p = percentiles([float(x) for x in range(1, 101)])
     assert p == pytest.approx({"p50": 50.5, "p90": 90.1, "p99": 99.01, "mean": 50.5})
-    a = {"ttft_s": {"p50": 0.2, "p90": 0.4, "p99": 1.0}, "itl_s": None,
+    a = {"ttft_s": {"p50": 0.2, "p90": 0.4, "p99": 1.0}, "itl_s": None, "tpot_s": {"p50": 0.02},
          "requests_per_s": 2.0, "output_tokens_per_s": 100.0, "hit_rate": 0.0}
-    b = {"ttft_s": {"p50": 0.1, "p90": 0.1, "p99": 0.5}, "itl_s": {"p50": 0.01},
+    b = {"ttft_s": {"p50": 0.1, "p90": 0.1, "p99": 0.5}, "itl_s": {"p50": 0.01}, "tpot_s": {"p50": 0.01},
          "requests_per_s": 3.0, "output_tokens_per_s": 150.0, "hit_rate": 0.5}
     assert ratios(a, b) == {"ttft_p50": 0.5, "ttft_p90": 0.25, "ttft_p99": 0.5, "itl_p50": None,
-                            "requests_per_s": 1.5, "output_tokens_per_s": 1.5, "hit_rate": None}
+                            "tpot_p50": 0.5, "requests_per_s": 1.5, "output_tokens_per_s": 1.5, "hit_rate": None}
 
 
 def test_a_gateway_is_told_by_its_health_and_its_workers_read_for_tiers() -> None:
