@@ -58,7 +58,8 @@ def summarize(run: RunResult, target: Target, tiers: TierSampler | None) -> dict
         "hit_rate_from": list(target.metrics_urls),
         "hit_rate_over_time": [{"t_s": round(t, 3), **{k: round(v, 4) for k, v in r.items()}}
                                for t, r in tiers.series()] if tiers else [],
-        "workers": sorted({r.worker for r in ok if r.worker}),
+        "workers": sorted({r.worker for r in ok if r.worker}),  # the gateway's x-kvshare-worker
+        "usage_extension": any(r.gateway for r in ok),  # the gateway's kvshare usage object
         "errors": errors[:5],
         "ttfts_s": sorted(r.ttft_s for r in ok if r.ttft_s is not None),
     }

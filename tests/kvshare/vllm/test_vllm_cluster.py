@@ -396,6 +396,7 @@ def test_kvshare_bench_against_the_gateway_and_a_vllm_server(
         runs[url] = json.loads(out.strip().splitlines()[-1])["runs"][0]
     via_gw, on_vllm = runs[gw.url], runs[direct]
     assert via_gw["kind"] == "gateway" and on_vllm["kind"] == "vllm"
+    assert via_gw["usage_extension"] and not on_vllm["usage_extension"]
     assert sorted(via_gw["hit_rate_from"]) == sorted(i["endpoint"] for i in cluster["infos"])
     for run in (via_gw, on_vllm):
         assert run["requests"] == {"sent": 3, "completed": 3, "failed": 0, "skipped": 0}, run

@@ -54,6 +54,20 @@ def stub_vllm() -> tuple[FastAPI, dict[str, Any]]:
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> StreamingResponse:
+        body = await request.json()
+        state["requests"] += 1
+        state["messages"] = body["messages"]
+
+        async def events() -> Any:
+            for _ in range(body["max_tokens"]):
+                yield f"data: {json.dumps({'choices': [{'index': 0, 'delta': {'content': 'x'}}]})}\n\n"
+            usage = {"prompt_tokens": 7, "completion_tokens": body["max_tokens"]}
+            yield f"data: {json.dumps({'choices': [], 'usage': usage})}\n\ndata: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:
         return PlainTextResponse(
@@ -125,3 +139,20 @@ def test_an_unreachable_url_is_a_clear_error(tmp_path: Path, capsys: pytest.Capt
     rc = main(["bench", "--url", f"http://127.0.0.1:{port}", "--trace", str(trace(tmp_path)),
                "--block-tokens", str(BLOCK)])
     assert rc == 2 and f"127.0.0.1:{port}/v1/models" in capsys.readouterr().err
+
+
+def test_a_chat_log_is_sent_to_chat_completions(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    app, state = stub_vllm()
+    served = Served(app)
+    log = tmp_path / "chat.jsonl"
+    msgs = [{"role": "user", "content": "What does a prefix cache keep?"}]
+    log.write_text("".join(json.dumps({"messages": msgs, "timestamp": 100.0 + t / 10,
+                                       "max_tokens": 3}) + "\n" for t in range(3)))
+    try:
+        rc = main(["bench", "--url", served.url, "--trace", str(log), "--json"])
+    finally:
+        served.stop()
+    run = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["runs"][0]
+    assert rc == 0 and state["requests"] == 3 and state["messages"] == msgs
+    assert run["requests"]["completed"] == 3 and run["output_tokens"] == 9
+    assert run["prompt_tokens"] == 21 and run["ttft_s"]["p99"] > 0
