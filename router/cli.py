@@ -1,4 +1,4 @@
-"""``kvshare sim``, ``kvshare gateway`` and the live page of ``kvshare status --web``
+"""``kvshare sim``, ``kvshare gateway``, ``kvshare bench`` and the live page of ``kvshare status --web``
 (registered through the ``kvshare.commands`` entry-point group: ``kvshare.router.cli:register``;
 the page is routing's, so this plugin adds ``--web`` to the cluster plugin's ``status``)."""
 
@@ -43,7 +43,7 @@ def jitter_ms(text: str) -> float:
 
 
 def register(subparsers: Any) -> None:
-    """Add ``sim`` and ``gateway`` to the ``kvshare`` command, and ``--web`` to ``status``."""
+    """Add ``sim``, ``gateway`` and ``bench`` to the ``kvshare`` command, and ``--web`` to ``status``."""
     from kvshare.router.core.registry import DEFAULT_POLICY, policy_names
 
     _add_status_web(subparsers)
@@ -134,6 +134,10 @@ def register(subparsers: Any) -> None:
                     help="how long a request waits for a worker of its namespace to appear "
                     "(starting, re-registering) before a 503; 0: answer 503 at once")
     gw.set_defaults(func=_gateway)
+
+    from kvshare.router.bench.cli import add_bench
+
+    add_bench(subparsers, positive_int)
 
 
 def _sim(args: argparse.Namespace) -> int:

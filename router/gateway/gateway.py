@@ -306,6 +306,7 @@ class Gateway:
             "status": "ok" if infos else "no_workers", "workers": len(infos),
             "index": self.router.index is not None, "policy": self.router.policy.name,
             "decisions": self.router.decisions, "fallbacks": self.router.fallbacks,
+            "endpoints": sorted({i.endpoint for i in infos if i.endpoint}),  # kvshare bench
         }, status_code=200 if infos else 503)
 
     async def prom(self) -> Response:

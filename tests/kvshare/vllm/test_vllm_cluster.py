@@ -362,6 +362,56 @@ def test_back_to_back_turn_on_the_other_vllm_node_loads_the_previous_turn(
     assert shared >= 4 * BLOCK and cached >= 0.95 * shared, (cached, shared)
 
 
+def bench_trace(path: Any, first_id: int) -> str:
+    """A Mooncake-format trace of three 128-token-block prompts: the second shares the first's
+    three blocks, the third shares nothing."""
+    rows = [{"timestamp": 0, "input_length": 384, "output_length": 4,
+             "hash_ids": [first_id, first_id + 1, first_id + 2]},
+            {"timestamp": 200, "input_length": 512, "output_length": 4,
+             "hash_ids": [first_id, first_id + 1, first_id + 2, first_id + 3]},
+            {"timestamp": 400, "input_length": 256, "output_length": 4,
+             "hash_ids": [first_id + 10, first_id + 11]}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def test_kvshare_bench_against_the_gateway_and_a_vllm_server(
+        cluster: dict[str, Any], gateway: tuple[Served, Any], tmp_path: Any,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """``kvshare bench`` on the live stack: through the gateway (tier counters read from the
+    workers its /health lists) and on one vLLM server directly; one request at a time, so the
+    second finds the first's blocks. Distinct ids per run: each run's prompts are new."""
+    from kvshare.cli import main
+
+    gw, _ = gateway
+    wait_all_idle(cluster, time.time())
+    direct = cluster["infos"][0]["endpoint"]
+    runs = {}
+    for n, url in enumerate((gw.url, direct)):
+        rc = main(["bench", "--url", url, "--trace", bench_trace(tmp_path / f"t{n}.jsonl", 1000 * n + 1),
+                   "--block-tokens", str(BLOCK), "--vocab", "1024", "--max-concurrency", "1",
+                   "--speed", "4", "--json"])
+        out = capsys.readouterr().out
+        assert rc == 0, out
+        runs[url] = json.loads(out.strip().splitlines()[-1])["runs"][0]
+    via_gw, on_vllm = runs[gw.url], runs[direct]
+    assert via_gw["kind"] == "gateway" and on_vllm["kind"] == "vllm"
+    assert via_gw["usage_extension"] and not on_vllm["usage_extension"]
+    assert sorted(via_gw["hit_rate_from"]) == sorted(i["endpoint"] for i in cluster["infos"])
+    for run in (via_gw, on_vllm):
+        assert run["requests"] == {"sent": 3, "completed": 3, "failed": 0, "skipped": 0}, run
+        assert set(run["ttft_s"]) == {"p50", "p90", "p99", "mean"} and run["ttft_s"]["p50"] > 0
+        assert run["prompt_tokens"] == 384 + 512 + 256 and run["output_tokens"] == 12
+    # the second prompt's three blocks: 384 of 1152 tokens, at most; vLLM's own cache holds
+    # them on the server asked directly (its pages are 32 tokens: the last may be recomputed)
+    assert 0.2 < on_vllm["hit_rate_by_tier"]["engine"] <= 384 / 1152 + 1e-9, on_vllm
+    # through the gateway: the worker that computed the first prompt (its engine) or the
+    # other one loading it from a pool
+    tiers = via_gw["hit_rate_by_tier"]
+    assert 0.2 < tiers["engine"] + tiers["local_pool"] + tiers["remote_pool"] <= 384 / 1152 + 1e-9, via_gw
+    assert tiers["external"] == 0
+
+
 def test_serve_kvshare_router_in_front_of_vllm_replicas(cluster: dict[str, Any],
                                                         gateway: tuple[Served, Any]) -> None:
     from ray import serve
