@@ -301,13 +301,18 @@ class Gateway:
             for name in await self.models_served()]})
 
     async def health(self) -> Response:
+        """Liveness for load balancers (no key needed). An open gateway (no API keys: everyone
+        is the operator) also lists its workers' endpoints, where ``kvshare bench`` reads their
+        counters; a gateway with keys does not show them to unauthenticated callers."""
         infos, _ = await self.router.workers.snapshot()
-        return JSONResponse({
+        body: dict[str, Any] = {
             "status": "ok" if infos else "no_workers", "workers": len(infos),
             "index": self.router.index is not None, "policy": self.router.policy.name,
             "decisions": self.router.decisions, "fallbacks": self.router.fallbacks,
-            "endpoints": sorted({i.endpoint for i in infos if i.endpoint}),  # kvshare bench
-        }, status_code=200 if infos else 503)
+        }
+        if not self.keys:
+            body["endpoints"] = sorted({i.endpoint for i in infos if i.endpoint})
+        return JSONResponse(body, status_code=200 if infos else 503)
 
     async def prom(self) -> Response:
         return Response(self.metrics.render(),
