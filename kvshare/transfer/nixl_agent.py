@@ -50,8 +50,16 @@ log = logging.getLogger(__name__)
 
 PUMP_PERIOD_S = 0.002
 """How often an idle source progresses its agent (seconds)."""
-UCX_DEFAULTS: dict[str, str] = {}
-"""UCX variables :func:`make_agent` sets unless the environment has them (see the module doc)."""
+UCX_DEFAULTS: dict[str, str] = {
+    "UCX_TCP_TX_SEG_SIZE": "1m",
+    "UCX_TCP_RX_SEG_SIZE": "1m",
+}
+"""UCX variables :func:`make_agent` sets unless the environment has them. Over TCP a READ is
+served by the source in active messages of ``TX_SEG_SIZE`` (UCX's default 8 KiB: ~2,000
+messages, each copied and sent by the source's progress loop, per 16 MiB block); 1 MiB
+segments cut that 128-fold (the receiver's ``RX_SEG_SIZE`` must hold a whole segment). They
+only size the TCP transport's buffers: ``cma``, shared memory and RDMA are untouched. Figures
+on the results page (``benchmarks/transfer.py --hosts``)."""
 _LIVE: weakref.WeakSet[NixlSource] = weakref.WeakSet()
 
 
