@@ -19,6 +19,12 @@ node A for nixl and objstore) and ``probe_vs_measured``: the lowest published/me
 over shm, nixl and objstore. Last line: one JSON object (16 MiB-block figures and ratios).
 
     .venv/bin/python benchmarks/transfer.py
+
+``--hosts`` (root only) runs the two-host leg instead (``benchmarks/transfer_hosts.py``): NIXL
+over UCX TCP against a plain TCP socket stream between two emulated hosts, same run
+(``nixl_tcp_vs_socket``), and the pools' probe on the unshaped and a tbf-shaped link.
+
+    sudo .venv/bin/python benchmarks/transfer.py --hosts [--rounds 5] [--ucx K=V,K=V]
 """
 
 from __future__ import annotations
@@ -280,4 +286,9 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    if "--hosts" in sys.argv[1:]:
+        from benchmarks.transfer_hosts import cli
+
+        cli(sys.argv[1:])
+    else:
+        main()

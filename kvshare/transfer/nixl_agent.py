@@ -8,9 +8,19 @@ NIXL is optional: :func:`make_agent` raises :class:`TransportUnavailable` with r
 ``UCX_TLS`` without ``tcp``), so callers fall back to the object store.
 
 Measured on 2-core CPU hosts (ENVIRONMENT.md): agents run without NIXL's progress thread (it
-busy-polls a core); the reading side drives progress by polling ``check_xfer_state``, and the
-passive source side runs a light pump thread (``get_new_notifs`` every few ms) so that UCX can
-accept connections from new readers.
+busy-polls a core); the reading side drives progress by polling ``check_xfer_state``. The
+passive source side runs a pump thread that progresses its agent (``get_new_notifs``): every
+:data:`PUMP_PERIOD_S` while idle (so UCX accepts connections from new readers), and
+continuously while a transfer it serves is in flight (:class:`ServingWindows`: from a reader's
+``prepare`` to its ``finish``, never past the lease's deadline). Over UCX TCP (hosts without
+RDMA) the source's worker must answer every GET itself, so a source that progresses once per
+period moves one socket buffer per period: 0.14-0.21 GB/s polled every 1 ms against
+0.69-0.87 GB/s polled continuously, between two emulated hosts. Over ``cma`` (one host) and
+RDMA the READ is one-sided and the pump does not matter. ``KVSHARE_NIXL_BUSY_POLL=0`` keeps
+the pump periodic (a host that cannot spare the core while it serves).
+
+UCX settings: :func:`make_agent` fills in :data:`UCX_DEFAULTS` (TCP tunables only; a variable
+already in the environment wins) before the first agent of a process starts.
 """
 
 from __future__ import annotations
@@ -39,6 +49,17 @@ from kvshare.transfer.wire import NixlPeerInfo, PushRequest
 log = logging.getLogger(__name__)
 
 PUMP_PERIOD_S = 0.002
+"""How often an idle source progresses its agent (seconds)."""
+UCX_DEFAULTS: dict[str, str] = {
+    "UCX_TCP_TX_SEG_SIZE": "1m",
+    "UCX_TCP_RX_SEG_SIZE": "1m",
+}
+"""UCX variables :func:`make_agent` sets unless the environment has them. Over TCP a READ is
+served by the source in active messages of ``TX_SEG_SIZE`` (UCX's default 8 KiB: ~2,000
+messages, each copied and sent by the source's progress loop, per 16 MiB block); 1 MiB
+segments cut that 128-fold (the receiver's ``RX_SEG_SIZE`` must hold a whole segment). They
+only size the TCP transport's buffers: ``cma``, shared memory and RDMA are untouched. Figures
+on the results page (``benchmarks/transfer.py --hosts``)."""
 _LIVE: weakref.WeakSet[NixlSource] = weakref.WeakSet()
 
 
@@ -52,6 +73,8 @@ def _stop_pumps() -> None:
 def make_agent(name: str) -> Any:
     """A NIXL agent named ``name`` with the UCX backend and no progress thread."""
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+    for key, value in UCX_DEFAULTS.items():
+        os.environ.setdefault(key, value)
     try:
         from nixl._api import nixl_agent, nixl_agent_config
     except Exception as exc:  # ImportError, or a broken install failing to load its library
@@ -86,6 +109,34 @@ def failure_reason(what: str) -> str:
     return HOLDER_DEAD if "DISCONNECT" in what.upper() else TRANSFER_ERROR
 
 
+class ServingWindows:
+    """Transfers a source serves now: ``open(key, until)`` at a reader's prepare, ``close(key)``
+    at its finish; ``busy(now)`` while any is open and before its ``until`` (monotonic seconds).
+
+    A reader that dies without finishing keeps a window only until its deadline, so the pump
+    never polls continuously for longer than the longest lease it granted. Thread-safe.
+    """
+
+    def __init__(self) -> None:
+        self._until: dict[str, float] = {}
+        self._lock = threading.Lock()
+
+    def open(self, key: str, until: float) -> None:
+        with self._lock:
+            self._until[key] = max(until, self._until.get(key, until))
+
+    def close(self, key: str) -> None:
+        with self._lock:
+            self._until.pop(key, None)
+
+    def busy(self, now: float) -> bool:
+        """Whether a window is open at ``now`` (expired windows are dropped)."""
+        with self._lock:
+            for key in [k for k, until in self._until.items() if until <= now]:
+                del self._until[key]
+            return bool(self._until)
+
+
 class NixlSource:
     """A NIXL agent that registers one host slab once and lets remote agents READ/WRITE it."""
 
@@ -101,6 +152,9 @@ class NixlSource:
             raise TransportUnavailable(NIXL_UNAVAILABLE, f"slab registration failed ({exc})") from exc
         self._metadata: bytes = self.agent.get_agent_metadata()
         self._stop = threading.Event()
+        self._wake = threading.Event()  # set when a window opens, and to stop
+        self.windows = ServingWindows()
+        self.busy_poll = os.environ.get("KVSHARE_NIXL_BUSY_POLL", "1") != "0"
         self._lock = threading.Lock()
         self._pump = threading.Thread(target=self._run_pump, name=f"nixl-pump-{name}", daemon=True)
         self._pump.start()
@@ -113,13 +167,29 @@ class NixlSource:
             generation,
         )
 
+    def serving(self, holder: str, ttl_s: float) -> None:
+        """A reader (``holder``) is about to move bytes from or to the slab: progress the agent
+        continuously until :meth:`served` or for ``ttl_s`` seconds, whichever comes first."""
+        if self.busy_poll:
+            self.windows.open(holder, time.monotonic() + ttl_s)
+            self._wake.set()
+
+    def served(self, holder: str) -> None:
+        self.windows.close(holder)
+
     def _run_pump(self) -> None:
-        while not self._stop.wait(PUMP_PERIOD_S):
+        while not self._stop.is_set():
+            if not self.windows.busy(time.monotonic()):
+                self._wake.wait(PUMP_PERIOD_S)
+                self._wake.clear()
+                if self._stop.is_set():
+                    break
             with self._lock:
                 try:
                     self.agent.get_new_notifs()
                 except Exception as exc:  # keep pumping; a broken agent shows up in readers
                     log.debug("nixl pump: %s", exc)
+            time.sleep(0)  # busy: still let the actor's threads (a reader's finish) in
 
     def _remote(self, agent: str, metadata: bytes) -> str:
         """This agent's name for reader ``agent`` (re-added when its metadata changed)."""
@@ -175,6 +245,7 @@ class NixlSource:
 
     def stop_pump(self) -> None:
         self._stop.set()
+        self._wake.set()
         if self._pump is not threading.current_thread():
             self._pump.join(timeout=1.0)
 

@@ -186,9 +186,10 @@ class TransferEndpoints:
 
     def transfer_prepare_read(
         self, namespace: str, hashes: Sequence[BlockHash], holder: str, ttl_s: float,
-        verify: bool = False,
+        verify: bool = False, nixl: bool = False,
     ) -> SlotReply:
-        return self.transfer.leasing(namespace, holder).prepare_read(hashes, holder, ttl_s, verify)
+        return self.transfer.leasing(namespace, holder).prepare_read(hashes, holder, ttl_s, verify,
+                                                                     nixl)
 
     def transfer_push_read(
         self, namespace: str, hashes: Sequence[BlockHash], holder: str, ttl_s: float,
@@ -203,9 +204,10 @@ class TransferEndpoints:
         return self.transfer.source(namespace).read_blocks(hashes)
 
     def transfer_prepare_write(
-        self, namespace: str, hashes: Sequence[BlockHash], holder: str, ttl_s: float
+        self, namespace: str, hashes: Sequence[BlockHash], holder: str, ttl_s: float,
+        nixl: bool = False,
     ) -> SlotReply:
-        return self.transfer.leasing(namespace, holder).prepare_write(hashes, holder, ttl_s)
+        return self.transfer.leasing(namespace, holder).prepare_write(hashes, holder, ttl_s, nixl)
 
     def transfer_commit_write(
         self, namespace: str, holder: str, lease_ids: Sequence[int], checksums: Sequence[int]

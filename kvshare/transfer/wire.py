@@ -161,6 +161,9 @@ class BlockControl(Protocol):
     which is the shared-memory reader's epoch re-check. ``prepare_read(verify=True)`` also has
     the pool checksum the pinned slots while the reader moves them; ``finish`` then counts a
     slot that failed as invalid (the NIXL reader's integrity check, :mod:`kvshare.transfer.verify`).
+    ``nixl=True`` on a prepare says the reader moves the bytes over NIXL itself: the pool then
+    progresses its agent continuously until ``finish`` (or the lease's end), which UCX over TCP
+    needs to move at link speed (:mod:`kvshare.transfer.nixl_agent`).
     """
 
     def slab_info(self) -> Reply[SlabInfo | None]: ...
@@ -168,7 +171,8 @@ class BlockControl(Protocol):
     def nixl_info(self) -> Reply[NixlPeerInfo | None]: ...
 
     def prepare_read(
-        self, hashes: Sequence[BlockHash], holder: str, ttl_s: float, verify: bool = False
+        self, hashes: Sequence[BlockHash], holder: str, ttl_s: float, verify: bool = False,
+        nixl: bool = False,
     ) -> Reply[SlotReply]: ...
 
     def finish(self, holder: str, lease_ids: Sequence[int]) -> Reply[list[bool]]: ...
@@ -176,7 +180,7 @@ class BlockControl(Protocol):
     def read_blocks(self, hashes: Sequence[BlockHash]) -> Reply[BlockBatch]: ...
 
     def prepare_write(
-        self, hashes: Sequence[BlockHash], holder: str, ttl_s: float
+        self, hashes: Sequence[BlockHash], holder: str, ttl_s: float, nixl: bool = False
     ) -> Reply[SlotReply]: ...
 
     def commit_write(

@@ -121,8 +121,16 @@ class BlockServer:
     def _too_late(self, hashes: Sequence[BlockHash]) -> wire.SlotReply:
         return wire.SlotReply(self.generation, (DEADLINE,) * len(hashes))
 
+    def _serving(self, holder: str, ttl_s: float) -> None:
+        """A NIXL reader moves bytes of the slab for ``holder`` from now until it finishes."""
+        with self._lock:  # a finish that came first closed it for good
+            if self._nixl is not None and holder not in self._finished:
+                self._nixl.serving(holder, ttl_s)
+
     def _end_holder(self, holder: str) -> None:
         """End every lease of ``holder`` and remember it finished (under the lock)."""
+        if self._nixl is not None:
+            self._nixl.served(holder)
         self.pool.release_holder(holder)
         self._finished[holder] = None
         while len(self._finished) > FINISHED_MEMORY:
@@ -136,9 +144,11 @@ class BlockServer:
 
     # ------------------------------------------------------------------ reads
     def prepare_read(
-        self, hashes: Sequence[BlockHash], holder: str, ttl_s: float, verify: bool = False
+        self, hashes: Sequence[BlockHash], holder: str, ttl_s: float, verify: bool = False,
+        nixl: bool = False,
     ) -> wire.SlotReply:
         """Pin ``hashes`` in the host slab for ``holder``; a miss says missing or corrupt.
+        ``nixl``: the reader READs them over NIXL (the agent is progressed until ``finish``).
 
         With ``verify`` the pinned slots are checksummed in the background from now on, and
         ``finish`` with their lease ids waits for that and reports a slot whose bytes do not
@@ -163,7 +173,10 @@ class BlockServer:
                 PinnedSlot(b.lease_id, h, b.slot, b.checksum)
                 for h, b in zip(hashes, blocks, strict=True) if isinstance(b, wire.SourceBlock)])
         # the reader copies these slots itself (shm mapping, NIXL): they leave the slab now
-        self.pool.note_read(Tier.HOST, sum(isinstance(b, wire.SourceBlock) for b in blocks))
+        pinned = sum(isinstance(b, wire.SourceBlock) for b in blocks)
+        self.pool.note_read(Tier.HOST, pinned)
+        if nixl and pinned:
+            self._serving(holder, ttl_s)
         return self._slot_reply(blocks)
 
     def push_read(
@@ -260,9 +273,10 @@ class BlockServer:
 
     # ------------------------------------------------------------------ writes
     def prepare_write(
-        self, hashes: Sequence[BlockHash], holder: str, ttl_s: float
+        self, hashes: Sequence[BlockHash], holder: str, ttl_s: float, nixl: bool = False
     ) -> wire.SlotReply:
-        """Reserve a host slot per new hash for ``holder`` (``"present"`` if already held)."""
+        """Reserve a host slot per new hash for ``holder`` (``"present"`` if already held);
+        ``nixl``: the writer WRITEs them over NIXL (the agent is progressed until the commit)."""
         res = self._take(holder, lambda: self.pool.reserve(hashes, holder, ttl_s))
         if res is None:
             return self._too_late(hashes)
@@ -281,6 +295,8 @@ class BlockServer:
             else:
                 assert isinstance(r, NoSpace)
                 slots.append(NO_SPACE)
+        if nixl and any(isinstance(s, wire.SourceBlock) for s in slots):
+            self._serving(holder, ttl_s)
         return self._slot_reply(slots)
 
     def commit_write(

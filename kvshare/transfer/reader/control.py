@@ -40,9 +40,10 @@ class LocalControl:
         return Ready(self.source.nixl_info())
 
     def prepare_read(
-        self, hashes: Sequence[BlockHash], holder: str, ttl_s: float, verify: bool = False
+        self, hashes: Sequence[BlockHash], holder: str, ttl_s: float, verify: bool = False,
+        nixl: bool = False,
     ) -> Reply[SlotReply]:
-        return Ready(self.source.prepare_read(hashes, holder, ttl_s, verify))
+        return Ready(self.source.prepare_read(hashes, holder, ttl_s, verify, nixl))
 
     def finish(self, holder: str, lease_ids: Sequence[int]) -> Reply[list[bool]]:
         return Ready(self.source.finish(holder, lease_ids))
@@ -50,8 +51,9 @@ class LocalControl:
     def read_blocks(self, hashes: Sequence[BlockHash]) -> Reply[BlockBatch]:
         return Ready(self.source.read_blocks(hashes))
 
-    def prepare_write(self, hashes: Sequence[BlockHash], holder: str, ttl_s: float) -> Reply[SlotReply]:
-        return Ready(self.source.prepare_write(hashes, holder, ttl_s))
+    def prepare_write(self, hashes: Sequence[BlockHash], holder: str, ttl_s: float,
+                      nixl: bool = False) -> Reply[SlotReply]:
+        return Ready(self.source.prepare_write(hashes, holder, ttl_s, nixl))
 
     def commit_write(
         self, holder: str, lease_ids: Sequence[int], checksums: Sequence[int]
@@ -129,9 +131,10 @@ class ActorControl:
         return self._call("nixl_info")  # type: ignore[no-any-return]
 
     def prepare_read(
-        self, hashes: Sequence[BlockHash], holder: str, ttl_s: float, verify: bool = False
+        self, hashes: Sequence[BlockHash], holder: str, ttl_s: float, verify: bool = False,
+        nixl: bool = False,
     ) -> Reply[SlotReply]:
-        return self._call("prepare_read", list(hashes), holder, ttl_s, verify)  # type: ignore[no-any-return]
+        return self._call("prepare_read", list(hashes), holder, ttl_s, verify, nixl)  # type: ignore[no-any-return]
 
     def finish(self, holder: str, lease_ids: Sequence[int]) -> Reply[list[bool]]:
         return self._call("finish", holder, list(lease_ids))  # type: ignore[no-any-return]
@@ -139,8 +142,9 @@ class ActorControl:
     def read_blocks(self, hashes: Sequence[BlockHash]) -> Reply[BlockBatch]:
         return self._call("read_blocks", list(hashes))  # type: ignore[no-any-return]
 
-    def prepare_write(self, hashes: Sequence[BlockHash], holder: str, ttl_s: float) -> Reply[SlotReply]:
-        return self._call("prepare_write", list(hashes), holder, ttl_s)  # type: ignore[no-any-return]
+    def prepare_write(self, hashes: Sequence[BlockHash], holder: str, ttl_s: float,
+                      nixl: bool = False) -> Reply[SlotReply]:
+        return self._call("prepare_write", list(hashes), holder, ttl_s, nixl)  # type: ignore[no-any-return]
 
     def commit_write(
         self, holder: str, lease_ids: Sequence[int], checksums: Sequence[int]

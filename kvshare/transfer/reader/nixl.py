@@ -216,10 +216,11 @@ class NixlTransport(Transport):
         try:
             if t.op == "read":
                 prep = call(control.prepare_read(t.hashes, t.holder, lease_ttl(deadline_s),
-                                                 self._source_verifies), t.remaining)
+                                                 self._source_verifies, nixl=True), t.remaining)
                 entries, agent = prep.blocks, prep.nixl_agent
             else:
-                prepw = call(control.prepare_write(t.hashes, t.holder, lease_ttl(deadline_s)), t.remaining)
+                prepw = call(control.prepare_write(t.hashes, t.holder, lease_ttl(deadline_s),
+                                                   nixl=True), t.remaining)
                 entries, agent = prepw.blocks, prepw.nixl_agent
         except TimeoutError:
             return self._end(t, DEADLINE)

@@ -374,9 +374,9 @@ class CountingControl(LocalControl):
         self.prepares = 0
 
     def prepare_read(self, hashes: Sequence[BlockHash], holder: str, ttl_s: float,
-                     verify: bool = False) -> Reply[SlotReply]:
+                     verify: bool = False, nixl: bool = False) -> Reply[SlotReply]:
         self.prepares += 1
-        return super().prepare_read(hashes, holder, ttl_s, verify)
+        return super().prepare_read(hashes, holder, ttl_s, verify, nixl)
 
 
 def test_blocks_whose_slots_are_known_are_read_with_no_round_trip() -> None:
