@@ -83,16 +83,9 @@ def register(subparsers: Any) -> None:
     sim.add_argument("--jitter-ms", type=jitter_ms, default=0.5,
                      help="how far a replica may move each arrival, ms (default 0.5: within "
                      "a Mooncake trace's millisecond timestamps)")
-    agentic = sim.add_argument_group("agentic traces (kv-cache-tester's replay knobs)")
-    agentic.add_argument("--users", type=positive_int, default=None,
-                         help="concurrent users (default: one per conversation)")
-    agentic.add_argument("--warm-prefix-pct", type=float, default=None,
-                         help="fraction of max(tool+system tokens) shared by every "
-                         "conversation (default 0.5; 0 disables)")
-    agentic.add_argument("--max-delay", type=float, default=None,
-                         help="cap on the gap between a user's requests, s (default 60)")
-    agentic.add_argument("--time-scale", type=float, default=None,
-                         help="scale the gaps (0.5 = twice as fast; default 1)")
+    add_agentic_options(sim, "agentic traces (kv-cache-tester's replay knobs)").add_argument(
+        "--time-scale", type=float, default=None,
+        help="scale the gaps (0.5 = twice as fast; default 1)")
     sim.add_argument("--json", action="store_true", help="print one JSON object last")
     sim.add_argument("--plot", default=None, help="write a PNG: hit rate vs capacity, TTFT")
     sim.add_argument("--parquet", default=None, help="write per-request results as Parquet")
@@ -137,7 +130,7 @@ def register(subparsers: Any) -> None:
 
     from kvshare.router.bench.cli import add_bench
 
-    add_bench(subparsers, positive_int)
+    add_bench(subparsers, positive_int, add_agentic_options)
 
 
 def _sim(args: argparse.Namespace) -> int:
@@ -188,3 +181,17 @@ def _serve_web(args: argparse.Namespace) -> int:
     uvicorn.run(status_app(ClusterAdmin(args.ray_namespace)), host=args.host, port=args.port,
                 log_level="warning")
     return 0
+
+
+def add_agentic_options(parser: argparse.ArgumentParser, title: str) -> Any:
+    """kv-cache-tester's replay knobs for agentic traces (``kvshare sim`` and ``kvshare
+    bench``); returns their argument group."""
+    agentic = parser.add_argument_group(title)
+    agentic.add_argument("--users", type=positive_int, default=None,
+                         help="concurrent users (default: one per conversation)")
+    agentic.add_argument("--warm-prefix-pct", type=float, default=None,
+                         help="fraction of max(tool+system tokens) shared by every "
+                         "conversation (default 0.5; 0 disables)")
+    agentic.add_argument("--max-delay", type=float, default=None,
+                         help="cap on the gap between a user's requests, s (default 60)")
+    return agentic

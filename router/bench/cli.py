@@ -19,7 +19,7 @@ if TYPE_CHECKING:  # the command's modules load when it runs, not when ``kvshare
 SETTLE_S = 0.5  # before the last scrape: vLLM's counters follow its last outputs
 
 
-def add_bench(subparsers: Any, positive_int: Any) -> None:
+def add_bench(subparsers: Any, positive_int: Any, agentic_options: Any) -> None:
     b = subparsers.add_parser(
         "bench", help="replay a workload against a live endpoint: TTFT, throughput, hit rate per tier",
         description="Replay a trace (Mooncake JSONL; kv-cache-tester JSON files or a folder, "
@@ -56,14 +56,7 @@ def add_bench(subparsers: Any, positive_int: Any) -> None:
     b.add_argument("--metrics-interval", type=_positive_float, default=1.0, metavar="S",
                    help="seconds between /metrics scrapes for the hit rate over time (default 1)")
     b.add_argument("--timeout", type=_positive_float, default=300.0, help="per request, s")
-    agentic = b.add_argument_group("agentic traces (kv-cache-tester's replay knobs, as in kvshare sim)")
-    agentic.add_argument("--users", type=positive_int, default=None,
-                         help="concurrent users (default: one per conversation)")
-    agentic.add_argument("--warm-prefix-pct", type=float, default=None,
-                         help="fraction of max(tool+system tokens) every conversation shares "
-                         "(default 0.5)")
-    agentic.add_argument("--max-delay", type=float, default=None,
-                         help="cap on the gap between a user's requests, s (default 60)")
+    agentic_options(b, "agentic traces (kv-cache-tester's replay knobs, as in kvshare sim)")
     b.add_argument("--json", action="store_true", help="print one JSON object after the table")
     b.add_argument("--plot", default=None, metavar="PNG", help="write TTFT CDF and hit rate over time")
     b.add_argument("--progress", action="store_true",
