@@ -27,6 +27,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from kvshare.addresses import port_on
 from kvshare.asgi import unless_disconnected
 from kvshare.auth import WorkerAuth
 from kvshare.breakdown import WORKER_STAGES, breakdown_of
@@ -197,9 +198,8 @@ def create_app(
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+    """A TCP port free on ``host`` now (:func:`kvshare.addresses.port_on`)."""
+    return port_on(host)
 
 
 def listening_socket(host: str, port: int) -> socket.socket:

@@ -13,12 +13,13 @@ The counters are the servers' whole traffic: other clients' requests during the 
 from __future__ import annotations
 
 import asyncio
-import re
+import math
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 PROMPT = "vllm:prompt_tokens_total"
 BY_SOURCE = "vllm:prompt_tokens_cached_by_source_total"
@@ -26,20 +27,20 @@ TIERS = {"device": "engine", "host": "local_pool", "p2p": "remote_pool", "disk":
          "external_unspecified": "external"}
 """vLLM's source label -> the tier's name in the report."""
 COMPUTED = "computed"
-_LINE = re.compile(r"^(vllm:[a-z0-9_]+)(\{[^}]*\})?\s+([0-9.eE+-]+)$", re.MULTILINE)
-_SOURCE = re.compile(r'source="([a-z0-9_]+)"')
 
 
 def parse_tier_counters(text: str) -> dict[str, float]:
-    """``prompt`` and the cached tokens of each :data:`TIERS` name, summed over engines."""
+    """``prompt`` and the cached tokens of each :data:`TIERS` name, summed over engines
+    (prometheus_client's parser, as the demo reads the same counters)."""
     out = {"prompt": 0.0, **{t: 0.0 for t in TIERS.values()}}
-    for name, labels, value in _LINE.findall(text):
-        if name == PROMPT:
-            out["prompt"] += float(value)
-        elif name == BY_SOURCE:
-            src = _SOURCE.search(labels or "")
-            if src and src.group(1) in TIERS:
-                out[TIERS[src.group(1)]] += float(value)
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if math.isnan(sample.value):
+                continue
+            if sample.name == PROMPT:
+                out["prompt"] += sample.value
+            elif sample.name == BY_SOURCE and sample.labels.get("source") in TIERS:
+                out[TIERS[sample.labels["source"]]] += sample.value
     return out
 
 
