@@ -40,6 +40,7 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageC
 
 from kvshare.client.join import check_deployed, join_ray
 from kvshare.client.sdk import KVShareClient
+from kvshare.client.types import StoreResult
 from kvshare.hashing import namespace_root
 from kvshare.identity import path_identity
 from kvshare.sglang.pages import HostPages, host_layout, page_hashes
@@ -86,16 +87,29 @@ class KVShareStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is untyped
             load_deadline_s=s.load_deadline_s, store_deadline_s=s.store_deadline_s)
         check_deployed(self.client.index, s.namespace, layout, ENGINE)
 
-    def _ready(self) -> KVShareClient:
+    def _ready(self) -> tuple[KVShareClient, BlockHash]:
         if self.client is None or self.root is None:
             raise RuntimeError(f"{ENGINE}: used before SGLang attached its host pool")
-        return self.client
+        return self.client, self.root
 
     def _plan(self, keys: list[str]) -> tuple[KVShareClient, Any]:
-        client = self._ready()
-        assert self.root is not None
-        hashes = page_hashes(self.root, keys)
-        return client, client.lookup([0] * (len(keys) * self.page_size), hashes)
+        client, root = self._ready()
+        return client, client.lookup([0] * (len(keys) * self.page_size), page_hashes(root, keys))
+
+    def _load(self, keys: list[str], pages: HostPages) -> int:
+        """Leading pages of ``keys`` loaded into ``pages`` (raises on a fault)."""
+        client, plan = self._plan(keys)
+        return client.load(plan, pages).loaded_blocks if plan.load_blocks else 0
+
+    def _store(self, keys: list[str], pages: HostPages) -> StoreResult:
+        """``pages`` stored under ``keys``, waited for (raises on a fault)."""
+        client, root = self._ready()
+        return client.store([0] * (len(keys) * self.page_size), pages,
+                            hashes=page_hashes(root, keys)).result(
+            self.settings.store_deadline_s + 5.0)
+
+    def _host(self, host_indices: torch.Tensor) -> HostPages:
+        return HostPages.from_indices(self.mem_pool_host.kv_buffer, self.page_size, host_indices)
 
     # -------------------------------------------------------------------- v1: host pool pages
     def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
@@ -114,10 +128,7 @@ class KVShareStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is untyped
         """Load ``keys`` into the host pool pages at ``host_indices``; True per page loaded
         (a contiguous leading run: a page after a miss is not used)."""
         try:
-            pages = HostPages.from_indices(self.mem_pool_host.kv_buffer, self.page_size,
-                                           host_indices)
-            client, plan = self._plan(keys)
-            loaded = client.load(plan, pages).loaded_blocks if plan.load_blocks else 0
+            loaded = self._load(keys, self._host(host_indices))
         except Exception as exc:  # noqa: BLE001
             return self._fault("get", exc, [False] * len(keys))
         self.counters["pages_loaded"] += loaded
@@ -129,14 +140,7 @@ class KVShareStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is untyped
         """Store the host pool pages at ``host_indices`` under ``keys`` (write-through to this
         node's pool); True per page stored or already held."""
         try:
-            client = self._ready()
-            assert self.root is not None
-            pages = HostPages.from_indices(self.mem_pool_host.kv_buffer, self.page_size,
-                                           host_indices)
-            hashes = page_hashes(self.root, keys)
-            tokens = [0] * (len(keys) * self.page_size)
-            result = client.store(tokens, pages, hashes=hashes).result(
-                self.settings.store_deadline_s + 5.0)
+            result = self._store(keys, self._host(host_indices))
         except Exception as exc:  # noqa: BLE001
             return self._fault("set", exc, [False] * len(keys))
         missed = set(result.missed)
@@ -154,8 +158,7 @@ class KVShareStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is untyped
     def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> Any:
         """Page ``key`` into the flat page ``target_location``; None on a miss."""
         try:
-            client, plan = self._plan([key])
-            ok = plan.load_blocks and client.load(plan, self._flat(target_location)).loaded_blocks
+            ok = self._load([key], self._flat(target_location))
         except Exception as exc:  # noqa: BLE001
             return self._fault("get", exc, None)
         return target_location if ok else None
@@ -169,11 +172,7 @@ class KVShareStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is untyped
             target_sizes: Any = None) -> bool:
         """Store the flat page ``value`` under ``key``."""
         try:
-            client = self._ready()
-            assert self.root is not None
-            result = client.store([0] * self.page_size, self._flat(value.contiguous()),
-                                  hashes=page_hashes(self.root, [key])).result(
-                self.settings.store_deadline_s + 5.0)
+            result = self._store([key], self._flat(value.contiguous()))
         except Exception as exc:  # noqa: BLE001
             return self._fault("set", exc, False)
         return not result.missed
