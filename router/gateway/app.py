@@ -28,12 +28,6 @@ from kvshare.auth import WorkerAuth
 from kvshare.router.core.embed import CacheAwareRouter, Tenant
 from kvshare.router.gateway.admin_routes import add_admin_routes
 from kvshare.router.gateway.admission import AdmissionConfig
-from kvshare.router.gateway.api_keys import (
-    load_api_keys as load_api_keys,  # re-exported: the old home
-)
-from kvshare.router.gateway.api_keys import parse_api_keys as parse_api_keys
-from kvshare.router.gateway.errors import error as error
-from kvshare.router.gateway.gateway import NO_WORKER_POLL_S as NO_WORKER_POLL_S
 from kvshare.router.gateway.gateway import Gateway
 from kvshare.router.gateway.limits import BodyLimit, Limits
 from kvshare.router.gateway.requests import (

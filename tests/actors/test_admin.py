@@ -221,7 +221,8 @@ def test_gateway_pins_and_prefetches_by_prompt_text(kv: dict[str, Any]) -> None:
     from kvshare.actors.admin import ClusterAdmin
     from kvshare.router.core.embed import CacheAwareRouter, RouterConfig, Tenant
     from kvshare.router.core.workers_view import StaticWorkers
-    from kvshare.router.gateway.app import create_app, parse_api_keys
+    from kvshare.router.gateway.api_keys import parse_api_keys
+    from kvshare.router.gateway.app import create_app
 
     a, b = kv["a"], kv["b"]
     router = CacheAwareRouter(None, StaticWorkers([]), RouterConfig(

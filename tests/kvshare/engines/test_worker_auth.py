@@ -22,7 +22,8 @@ from kvshare.pool.tiered import TieredBlockPool
 from kvshare.pool.types import PoolConfig, TierSpec
 from kvshare.router.core.embed import CacheAwareRouter, RouterConfig
 from kvshare.router.core.workers_view import StaticWorkers
-from kvshare.router.gateway.app import create_app, parse_api_keys
+from kvshare.router.gateway.api_keys import parse_api_keys
+from kvshare.router.gateway.app import create_app
 from kvshare.tiers.host import HostSlab
 from kvshare.types import NodeId, Tier, WorkerId
 from kvshare.workers import WorkerInfo

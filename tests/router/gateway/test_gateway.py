@@ -23,7 +23,8 @@ from kvshare.engines.server import free_port
 from kvshare.events import BlockStored
 from kvshare.router.core.embed import CacheAwareRouter, InProcessIndex, RouterConfig
 from kvshare.router.core.workers_view import StaticWorkers
-from kvshare.router.gateway.app import create_app, parse_api_keys
+from kvshare.router.gateway.api_keys import parse_api_keys
+from kvshare.router.gateway.app import create_app
 from kvshare.tokenizer import ByteTokenizer
 from kvshare.types import NodeId, Tier, WorkerId, node_location
 from kvshare.workers import WorkerInfo

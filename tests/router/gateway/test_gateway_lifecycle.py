@@ -34,7 +34,8 @@ from kvshare.engines.server import free_port
 from kvshare.router.core.embed import CacheAwareRouter, RouterConfig
 from kvshare.router.core.workers_view import StaticWorkers
 from kvshare.router.gateway.admission import AdmissionConfig
-from kvshare.router.gateway.app import create_app, parse_api_keys
+from kvshare.router.gateway.api_keys import parse_api_keys
+from kvshare.router.gateway.app import create_app
 from kvshare.types import NodeId, WorkerId
 from kvshare.workers import WorkerInfo
 

@@ -41,7 +41,8 @@ from kvshare.engines.hf import EngineConfig, model_keys
 from kvshare.engines.service import WorkerService
 from kvshare.router.core.embed import CacheAwareRouter, RouterConfig
 from kvshare.router.core.workers_view import IndexWorkers
-from kvshare.router.gateway.app import create_app, parse_api_keys
+from kvshare.router.gateway.api_keys import parse_api_keys
+from kvshare.router.gateway.app import create_app
 from kvshare.testing import browser
 
 pytestmark = pytest.mark.cluster
