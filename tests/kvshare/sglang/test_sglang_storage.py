@@ -36,12 +36,12 @@ SPEC = TinyModelSpec(num_layers=LAYERS, hidden_size=HEADS * 2 * DIM, num_heads=H
                      num_kv_heads=HEADS, intermediate_size=256)
 
 
-def host_pool() -> Any:
+def host_pool(page: int = PAGE) -> Any:
     """SGLang's CPU device pool and its host pool (layer_first, not pinned)."""
-    kv = MHATokenToKVPool(512, PAGE, torch.bfloat16, HEADS, DIM, LAYERS, "cpu", False,
+    kv = MHATokenToKVPool(512, page, torch.bfloat16, HEADS, DIM, LAYERS, "cpu", False,
                           v_head_dim=DIM, start_layer=0, end_layer=LAYERS - 1)
     return MHATokenToKVPoolHost(
-        kv.get_device_pool_infos()[0].buffer_info, 2, 0, PAGE, "layer_first", pin_memory=False,
+        kv.get_device_pool_infos()[0].buffer_info, 2, 0, page, "layer_first", pin_memory=False,
         device="cpu", device_capacity_tokens=kv.size, start_layer=kv.start_layer,
         end_layer=kv.end_layer, write_back_staging=kv.hicache_write_back_staging)
 
@@ -152,11 +152,5 @@ def test_bad_settings_fail_sglangs_start_naming_the_fix(extra: dict[str, Any], m
 def test_an_unknown_namespace_or_another_page_size_fails_the_attach(env: dict[str, Any]) -> None:
     with pytest.raises(ValueError, match="unknown kvshare namespace 'nope'.*kvshare up"):
         storage(env["model"], namespace="nope").register_mem_pool_host(host_pool())
-    kv = MHATokenToKVPool(512, 32, torch.bfloat16, HEADS, DIM, LAYERS, "cpu", False,
-                          v_head_dim=DIM, start_layer=0, end_layer=LAYERS - 1)
-    pool32 = MHATokenToKVPoolHost(
-        kv.get_device_pool_infos()[0].buffer_info, 2, 0, 32, "layer_first", pin_memory=False,
-        device="cpu", device_capacity_tokens=kv.size, start_layer=kv.start_layer,
-        end_layer=kv.end_layer, write_back_staging=kv.hicache_write_back_staging)
     with pytest.raises(ValueError, match="block-tokens 32"):
-        storage(env["model"]).register_mem_pool_host(pool32)
+        storage(env["model"]).register_mem_pool_host(host_pool(page=32))
