@@ -61,7 +61,7 @@ class TinyModelSpec:
             raise ValueError(f"dtype must be bfloat16, float16 or float32, got {self.dtype!r}")
 
 
-def _train_tokenizer(vocab_size: int) -> object:
+def train_tokenizer(vocab_size: int) -> object:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -106,7 +106,7 @@ def build_tiny_llama(path: str, spec: TinyModelSpec | None = None) -> str:
     tf: Any = transformers  # untyped constructors
 
     os.makedirs(path, exist_ok=True)
-    backend = _train_tokenizer(spec.vocab_size)
+    backend = train_tokenizer(spec.vocab_size)
     tokenizer = tf.PreTrainedTokenizerFast(
         tokenizer_object=backend, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
         model_max_length=spec.max_position_embeddings,

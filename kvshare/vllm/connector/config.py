@@ -58,6 +58,7 @@ from typing import Any
 
 from kvshare.attention import AttentionKind
 from kvshare.layout import KVLayout, normalize_dtype
+from kvshare.vllm.connector.mla import check_mla_pages, mla_layout
 
 SHAREABLE_KV_DTYPES = ("auto", "float16", "bfloat16", "float32", "fp8", "fp8_e4m3", "fp8_e5m2")
 
@@ -196,10 +197,6 @@ class ModelKeys:
 
 
 _NOT_YET = {
-    AttentionKind.MLA: (
-        "MLA (one latent per token per layer): kvshare's KVLayout sizes and keys it (`kvshare "
-        "size`), but the vLLM connector does not load or save MLA pages yet (its paged copy and "
-        "KV events read K and V per kv head)"),
     AttentionKind.SLIDING: (
         "sliding-window attention: kvshare's KVLayout describes its KV-cache groups, but the vLLM "
         "connector does not implement SupportsHMA yet (per-group block ids, only the last "
@@ -219,10 +216,9 @@ def refuse_kind(layout: KVLayout, model: str) -> None:
 def check_model(vllm_config: Any, settings: ConnectorSettings) -> None:
     """ValueError naming the fix when this engine's KV cannot be shared as configured."""
     mc, cc = vllm_config.model_config, vllm_config.cache_config
+    mla = bool(getattr(mc, "use_mla", False))  # one latent per token: kvshare.vllm.connector.mla
     kind = ""
-    if getattr(mc, "use_mla", False):
-        kind = _NOT_YET[AttentionKind.MLA]
-    elif mc.is_hybrid or getattr(mc, "is_attention_free", False):
+    if mc.is_hybrid or getattr(mc, "is_attention_free", False):
         kind = ("hybrid / state-space (Mamba-style) layers, whose per-sequence state has no "
                 "kvshare block format yet")
     elif mc.get_sliding_window() is not None:
@@ -235,11 +231,13 @@ def check_model(vllm_config: Any, settings: ConnectorSettings) -> None:
     if int(pc.pipeline_parallel_size) > 1:
         raise ValueError("KVShareConnector: pipeline parallelism is not supported yet: run with "
                          "--pipeline-parallel-size 1 or remove the KVShareConnector")
-    if int(pc.tensor_parallel_size) > int(mc.get_total_num_kv_heads()):
+    if not mla and int(pc.tensor_parallel_size) > int(mc.get_total_num_kv_heads()):
         raise ValueError(
             f"KVShareConnector: --tensor-parallel-size {pc.tensor_parallel_size} exceeds the "
             f"model's {mc.get_total_num_kv_heads()} kv heads (replicated heads are not supported)")
     page = int(cc.block_size)
+    if mla:
+        check_mla_pages(str(mc.model), settings.block_tokens, page)
     if settings.block_tokens % page:
         good = ((settings.block_tokens // page) or 1) * page
         raise ValueError(
@@ -260,13 +258,16 @@ def model_keys(vllm_config: Any, settings: ConnectorSettings) -> ModelKeys:
     mc, cc, pc = vllm_config.model_config, vllm_config.cache_config, vllm_config.parallel_config
     model_dtype = normalize_dtype(str(mc.dtype))
     kv_dtype = model_dtype if str(cc.cache_dtype) == "auto" else normalize_dtype(str(cc.cache_dtype))
-    layout = KVLayout(
-        num_layers=int(mc.get_num_layers(pc)),
-        num_kv_heads=int(mc.get_total_num_kv_heads()),
-        head_dim=int(mc.get_head_size()),
-        dtype=kv_dtype,
-        block_tokens=settings.block_tokens,
-    )
+    if getattr(mc, "use_mla", False):
+        layout = mla_layout(mc, int(mc.get_num_layers(pc)), kv_dtype, settings.block_tokens)
+    else:
+        layout = KVLayout(
+            num_layers=int(mc.get_num_layers(pc)),
+            num_kv_heads=int(mc.get_total_num_kv_heads()),
+            head_dim=int(mc.get_head_size()),
+            dtype=kv_dtype,
+            block_tokens=settings.block_tokens,
+        )
     path = _local_model_dir(mc)
     identity = path_identity(path, f"model={model_dtype};kv={kv_dtype}")
     return ModelKeys(layout, identity, int(pc.tensor_parallel_size))

@@ -10,12 +10,14 @@ depends on the attention backend, so it is detected from the shape, never assume
 - ``FLASH_ATTN``-style (CUDA, NHD): ``[2, num_pages, page_tokens, kv_heads, head_dim]``,
   viewed as the same five axes by a permutation. Checked byte for byte on CPU tensors by
   ``kvshare.testing.gpu_check`` (``make gpu-check-cpu``); on a GPU not yet run.
+- MLA backends: one latent per token, viewed as ``[pages, 1, 1, page_tokens, latent]``
+  (one head, one plane; :mod:`kvshare.vllm.connector.mla`).
 
 Anything else is refused with the shape it got. Copies move a batch of blocks per call: for
 ``CPU_ATTN`` pages one ``kvshare._native._copy.copy_chunks`` per layer (one page, head and k|v per
 chunk, straight between the canonical buffer and vLLM's tensor, GIL released), else (GPU
 layouts, or ``_copy`` not built) a gather into page order and one ``index_copy_`` per layer. A canonical block
-``[layers, 2, kv_heads, block_tokens, head_dim]`` covers ``block_tokens // page_tokens``
+``[layers, planes, kv_heads, block_tokens, head_dim]`` (planes: K and V, or MLA's latent) covers ``block_tokens // page_tokens``
 pages. Under tensor parallelism a rank's pages hold heads ``[h0, h0 + local_heads)`` of the
 canonical block (DESIGN "canonical block format").
 """
@@ -41,6 +43,8 @@ except ImportError:  # pragma: no cover - depends on the build
 
 CPU_ATTN = "cpu"
 FLASH_NHD = "flash_nhd"
+MLA_PAGES = "mla"
+CONTIGUOUS_KINDS = (CPU_ATTN, MLA_PAGES)  # a page's bytes are one run: the C copy applies
 _LAYER_RE = re.compile(r"layers\.(\d+)\.")
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -65,7 +69,8 @@ def layer_order(names: Sequence[str]) -> list[str]:
 
 @dataclass(frozen=True)
 class PageViews:
-    """Per-layer ``[pages, local_heads, 2, page_tokens, head_dim]`` views of vLLM's KV caches."""
+    """Per-layer ``[pages, local_heads, planes, page_tokens, head_dim]`` views of vLLM's KV
+    caches (planes 2, K and V; MLA's 1, the latent)."""
 
     views: tuple[torch.Tensor, ...]
     page_tokens: int
@@ -75,6 +80,10 @@ class PageViews:
     @property
     def local_heads(self) -> int:
         return int(self.views[0].shape[1])
+
+    @property
+    def planes(self) -> int:
+        return int(self.views[0].shape[2])
 
     @classmethod
     def from_vllm(cls, kv_caches: Mapping[str, torch.Tensor], *, local_heads: int, head_dim: int,
@@ -120,6 +129,7 @@ class PagedRequestKV:
         self.first_block = first_block
         self.keep_tokens = keep_tokens
         self.per_block = layout.block_tokens // pages.page_tokens
+        self.planes = layout.planes
         self._device = pages.views[0].device
 
     @property
@@ -140,6 +150,9 @@ class PagedRequestKV:
             raise ValueError(f"vLLM's KV cache holds {cache.dtype} elements, the layout's blocks "
                              f"are {layout.dtype}: start vLLM with the --kv-cache-dtype this "
                              "namespace was made for")
+        if self.pages.planes != layout.planes:
+            raise ValueError(f"vLLM's pages hold {self.pages.planes} planes per token, the "
+                             f"layout's {layout.kind.value} blocks {layout.planes}")
         if self.pages.head_start + self.pages.local_heads > layout.num_kv_heads:
             raise ValueError("this rank's kv heads lie outside the layout's heads")
         if tokens > self.num_tokens:
@@ -165,12 +178,12 @@ class PagedRequestKV:
 
     def _layer_pages(self, blocks: torch.Tensor, layer: int) -> torch.Tensor:
         """Layer ``layer`` of ``[n, *block]`` canonical blocks as a (strided) view
-        ``[n * per_block, local_heads, 2, page_tokens, head_dim]``, one row per page."""
-        h0, nh = self.pages.head_start, self.pages.local_heads
+        ``[n * per_block, local_heads, planes, page_tokens, head_dim]``, one row per page."""
+        h0, nh, p = self.pages.head_start, self.pages.local_heads, self.planes
         n, t = blocks.shape[0], self.pages.page_tokens
-        x = blocks[:, layer, :, h0:h0 + nh]  # [n, 2, nh, B, D]
-        x = x.reshape(n, 2, nh, self.per_block, t, x.shape[-1]).permute(0, 3, 2, 1, 4, 5)
-        return x.reshape(n * self.per_block, nh, 2, t, x.shape[-1])  # the one gather copy
+        x = blocks[:, layer, :, h0:h0 + nh]  # [n, p, nh, B, D]
+        x = x.reshape(n, p, nh, self.per_block, t, x.shape[-1]).permute(0, 3, 2, 1, 4, 5)
+        return x.reshape(n * self.per_block, nh, p, t, x.shape[-1])  # the one gather copy
 
     @property
     def _elem(self) -> int:
@@ -181,24 +194,24 @@ class PagedRequestKV:
                 ) -> tuple[np.ndarray, np.ndarray, int, int]:
         """Byte offsets for :func:`kvshare._native._copy.copy_chunks` between canonical blocks (batch
         block ``j`` starting at byte ``block_offsets[j]`` of one buffer) and CPU_ATTN pages
-        ``[pages, local_heads, 2, t, D]``: (canonical offsets for layer 0, page offsets (the
-        same for every layer), chunk bytes, canonical layer stride)."""
-        L, _, H, B, D = self.layout.block_shape
+        ``[pages, local_heads, planes, t, D]`` (or MLA pages): (canonical offsets for layer 0,
+        page offsets (the same for every layer), chunk bytes, canonical layer stride)."""
+        L, P, H, B, D = self.layout.block_shape
         t, h0, nh, elem = self.pages.page_tokens, self.pages.head_start, self.pages.local_heads, self._elem
         chunk = t * D * elem
         k = np.asarray(pos, dtype=np.int64)[:, None, None]
         page = np.asarray(ids, dtype=np.int64)[:, None, None]
         h = np.arange(nh, dtype=np.int64)[None, :, None]
-        kv = np.arange(2, dtype=np.int64)[None, None, :]
+        kv = np.arange(P, dtype=np.int64)[None, None, :]
         block, j = k // self.per_block, k % self.per_block
         canon = block_offsets[block] + ((kv * H + h0 + h) * B + j * t) * D * elem
-        paged = page * (nh * 2 * chunk) + (h * 2 + kv) * chunk
-        return canon.reshape(-1), paged.reshape(-1), chunk, 2 * H * B * D * elem
+        paged = page * (nh * P * chunk) + (h * P + kv) * chunk
+        return canon.reshape(-1), paged.reshape(-1), chunk, P * H * B * D * elem
 
     def _fast(self, blocks: torch.Tensor | None = None) -> bool:
-        """Whether the C copy applies (CPU_ATTN pages on the CPU, and ``blocks`` a contiguous
-        CPU tensor when given)."""
-        return (_COPY_CHUNKS and self.pages.kind == CPU_ATTN and self._device.type == "cpu"
+        """Whether the C copy applies (contiguous CPU_ATTN or MLA pages on the CPU, and
+        ``blocks`` a contiguous CPU tensor when given)."""
+        return (_COPY_CHUNKS and self.pages.kind in CONTIGUOUS_KINDS and self._device.type == "cpu"
                 and (blocks is None or (blocks.device.type == "cpu" and blocks.is_contiguous()))
                 and all(v.is_contiguous() for v in self.pages.views))
 
@@ -255,11 +268,12 @@ class PagedRequestKV:
             return
         idx = torch.tensor(ids, dtype=torch.long, device=self._device)
         h0, nh, t = self.pages.head_start, self.pages.local_heads, self.pages.page_tokens
+        p = self.planes
         for layer, view in enumerate(self.pages.views):
-            got = _bits(view).index_select(0, idx).to(out.device)  # [n * per, nh, 2, t, D]
-            dest = _bits(out[:, layer, :, h0:h0 + nh])  # [n, 2, nh, B, D]
-            dest.view(n, 2, nh, self.per_block, t, got.shape[-1]).copy_(
-                got.view(n, self.per_block, nh, 2, t, got.shape[-1]).permute(0, 3, 2, 1, 4, 5))
+            got = _bits(view).index_select(0, idx).to(out.device)  # [n * per, nh, p, t, D]
+            dest = _bits(out[:, layer, :, h0:h0 + nh])  # [n, p, nh, B, D]
+            dest.view(n, p, nh, self.per_block, t, got.shape[-1]).copy_(
+                got.view(n, self.per_block, nh, p, t, got.shape[-1]).permute(0, 3, 2, 1, 4, 5))
 
     def read_block(self, index: int, out: torch.Tensor) -> None:
         self.read_blocks(index, out.unsqueeze(0))

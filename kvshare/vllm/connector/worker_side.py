@@ -17,7 +17,8 @@ reuses its pages (``handle_preemptions``).
 Tensor parallelism (*written, checked only on GPUs*): rank ``r`` writes heads
 ``[r*H/tp, (r+1)*H/tp)`` of each loaded block; stores need every rank's heads in one block,
 which the pools cannot assemble yet, so TP>1 engines load but do not store (counted
-``store_skipped_tp``).
+``store_skipped_tp``). An MLA block is the same on every rank (one latent per token): each
+rank loads all of it and rank 0 stores it.
 """
 
 from __future__ import annotations
@@ -32,10 +33,12 @@ from typing import Any
 
 import torch
 
+from kvshare.attention import AttentionKind
 from kvshare.client.types import REMOTE_SOURCES, KVClient, LoadResult, Plan, StoreResult
 from kvshare.types import BlockHash
 from kvshare.vllm.connector.config import ModelKeys
 from kvshare.vllm.connector.metadata import KVShareMetadata, LoadSpec
+from kvshare.vllm.connector.mla_pages import mla_page_views
 from kvshare.vllm.connector.paged import PagedRequestKV, PageViews
 from kvshare.vllm.connector.save_marks import SYNC_SAVE_WAIT_S, SaveMarker
 
@@ -81,9 +84,14 @@ class WorkerSide:
 
     def register(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
         """``register_kv_caches``: views over vLLM's per-layer tensors (layout checked)."""
-        local = self.layout.num_kv_heads // self.tp_size
-        self.pages = PageViews.from_vllm(kv_caches, local_heads=local, head_dim=self.layout.head_dim,
-                                         page_tokens=self.page_tokens, head_start=self.tp_rank * local)
+        if self.layout.kind is AttentionKind.MLA:  # every rank holds the whole latent
+            self.pages = mla_page_views(kv_caches, latent=self.layout.head_dim,
+                                        page_tokens=self.page_tokens)
+        else:
+            local = self.layout.num_kv_heads // self.tp_size
+            self.pages = PageViews.from_vllm(
+                kv_caches, local_heads=local, head_dim=self.layout.head_dim,
+                page_tokens=self.page_tokens, head_start=self.tp_rank * local)
         if len(self.pages.views) != self.layout.num_layers:
             raise ValueError(f"vLLM registered {len(self.pages.views)} KV caches, the model has "
                              f"{self.layout.num_layers} attention layers")
@@ -132,7 +140,8 @@ class WorkerSide:
         sync: list[Future[StoreResult]] = []
         for spec in meta.saves:
             self._saved.add(spec.req_id)
-            if self.tp_size > 1:
+            if self.tp_size > 1 and not (self.tp_rank == 0 and self.layout.kind is AttentionKind.MLA):
+                # MLA: rank 0 stores the latent every rank holds; MHA: no rank holds a block
                 self._count("store_skipped_tp", len(spec.hashes) - spec.start_block)
                 self._mark(marker, spec.seq)
                 continue
