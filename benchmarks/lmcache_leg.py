@@ -78,7 +78,7 @@ def main() -> None:
         from vllm import LLM, SamplingParams
         from vllm.config import KVTransferConfig
 
-        llm = LLM(model=job["model"], dtype="bfloat16", block_size=32,
+        llm = LLM(model=job["model"], dtype="bfloat16", block_size=int(job.get("page", 32)),
                   max_model_len=int(job["max_len"]), enable_prefix_caching=True,
                   enforce_eager=True, distributed_executor_backend="uni",
                   kv_transfer_config=KVTransferConfig(

