@@ -10,6 +10,7 @@ hold after a restart. Not locked: the pool calls it under its own lock; leases a
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -18,8 +19,9 @@ import numpy as np
 
 from kvshare.events import AllCleared, BlockRemoved, BlockStored, Event
 from kvshare.pool.types import PoolConfig
+from kvshare.pool.value import ValueLedger
 from kvshare.tiers.base import CorruptBlock, TierStore
-from kvshare.types import BlockHash, Tier
+from kvshare.types import TIER_CODES, BlockHash, Tier
 
 COUNTERS = (
     "hits", "misses", "bytes_in", "bytes_out", "evictions", "demotions", "promotions",
@@ -72,8 +74,10 @@ class TierState:
 class PoolBooks:
     """Tiers, entries and events of one pool (``stores=None``: no bytes, the same books)."""
 
-    def __init__(self, config: PoolConfig, stores: Mapping[Tier, TierStore] | None) -> None:
+    def __init__(self, config: PoolConfig, stores: Mapping[Tier, TierStore] | None,
+                 value: ValueLedger | None = None) -> None:
         self.config = config
+        self.value = value  # a move is charged to the lower of its two tiers
         self.block_bytes = config.layout.bytes_per_block
         self.tiers: dict[Tier, TierState] = {}
         for spec in config.tiers:
@@ -148,6 +152,7 @@ class PoolBooks:
         slot = self.alloc(dest)
         if slot is None:
             return False
+        t0 = time.perf_counter()
         if src.store is not None and dst.store is not None:
             buf = np.empty(self.block_bytes, dtype=np.uint8)
             try:
@@ -156,6 +161,10 @@ class PoolBooks:
                 self.free_slot(dest, slot)
                 raise
             dst.store.write(slot, buf, e.block_hash, e.checksum)
+        if self.value is not None:  # demotion: writing into dest; promotion: reading src
+            down = TIER_CODES[dest] > TIER_CODES[e.tier]
+            self.value.moved(dest if down else e.tier, self.block_bytes,
+                             time.perf_counter() - t0, into=down)
         src.counters["bytes_out"] += self.block_bytes  # the same books without byte stores
         dst.counters["bytes_in"] += self.block_bytes
         old_tier, old_slot = e.tier, e.slot

@@ -46,6 +46,7 @@ from kvshare.pool.types import (
     Reserved,
     ReserveResult,
 )
+from kvshare.pool.value import BYTES_IN, HITS, LOOKUPS, REMOTE, ValueConfig, ValueLedger
 from kvshare.tiers.base import (
     ByteArray,
     CorruptBlock,
@@ -72,7 +73,9 @@ class TieredBlockPool:
         self.config = config
         self.block_bytes = config.layout.bytes_per_block
         self._lock = threading.RLock()
-        self.books = PoolBooks(config, stores)
+        self.value = ValueLedger([t.tier.value for t in config.tiers] + [REMOTE],
+                                 ValueConfig(config.value_window_s), clock)
+        self.books = PoolBooks(config, stores, self.value)
         self._leases = LeaseTable(clock, config.lease_ttl_s)
         self.leases_expired = 0
         self.recovered = self.books.recover()
@@ -136,6 +139,8 @@ class TieredBlockPool:
                 "pinned_blocks": sum(1 for e in self.books.entries.values() if e.pins),
                 "leases_expired": self.leases_expired,
                 "recovered": self.recovered,
+                "block_tokens": self.config.layout.block_tokens,
+                "value": self.value.figures(),
                 **({"sizing": self._sizing_locked(SIZING_MULTIPLES)} if self._sizing else {}),
             }
 
@@ -191,10 +196,12 @@ class TieredBlockPool:
             e = self.books.entries[lease.block_hash]
             self._check_payload(payload)
             st = self.books.tiers[e.tier]
+            t0 = time.perf_counter()
             if st.store is not None:
                 e.checksum = st.store.write_checksummed(e.slot, payload, e.block_hash)
             else:
                 e.checksum = block_checksum(payload)
+            self.value.moved(e.tier, 0, time.perf_counter() - t0, into=True)  # bytes: commit
 
     def commit(self, lease_ids: Sequence[int], checksums: Sequence[int] | None = None) -> list[BlockHash]:
         """Make reserved blocks visible (one BlockStored event each); returns their hashes.
@@ -222,6 +229,7 @@ class TieredBlockPool:
                 else:
                     sums.append(e.checksum)
             done: list[BlockHash] = []
+            stored: dict[Tier, int] = {}
             for lease, checksum in zip(leases, sums, strict=True):
                 e = self.books.entries[lease.block_hash]
                 st = self.books.tiers[e.tier]
@@ -230,11 +238,14 @@ class TieredBlockPool:
                 self._leases.end(lease.lease_id)
                 st.counters["stores"] += 1
                 st.counters["bytes_in"] += self.block_bytes
+                stored[e.tier] = stored.get(e.tier, 0) + 1
                 self.books.emit_stored(e.block_hash, e.tier)
                 done.append(e.block_hash)
             for h in reversed(done):  # tail first: the prefix ends most recent
                 e = self.books.entries[h]
                 self.books.tiers[e.tier].lru[h] = None
+            for tier, n in stored.items():
+                self.value.add(tier, BYTES_IN, n * self.block_bytes)
             return done
 
     def abort(self, lease_ids: Iterable[int]) -> None:
@@ -272,16 +283,21 @@ class TieredBlockPool:
         ttl_s: float | None = None,
         *,
         promote: bool = False,
+        remote: bool = False,
     ) -> list[ReadLease | None]:
         """Lease committed blocks for reading (None = miss). Counts hits and misses.
 
         With ``promote=True`` disk blocks are first copied into the first tier (verified), so
         shared-memory readers can map them; a block that fails verification is a miss.
+        ``remote``: the reader pulls them to another node; the value ledger counts its hits as
+        remote pulls (:data:`kvshare.pool.value.REMOTE`), the tier counters as usual.
         """
         check_lease_request(hashes, self.config.hash_size, ttl_s)
         with self._lock:
             self._expire()
             self._use(hashes)
+            self.value.add(self.books.order[0], LOOKUPS, len(hashes))
+            hit: dict[Tier, int] = {}
             out: list[ReadLease | None] = []
             for h in hashes:
                 e = self.books.entries.get(h)
@@ -300,16 +316,20 @@ class TieredBlockPool:
                 e.hits += 1
                 e.pins += 1
                 self.books.tiers[found].counters["hits"] += 1
+                hit[found] = hit.get(found, 0) + 1
                 lease = self._leases.new(holder, h, ttl_s, write=False)
                 out.append(ReadLease(h, lease, e.tier, e.slot, int(st.epochs[e.slot]), e.checksum))
             for h in reversed(hashes):
                 e = self.books.entries.get(h)
                 if e is not None and e.committed:
                     self.books.tiers[e.tier].lru.move_to_end(h)
+            for tier, n in hit.items():
+                self.value.add(REMOTE if remote else tier, HITS, n)
             return out
 
-    def read_into(self, lease: ReadLease, out: object) -> ReadResult:
-        """Copy a pinned block into ``out`` (uint8, block_bytes), verifying it.
+    def read_into(self, lease: ReadLease, out: object, *, remote: bool = False) -> ReadResult:
+        """Copy a pinned block into ``out`` (uint8, block_bytes), verifying it (``remote``:
+        for a reader on another node; the value ledger charges the copy to remote pulls).
 
         A stale epoch (slot reused after the lease ended) or a failed checksum is a miss with a
         reason; a corrupt block is dropped from the pool and counted. ``out`` must be writable
@@ -324,12 +344,15 @@ class TieredBlockPool:
                 return ReadResult(lease.block_hash, False, "slot reused")
             if st.store is None:
                 return ReadResult(lease.block_hash, False, "no byte store")
+            t0 = time.perf_counter()
             try:
                 st.store.read_into(lease.slot, dest, lease.block_hash, lease.checksum)
             except CorruptBlock as exc:
                 self._corrupt(lease.block_hash, str(exc))
                 return ReadResult(lease.block_hash, False, f"corrupt: {exc}")
             st.counters["bytes_out"] += self.block_bytes
+            self.value.moved(REMOTE if remote else lease.tier, self.block_bytes,
+                             time.perf_counter() - t0, into=False)
             return ReadResult(lease.block_hash, True)
 
     def touch(self, hashes: Sequence[BlockHash], tier: Tier) -> int:
@@ -338,6 +361,7 @@ class TieredBlockPool:
         counters see them as ``acquire`` would. Returns how many are still in ``tier``."""
         with self._lock:
             self._use(hashes)
+            self.value.add(self.books.order[0], LOOKUPS, len(hashes))
             st = self.books.tiers[tier]
             n = 0
             for h in reversed(hashes):
@@ -349,13 +373,24 @@ class TieredBlockPool:
                 n += 1
             st.counters["hits"] += n
             st.counters["bytes_out"] += n * self.block_bytes
+            self.value.add(tier, HITS, n)
+            self.value.moved(tier, n * self.block_bytes, 0.0, into=False)
             return n
 
-    def note_read(self, tier: Tier, blocks: int) -> None:
+    def note_read(self, tier: Tier, blocks: int, *, remote: bool = False) -> None:
         """Count ``blocks`` handed to a reader that copies them itself from the tier's memory
-        (shm mapping, NIXL READ), so ``bytes_out`` covers every way out of the tier."""
+        (shm mapping, NIXL READ), so ``bytes_out`` covers every way out of the tier; ``remote``:
+        a reader on another node (the value ledger's remote pulls)."""
         with self._lock:
             self.books.tiers[tier].counters["bytes_out"] += blocks * self.block_bytes
+            self.value.moved(REMOTE if remote else tier, blocks * self.block_bytes, 0.0,
+                             into=False)
+
+    def note_pull(self, seconds: float) -> None:
+        """Seconds a remote reader's pull took as this pool saw it (prepare to finish), for
+        the value ledger's remote pulls."""
+        with self._lock:
+            self.value.moved(REMOTE, 0, seconds, into=False)
 
     def unpin(self, lease_ids: Iterable[int]) -> None:
         """End read leases; unknown ids are ignored (they may have expired)."""

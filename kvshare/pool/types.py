@@ -43,6 +43,7 @@ class PoolConfig:
     hit at least that often. Watermarks are fractions of the first tier's slots.
     ``sizing_blocks``: blocks the hit-rate-against-capacity estimator tracks at most
     (:mod:`kvshare.pool.sizing`, ~280 bytes each; 0: no estimate, as the simulator runs).
+    ``value_window_s``: the sliding window of the tier value ledger (:mod:`kvshare.pool.value`).
     """
 
     namespace: str
@@ -56,6 +57,7 @@ class PoolConfig:
     low_watermark: float = 0.85
     hash_size: int = 32
     sizing_blocks: int = 0
+    value_window_s: float = 300.0
     extra: dict[str, str] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:

@@ -73,6 +73,7 @@ class BlockServer:
         # running (threaded actors): remember finished holders so that nothing stays pinned.
         self._lock = threading.Lock()
         self._finished: OrderedDict[str, None] = OrderedDict()
+        self._pulls: dict[str, float] = {}  # remote reader -> when its prepare pinned blocks
         self._verifier = SlotVerifier(self.slab) if self.slab is not None else None
         if nixl and self.slab is not None:
             try:
@@ -131,6 +132,9 @@ class BlockServer:
         """End every lease of ``holder`` and remember it finished (under the lock)."""
         if self._nixl is not None:
             self._nixl.served(holder)
+        started = self._pulls.pop(holder, None)
+        if started is not None:
+            self.pool.note_pull(time.perf_counter() - started)
         self.pool.release_holder(holder)
         self._finished[holder] = None
         while len(self._finished) > FINISHED_MEMORY:
@@ -153,9 +157,17 @@ class BlockServer:
         With ``verify`` the pinned slots are checksummed in the background from now on, and
         ``finish`` with their lease ids waits for that and reports a slot whose bytes do not
         match as an invalid lease (and drops its block): see :mod:`kvshare.transfer.verify`.
+        A NIXL reader is counted as a remote pull (:mod:`kvshare.pool.value`), timed from this
+        prepare to its ``finish``.
         """
+        return self._prepare(hashes, holder, ttl_s, verify, nixl, remote=nixl)
+
+    def _prepare(self, hashes: Sequence[BlockHash], holder: str, ttl_s: float, verify: bool,
+                 nixl: bool, *, remote: bool) -> wire.SlotReply:
+        t0 = time.perf_counter()
         taken = self._take(holder, lambda: ([h in self.pool for h in hashes],
-                                            self.pool.pin(hashes, holder, ttl_s, promote=True)))
+                                            self.pool.pin(hashes, holder, ttl_s, promote=True,
+                                                          remote=remote)))
         if taken is None:
             return self._too_late(hashes)
         known, leases = taken
@@ -174,7 +186,11 @@ class BlockServer:
                 for h, b in zip(hashes, blocks, strict=True) if isinstance(b, wire.SourceBlock)])
         # the reader copies these slots itself (shm mapping, NIXL): they leave the slab now
         pinned = sum(isinstance(b, wire.SourceBlock) for b in blocks)
-        self.pool.note_read(Tier.HOST, pinned)
+        self.pool.note_read(Tier.HOST, pinned, remote=remote)
+        if remote and pinned:
+            with self._lock:
+                if holder not in self._finished:
+                    self._pulls.setdefault(holder, t0)
         if nixl and pinned:
             self._serving(holder, ttl_s)
         return self._slot_reply(blocks)
@@ -195,7 +211,7 @@ class BlockServer:
                 f"buffers hold {request.block_bytes} bytes but the pool's blocks are "
                 f"{self.block_bytes} bytes: check the KV layout of the namespace"
             )
-        prep = self.prepare_read(hashes, holder, ttl_s)
+        prep = self._prepare(hashes, holder, ttl_s, False, False, remote=True)
         blocks: list[wire.SourceBlock | str] = list(prep.blocks)
         moving = [i for i, b in enumerate(blocks) if isinstance(b, wire.SourceBlock)]
         try:
@@ -245,7 +261,7 @@ class BlockServer:
         """Copy the held blocks out (object-store path); disk blocks are verified on read."""
         holder = "objstore-read"
         known = [h in self.pool for h in hashes]
-        leases = self.pool.pin(hashes, holder, 30.0)
+        leases = self.pool.pin(hashes, holder, 30.0, remote=True)
         n = sum(1 for x in leases if x is not None)
         data = np.empty((n, self.block_bytes), dtype=np.uint8)
         rows = [-1] * len(hashes)
@@ -257,7 +273,7 @@ class BlockServer:
                 if lease is None:
                     reasons[i] = CORRUPT if was else MISSING
                     continue
-                res = self.pool.read_into(lease, data[row])
+                res = self.pool.read_into(lease, data[row], remote=True)
                 if res.ok:
                     rows[i], sums[i] = row, lease.checksum
                     row += 1
