@@ -14,6 +14,7 @@ from typing import Any
 
 from kvshare.actors import admin_cli
 from kvshare.actors.cli_connect import connect_from_cli as _connect
+from kvshare.actors.tier_value import value_lines, value_rows
 from kvshare.cost import GB
 from kvshare.layout import format_bytes
 
@@ -123,8 +124,8 @@ def sizing_lines(st: dict[str, Any]) -> list[str]:
 
 
 def _print_status(st: dict[str, Any], as_json: bool) -> None:
-    if as_json:
-        print(json.dumps(st, default=str))
+    if as_json:  # with the tier values as the other views read them
+        print(json.dumps({**st, "tier_value": value_rows(st)}, default=str))
         return
     table = [["NODE", "ALIVE", "NAMESPACE", "TIER", "USED / CAPACITY", "BLOCKS", "HIT RATE"],
              *rows(st)]
@@ -143,6 +144,8 @@ def _print_status(st: dict[str, Any], as_json: bool) -> None:
               f"{shard['replaced']} resyncs")
     if "index_error" in st:
         print(f"index unreachable: {st['index_error']}")
+    for line in value_lines(st):
+        print(line)
 
 
 def register(subparsers: Any) -> None:
@@ -172,7 +175,8 @@ def register(subparsers: Any) -> None:
                     "comes up)")
     up.add_argument("--json", action="store_true", help="print status as one JSON object")
     up.set_defaults(func=_up)
-    status = subparsers.add_parser("status", help="nodes, tiers, capacity, blocks, hit rates")
+    status = subparsers.add_parser(
+        "status", help="nodes, tiers, capacity, blocks, hit rates, what each tier is worth")
     common(status)
     status.add_argument("--json", action="store_true", help="print one JSON object")
     status.add_argument("--sizing", action="store_true",

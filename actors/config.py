@@ -83,6 +83,9 @@ class PoolSettings:
     sizing_blocks: int = 16384
     """Blocks each namespace's hit-rate-against-capacity estimate tracks at most (~280 bytes
     each; 0: none; see :mod:`kvshare.pool.sizing`)."""
+    value_window_s: float = 300.0
+    """Seconds of the sliding window over which each tier's value (prefill seconds saved less
+    seconds spent moving blocks) is reported and judged (see :mod:`kvshare.pool.value`)."""
     publish_interval_s: float = 0.05
     """Events reach the index at most this many seconds late."""
     publish_max_events: int = 4096
@@ -122,6 +125,9 @@ class PoolSettings:
         if self.sizing_blocks < 0:
             raise ValueError(f"sizing_blocks must be >= 0 (0: no sizing estimate), got "
                              f"{self.sizing_blocks}")
+        if not (self.value_window_s > 0 and self.value_window_s < float("inf")):
+            raise ValueError(f"value_window_s must be a positive number of seconds, got "
+                             f"{self.value_window_s}")
         if not self.probe_every_s >= 0:
             raise ValueError(f"probe_every_s must be >= 0 (0 = no periodic probe), got "
                              f"{self.probe_every_s}")

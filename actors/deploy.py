@@ -33,6 +33,8 @@ from kvshare.actors.index.keeper import control_plane_placement, start_shard
 from kvshare.auth import cluster_secret
 from kvshare.layout import KVLayout
 from kvshare.tiers.host import SHM_DIR, shm_dir
+from kvshare.types import WorkerId
+from kvshare.workers import WorkerInfo, WorkerLoad, measured_prefill_tokens_per_s
 
 log = logging.getLogger(__name__)
 
@@ -205,10 +207,11 @@ def get_pool(node_id: str | None = None, ray_namespace: str = RAY_NAMESPACE) -> 
 def status(ray_namespace: str = RAY_NAMESPACE, timeout_s: float = 5.0) -> dict[str, Any]:
     """Nodes (alive, pool stats per namespace and tier, ``bandwidth_bytes_per_s``: bytes/s per
     transport as probed from that node with overrides applied, ``{}`` until its first probe;
-    ``bandwidth``: also per peer and when), index shards and workers."""
+    ``bandwidth``: also per peer and when), index shards and workers (with their reported
+    prefill speed), and ``prefill_tokens_per_s`` per namespace (:func:`prefill_speeds`)."""
     nodes = {n["NodeID"]: n for n in ray.nodes()}  # type: ignore[no-untyped-call]
     out: dict[str, Any] = {"ray_namespace": ray_namespace, "nodes": [], "index": [],
-                           "workers": []}
+                           "workers": [], "prefill_tokens_per_s": {}}
     refs: dict[str, Any] = {}
     bw_refs: dict[str, Any] = {}
     for name in _named(ray_namespace, POOL_PREFIX):
@@ -235,12 +238,31 @@ def status(ray_namespace: str = RAY_NAMESPACE, timeout_s: float = 5.0) -> dict[s
     try:
         client = get_index_client(ray_namespace)
         out["index"] = client.stats()
+        workers, loads = client.workers(), client.loads()
         out["workers"] = [
             {"worker_id": w.worker_id, "node": w.node, "namespaces": list(w.namespaces),
-             "endpoint": w.endpoint} for w in client.workers()
+             "endpoint": w.endpoint,
+             "prefill_tokens_per_s": loads[w.worker_id].prefill_tokens_per_s
+             if w.worker_id in loads else 0.0} for w in workers
         ]
+        out["prefill_tokens_per_s"] = prefill_speeds(workers, loads)
     except Exception as exc:
         out["index_error"] = f"{type(exc).__name__}: {exc}"[:200]
+    return out
+
+
+def prefill_speeds(workers: Sequence[WorkerInfo],
+                   loads: Mapping[WorkerId, WorkerLoad]) -> dict[str, float]:
+    """Per namespace, the prefill speed its workers measured (tokens/s, the median of their
+    reports as the router's cost model takes it; a namespace no worker reported is left out):
+    what the tier value ledger prices a served token at (:mod:`kvshare.pool.value`)."""
+    out: dict[str, float] = {}
+    for ns in sorted({ns for w in workers for ns in w.namespaces}):
+        reports = [loads[w.worker_id] for w in workers
+                   if ns in w.namespaces and w.worker_id in loads]
+        speed = measured_prefill_tokens_per_s(reports)
+        if speed > 0:
+            out[ns] = speed
     return out
 
 

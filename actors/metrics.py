@@ -21,6 +21,8 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from kvshare.actors.tier_value import value_rows
+
 log = logging.getLogger(__name__)
 
 #: Per-tier pool counters (``TieredBlockPool`` ``_COUNTERS``) and their help text.
@@ -83,6 +85,7 @@ class ClusterCollector(Collector):
         up.add_metric([], 1.0 if ok else 0.0)
         yield up
         yield from _pool_families(st.get("nodes", []))
+        yield from _value_families(st)
         yield from _index_families(st.get("index", []), "index_error" in st)
         workers = GaugeMetricFamily("kvshare_workers", "Workers registered in the index")
         workers.add_metric([], float(len(st.get("workers", []))))
@@ -146,6 +149,48 @@ def _pool_families(nodes: Iterable[dict[str, Any]]) -> Iterator[Metric]:
     yield from (alive, up, gen, holders, blocks, used, cap, leases, pinned, expired, bw, sizing)
     yield from tier_c.values()
     yield from pool_c.values()
+
+
+#: Tier value figures (:func:`kvshare.actors.tier_value.value_rows`), per span.
+VALUE_GAUGES = {
+    "tokens": ("kvshare_tier_value_tokens", "Prompt tokens the tier served"),
+    "saved_s": ("kvshare_tier_value_saved_seconds",
+                "Prefill seconds those tokens saved, at the workers' measured prefill speed"),
+    "write_s": ("kvshare_tier_value_write_seconds", "Seconds spent writing into the tier"),
+    "read_s": ("kvshare_tier_value_read_seconds", "Seconds spent reading out of the tier"),
+    "bytes_in": ("kvshare_tier_value_bytes_in", "Bytes written into the tier"),
+    "bytes_out": ("kvshare_tier_value_bytes_out", "Bytes read out of the tier"),
+    "net_s": ("kvshare_tier_value_net_seconds", "Prefill seconds saved less seconds spent"),
+}
+
+
+def _value_families(st: dict[str, Any]) -> Iterator[Metric]:
+    """What each tier is worth, ``span`` = ``window`` (the pools' sliding window) or
+    ``total`` (since the pool started); gauges, since a re-measured prefill speed reprices
+    past tokens. ``kvshare_tier_value_flagged`` is 1 where the window's net is <= 0."""
+    labels = ["node", "namespace", "tier", "span"]
+    gauges = {k: GaugeMetricFamily(name, doc, labels=labels)
+              for k, (name, doc) in VALUE_GAUGES.items()}
+    flagged = GaugeMetricFamily("kvshare_tier_value_flagged",
+                                "1 if the tier's net value over the window is <= 0 (see "
+                                "kvshare status for the reason and the fix)",
+                                labels=["node", "namespace", "tier"])
+    speed = GaugeMetricFamily("kvshare_prefill_tokens_per_second",
+                              "Workers' median measured prefill speed that prices a token",
+                              labels=["namespace"])
+    for ns, tps in sorted((st.get("prefill_tokens_per_s") or {}).items()):
+        speed.add_metric([ns], float(tps))
+    for r in value_rows(st):
+        base = [r["node"], r["namespace"], r["tier"]]
+        flagged.add_metric(base, 1.0 if r["verdict"] else 0.0)
+        for span in ("window", "total"):
+            for key, family in gauges.items():
+                v = r[span][key]
+                if v is not None:
+                    family.add_metric([*base, span], float(v))
+    yield from gauges.values()
+    yield flagged
+    yield speed
 
 
 def _index_families(shards: Iterable[dict[str, Any]], unreachable: bool) -> Iterator[Metric]:

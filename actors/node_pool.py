@@ -137,7 +137,7 @@ class NodePool(TransferEndpoints):
             namespace=spec.name, layout=layout, tiers=tuple(tiers), location=self.location,
             generation=self.generation, lease_ttl_s=self.settings.lease_ttl_s,
             demote_min_hits=self.settings.demote_min_hits, hash_size=spec.hash_size,
-            sizing_blocks=self.settings.sizing_blocks,
+            sizing_blocks=self.settings.sizing_blocks, value_window_s=self.settings.value_window_s,
         )
         try:
             pool = TieredBlockPool(config, stores)

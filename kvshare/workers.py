@@ -68,7 +68,11 @@ class WorkerLoad:
     ``cache_epoch``: changes whenever the worker's own cache (its gpu tier) was emptied (its
     engine or worker process restarted, its prefix cache reset): a start value unique to the
     worker's start (:func:`epoch_base`) plus the clears seen since; when it changes, a router
-    forgets the blocks it expected the worker to hold from the requests it sent it before.
+    forgets the blocks it expected the worker to hold from the requests it sent it before;
+    ``prompt_tokens`` / ``engine_cached_tokens``: prompt tokens the engine admitted, and those
+    its own prefix cache (the gpu tier) served, since it started (cumulative; 0 = not
+    reported; vLLM's ``prompt_tokens_total`` / ``prefix_cache_hits_total``): the index
+    prices the gpu tier's worth from them (:mod:`kvshare.actors.index.engine_value`).
     """
 
     worker_id: WorkerId
@@ -82,6 +86,8 @@ class WorkerLoad:
     remote_load_s: float = 0.0
     as_of: float = 0.0
     cache_epoch: int = 0
+    prompt_tokens: int = 0
+    engine_cached_tokens: int = 0
 
     @property
     def state_ts(self) -> float:
@@ -93,7 +99,22 @@ class WorkerLoad:
         view adding its own in-flight work); every other field kept."""
         return WorkerLoad(self.worker_id, queued_prefill_tokens, running,
                           self.prefill_tokens_per_s, self.ts, self.waiting, self.kv_usage,
-                          self.local_load_s, self.remote_load_s, self.as_of, self.cache_epoch)
+                          self.local_load_s, self.remote_load_s, self.as_of, self.cache_epoch,
+                          self.prompt_tokens, self.engine_cached_tokens)
+
+
+def known_median(values: Sequence[float]) -> float:
+    """The (upper) median of the positive ``values`` (0 = none known): how every reader of
+    worker reports (the router's cost model, the tier value ledger's pricing) reduces them."""
+    known = sorted(v for v in values if v > 0)
+    return known[len(known) // 2] if known else 0.0
+
+
+def measured_prefill_tokens_per_s(reports: Sequence[WorkerLoad]) -> float:
+    """The workers' median reported prefill speed, to 10 tokens/s (0 = none reported yet): the
+    figure the router's cost model prices a prompt token at
+    (:meth:`kvshare.router.core.routing.CostInputs.measured`)."""
+    return float(round(known_median([r.prefill_tokens_per_s for r in reports]), -1))
 
 
 def epoch_base() -> int:

@@ -5,6 +5,7 @@ One concept per module, from storage up to the Ray wrapper and the client router
 - :mod:`~kvshare.actors.index.holders`: interned holder sets (``{location: tier}`` as one small int);
 - :mod:`~kvshare.actors.index.table`: one namespace's ``hash -> holder state`` map;
 - :mod:`~kvshare.actors.index.registry`: registered inference workers under leases;
+- :mod:`~kvshare.actors.index.engine_value`: what each worker's own engine cache is worth;
 - :mod:`~kvshare.actors.index.runs`: a match in run form (:class:`~kvshare.actors.index.runs.HolderRuns`),
   the compact answer the index computes and sends;
 - :mod:`~kvshare.actors.index.wire`: the one-bytes-in, one-bytes-out wire format of matches;

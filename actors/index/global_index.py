@@ -442,6 +442,7 @@ class GlobalIndex:
             "lease_stalls": self.registry.stalls,
             "longest_lease_stall_s": round(self.registry.longest_stall_s, 3),
             "pending_resync": sorted(self.fences.resync),
+            "engine_value": self.registry.engine_value.figures(),
             **self.counters,
         }
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+from kvshare.actors.index.engine_value import EngineCacheLedger
 from kvshare.types import NodeId, WorkerId
 from kvshare.workers import WorkerInfo, WorkerLoad
 
@@ -39,6 +40,7 @@ class WorkerRegistry:
         self.stalls = 0  # gaps the leases were extended over
         self.longest_stall_s = 0.0
         self.expired = 0  # workers expired (their reports stopped)
+        self.engine_value = EngineCacheLedger(clock=clock)  # what their own caches served
 
     def _listen(self) -> float:
         """The time now, after giving every lease still running when a silence began at least
@@ -82,6 +84,7 @@ class WorkerRegistry:
         if load.worker_id not in self._info:
             return False
         self._load[load.worker_id] = load
+        self.engine_value.report(self._info[load.worker_id], load)
         self._renew(load.worker_id)
         return True
 
@@ -104,6 +107,7 @@ class WorkerRegistry:
 
     def remove(self, wid: WorkerId) -> bool:
         self._load.pop(wid, None)
+        self.engine_value.forget(wid)
         self._deadline.pop(wid, None)
         return self._info.pop(wid, None) is not None
 

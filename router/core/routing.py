@@ -63,7 +63,7 @@ from kvshare.router.core.registry import make_policy
 from kvshare.router.core.sources import Match, Sharing
 from kvshare.router.core.workers_view import InFlight
 from kvshare.types import BlockHash, Tier, WorkerId, worker_location
-from kvshare.workers import WorkerInfo, WorkerLoad
+from kvshare.workers import WorkerInfo, WorkerLoad, known_median, measured_prefill_tokens_per_s
 
 PENDING_TIER = Tier.GPU
 """Where pending blocks are recorded: the chosen worker's own gpu tier (module docstring)."""
@@ -108,20 +108,14 @@ class CostInputs:
         their node's pool / another node (``local_load_s`` / ``remote_load_s``, to 10 ms; a
         bandwidth probe sees only the bytes/s, not the setup and engine steps a load takes)."""
         reports = tuple(reports)
-        tps = round(_median([r.prefill_tokens_per_s for r in reports]), -1)
-        local = round(_median([r.local_load_s for r in reports]), 2)
-        remote = round(_median([r.remote_load_s for r in reports]), 2)
+        tps = measured_prefill_tokens_per_s(reports)
+        local = round(known_median([r.local_load_s for r in reports]), 2)
+        remote = round(known_median([r.remote_load_s for r in reports]), 2)
         bw = self.bandwidths
         if local or remote:
             bw = replace(bw, local_latency_s=local or bw.local_latency_s,
                          remote_latency_s=remote or bw.remote_latency_s)
         return replace(self, bandwidths=bw, prefill_tokens_per_s=tps or self.prefill_tokens_per_s)
-
-
-def _median(values: list[float]) -> float:
-    """The (upper) median of the positive ``values`` (0 = none known)."""
-    known = sorted(v for v in values if v > 0)
-    return known[len(known) // 2] if known else 0.0
 
 
 class RoutingCore:

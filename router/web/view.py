@@ -2,7 +2,8 @@
 
 :func:`cluster_view` reshapes an :func:`kvshare.actors.deploy.status` snapshot (the one ``kvshare status
 --json`` prints and the Prometheus collector reads): per node its state, tiers (used/capacity,
-blocks, hit rate, evictions, demotions) and probed bandwidths per transport and peer; the
+blocks, hit rate, evictions, demotions), what each tier is worth
+(:func:`kvshare.actors.tier_value.value_rows`) and probed bandwidths per transport and peer; the
 index shards; the registered workers. :func:`router_view` adds a router's side (gateway only):
 decisions by reason and estimated TTFT saved from its Prometheus registry, the recent
 decisions, worker load reports, and for admins the per-tenant usage. Pure functions of their
@@ -14,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from kvshare.actors.tier_value import value_rows
 from kvshare.cost import GB
 from kvshare.workers import WorkerInfo, WorkerLoad
 
@@ -76,13 +78,16 @@ def _peers(bandwidth: Mapping[str, Any]) -> list[dict[str, Any]]:
 def cluster_view(status: Mapping[str, Any]) -> dict[str, Any]:
     """Nodes, index and workers of a status snapshot (see the module docstring)."""
     nodes = []
+    values: dict[str, list[dict[str, Any]]] = {}
+    for row in value_rows(status):
+        values.setdefault(row["node"], []).append(row)
     for node in status.get("nodes", []):
         pool = node.get("pool") or {}
         nid = str(node["node_id"])
         nodes.append({
             "node_id": nid, "address": node.get("address", ""), "state": node_state(node),
             "error": node.get("pool_error", ""), "generation": pool.get("generation"),
-            "tiers": _tiers(pool), "sizing": _sizing(pool),
+            "tiers": _tiers(pool), "sizing": _sizing(pool), "value": values.get(nid, []),
             "bandwidth_gbps": {str(k): float(v) / GB for k, v in
                                sorted((node.get("bandwidth_bytes_per_s") or {}).items())},
             "peers": _peers(node.get("bandwidth") or {}),

@@ -1,6 +1,6 @@
 """kvshare on a real multi-node Ray cluster (head + 2 nodes): pools, index, liveness.
 
-One module cluster; the scenarios run in file order and the last one removes a node.
+One module cluster; the scenarios run in file order (one near the end removes a node).
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from sdk_helpers import load, prompt, report_speed, sdk_client, store
 
 pytestmark = pytest.mark.cluster
 
@@ -360,3 +361,88 @@ def test_sharded_index_client_agrees_with_one_index(kv: dict[str, Any]) -> None:
     assert client.match("m", hs).prefix_for("node:y") == 0  # type: ignore[arg-type]
     for s in shards:
         ray.kill(s)
+
+
+def test_the_disk_tier_is_flagged_only_where_nothing_is_read_back(kv: dict[str, Any]) -> None:
+    """What each tier is worth (kvshare.pool.value), fed by the worker SDK's real stores and
+    loads on this node's pool: two more namespaces (8 host, 64 disk blocks), one workload each.
+
+    ``cold``: every prompt is new; blocks are demoted to disk as the host tier fills and
+    nothing is read back after demotion, so the disk tier only costs (its writes) and is
+    flagged. ``warm``: four prompts of four blocks (twice the host tier) are loaded again and
+    again, each load reading its blocks back from disk: the disk tier saves more prefill (at
+    the worker's reported speed, through the index, as the router's cost model prices it)
+    than its writes and reads cost, and is not flagged.
+    """
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from kvshare.actors.config import NamespaceSpec
+    from kvshare.actors.deploy import deploy, status
+    from kvshare.actors.metrics import ClusterCollector, cluster_registry
+    from kvshare.actors.tier_value import value_lines, value_rows
+    from kvshare.router.web.view import cluster_view
+
+    layout, speed = kv["layout"], 1000.0  # tokens/s: a 16-token block saves 16 ms of prefill
+    bb, bt = layout.bytes_per_block, layout.block_tokens
+    deploy(namespaces=[NamespaceSpec(ns, layout, host_bytes=8 * bb, disk_bytes=64 * bb)
+                       for ns in ("cold", "warm")], ray_namespace=RAY_NS)
+    cold, warm = (sdk_client(layout, ns, RAY_NS) for ns in ("cold", "warm"))
+    try:
+        for i in range(24):  # 48 blocks through an 8-block host tier: 40 go to disk
+            store(cold, prompt(i, 2, bt), i)
+        for i in range(100, 106):  # new prompts: nothing there, nothing read back
+            assert load(cold, prompt(i, 2, bt), wait_s=0) == 0
+        warm_prompts = [prompt(200 + i, 4, bt) for i in range(4)]
+        for i, toks in enumerate(warm_prompts):
+            store(warm, toks, 200 + i)
+        served = sum(load(warm, toks)
+                     for _ in range(4) for toks in warm_prompts)
+        assert served == 4 * 4 * 4
+    finally:
+        cold.close()
+        warm.close()
+    report_speed(kv["client"], "w-value", ("cold", "warm"), speed)
+    st = status(RAY_NS)
+    assert st["prefill_tokens_per_s"] == {"cold": speed, "warm": speed}
+    rows = {(r["namespace"], r["tier"]): r for r in value_rows(st)}
+    cold_disk, warm_disk = rows[("cold", "disk")], rows[("warm", "disk")]
+    print("\n".join(value_lines(st)))  # the figures the report quotes (pytest -s)
+
+    # cold: disk written (40 blocks demoted), never read: net < 0, flagged with the fix
+    w = cold_disk["window"]
+    assert w["tokens"] == 0 and w["bytes_in"] >= 40 * bb
+    assert w["write_s"] > 0 and w["net_s"] < 0
+    assert cold_disk["verdict"].startswith("disk: 0.0% of lookups hit, 0 s saved, ")
+    assert cold_disk["verdict"].endswith("s spent writing: consider --disk-gb 0 or a larger "
+                                         "host tier (--host-gb)")
+    # warm: most loads came back from disk, each block hit saving 16 ms of prefill
+    w = warm_disk["window"]
+    assert w["tokens"] >= 32 * bt and w["saved_s"] == pytest.approx(w["tokens"] / speed)
+    assert w["write_s"] > 0 and w["read_s"] > 0 and w["net_s"] > 0
+    assert warm_disk["verdict"] == "" and warm_disk["total"]["net_s"] > 0
+    # its host tier served nothing (every load reached back past it, to disk): flagged, and
+    # the fix is a larger host tier, not a smaller one
+    assert rows[("warm", "host")]["verdict"].startswith("host: 0.0% of lookups hit")
+    assert "consider a larger --host-gb" in rows[("warm", "host")]["verdict"]
+    lines = value_lines(st)
+    assert any(line == f"  ! {cold_disk['verdict']}" for line in lines)
+    assert not any("! disk" in line and "warm" in line for line in lines)
+
+    # Prometheus: the same verdicts, and the figures per span
+    report_speed(kv["client"], "w-value", ("cold", "warm"), speed)  # fresh within its ttl
+    text = generate_latest(cluster_registry(ClusterCollector(ray_namespace=RAY_NS))).decode()
+    kv["client"].unregister_worker("w-value")
+    samples = [s for fam in text_string_to_metric_families(text) for s in fam.samples]
+    flagged = {(s.labels["namespace"], s.labels["tier"]): s.value for s in samples
+               if s.name == "kvshare_tier_value_flagged"}
+    assert flagged[("cold", "disk")] == 1 and flagged[("warm", "disk")] == 0
+    net = {s.labels["namespace"]: s.value for s in samples
+           if s.name == "kvshare_tier_value_net_seconds" and s.labels["tier"] == "disk"
+           and s.labels["span"] == "total"}
+    assert net["cold"] < 0 < net["warm"]
+
+    # the live page's data
+    page = {(r["namespace"], r["tier"]): r["verdict"]
+            for n in cluster_view(st)["nodes"] for r in n["value"]}
+    assert page[("cold", "disk")] == cold_disk["verdict"] and page[("warm", "disk")] == ""

@@ -29,6 +29,9 @@ counters and per-request latency histograms. :class:`MetricsLoad` turns them int
   another node (``vllm:kvshare_load_seconds_total{where}`` over ``vllm:kvshare_loads_total``,
   :mod:`kvshare.vllm.connector.stats`), smoothed over reports: the setup, transfer and engine steps a
   load really takes on this server, which a bandwidth probe does not see.
+- **What its own cache served** (``prompt_tokens``, ``engine_cached_tokens``): vLLM's
+  ``prompt_tokens_total`` and ``prefix_cache_hits_total`` as they stand (cumulative), from
+  which the index tells what the engine's own prefix cache, the gpu tier, is worth.
 """
 
 from __future__ import annotations
@@ -291,7 +294,9 @@ class MetricsLoad:
                           self.prefill_tokens_per_s, now_wall, waiting=waiting,
                           as_of=as_of if 0 < as_of < now_wall else 0.0,
                           kv_usage=float(m.get("vllm:kv_cache_usage_perc", 0.0)),
-                          local_load_s=wait["local"], remote_load_s=wait["remote"])
+                          local_load_s=wait["local"], remote_load_s=wait["remote"],
+                          prompt_tokens=int(m.get("vllm:prompt_tokens_total", 0.0)),
+                          engine_cached_tokens=int(m.get("vllm:prefix_cache_hits_total", 0.0)))
 
     def close(self) -> None:
         self._http.close()
