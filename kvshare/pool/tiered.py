@@ -296,7 +296,6 @@ class TieredBlockPool:
         with self._lock:
             self._expire()
             self._use(hashes)
-            self.value.add(self.books.order[0], LOOKUPS, len(hashes))
             hit: dict[Tier, int] = {}
             out: list[ReadLease | None] = []
             for h in hashes:
@@ -361,7 +360,6 @@ class TieredBlockPool:
         counters see them as ``acquire`` would. Returns how many are still in ``tier``."""
         with self._lock:
             self._use(hashes)
-            self.value.add(self.books.order[0], LOOKUPS, len(hashes))
             st = self.books.tiers[tier]
             n = 0
             for h in reversed(hashes):
@@ -516,7 +514,9 @@ class TieredBlockPool:
 
     # ------------------------------------------------------------------ internals
     def _use(self, hashes: Sequence[BlockHash]) -> None:
-        """One reader's or writer's chain of blocks, for the sizing estimate."""
+        """One reader's or writer's chain of blocks: the sizing estimate's uses, and the value
+        ledger's lookups (a tier's share of lookups is of the same uses)."""
+        self.value.add(self.books.order[0], LOOKUPS, len(hashes))
         if self._sizing is not None and hashes:
             self._sizing.lookup(hashes)
 

@@ -3,7 +3,9 @@
 :class:`ValueLedger` is a pool's account, per tier, of
 
 - ``hits``: blocks served from the tier (each worth ``block_tokens`` prompt tokens that were
-  not prefilled), and ``lookups``: blocks looked up in the namespace at all;
+  not prefilled), and ``lookups``: the namespace's block uses, the same stream the sizing
+  estimate reads (every block a reader pins or touches, every block a writer reserves: a
+  block stored after a miss counts as a lookup that no tier served);
 - ``bytes_in`` / ``write_s``: bytes written into the tier and the seconds the pool spent on it;
 - ``bytes_out`` / ``read_s``: bytes read out of it and the seconds spent,
 
