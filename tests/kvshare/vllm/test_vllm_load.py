@@ -125,6 +125,20 @@ def test_load_counts_waiting_and_half_done_running_prefills() -> None:
     assert r.queued_prefill_tokens == 2 * 1000 + 2 * 500
 
 
+def test_the_report_carries_what_the_engines_own_cache_served() -> None:
+    """vLLM's prompt and own-prefix-cache token counters, as they stand: the index's gpu tier
+    value (kvshare.actors.index.engine_value) is made of their differences."""
+    text = ('vllm:prompt_tokens_total{engine="0"} 9000.0\n'
+            'vllm:prefix_cache_hits_total{engine="0"} 3500.0\n'
+            'vllm:external_prefix_cache_hits_total{engine="0"} 1200.0\n')
+    load = MetricsLoad(WorkerId("w"), "http://127.0.0.1:1")
+    try:
+        r = load.from_metrics(parse_metrics(text), 1.0)
+    finally:
+        load.close()
+    assert r.prompt_tokens == 9000 and r.engine_cached_tokens == 3500  # not the connector's
+
+
 def test_parse_sums_engines_and_skips_nan() -> None:
     text = ('vllm:num_requests_running{engine="0"} 2.0\n'
             'vllm:num_requests_running{engine="1"} 1.0\n'

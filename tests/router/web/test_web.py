@@ -270,6 +270,10 @@ def test_browser_shows_nodes_hit_rates_and_a_dead_node(env: Env) -> None:
         rates = wait.until(lambda _: [float(r) for (r,) in attrs("[data-hit-rate]", "data-hit-rate")
                                       if r] or None)
         assert max(rates) > 0, f"no tier shows a hit after reuse: {rates}"
+        # what each tier is worth: priced once the workers reported their prefill speed
+        nets = wait.until(lambda _: [float(n) for _, n in attrs("[data-value]", "data-value",
+                                                                "data-net") if n] or None)
+        assert max(nets) > 0, f"no tier shows prefill saved after reuse: {nets}"
         assert attrs("[data-reason]", "data-reason")  # routing decisions shown
         assert "acme" in driver.execute_script("return document.getElementById('tenants').textContent")
         with tempfile.TemporaryDirectory() as tmp:  # the page renders to pixels
