@@ -17,6 +17,9 @@ least ``demote_min_hits`` times and that tier can make room; otherwise it is dro
 With ``PoolConfig.sizing_blocks``, every block a reader pins or touches and every block a
 writer reserves is one use for :class:`~kvshare.pool.sizing.HitRateCurve` (one call, one chain),
 and :meth:`TieredBlockPool.sizing` answers what hit rate each tier would have at other sizes.
+:attr:`TieredBlockPool.value` (:class:`~kvshare.pool.value.ValueLedger`) counts per tier the
+blocks served, and the bytes and seconds the pool spent writing into and reading out of it
+(``stats()["value"]``).
 Thread-safe: every public method takes one lock. The books (tiers, slots, LRU, moves,
 events, recovery) are :mod:`kvshare.pool.books`; the leases and their deadlines
 :mod:`kvshare.pool.leases`.
