@@ -32,6 +32,7 @@ from kvshare.actors.index.client import IndexClient
 from kvshare.actors.index.keeper import control_plane_placement, start_shard
 from kvshare.auth import cluster_secret
 from kvshare.layout import KVLayout
+from kvshare.links import Links
 from kvshare.tiers.host import SHM_DIR, shm_dir
 from kvshare.types import WorkerId
 from kvshare.workers import WorkerInfo, WorkerLoad, measured_prefill_tokens_per_s
@@ -266,22 +267,36 @@ def prefill_speeds(workers: Sequence[WorkerInfo],
     return out
 
 
+def _bandwidth_records(ray_namespace: str, timeout_s: float) -> dict[str, dict[str, Any]]:
+    """Every answering pool's ``transfer_bandwidths()`` record, by node id."""
+    refs: dict[str, Any] = {
+        name[len(POOL_PREFIX):]: ray.get_actor(name, namespace=ray_namespace)
+        .transfer_bandwidths.remote() for name in _named(ray_namespace, POOL_PREFIX)}
+    out: dict[str, dict[str, Any]] = {}
+    for node, ref in refs.items():
+        try:
+            out[node] = dict(ray.get(ref, timeout=timeout_s))
+        except Exception as exc:  # a dead or busy pool: no figures for it
+            log.info("no bandwidths from node %s: %s", node, exc)
+    return out
+
+
 def bandwidths(ray_namespace: str = RAY_NAMESPACE, timeout_s: float = 5.0) -> dict[str, dict[str, float]]:
     """``{node_id: {transport: bytes/s}}`` for every pool that answers: what that node's probe
     measured (``shm`` to itself, the best ``nixl``/``objstore`` to its peers), overrides
     applied. A node not probed yet maps to ``{}``."""
-    refs: dict[str, Any] = {
-        name[len(POOL_PREFIX):]: ray.get_actor(name, namespace=ray_namespace)
-        .transfer_bandwidths.remote() for name in _named(ray_namespace, POOL_PREFIX)}
-    out: dict[str, dict[str, float]] = {}
-    for node, ref in refs.items():
-        try:
-            got: dict[str, Any] = ray.get(ref, timeout=timeout_s)
-        except Exception as exc:  # a dead or busy pool: no figures for it
-            log.info("no bandwidths from node %s: %s", node, exc)
-            continue
-        out[node] = dict(got["transports"])
-    return out
+    return {node: dict(got["transports"])
+            for node, got in _bandwidth_records(ray_namespace, timeout_s).items()}
+
+
+def measured_links(ray_namespace: str = RAY_NAMESPACE, timeout_s: float = 5.0) -> Links:
+    """Per probed link, holder node -> reader node, the bytes/s of its faster remote transport
+    (:meth:`kvshare.links.Links.from_probes` of every pool's per-peer figures). A pool with a
+    ``nixl``/``objstore`` override contributes no links (the override prices its pulls)."""
+    per_reader = {node: dict(got.get("per_node") or {})
+                  for node, got in _bandwidth_records(ray_namespace, timeout_s).items()
+                  if not set(got.get("overrides") or {}) & {"nixl", "objstore"}}
+    return Links.from_probes(per_reader)
 
 
 def measured_bandwidths(

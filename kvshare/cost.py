@@ -20,14 +20,15 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from enum import IntEnum
 from itertools import groupby
 
 import numpy as np
 
 from kvshare.layout import KVLayout
+from kvshare.links import Links
 from kvshare.quick_init import quick_init
 from kvshare.types import Tier
 
@@ -157,7 +158,9 @@ class Bandwidths:
 
     ``host``: the node's shared-memory slab to the worker (shm + host-to-device copy);
     ``disk``: the node's slot files; ``remote``: between nodes (nixl, or objstore as fallback).
-    A remote block on a remote disk goes at ``min(disk, remote)``.
+    A remote block on a remote disk goes at ``min(disk, remote)``. ``links``: per probed link
+    (holder node -> reader node) its own bytes/s (:meth:`for_pull`); ``remote`` prices the
+    links nobody probed.
     """
 
     host: float = 25e9
@@ -165,6 +168,7 @@ class Bandwidths:
     remote: float = 12.5e9
     local_latency_s: float = 0.0
     remote_latency_s: float = 0.001
+    links: Links = Links()
 
     def __post_init__(self) -> None:
         for name in ("host", "disk", "remote"):
@@ -187,7 +191,13 @@ class Bandwidths:
         remote_vals = [measured[k] for k in ("nixl", "objstore", "remote") if k in measured]
         remote = max(remote_vals) if remote_vals else base.remote
         return cls(host, measured.get("disk", base.disk), remote, base.local_latency_s,
-                   base.remote_latency_s)
+                   base.remote_latency_s, base.links)
+
+    def for_pull(self, holders: Iterable[str], reader: str) -> Bandwidths:
+        """These bandwidths for a reader on node ``reader`` pulling from ``holders``: ``remote``
+        is the slowest probed link among them (unchanged where none was probed)."""
+        bw = self.links.slowest(holders, reader) if self.links else None
+        return self if bw is None or bw == self.remote else replace(self, remote=bw)
 
     def per_block_s(self, block_bytes: int) -> tuple[float, ...]:
         """Seconds to fetch one block from each :class:`Source`, in enum order."""
@@ -248,6 +258,8 @@ class CostModel:
     window_fetch_s: tuple[tuple[int, tuple[float, ...]], ...] = field(
         init=False, repr=False, compare=False)
     """Per window: its blocks and seconds per block from each :class:`Source`; derived."""
+    _pulls: dict[float, CostModel] = field(default_factory=dict, init=False, repr=False,
+                                           compare=False, hash=False)
 
     def __post_init__(self) -> None:
         if self.block_tokens <= 0 or self.bytes_per_token < 0 or (
@@ -272,6 +284,20 @@ class CostModel:
     @property
     def block_bytes(self) -> int:
         return self.block_tokens * self.bytes_per_token
+
+    def for_pull(self, holders: Iterable[str], reader: str) -> CostModel:
+        """This model for a reader on node ``reader`` pulling from ``holders``: remote blocks
+        priced at the slowest probed link among them (:meth:`Bandwidths.for_pull`); ``self``
+        where no link is known. Kept per figure, so a router asks for it per candidate."""
+        bw = self.bandwidths.for_pull(holders, reader)
+        if bw is self.bandwidths:
+            return self
+        got = self._pulls.get(bw.remote)
+        if got is None:
+            if len(self._pulls) >= 64:
+                self._pulls.clear()
+            got = self._pulls[bw.remote] = replace(self, bandwidths=bw)
+        return got
 
     def cached_tokens(self, blocks: int, total_tokens: int) -> int:
         """Tokens covered by ``blocks`` cached blocks (the last token is always computed)."""

@@ -10,13 +10,20 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 
 from kvshare.cost import Bandwidths, CostModel, PrefillModel, PrefillTimings, Source
 from kvshare.layout import KVLayout
+from kvshare.links import Links
 
 
 class CostCut:
-    """A :data:`kvshare.client.sdk.CutPolicy`: the cut ``k`` minimising fetch + prefill time."""
+    """A :data:`kvshare.client.sdk.CutPolicy`: the cut ``k`` minimising fetch + prefill time.
+
+    Remote blocks are priced at the probed link from their holder node to this one where
+    :meth:`set_peer_bandwidths` gave it (the slowest such link when a plan pulls from several
+    holders), else at the node's remote figure (:meth:`set_bandwidths`).
+    """
 
     def __init__(
         self,
@@ -29,6 +36,8 @@ class CostCut:
     ) -> None:
         self.layout = layout
         self._bw = Bandwidths.from_measured(dict(bandwidths or {}))
+        self._node = ""  # the reader's node (set_peer_bandwidths)
+        self._speed = 0.0  # the engine's measured tokens/s while no timings are fitted
         self._timings = PrefillTimings(refit_every, max_samples, samples)
         self._lock = threading.Lock()
         self.refit_every = refit_every
@@ -38,7 +47,7 @@ class CostCut:
         try:
             prefill = PrefillModel.fit(self._timings.samples)
         except ValueError:
-            prefill = PrefillModel.from_tokens_per_s(5_000.0)
+            prefill = PrefillModel.from_tokens_per_s(self._speed or 5_000.0)
         return CostModel.for_layout(prefill, self._bw, self.layout)
 
     def set_bandwidths(self, measured: Mapping[str, float]) -> None:
@@ -47,7 +56,29 @@ class CostCut:
         known = {"shm", "host", "disk", "nixl", "objstore", "remote"}
         usable = {k: float(v) for k, v in measured.items() if k in known and v > 0}
         with self._lock:
-            self._bw = Bandwidths.from_measured(usable)
+            self._bw = Bandwidths.from_measured(usable, replace(Bandwidths(), links=self._bw.links))
+            self._model = self._fit()
+
+    def set_peer_bandwidths(self, node: str, per_peer: Mapping[str, float]) -> None:
+        """Bytes/s of a pull from each peer node (holder) to this worker's ``node``, e.g. the
+        figures this node's pool probed of the transport in use; replaces the last ones."""
+        links = Links(tuple((str(peer), node, float(v)) for peer, v in sorted(per_peer.items())
+                            if peer != node and v > 0))
+        with self._lock:
+            self._node = node
+            self._bw = replace(self._bw, links=links)
+            self._model = self._fit()
+
+    def use_speed(self, tokens_per_s: float) -> None:
+        """The engine's measured prefill speed, used while fewer than two timings are known
+        (an engine that reports speeds, not timings: vLLM's steps); the model is rebuilt only
+        when it moves by more than 10%."""
+        if not tokens_per_s > 0:
+            return
+        with self._lock:
+            if len(self._timings.samples) >= 2 or abs(tokens_per_s - self._speed) <= 0.1 * self._speed:
+                return
+            self._speed = float(tokens_per_s)
             self._model = self._fit()
 
     @property
@@ -61,9 +92,16 @@ class CostCut:
             if self._timings.add(new_tokens, cached_tokens, seconds) is not None:
                 self._model = self._fit()
 
-    def __call__(self, prompt_tokens: int, sources: Sequence[Source]) -> int:
+    def __call__(self, prompt_tokens: int, sources: Sequence[Source],
+                 holders: Sequence[str] = ()) -> int:
+        """The cut for a prompt of ``prompt_tokens`` whose leading blocks come from
+        ``sources``; ``holders[i]``: the node block ``i`` would come from (per-link pricing)."""
         if not sources:
             return 0
-        plan = self._model.plan(prompt_tokens, sources)
+        model = self._model
+        if holders and model.bandwidths.links:
+            model = model.for_pull({h for h, s in zip(holders, sources, strict=False) if s.remote},
+                                   self._node)
+        plan = model.plan(prompt_tokens, sources)
         return int(plan.cut)
 

@@ -44,8 +44,9 @@ class LocalKVClient:
         """Block hashes under tenant ``salt``'s root (None: the client's); see KVShareClient."""
         return self.hasher.hashes(tokens, salt)
 
-    def lookup(self, tokens: Sequence[int], hashes: Sequence[BlockHash] | None = None) -> Plan:
-        """Plan to load every leading block the pool holds."""
+    def lookup(self, tokens: Sequence[int], hashes: Sequence[BlockHash] | None = None, *,
+               load_all: bool = False) -> Plan:
+        """Plan to load every leading block the pool holds (``load_all`` changes nothing)."""
         hs = tuple(hashes if hashes is not None else self.hashes(tokens))
         n = self.pool.prefix_len(hs)
         loc = str(self.pool.config.location)
@@ -58,7 +59,8 @@ class LocalKVClient:
         return Plan(self.namespace, len(tokens), self.block_tokens, hs, n, tuple(blocks),
                     reason="local pool")
 
-    def plan_from(self, tokens: Sequence[int], hashes: Sequence[BlockHash], match: Any) -> Plan:
+    def plan_from(self, tokens: Sequence[int], hashes: Sequence[BlockHash], match: Any, *,
+                  load_all: bool = False) -> Plan:
         """Plan to load the leading blocks ``match`` (an index answer for ``hashes``) says this
         pool holds, without asking the pool (a load of a block it no longer holds fails)."""
         hs = tuple(hashes)

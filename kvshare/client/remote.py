@@ -31,6 +31,8 @@ REFINE_MIN_SAMPLES = 4
 
 BandwidthSource = Callable[[], Mapping[str, float]] | Mapping[str, float]
 """Bytes/s per transport (``nixl``, ``objstore``, ...), or a callable returning them."""
+PeerSource = Callable[[], Mapping[str, Mapping[str, float]]]
+"""Per peer node, bytes/s per transport of a pull from it to this node (the pool's probe)."""
 
 
 class RemoteChoice:
@@ -39,11 +41,15 @@ class RemoteChoice:
     ``nixl_up``: the worker's NIXL agent started. ``auto``: choose by bandwidths (else the
     transport stays what the worker asked for: nixl when up, objstore otherwise).
     ``source``: the node's measured figures. ``cut_policy``: the worker's cut policy (fed the
-    figures when it has ``set_bandwidths``). ``name``: the worker, for logs.
+    figures when it has ``set_bandwidths``, and each peer's link figure of the chosen
+    transport when it has ``set_peer_bandwidths`` and ``peers`` is given, unless that
+    transport's figure is overridden). ``node``: this worker's node. ``name``: the worker, for
+    logs.
     """
 
     def __init__(self, *, nixl_up: bool, auto: bool, source: BandwidthSource | None,
-                 cut_policy: object, name: str) -> None:
+                 cut_policy: object, name: str, node: str = "",
+                 peers: PeerSource | None = None) -> None:
         self.overrides = parse_overrides(os.environ.get("KVSHARE_BANDWIDTH_GBPS", ""))
         self.nixl_up = nixl_up
         self.auto = auto
@@ -52,6 +58,9 @@ class RemoteChoice:
         self.estimator = BandwidthEstimator(32)  # this worker's own loads, per transport/peer
         self.cut_policy = cut_policy
         self._source = source
+        self._peers = peers
+        self.peer_bandwidths: dict[str, float] = {}  # bytes/s from each peer, chosen transport
+        self._node = node
         self._name = name
         self._loads = 0
 
@@ -110,6 +119,15 @@ class RemoteChoice:
         if self.remote in self.bandwidths:
             bw[self.remote] = self.bandwidths[self.remote]
         setter(bw)
+        set_peers = getattr(self.cut_policy, "set_peer_bandwidths", None)
+        if callable(set_peers) and self._peers is not None and self.remote not in self.overrides:
+            try:
+                per = {str(p): float(f.get(self.remote, 0.0)) for p, f in self._peers().items()}
+            except Exception as exc:  # pool busy or gone: keep the last figures
+                log.info("per-peer bandwidths unavailable for %s: %s", self._name, exc)
+                return
+            self.peer_bandwidths = {p: v for p, v in per.items() if p != self._node and v > 0}
+            set_peers(self._node, self.peer_bandwidths)
 
     def _await_probe(self, closed: threading.Event) -> None:
         deadline = time.monotonic() + AUTO_WAIT_S

@@ -34,7 +34,7 @@ import ray
 
 from kvshare.block_io import KVTarget, SlabIO, StorableKV
 from kvshare.client.fetch import BlockFetcher, start_nixl
-from kvshare.client.remote import BandwidthSource, RemoteChoice
+from kvshare.client.remote import BandwidthSource, PeerSource, RemoteChoice
 from kvshare.client.types import (
     TRANSPORT_AUTO,
     TRANSPORT_NIXL,
@@ -65,13 +65,15 @@ from kvshare.workers import IndexQuery
 
 log = logging.getLogger(__name__)
 
-CutPolicy = Callable[[int, Sequence[Source]], int]
-"""``(prompt_tokens, sources) -> blocks to load``; ``sources[i]`` is the
+CutPolicy = Callable[[int, Sequence[Source], Sequence[str]], int]
+"""``(prompt_tokens, sources, holders) -> blocks to load``; ``sources[i]`` is the
 :class:`~kvshare.cost.Source` of leading available block ``i`` (``LOCAL_HOST``, ``LOCAL_DISK``,
-``REMOTE_HOST``, ``REMOTE_DISK``)."""
+``REMOTE_HOST``, ``REMOTE_DISK``) and ``holders[i]`` the node it would come from (this
+worker's own node for a local block): a policy may price each link on its own."""
 
 
-def load_everything(prompt_tokens: int, sources: Sequence[Source]) -> int:
+def load_everything(prompt_tokens: int, sources: Sequence[Source],
+                    holders: Sequence[str] = ()) -> int:
     """The default cut: every available block (fetching beats recompute on every path here)."""
     return len(sources)
 
@@ -103,6 +105,7 @@ class KVShareClient:
         load_deadline_s: float = 5.0,
         store_deadline_s: float = 10.0,
         bandwidths: BandwidthSource | None = None,
+        peer_bandwidths: PeerSource | None = None,
     ) -> None:
         if remote not in (TRANSPORT_AUTO, TRANSPORT_NIXL, TRANSPORT_OBJSTORE):
             raise ValueError(
@@ -122,7 +125,8 @@ class KVShareClient:
         self._nixl, self.nixl_error = (None, "") if remote == TRANSPORT_OBJSTORE else start_nixl(
             namespace, worker_id)
         self.choice = RemoteChoice(nixl_up=self._nixl is not None, auto=remote == TRANSPORT_AUTO,
-                                   source=bandwidths, cut_policy=cut_policy, name=worker_id)
+                                   source=bandwidths, cut_policy=cut_policy, name=worker_id,
+                                   node=node, peers=peer_bandwidths)
         self.fetcher = BlockFetcher(node=node, worker_id=worker_id, control_for=control_for,
                                     nixl=self._nixl, estimator=self.choice.estimator,
                                     count=self._count, deadline_s=load_deadline_s,
@@ -159,14 +163,19 @@ class KVShareClient:
             actor = find_pool(node_id, ray_namespace)
             return ActorControl(actor, namespace) if actor is not None else None
 
+        per_peer: dict[str, dict[str, float]] = {}  # the last answer's links, per peer
+
         def bandwidths() -> Mapping[str, float]:
             actor = find_pool(node, ray_namespace)
             if actor is None:
                 raise LookupError(f"no kvshare pool on node {node}")
             got: Any = ray.get(actor.transfer_bandwidths.remote(), timeout=index_timeout_s)
+            per_peer.clear()
+            per_peer.update({str(k): dict(v) for k, v in (got.get("per_node") or {}).items()})
             return dict(got["transports"])
 
         kwargs.setdefault("bandwidths", bandwidths)
+        kwargs.setdefault("peer_bandwidths", lambda: dict(per_peer))
         return cls(namespace=namespace, layout=layout, root=root, node=node, index=index,
                    control_for=control_for, **kwargs)
 
@@ -216,12 +225,14 @@ class KVShareClient:
         for another salt rather than hashing under the wrong root."""
         return self.hasher.hashes(tokens, salt)
 
-    def lookup(self, tokens: Sequence[int], hashes: Sequence[BlockHash] | None = None) -> Plan:
-        """Where the prompt's cached prefix is and how much of it to load."""
+    def lookup(self, tokens: Sequence[int], hashes: Sequence[BlockHash] | None = None, *,
+               load_all: bool = False) -> Plan:
+        """Where the prompt's cached prefix is and how much of it to load (``load_all``:
+        every available block, whatever the cut policy says)."""
         hs = self._lookup_hashes(tokens, hashes)
         if self.index is None or not hs:
             return self._no_plan(tokens, hs, "no index")
-        return self._plan(tokens, hs, self.index.match(self.namespace, list(hs)))
+        return self._plan(tokens, hs, self.index.match(self.namespace, list(hs)), load_all)
 
     async def lookup_async(
         self, tokens: Sequence[int], hashes: Sequence[BlockHash] | None = None
@@ -232,11 +243,12 @@ class KVShareClient:
             return self._no_plan(tokens, hs, "no index")
         return self._plan(tokens, hs, await self.index.match_async(self.namespace, list(hs)))
 
-    def plan_from(self, tokens: Sequence[int], hashes: Sequence[BlockHash], match: Any) -> Plan:
+    def plan_from(self, tokens: Sequence[int], hashes: Sequence[BlockHash], match: Any, *,
+                  load_all: bool = False) -> Plan:
         """:meth:`lookup`'s plan from an index answer already in hand (``match``, for these
         ``hashes``: e.g. a router's, carried in its hint, :mod:`kvshare.vllm.router_hint`);
         no index call."""
-        return self._plan(tokens, tuple(hashes), match)
+        return self._plan(tokens, tuple(hashes), match, load_all)
 
     def _lookup_hashes(self, tokens: Sequence[int],
                        hashes: Sequence[BlockHash] | None) -> tuple[BlockHash, ...]:
@@ -247,12 +259,14 @@ class KVShareClient:
     def _no_plan(self, tokens: Sequence[int], hs: tuple[BlockHash, ...], reason: str) -> Plan:
         return Plan(self.namespace, len(tokens), self.block_tokens, hs, 0, (), reason)
 
-    def _plan(self, tokens: Sequence[int], hs: tuple[BlockHash, ...], match: Any) -> Plan:
+    def _plan(self, tokens: Sequence[int], hs: tuple[BlockHash, ...], match: Any,
+              load_all: bool = False) -> Plan:
         if not match.available:
             self._count("index_unavailable")
             return self._no_plan(tokens, hs, "index unavailable")
         blocks: list[PlannedBlock] = []
         kinds: list[Source] = []
+        holders: list[str] = []
         for i in range(match.combined_prefix):
             best = self._best_holder(match.holders(i))
             if best is None:
@@ -260,7 +274,9 @@ class KVShareClient:
             loc, tier, transport = best
             blocks.append(PlannedBlock(hs[i], loc, tier, transport))
             kinds.append(Source.of(tier, remote=transport != TRANSPORT_SHM))
-        cut = max(0, min(len(blocks), int(self.cut_policy(len(tokens), kinds))))
+            holders.append(loc.partition(":")[2])
+        policy = load_everything if load_all else self.cut_policy
+        cut = max(0, min(len(blocks), int(policy(len(tokens), kinds, holders))))
         self._count("planned_blocks", cut)
         return Plan(self.namespace, len(tokens), self.block_tokens, hs, len(blocks),
                     tuple(blocks[:cut]), f"cut {cut}/{len(blocks)}")

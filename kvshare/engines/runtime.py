@@ -272,7 +272,7 @@ class LoadReporter:
                 log.debug("unregister failed: %s", exc)
 
 
-def local_only(prompt_tokens: int, sources: Sequence[Source]) -> int:
+def local_only(prompt_tokens: int, sources: Sequence[Source], holders: Sequence[str] = ()) -> int:
     """A cut policy reusing only this node's blocks (a replica's own node cache)."""
     n = 0
     for s in sources:

@@ -167,23 +167,34 @@ class _Estimator:
         self.request, self.view, self.cands, self.planned = request, view, cands, planned
 
     def estimates(self, decision: Decision) -> list[Estimate]:
-        cost, view, n = self.cost, self.view, self.request.num_tokens
-        by_runs: dict[SourceRuns, CutPlan] = {}
+        view, n = self.view, self.request.num_tokens
+        by_runs: dict[tuple[SourceRuns, float], CutPlan] = {}
         out = []
         for c in self.cands:
             wid = c.info.worker_id
             plan = decision.plan if wid == decision.worker else self.planned.get(wid)
             if plan is None:
+                cost = cost_at(self.cost, view, c.info.node)
                 runs = view.source_runs(wid, c.info.node, self.sharing, cost.block_fetch_s)
-                plan = by_runs.get(runs)
+                key = (runs, cost.bandwidths.remote)
+                plan = by_runs.get(key)
                 if plan is None:
-                    plan = by_runs[runs] = cost.plan_runs(n, runs)
+                    plan = by_runs[key] = cost.plan_runs(n, runs)
             assert plan is not None
             q = self.queue_s(c.load)
             reason = decision.reason if wid == decision.worker else plan_reason(plan)
             out.append(Estimate(wid, c.info.endpoint, q + plan.total_s, q, plan, reason))
         out.sort(key=lambda e: (e.worker != decision.worker, e.est_ttft_s))
         return out
+
+
+def cost_at(cost: CostModel, view: SourceMap, node: NodeId) -> CostModel:
+    """``cost`` for a reader on ``node``: its remote blocks priced at the probed links from the
+    nodes it would pull them from (:meth:`~kvshare.cost.CostModel.for_pull`); ``cost`` itself
+    where no link was probed."""
+    if not cost.bandwidths.links:
+        return cost
+    return cost.for_pull(view.pull_nodes(node), node)
 
 
 class NoEligibleWorker(ValueError):
@@ -353,11 +364,11 @@ class Policy(ABC):
         return self._queues
 
     def plan_for(self, request: RouteRequest, view: SourceMap, cand: Candidate) -> CutPlan:
-        """The cost model's best plan for this request on ``cand``."""
-        runs = view.source_runs(
-            cand.info.worker_id, cand.info.node, self.sharing, self.cost.block_fetch_s
-        )
-        return self.cost.plan_runs(request.num_tokens, runs)
+        """The cost model's best plan for this request on ``cand`` (:func:`cost_at`)."""
+        cost = cost_at(self.cost, view, cand.info.node)
+        runs = view.source_runs(cand.info.worker_id, cand.info.node, self.sharing,
+                                cost.block_fetch_s)
+        return cost.plan_runs(request.num_tokens, runs)
 
     def queue_s(self, load: WorkerLoad) -> float:
         """Queue wait: queued prefill tokens at the worker's measured speed (else the model's)."""
@@ -536,10 +547,12 @@ class CostPolicy(Policy):
         """The candidate with the lowest score (class docstring), the reason and the score."""
         plans: dict[WorkerId, CutPlan] = {}
         self._plans = plans
-        by_runs: dict[SourceRuns, CutPlan] = {}  # workers with equal views share a plan
-        bounds: dict[SourceRuns, float] = {}
+        # workers with equal views (and links) share a plan and a bound
+        by_runs: dict[SourceRuns | tuple[SourceRuns, float], CutPlan] = {}
+        bounds: dict[SourceRuns | tuple[SourceRuns, float], float] = {}
         cost, tie = self.cost, self.tie_s
         fetch = cost.block_fetch_s
+        links = bool(cost.bandwidths.links)
         n = request.num_tokens
         ns, hashes, now = request.namespace, request.hashes, self.clock()
         ready = self._ready if self._ready and self.sharing is Sharing.GLOBAL else None
@@ -564,24 +577,28 @@ class CostPolicy(Policy):
                 info = cands[i].info
                 seen = view if timed is None else timed.view(
                     view, max(now + q, self._last_end.get(info.worker_id, now)))
-                runs = seen.source_runs(info.worker_id, info.node, self.sharing, fetch)
+                c_i = cost_at(cost, seen, info.node) if links else cost
+                runs = seen.source_runs(info.worker_id, info.node, self.sharing,
+                                        c_i.block_fetch_s if links else fetch)
                 wait = q
                 if ready is not None:
                     runs, start = ready.extend(runs, ns, hashes, info.worker_id, now, now + q)
                     wait = start - now
-                t = bounds.get(runs)
-                if t is None:  # (workers with equal views share the bound too)
-                    t = bounds[runs] = self._bound(n, runs)
+                key: SourceRuns | tuple[SourceRuns, float] = (
+                    (runs, c_i.bandwidths.remote) if links else runs)
+                t = bounds.get(key)
+                if t is None:
+                    t = bounds[key] = self._bound(n, runs, c_i)
                 low_s = wait + _work_s(t, work, bound, typical, i)
-                group.append((low_s, pos, i, runs, wait))
+                group.append((low_s, pos, i, runs, wait, key, c_i))
                 pos += 1
-            group.sort()
-            for low, _, i, runs, wait in group:
+            group.sort(key=lambda g: (g[0], g[1]))
+            for low, _, i, runs, wait, key, c_i in group:
                 if low > best + tie:
                     break  # exact pruning: its plan (and the rest's) cannot win or tie
-                plan = by_runs.get(runs)
+                plan = by_runs.get(key)
                 if plan is None:
-                    plan = by_runs[runs] = cost.plan_runs(n, runs)
+                    plan = by_runs[key] = c_i.plan_runs(n, runs)
                 plans[cands[i].info.worker_id] = plan
                 waits[cands[i].info.worker_id] = wait
                 t = plan.total_s
@@ -654,12 +671,12 @@ class CostPolicy(Policy):
         best_i = self._rotate.pick(ties, cands)
         return best_i, plan_reason(plans[cands[best_i].info.worker_id])
 
-    def _bound(self, n: int, runs: SourceRuns) -> float:
+    def _bound(self, n: int, runs: SourceRuns, cost: CostModel) -> float:
         """A lower bound of ``plan_runs(n, runs).total_s``, from the runs' first source and
         length: any cut pays the first block's fetch and latency and prefills at least the
         tokens past the runs (or there is no cut: recompute all). Shrunk by 1e-9 so float
         rounding never lifts it above the plan."""
-        pm, cost = self.cost.prefill, self.cost
+        pm = cost.prefill
         full = pm.a * n + pm.b * n * n / 2
         if not runs:
             return full * _SHRINK

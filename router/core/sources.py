@@ -105,7 +105,7 @@ def _per_segment(runs: Sequence[tuple[Holders, int]], starts: list[int]) -> list
     return out
 
 
-_Bests = tuple[dict[str, int], int, "str | None", int]
+_Bests = tuple[dict[str, int], int, "str | None", int, "str | None"]
 _BESTS: dict[int, tuple[Holders, Mapping[WorkerId, NodeId], frozenset[str], _Bests]] = {}
 _BESTS_MAX = 4096
 
@@ -122,7 +122,7 @@ def _bests(holders: Holders, worker_nodes: Mapping[WorkerId, NodeId],
             and hit[2] is private):
         return hit[3]
     ranks: dict[str, int] = {}
-    best1, best1_node, best2 = _NONE, None, _NONE
+    best1, best1_node, best2, best2_node = _NONE, None, _NONE, None
     nodes: dict[str, str] = {}
     for loc, r in holders:
         ranks[loc] = r
@@ -135,11 +135,11 @@ def _bests(holders: Holders, worker_nodes: Mapping[WorkerId, NodeId],
             if r < best1:
                 best1 = r
         elif r < best1:
-            best2 = best1
+            best2, best2_node = best1, best1_node
             best1, best1_node = r, node
         elif r < best2:
-            best2 = r
-    got = (ranks, best1, best1_node, best2)
+            best2, best2_node = r, node
+    got = (ranks, best1, best1_node, best2, best2_node)
     if isinstance(holders, tuple):  # (a list is built per answer: never seen again)
         if len(_BESTS) >= _BESTS_MAX:
             _BESTS.clear()
@@ -195,10 +195,11 @@ class SourceMap:
         best1 = [_NONE] * n_seg
         best1_node: list[str | None] = [None] * n_seg
         best2 = [_NONE] * n_seg
+        best2_node: list[str | None] = [None] * n_seg
         for j, holders in enumerate(_per_segment(index, starts)):
             got = _bests(holders, worker_nodes, private)
             index_ranks.append(got[0])
-            best1[j], best1_node[j], best2[j] = got[1], got[2], got[3]
+            best1[j], best1_node[j], best2[j], best2_node[j] = got[1], got[2], got[3], got[4]
         ranks: dict[str, list[int]] = {}
         for j, holders in enumerate(_per_segment(mine, starts)):
             for loc, r in holders:
@@ -211,6 +212,7 @@ class SourceMap:
         self._index_locs: set[str] = set().union(*index_ranks)  # every location holding any
         self._pending_ranks = ranks
         self._best1, self._best1_node, self._best2 = best1, best1_node, best2
+        self._best2_node = best2_node
         self._holder_nodes = {nd for nd in best1_node if nd is not None}
         self._remote_only: SourceRuns | None = None
 
@@ -282,6 +284,15 @@ class SourceMap:
             else:
                 out.append((s, lens[j]))
         return tuple(out)
+
+    def pull_nodes(self, node: NodeId) -> frozenset[str]:
+        """The nodes a reader on ``node`` would pull the match's blocks from: per segment the
+        best holder on another node (a superset where the reader holds a segment itself;
+        :meth:`kvshare.cost.CostModel.for_pull` prices its remote blocks at their slowest
+        link)."""
+        b1n, b2n = self._best1_node, self._best2_node
+        return frozenset(x for j in range(len(b1n))
+                         if (x := b1n[j] if b1n[j] != node else b2n[j]) is not None)
 
     def sources_for(
         self,

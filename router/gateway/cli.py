@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+from dataclasses import replace
 from typing import Any
 from urllib.parse import urlparse
 
@@ -65,15 +66,18 @@ def serve_from_args(args: argparse.Namespace) -> int:
     from kvshare.transfer.probe import parse_overrides
 
     measured: dict[str, float] = {}  # bytes/s the cluster's pools probed (--address only)
+    base = Bandwidths()
+    given = parse_overrides(args.bandwidth) if args.bandwidth else {}  # --bandwidth wins
     if args.address:
-        from kvshare.actors.deploy import measured_bandwidths
+        from kvshare.actors.deploy import measured_bandwidths, measured_links
 
         measured = measured_bandwidths(wait_s=10.0)
-    given = parse_overrides(args.bandwidth) if args.bandwidth else {}  # --bandwidth wins
+        if not set(given) & {"nixl", "objstore", "remote"}:  # per link, as probed
+            base = replace(base, links=measured_links())
     common: dict[str, Any] = {
         "namespace": args.namespace, "policy": args.policy,
         "prefill_tokens_per_s": args.prefill_tokens_per_s,
-        "bandwidths": Bandwidths.from_measured({**measured, **given}),
+        "bandwidths": Bandwidths.from_measured({**measured, **given}, base),
     }
     tokenizer: Any = None
     if getattr(args, "vllm_model", None):

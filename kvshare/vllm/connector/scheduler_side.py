@@ -48,6 +48,7 @@ from kvshare.match import MatchResult
 from kvshare.types import BlockHash
 from kvshare.vllm.connector.backlog import PrefillBacklog
 from kvshare.vllm.connector.config import ModelKeys
+from kvshare.vllm.connector.cut_flag import loads_all
 from kvshare.vllm.connector.lookup import Lookups
 from kvshare.vllm.connector.metadata import KVShareMetadata, LoadSpec, SaveSpec
 from kvshare.vllm.connector.opt_out import shares
@@ -84,6 +85,7 @@ class _Req:
     pools: MatchResult | None = None  # the hint's pools answer: plan from it, no lookup
     save_seqs: list[int] = field(default_factory=list)  # its saves' numbers (save_marks)
     saved_blocks: int = 0  # blocks handed to the workers to save
+    load_all: bool = False  # the request asked to load every held block (cut_flag)
 
 
 class SchedulerSide:
@@ -145,6 +147,11 @@ class SchedulerSide:
         root = BlockHash(self.keys.root(getattr(request, "cache_salt", None)))
         tokens = list(request.prompt_token_ids or [])
         st = _Req(request, root, block_hashes(root, tokens, self.block_tokens))
+        try:
+            st.load_all = loads_all(getattr(request, "kv_transfer_params", None))
+        except ValueError as exc:  # a client's own field: the connector's cut
+            log.info("kvshare: ignoring the cut flag of %s: %s", rid, exc)
+            self._count("cut_flags_malformed")
         if self.router_hints:
             try:
                 hint = decode_hint(getattr(request, "kv_transfer_params", None))
@@ -196,13 +203,13 @@ class SchedulerSide:
             # the router's own index answer came with the request: plan from it, ask nothing
             self._count("lookups_from_router")
             st.lookup = Future()
-            st.lookup.set_result(self.client.plan_from(request.prompt_token_ids, st.hashes,
-                                                       st.pools))
+            st.lookup.set_result(self._plan_from(st, request.prompt_token_ids, st.pools))
             st.pools = None  # a preempted request looks up for real
         if st.lookup is None:
             self._count("lookups")
             st.asked_at = time.perf_counter()
-            st.lookup = self.lookups.submit(self._lookup, request.prompt_token_ids, st.hashes)
+            st.lookup = self.lookups.submit(self._lookup, request.prompt_token_ids, st.hashes,
+                                            st.load_all)
         try:
             plan = st.lookup.result(timeout=self.lookups.wait_s(self.lookup_wait_s))
         except FutureTimeout:
@@ -217,7 +224,7 @@ class SchedulerSide:
                     st.lookup, st.loads = None, MAX_LOADS  # nothing to load: no second query
                     st.saved_upto = max(st.saved_upto, num_computed // self.block_tokens)
                     return 0, False
-                plan = self.client.plan_from(request.prompt_token_ids, st.hashes, pools)
+                plan = self._plan_from(st, request.prompt_token_ids, pools)
                 st.lookup = Future()
                 st.lookup.set_result(plan)
                 return self._planned(st, request, plan, num_computed)
@@ -279,14 +286,31 @@ class SchedulerSide:
         return (0 < num_external * self.keys.layout.bytes_per_token <= self.sync_local_bytes
                 and all(b.transport in LOCAL_TRANSPORTS for b in plan.blocks[:n_blocks]))
 
-    def _lookup(self, tokens: Sequence[int], hashes: Sequence[BlockHash]) -> Plan:
+    def _plan_from(self, st: _Req, tokens: Sequence[int], pools: MatchResult) -> Plan:
+        if st.load_all:
+            return self.client.plan_from(tokens, st.hashes, pools, load_all=True)
+        return self.client.plan_from(tokens, st.hashes, pools)
+
+    def _lookup(self, tokens: Sequence[int], hashes: Sequence[BlockHash],
+                load_all: bool = False) -> Plan:
         t0 = time.perf_counter()
+        self._feed_speed()
         try:
+            if load_all:
+                return self.client.lookup(tokens, hashes, load_all=True)
             return self.client.lookup(tokens, hashes)
         finally:
             with self._lock:
                 self.counters["lookup_seconds"] = (self.counters.get("lookup_seconds", 0.0)
                                                    + time.perf_counter() - t0)
+
+    def _feed_speed(self) -> None:
+        """Give the client's cut policy this engine's measured prefill speed (a
+        :class:`~kvshare.cost_cut.CostCut` prices recomputing with it until it has timings)."""
+        tps = self.lookups.speed.tokens_per_s
+        use = getattr(getattr(self.client, "cut_policy", None), "use_speed", None)
+        if tps > 0 and callable(use):
+            use(tps)
 
     def update_state_after_alloc(self, request: Any, page_ids: Sequence[int],
                                  num_external: int) -> None:

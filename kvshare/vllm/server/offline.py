@@ -77,13 +77,17 @@ class OfflineEngine:
             time.sleep(0.001)
 
     def generate(self, prompts: Sequence[Sequence[int]], max_tokens: int = 8,
-                 logprobs: int = 0) -> list[dict[str, Any]]:
+                 logprobs: int = 0,
+                 kv_transfer_params: Mapping[str, Any] | None = None) -> list[dict[str, Any]]:
         """Greedy completions: token ids, per-token logprobs of the chosen tokens (and top-k
-        when ``logprobs``), cached prompt tokens and wall seconds (for all prompts)."""
+        when ``logprobs``), cached prompt tokens and wall seconds (for all prompts).
+        ``kv_transfer_params``: what every request hands the connector (as the OpenAI
+        server's field of that name does; e.g. :mod:`kvshare.vllm.connector.opt_out`)."""
         from vllm import SamplingParams
 
+        extra = {"kv_transfer_params": dict(kv_transfer_params)} if kv_transfer_params else None
         sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=logprobs or None,
-                            ignore_eos=True)
+                            ignore_eos=True, extra_args=extra)
         t0 = time.perf_counter()
         llm: Any = self.llm
         outs = llm.generate([{"prompt_token_ids": list(p)} for p in prompts], sp, use_tqdm=False)

@@ -216,3 +216,29 @@ def test_bad_kv_is_rejected_before_anything_moves(cluster: Cluster) -> None:
     with pytest.raises(ValueError, match="page table"):
         client.load(plan, PagedKV([torch.zeros(2, 4, 4, 2, 16)] * 2, [0, 1]))
     client.close()
+
+
+def test_the_cut_sees_each_blocks_holder_and_load_all_overrides_it(cluster: Cluster) -> None:
+    """A reader on A plans B's blocks: its cut policy is told they come from node B; with
+    B -> A priced slow it loads none, ``load_all`` loads them anyway, a fast link loads all."""
+    from kvshare.cost_cut import CostCut
+
+    toks = list(range(5 * 8 + 3))
+    assert cluster.client("B").store(toks, kv_for(len(toks), 3)).result(timeout=10).stored == 5
+    cluster.publish()
+    seen: list[list[str]] = []
+    cut = CostCut(LAYOUT, [(1000, 0, 1.0), (2000, 0, 2.0)])  # 1 ms/token: 8 ms a block
+
+    def recording(n: int, sources: object, holders: list[str]) -> int:
+        seen.append(list(holders))
+        return cut(n, sources, holders)  # type: ignore[arg-type]
+
+    reader = KVShareClient(namespace=cluster.ns, layout=LAYOUT, root=ROOT, node="A",
+                           index=cluster.index, control_for=cluster.controls.get,
+                           worker_id="wcut", remote="objstore", cut_policy=recording)
+    cut.set_bandwidths({"objstore": 1e12})
+    cut.set_peer_bandwidths("A", {"B": 1e3})  # 4 s a 4 KiB block from B: recompute
+    assert reader.lookup(toks).load_blocks == 0 and seen[-1] == ["B"] * 5
+    assert reader.lookup(toks, load_all=True).load_blocks == 5
+    cut.set_peer_bandwidths("A", {"B": 1e12})
+    assert reader.lookup(toks).load_blocks == 5

@@ -771,3 +771,39 @@ def test_step_speed_counts_busy_steps_only() -> None:
     speed.step({"b": 300}, now=60.0)  # idle for a minute, then a new request
     assert speed.tokens_per_s == 1000 and speed.seconds_for(250) == 0.25
     assert speed.step_s == 0.5  # the busy step's length; the idle gap is not one
+
+
+class RecordingLookups:
+    """The test's client, recording whether each lookup asked to load every held block."""
+
+    def __init__(self, client: Any) -> None:
+        self.client = client
+        self.load_all: list[bool] = []
+
+    def lookup(self, tokens: Any, hashes: Any = None, *, load_all: bool = False) -> Any:
+        self.load_all.append(load_all)
+        return self.client.lookup(tokens, hashes)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.client, name)
+
+
+def test_a_requests_cut_flag_reaches_its_lookup_and_a_malformed_one_is_counted(model: str) -> None:
+    """``{"kvshare": {"cut": "all"}}`` asks the client to load every held block; ``cost``, no
+    flag and a malformed one (counted) keep the connector's cut."""
+    from kvshare.vllm.connector.cut_flag import encode
+
+    sched = make_scheduler(model)
+    side = sched.connector._sched
+    side.client = rec = RecordingLookups(side.client)
+    for i, params in enumerate((encode("all"), encode("cost"), None, {"kvshare": {"cut": 3}})):
+        toks = tokens(60 + i)
+        seed_pool(sched, toks)
+        req = request(f"c{i}", toks, max_tokens=1, kv_transfer_params=params)
+        sched.add_request(req)
+        out = schedule_until(sched, lambda o, r=f"c{i}": r in o.num_scheduled_tokens)
+        sched.update_from_output(out, output([req]))
+    assert rec.load_all == [True, False, False, False]
+    assert sched.connector.counters["cut_flags_malformed"] == 1
+    with pytest.raises(ValueError, match="cut must be one of"):
+        encode("most")
