@@ -17,6 +17,17 @@ from typing import Any, TypeVar
 T = TypeVar("T")
 
 
+def serve(app: Any, hosts: list[str], port: int, log_level: str = "warning") -> None:
+    """Run ``app`` with uvicorn on every address of ``hosts`` at ``port`` until stopped
+    (:func:`kvshare.addresses.bind_listeners`)."""
+    import uvicorn
+
+    from kvshare.addresses import bind_listeners
+
+    socks = bind_listeners(hosts, port)
+    uvicorn.Server(uvicorn.Config(app, log_level=log_level)).run(sockets=socks)
+
+
 async def until_disconnected(request: Any) -> None:
     """Return once the client of ``request`` (a Starlette request whose body was read) is gone."""
     while True:

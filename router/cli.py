@@ -95,7 +95,11 @@ def register(subparsers: Any) -> None:
     sim.set_defaults(func=_sim)
 
     gw = subparsers.add_parser("gateway", help="OpenAI-compatible cache-aware gateway")
-    gw.add_argument("--host", default="127.0.0.1")
+    gw.add_argument("--host", default="node",
+                    help="address to listen on: 'node' (default) is this node's cluster address "
+                    "(with --address Ray's node IP; KVSHARE_NODE_IP overrides it) and "
+                    "127.0.0.1, so clients and the other nodes reach it and no other interface "
+                    "does; 0.0.0.0 listens on every interface, 127.0.0.1 on this machine only")
     gw.add_argument("--port", type=int, default=8000)
     gw.add_argument("--workers", default="", help="comma-separated worker base URLs")
     gw.add_argument("--address", default=None,
@@ -154,7 +158,9 @@ def _add_status_web(subparsers: Any) -> None:
                         help="serve the live status page at http://HOST:PORT/dashboard")
     status.add_argument("--port", type=int, default=9479, help="--web: HTTP port")
     status.add_argument("--host", default="127.0.0.1",
-                        help="--web: address to listen on (the page has no API keys)")
+                        help="--web: address to listen on (default 127.0.0.1: the page has no "
+                        "API keys; reach it over ssh -L, or use the gateway's /dashboard, which "
+                        "asks for a key); 'node' is this node's cluster address")
     plain = status.get_default("func")
 
     def status_or_web(args: argparse.Namespace) -> int:
@@ -167,8 +173,6 @@ def _serve_web(args: argparse.Namespace) -> int:
     """The live page (:mod:`kvshare.router.web`) for this cluster until Ctrl-C."""
     import sys
 
-    import uvicorn
-
     from kvshare.actors.admin import ClusterAdmin
     from kvshare.actors.cli_connect import connect_from_cli
     from kvshare.router.web import status_app
@@ -176,10 +180,13 @@ def _serve_web(args: argparse.Namespace) -> int:
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be 0..65535, got {args.port}")
     connect_from_cli(args.address, args.ray_namespace, start=False)
-    print(f"kvshare status page on http://{args.host}:{args.port}/dashboard (Ctrl-C stops)",
+    from kvshare.addresses import listen_hosts
+    from kvshare.asgi import serve
+
+    hosts = listen_hosts(args.host)  # (connected: 'node' is this node's address)
+    print(f"kvshare status page on http://{hosts[0]}:{args.port}/dashboard (Ctrl-C stops)",
           file=sys.stderr, flush=True)
-    uvicorn.run(status_app(ClusterAdmin(args.ray_namespace)), host=args.host, port=args.port,
-                log_level="warning")
+    serve(status_app(ClusterAdmin(args.ray_namespace)), hosts, args.port)
     return 0
 
 

@@ -13,6 +13,8 @@ from dataclasses import replace
 from typing import Any
 from urllib.parse import urlparse
 
+from kvshare.addresses import is_loopback, listen_hosts
+from kvshare.asgi import serve
 from kvshare.auth import WorkerAuth, cluster_secret, secret_from_env
 from kvshare.router.core.embed import CacheAwareRouter, RouterConfig
 from kvshare.router.core.workers_view import IndexWorkers, StaticWorkers
@@ -41,8 +43,6 @@ def static_workers(urls: str, namespace: str) -> StaticWorkers:
 
 def serve_from_args(args: argparse.Namespace) -> int:
     """``kvshare gateway``: static workers (``--workers``) or the cluster's (``--address``)."""
-    import uvicorn
-
     index: Any = None
     admin: Any = None
     if args.address:
@@ -107,5 +107,10 @@ def serve_from_args(args: argparse.Namespace) -> int:
     app = create_app(router, load_api_keys(args.api_keys, secret), admin=admin,
                      worker_auth=WorkerAuth.from_secret(secret),
                      no_worker_wait_s=args.no_worker_wait_s)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    hosts = listen_hosts(args.host)  # after ray.init: 'node' is this node's cluster address
+    if not all(map(is_loopback, hosts)) and not args.api_keys:
+        log.warning("the gateway listens on %s port %d without --api-keys: anyone who reaches "
+                    "it can send requests as tenant 'default'", ", ".join(hosts), args.port)
+    log.info("kvshare gateway on %s port %d", ", ".join(hosts), args.port)
+    serve(app, hosts, args.port)
     return 0

@@ -11,7 +11,15 @@ from pathlib import Path
 
 import pytest
 
-from kvshare.addresses import NODE_IP_ENV, dir_on_node, node_ip, port_on
+from kvshare.addresses import (
+    NODE_IP_ENV,
+    bind_listeners,
+    dir_on_node,
+    is_loopback,
+    listen_hosts,
+    node_ip,
+    port_on,
+)
 from kvshare.vllm.server.launch import VllmSpec
 
 
@@ -60,3 +68,32 @@ def test_a_vllm_spec_leaves_address_port_and_events_dir_to_its_node(
     fixed = VllmSpec(model=str(tmp_path), port=18125, events_dir=str(tmp_path), host="10.0.0.9")
     assert fixed.on_this_node() == fixed  # what the caller chose is kept
     os.rmdir(spec.events_dir)
+
+
+def test_listen_host_node_is_the_nodes_address_and_loopback(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The gateway's default (``--host node``): the cluster address, so other machines reach
+    it, plus loopback, so ``curl localhost`` works; no other interface."""
+    monkeypatch.delenv(NODE_IP_ENV, raising=False)
+    monkeypatch.setitem(sys.modules, "ray", fake_ray("10.231.0.11"))
+    assert listen_hosts("node") == ["10.231.0.11", "127.0.0.1"]
+    monkeypatch.setitem(sys.modules, "ray", fake_ray("10.231.0.11", initialized=False))
+    assert listen_hosts("node") == ["127.0.0.1"]  # no cluster: this machine only
+    assert listen_hosts(" 0.0.0.0 ") == ["0.0.0.0"] and listen_hosts("::1") == ["::1"]
+    with pytest.raises(ValueError, match="--host must be an address or 'node'"):
+        listen_hosts(" ")
+    assert is_loopback("127.0.0.1") and is_loopback("::1") and not is_loopback("0.0.0.0")
+    assert not is_loopback("10.231.0.11")
+
+
+def test_listeners_bind_every_address_on_one_port() -> None:
+    socks = bind_listeners(["127.0.0.1", "127.0.0.2"], 0)
+    try:
+        ports = {s.getsockname()[1] for s in socks}
+        assert len(socks) == 2 and len(ports) == 1  # port 0: one free port, on both
+        for ip in ("127.0.0.1", "127.0.0.2"):
+            socket.create_connection((ip, socks[0].getsockname()[1]), timeout=2).close()
+        with pytest.raises(OSError, match="cannot listen on 127.0.0.1:"):
+            bind_listeners(["127.0.0.1"], socks[0].getsockname()[1])  # taken
+    finally:
+        for s in socks:
+            s.close()
