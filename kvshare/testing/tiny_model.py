@@ -136,3 +136,71 @@ def build_tiny_llama(path: str, spec: TinyModelSpec | None = None) -> str:
     with open(stamp, "w") as f:
         json.dump({**asdict(spec), "builder": _BUILDER}, f, sort_keys=True)
     return path
+
+
+@dataclass(frozen=True)
+class TinyHybridSpec:
+    """What :func:`build_tiny_gemma2` builds: a Gemma-2-style sliding-window hybrid, layers
+    alternating ``[sliding, full, ...]`` (window ``sliding_window`` tokens); equal specs give
+    identical files."""
+
+    num_layers: int = 4
+    hidden_size: int = 128
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 64
+    intermediate_size: int = 256
+    sliding_window: int = 128
+    vocab_size: int = 1024
+    max_position_embeddings: int = 16384
+    dtype: str = "bfloat16"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.num_heads % self.num_kv_heads or self.num_layers < 2:
+            raise ValueError(f"num_heads {self.num_heads} must split into {self.num_kv_heads} kv "
+                             f"heads, and a hybrid needs >= 2 layers (got {self.num_layers})")
+        if self.dtype not in ("bfloat16", "float16", "float32"):
+            raise ValueError(f"dtype must be bfloat16, float16 or float32, got {self.dtype!r}")
+
+
+def build_tiny_gemma2(path: str, spec: TinyHybridSpec | None = None) -> str:
+    """Write a :class:`TinyHybridSpec` ``Gemma2ForCausalLM`` (seeded random weights, the same
+    tokenizer as :func:`build_tiny_llama`) into ``path`` and return it; a directory that holds
+    the same spec already is left as it is. Saved with ``tie_word_embeddings`` (vLLM's Gemma2
+    has no ``lm_head``)."""
+    spec = spec or TinyHybridSpec()
+    stamp = os.path.join(path, _STAMP)
+    want = {**asdict(spec), "builder": _BUILDER, "arch": "gemma2"}
+    if os.path.exists(stamp):
+        with open(stamp) as f:
+            if json.load(f) == want:
+                return path
+    import torch
+    import transformers
+
+    tf: Any = transformers  # untyped constructors
+
+    os.makedirs(path, exist_ok=True)
+    tokenizer = tf.PreTrainedTokenizerFast(
+        tokenizer_object=_train_tokenizer(spec.vocab_size), bos_token="<s>", eos_token="</s>",
+        pad_token="<pad>", model_max_length=spec.max_position_embeddings)
+    tokenizer.chat_template = CHAT_TEMPLATE
+    tokenizer.save_pretrained(path)
+    config = tf.Gemma2Config(
+        vocab_size=len(tokenizer), hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size, num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads, num_key_value_heads=spec.num_kv_heads,
+        head_dim=spec.head_dim, query_pre_attn_scalar=spec.head_dim,
+        max_position_embeddings=spec.max_position_embeddings, sliding_window=spec.sliding_window,
+        layer_types=["sliding_attention" if i % 2 == 0 else "full_attention"
+                     for i in range(spec.num_layers)],
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=True)
+    with torch.random.fork_rng():
+        torch.manual_seed(spec.seed)
+        model = tf.Gemma2ForCausalLM(config).to(getattr(torch, spec.dtype))
+    model.save_pretrained(path, safe_serialization=True)
+    with open(stamp, "w") as f:
+        json.dump(want, f, sort_keys=True)
+    return path

@@ -56,7 +56,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
-from kvshare.attention import AttentionKind
+from kvshare.attention import AttentionKind, read_attention
 from kvshare.layout import KVLayout, normalize_dtype
 from kvshare.vllm.connector.mla import check_mla_pages, mla_layout
 
@@ -196,12 +196,8 @@ class ModelKeys:
         return bytes(Hasher.for_layout(self.identity, self.layout).root_for(cache_salt or ""))
 
 
-_NOT_YET = {
-    AttentionKind.SLIDING: (
-        "sliding-window attention: kvshare's KVLayout describes its KV-cache groups, but the vLLM "
-        "connector does not implement SupportsHMA yet (per-group block ids, only the last "
-        "window of a sliding group) and KV events carry no group yet"),
-}
+_NOT_YET: dict[AttentionKind, str] = {}
+"""Attention kinds whose pages the vLLM connector cannot load or save yet (none now)."""
 
 
 def refuse_kind(layout: KVLayout, model: str) -> None:
@@ -221,8 +217,6 @@ def check_model(vllm_config: Any, settings: ConnectorSettings) -> None:
     if mc.is_hybrid or getattr(mc, "is_attention_free", False):
         kind = ("hybrid / state-space (Mamba-style) layers, whose per-sequence state has no "
                 "kvshare block format yet")
-    elif mc.get_sliding_window() is not None:
-        kind = f"{_NOT_YET[AttentionKind.SLIDING]} (window {mc.get_sliding_window()})"
     if kind:
         raise ValueError(
             f"KVShareConnector: {mc.model} uses {kind}: remove the KVShareConnector from "
@@ -258,15 +252,24 @@ def model_keys(vllm_config: Any, settings: ConnectorSettings) -> ModelKeys:
     mc, cc, pc = vllm_config.model_config, vllm_config.cache_config, vllm_config.parallel_config
     model_dtype = normalize_dtype(str(mc.dtype))
     kv_dtype = model_dtype if str(cc.cache_dtype) == "auto" else normalize_dtype(str(cc.cache_dtype))
+    num_layers = int(mc.get_num_layers(pc))
     if getattr(mc, "use_mla", False):
-        layout = mla_layout(mc, int(mc.get_num_layers(pc)), kv_dtype, settings.block_tokens)
+        layout = mla_layout(mc, num_layers, kv_dtype, settings.block_tokens)
     else:
+        # sliding-window hybrids: the KV-cache groups (layer -> window) the namespace root covers
+        try:
+            attn = read_attention(mc.hf_text_config.to_dict(), num_layers, str(mc.model))
+        except ValueError as exc:  # state or attention kvshare has no block format for
+            raise ValueError(f"KVShareConnector: {exc}: remove the KVShareConnector from "
+                             "--kv-transfer-config for this model") from exc
         layout = KVLayout(
-            num_layers=int(mc.get_num_layers(pc)),
+            num_layers=num_layers,
             num_kv_heads=int(mc.get_total_num_kv_heads()),
             head_dim=int(mc.get_head_size()),
             dtype=kv_dtype,
             block_tokens=settings.block_tokens,
+            kind=attn.kind if attn.kind is AttentionKind.SLIDING else AttentionKind.MHA,
+            groups=attn.groups,
         )
     path = _local_model_dir(mc)
     identity = path_identity(path, f"model={model_dtype};kv={kv_dtype}")

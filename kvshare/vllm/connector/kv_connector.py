@@ -27,12 +27,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvshare.client.join import check_deployed, join_ray
 from kvshare.types import BlockHash
 from kvshare.vllm.connector.config import ConnectorSettings, ModelKeys, model_keys
+from kvshare.vllm.connector.groups import EngineGroups
 from kvshare.vllm.connector.lookup import Lookups
 from kvshare.vllm.connector.metadata import KVShareMetadata
 from kvshare.vllm.connector.scheduler_side import SchedulerSide
@@ -108,8 +111,11 @@ def process_counters() -> dict[str, float]:
     return out
 
 
-class KVShareConnector(KVConnectorBase_V1):
-    """vLLM KV connector V1 backed by the kvshare cluster (see the module docstring)."""
+class KVShareConnector(KVConnectorBase_V1, SupportsHMA):
+    """vLLM KV connector V1 backed by the kvshare cluster (see the module docstring).
+
+    ``SupportsHMA``: with vLLM's hybrid allocator (a sliding-window hybrid) every call gets and
+    passes one page list per KV-cache group (:mod:`kvshare.vllm.connector.groups`)."""
 
     _cache_hit_source = CacheHitSource.HOST
 
@@ -125,6 +131,12 @@ class KVShareConnector(KVConnectorBase_V1):
         self.settings = ConnectorSettings.from_extra(extra)
         self.keys = model_keys(vllm_config, self.settings)
         page = int(vllm_config.cache_config.block_size)
+        self.groups = (EngineGroups.from_vllm(kv_cache_config, self.keys.layout,
+                                              str(vllm_config.model_config.model))
+                       if kv_cache_config is not None
+                       else EngineGroups.single(self.keys.layout.num_layers))
+        # the group whose page list stands for the request's pages (a full-attention one)
+        self._primary = next((i for i, w in enumerate(self.groups.windows) if w is None), 0)
         client = self._make_client()
         self._client = client
         self._moved = CounterDelta()  # bytes per transport since the last stats report
@@ -137,7 +149,8 @@ class KVShareConnector(KVConnectorBase_V1):
                                         lookups=Lookups(st.lookup_threads, priced=st.price_lookups),
                                         router_hints=st.router_hints,
                                         hint_max_age_s=st.router_hint_max_age_s,
-                                        sync_save_bytes=int(st.sync_save_mib * 2**20))
+                                        sync_save_bytes=int(st.sync_save_mib * 2**20),
+                                        groups=self.groups)
             _SIDES.append(self._sched)
         else:
             from vllm.distributed.parallel_state import (
@@ -147,7 +160,8 @@ class KVShareConnector(KVConnectorBase_V1):
 
             self._worker = WorkerSide(client, self.keys, page,
                                       tp_rank=get_tensor_model_parallel_rank(),
-                                      tp_size=get_tensor_model_parallel_world_size())
+                                      tp_size=get_tensor_model_parallel_world_size(),
+                                      groups=self.groups)
             _SIDES.append(self._worker)
 
     def _make_client(self) -> Any:
@@ -200,8 +214,9 @@ class KVShareConnector(KVConnectorBase_V1):
                                  ) -> None:
         assert self._sched is not None
         if num_external_tokens > 0:
-            self._sched.update_state_after_alloc(request, blocks.get_block_ids()[0],
-                                                 num_external_tokens)
+            ids = blocks.get_block_ids()
+            self._sched.update_state_after_alloc(request, ids[self._primary], num_external_tokens,
+                                                 ids if self.groups.grouped else ())
 
     def get_external_cache_hit_sources(self, request: Any, num_external_tokens: int
                                        ) -> dict[CacheHitSource, int]:
@@ -217,18 +232,32 @@ class KVShareConnector(KVConnectorBase_V1):
 
         def pages(rid: str) -> list[int]:
             assert manager is not None
-            return list(manager.get_block_ids(rid)[0])
+            return list(manager.get_block_ids(rid)[self._primary])
+
+        def group_pages(rid: str) -> tuple[list[int], ...]:
+            assert manager is not None
+            return tuple(manager.get_block_ids(rid))
 
         return self._sched.build_meta(dict(scheduler_output.num_scheduled_tokens),
-                                      list(scheduler_output.preempted_req_ids or ()), pages)
+                                      list(scheduler_output.preempted_req_ids or ()), pages,
+                                      group_pages if self.groups.grouped else None)
 
     def update_connector_output(self, connector_output: Any) -> None:
         assert self._sched is not None
         self._sched.update_connector_output(set(connector_output.finished_recving or ()),
-                                            set(connector_output.invalid_block_ids or ()))
+                                            set(connector_output.invalid_block_ids or ()),
+                                            set(getattr(connector_output, "failed_recving",
+                                                        None) or ()))
 
     def request_finished(self, request: Any, block_ids: list[int]
                          ) -> tuple[bool, dict[str, Any] | None]:
+        assert self._sched is not None
+        return self._sched.request_finished(request), None
+
+    def request_finished_all_groups(self, request: Any, block_ids: tuple[list[int], ...]
+                                    ) -> tuple[bool, dict[str, Any] | None]:
+        """``SupportsHMA``: once per request, every group's pages (the saves already hold
+        what they need: the pages they read were copied in the step that computed them)."""
         assert self._sched is not None
         return self._sched.request_finished(request), None
 
@@ -267,6 +296,16 @@ class KVShareConnector(KVConnectorBase_V1):
             return None, None
         sending, recving = self._worker.finished(finished_req_ids, self._meta())
         return sending or None, recving or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """``get_finished`` plus, with several KV-cache groups, the requests whose load
+        failed (``failed_recving``: vLLM recomputes them; page ids are only unique within a
+        group, so vLLM takes no invalid page ids from such an engine)."""
+        sending, recving = self.get_finished(finished_req_ids)
+        failed = self._worker.failed_loads() if self._worker is not None else set()
+        return KVConnectorTransferResults(finished_sending=set(sending or ()),
+                                          finished_recving=set(recving or ()) | failed,
+                                          failed_recving=failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.load_errors() if self._worker is not None else set()

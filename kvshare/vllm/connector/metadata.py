@@ -15,7 +15,9 @@ class LoadSpec:
     ``plan`` is :meth:`kvshare.client.types.Plan.to_dict`; pages below ``keep_tokens`` (vLLM's
     own prefix hit) are not written; ``page_ids`` are the request's pages from token 0.
     ``sync``: load before this step's forward pass (it computes the request's suffix), else
-    in the background until ``get_finished`` reports it.
+    in the background until ``get_finished`` reports it. ``group_pages``: with several
+    KV-cache groups, every group's pages (vLLM's group order; ``page_ids`` is then the
+    full-attention group's), :mod:`kvshare.vllm.connector.groups`; empty with one group.
     """
 
     req_id: str
@@ -24,13 +26,15 @@ class LoadSpec:
     keep_tokens: int
     page_ids: tuple[int, ...]
     sync: bool = False
+    group_pages: tuple[tuple[int, ...], ...] = ()
 
 
 @dataclass(frozen=True)
 class SaveSpec:
     """Store kvshare blocks ``[start_block, len(hashes))`` of one request from its pages.
     ``seq``: the save's number, marked when it ends (:mod:`kvshare.vllm.connector.save_marks`; 0: not
-    marked); ``sync``: the step waits for it (a request whose end only vLLM's frontend sees)."""
+    marked); ``sync``: the step waits for it (a request whose end only vLLM's frontend sees);
+    ``group_pages``: as :class:`LoadSpec`'s."""
 
     req_id: str
     hashes: tuple[bytes, ...]
@@ -38,6 +42,7 @@ class SaveSpec:
     page_ids: tuple[int, ...]
     seq: int = 0
     sync: bool = False
+    group_pages: tuple[tuple[int, ...], ...] = ()
 
 
 @dataclass

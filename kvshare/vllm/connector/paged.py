@@ -41,6 +41,9 @@ try:  # optional C accelerator (setup.py); an older build lacks copy_chunks
 except ImportError:  # pragma: no cover - depends on the build
     _COPY_CHUNKS = False
 
+NULL_PAGE = 0
+"""vLLM's null block: the page id a sliding-window group holds where it freed the pages behind
+its window (and where a hit does not need them). Never written by a load, never saved."""
 CPU_ATTN = "cpu"
 FLASH_NHD = "flash_nhd"
 MLA_PAGES = "mla"
@@ -118,13 +121,19 @@ class PagedRequestKV:
 
     ``page_ids`` are the request's vLLM pages in token order (from token 0). Pages holding
     tokens below ``keep_tokens`` are never written (vLLM's own prefix cache holds them, maybe
-    shared with running requests); they are still read for stores.
+    shared with running requests); they are still read for stores. ``layers``: the canonical
+    layer of each of ``pages.views`` (default: view ``i`` is layer ``i``; one KV-cache group's
+    layers in :mod:`kvshare.vllm.connector.groups`). With ``null_pages`` (a sliding-window
+    group's list) :data:`NULL_PAGE` pages are skipped by writes and refused by reads.
     """
 
     def __init__(self, pages: PageViews, layout: KVLayout, page_ids: Sequence[int],
-                 first_block: int = 0, keep_tokens: int = 0) -> None:
+                 first_block: int = 0, keep_tokens: int = 0,
+                 layers: Sequence[int] | None = None, null_pages: bool = False) -> None:
         self.pages = pages
         self.layout = layout
+        self.layers = tuple(range(len(pages.views)) if layers is None else layers)
+        self._null = NULL_PAGE if null_pages else -1  # the page id never copied
         self.page_ids = list(page_ids)
         self.first_block = first_block
         self.keep_tokens = keep_tokens
@@ -142,7 +151,8 @@ class PagedRequestKV:
             raise ValueError(
                 f"kvshare block_tokens {layout.block_tokens} is not a multiple of vLLM's "
                 f"block_size {self.pages.page_tokens}")
-        if layout.num_layers != len(self.pages.views):
+        if layout.num_layers != len(self.pages.views) and self.layers == tuple(
+                range(len(self.pages.views))):
             raise ValueError(f"the layout has {layout.num_layers} layers, vLLM registered "
                              f"{len(self.pages.views)} KV caches")
         cache = self.pages.views[0]
@@ -170,7 +180,7 @@ class PagedRequestKV:
                 p = base + k
                 if p >= len(self.page_ids):
                     break
-                if writing and p * t < self.keep_tokens:
+                if writing and (p * t < self.keep_tokens or self.page_ids[p] == self._null):
                     continue
                 pos.append(j * per + k)
                 ids.append(self.page_ids[p])
@@ -220,7 +230,7 @@ class PagedRequestKV:
         """One C gather/scatter per layer between the canonical blocks in ``buf`` (flat uint8)
         and vLLM's pages."""
         canon, paged, chunk, stride = self._chunks(pos, ids, block_offsets)
-        for layer, view in enumerate(self.pages.views):
+        for layer, view in zip(self.layers, self.pages.views, strict=True):
             pages = view.reshape(-1).view(torch.uint8).numpy()
             src_off = canon + layer * stride
             if into_pages:
@@ -247,7 +257,7 @@ class PagedRequestKV:
         idx = torch.tensor(ids, dtype=torch.long, device=self._device)
         whole = len(pos) == n * self.per_block
         sel = None if whole else torch.tensor(pos, dtype=torch.long)
-        for layer, view in enumerate(self.pages.views):
+        for layer, view in zip(self.layers, self.pages.views, strict=True):
             src = self._layer_pages(blocks, layer)
             src = src if sel is None else src.index_select(0, sel)
             _bits(view).index_copy_(0, idx, _bits(src.to(view.device)))
@@ -260,7 +270,7 @@ class PagedRequestKV:
         and one scatter into canonical order."""
         n = int(out.shape[0])
         pos, ids = self._pages(range(first, first + n), writing=False)
-        if len(ids) != n * self.per_block:
+        if len(ids) != n * self.per_block or self._null in ids:
             raise ValueError(f"blocks {self.first_block + first}..{self.first_block + first + n - 1}"
                              " are not fully in the request's pages")
         if self._fast(out):
@@ -269,7 +279,7 @@ class PagedRequestKV:
         idx = torch.tensor(ids, dtype=torch.long, device=self._device)
         h0, nh, t = self.pages.head_start, self.pages.local_heads, self.pages.page_tokens
         p = self.planes
-        for layer, view in enumerate(self.pages.views):
+        for layer, view in zip(self.layers, self.pages.views, strict=True):
             got = _bits(view).index_select(0, idx).to(out.device)  # [n * per, nh, p, t, D]
             dest = _bits(out[:, layer, :, h0:h0 + nh])  # [n, p, nh, B, D]
             dest.view(n, p, nh, self.per_block, t, got.shape[-1]).copy_(
@@ -293,7 +303,7 @@ class PagedRequestKV:
     def _slots(self, blocks: Sequence[int], rows: np.ndarray, slots: Sequence[int],
                into_pages: bool) -> None:
         pos, ids = self._pages(blocks, writing=into_pages)
-        if not into_pages and len(ids) != len(blocks) * self.per_block:
+        if not into_pages and (len(ids) != len(blocks) * self.per_block or self._null in ids):
             raise ValueError(f"blocks {list(blocks)} are not fully in the request's pages")
         if not ids:
             return

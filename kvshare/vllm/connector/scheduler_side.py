@@ -36,7 +36,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Sequence, Set
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field, replace
@@ -49,6 +49,7 @@ from kvshare.types import BlockHash
 from kvshare.vllm.connector.backlog import PrefillBacklog
 from kvshare.vllm.connector.config import ModelKeys
 from kvshare.vllm.connector.cut_flag import loads_all
+from kvshare.vllm.connector.groups import EngineGroups, savable_from
 from kvshare.vllm.connector.lookup import Lookups
 from kvshare.vllm.connector.metadata import KVShareMetadata, LoadSpec, SaveSpec
 from kvshare.vllm.connector.opt_out import shares
@@ -86,6 +87,7 @@ class _Req:
     save_seqs: list[int] = field(default_factory=list)  # its saves' numbers (save_marks)
     saved_blocks: int = 0  # blocks handed to the workers to save
     load_all: bool = False  # the request asked to load every held block (cut_flag)
+    load_first: int = 0  # first block of the load in flight (a failed one is saved again)
 
 
 class SchedulerSide:
@@ -94,7 +96,8 @@ class SchedulerSide:
     def __init__(self, client: KVClient, keys: ModelKeys, page_tokens: int, *, save: bool = True,
                  lookup_wait_s: float = 0.02, sync_local_bytes: int = 0,
                  lookups: Lookups | None = None, router_hints: bool = True,
-                 hint_max_age_s: float = 1.0, sync_save_bytes: int = 0) -> None:
+                 hint_max_age_s: float = 1.0, sync_save_bytes: int = 0,
+                 groups: EngineGroups | None = None) -> None:
         self.client = client
         self.keys = keys
         self.block_tokens = keys.layout.block_tokens
@@ -105,6 +108,10 @@ class SchedulerSide:
         self.router_hints = router_hints
         self.hint_max_age_s = hint_max_age_s
         self.sync_save_bytes = sync_save_bytes
+        # vLLM's KV-cache groups: with several (a sliding-window hybrid) loads and saves carry
+        # every group's pages and loads run asynchronously (vLLM takes a failed load of such
+        # an engine per request, failed_recving, not per page)
+        self.groups = groups or EngineGroups.single(keys.layout.num_layers)
         self.marks = SaveMarks.create() if save and sync_save_bytes > 0 else None
         self._reqs: dict[str, _Req] = {}
         self._loads: list[LoadSpec] = []
@@ -112,7 +119,7 @@ class SchedulerSide:
         self._unshared: set[str] = set()  # requests that opted out (no lookup, load or save)
         self.lookups = lookups or Lookups()
         self._lock = threading.Lock()
-        self.counters: dict[str, float] = {}
+        self.counters: dict[str, float] = {"kv_cache_groups": len(self.groups.layers)}
         self.backlog = PrefillBacklog()  # tokens still to prefill, for the load report
 
     def _count(self, key: str, n: int = 1) -> None:
@@ -283,7 +290,7 @@ class SchedulerSide:
         schedules the suffix in the same step (no steps spent waiting for the load to be
         reported); a failed block is still reported (invalid block ids) and recomputed."""
         n_blocks = -(-hit // self.block_tokens)
-        return (0 < num_external * self.keys.layout.bytes_per_token <= self.sync_local_bytes
+        return (not self.groups.grouped and 0 < num_external * self.keys.layout.bytes_per_token <= self.sync_local_bytes
                 and all(b.transport in LOCAL_TRANSPORTS for b in plan.blocks[:n_blocks]))
 
     def _plan_from(self, st: _Req, tokens: Sequence[int], pools: MatchResult) -> Plan:
@@ -313,8 +320,11 @@ class SchedulerSide:
             use(tps)
 
     def update_state_after_alloc(self, request: Any, page_ids: Sequence[int],
-                                 num_external: int) -> None:
-        """Plan the asynchronous load of the external tokens into the allocated pages."""
+                                 num_external: int,
+                                 group_pages: Sequence[Sequence[int]] = ()) -> None:
+        """Plan the asynchronous load of the external tokens into the allocated pages
+        (``group_pages``: every KV-cache group's, with several; ``page_ids`` then the
+        full-attention group's)."""
         if num_external <= 0:
             return
         st = self._reqs.get(request.request_id)
@@ -326,7 +336,9 @@ class SchedulerSide:
         first = keep // self.block_tokens
         used = replace(plan, blocks=plan.blocks[:n_blocks])
         self._loads.append(LoadSpec(request.request_id, used.to_dict(), first, keep,
-                                    tuple(int(p) for p in page_ids), sync=st.sync))
+                                    tuple(int(p) for p in page_ids), sync=st.sync,
+                                    group_pages=_int_lists(group_pages)))
+        st.load_first = first
         st.sources = {}
         for b in used.blocks[first:]:
             key = "disk" if b.tier.value == "disk" else (
@@ -356,11 +368,21 @@ class SchedulerSide:
             out[last] += left
         return out
 
-    def update_connector_output(self, finished_recving: set[str], invalid_pages: set[int]) -> None:
+    def update_connector_output(self, finished_recving: set[str], invalid_pages: set[int],
+                                failed_recving: Set[str] = frozenset()) -> None:
         """A load that left invalid pages marks its request: vLLM recomputes, we never retry;
         the recomputed blocks are saved again. An asynchronous load ends with its request in
         ``finished_recving``; a synchronous one reports its invalid pages in the step it ran
-        (its pages stay the request's until it finishes, so they identify it)."""
+        (its pages stay the request's until it finishes, so they identify it). With several
+        KV-cache groups a failed load names its request (``failed_recving``): vLLM recomputes
+        it from its first token and its loaded blocks are saved again."""
+        for rid in failed_recving:
+            st = self._reqs.get(rid)
+            if st is not None:
+                st.failed = True
+                self._count("failed_loads")
+                st.saved_upto = min(st.saved_upto, st.load_first)
+                st.loading = ()
         if invalid_pages:
             for req in self._reqs.values():
                 if req.sync and req.loading and not invalid_pages.isdisjoint(req.loading):
@@ -384,9 +406,12 @@ class SchedulerSide:
 
     # ------------------------------------------------------------------ per step
     def build_meta(self, scheduled: dict[str, int], preempted: Sequence[str],
-                   page_ids_of: Any) -> KVShareMetadata:
+                   page_ids_of: Any, group_pages_of: Any = None) -> KVShareMetadata:
         """This step's loads and saves. ``scheduled``: tokens scheduled per request id;
-        ``page_ids_of(req_id)``: the request's pages in token order."""
+        ``page_ids_of(req_id)``: the request's pages in token order (with several KV-cache
+        groups, the full-attention group's, and ``group_pages_of(req_id)`` every group's: a
+        save then starts after the last block that covers a null page,
+        :func:`~kvshare.vllm.connector.groups.savable_from`)."""
         self._count("steps")
         self.lookups.step(scheduled)
         self.backlog.step(scheduled)
@@ -417,14 +442,28 @@ class SchedulerSide:
                 parent = st.hashes[-1] if st.hashes else None
                 st.hashes += block_hashes(st.root, tokens[start:full * self.block_tokens],
                                           self.block_tokens, parent=parent)
-            pages = list(page_ids_of(rid))[: full * self.block_tokens // self.page_tokens]
+            n_pages = full * self.block_tokens // self.page_tokens
+            pages = list(page_ids_of(rid))[:n_pages]
+            start = st.saved_upto
+            group_pages: tuple[tuple[int, ...], ...] = ()
+            if self.groups.grouped and group_pages_of is not None:
+                group_pages = tuple(tuple(int(p) for p in list(g)[:n_pages])
+                                    for g in group_pages_of(rid))
+                start = savable_from(group_pages, start, full,
+                                     self.block_tokens // self.page_tokens)
+                if start > st.saved_upto:  # behind a sliding window already: never saved
+                    self._count("save_blocks_behind_window", start - st.saved_upto)
+                if start >= full:
+                    st.saved_upto = full
+                    continue
             seq = self.marks.next_seq() if self.marks is not None else 0
-            st.saved_blocks += full - st.saved_upto
+            st.saved_blocks += full - start
             sync = self.marks is not None and _stop_strings(req) and self._small_saves(st)
             meta.saves.append(SaveSpec(rid, tuple(bytes(h) for h in st.hashes[:full]),
-                                       st.saved_upto, tuple(int(p) for p in pages), seq, sync))
+                                       start, tuple(int(p) for p in pages), seq, sync,
+                                       group_pages))
             st.save_seqs.append(seq)
-            self._count("save_blocks", full - st.saved_upto)
+            self._count("save_blocks", full - start)
             st.saved_upto = full
             self._sending.add(rid)
         return meta
@@ -483,6 +522,10 @@ class SchedulerSide:
         if self.marks is not None:
             self.marks.close()
             self.marks = None
+
+
+def _int_lists(lists: Sequence[Sequence[int]]) -> tuple[tuple[int, ...], ...]:
+    return tuple(tuple(int(p) for p in g) for g in lists)
 
 
 def _stop_strings(request: Any) -> bool:

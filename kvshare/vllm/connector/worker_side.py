@@ -37,6 +37,7 @@ from kvshare.attention import AttentionKind
 from kvshare.client.types import REMOTE_SOURCES, KVClient, LoadResult, Plan, StoreResult
 from kvshare.types import BlockHash
 from kvshare.vllm.connector.config import ModelKeys
+from kvshare.vllm.connector.groups import CopySignal, EngineGroups, GroupedRequestKV
 from kvshare.vllm.connector.metadata import KVShareMetadata, LoadSpec
 from kvshare.vllm.connector.mla_pages import mla_page_views
 from kvshare.vllm.connector.paged import PagedRequestKV, PageViews
@@ -58,7 +59,7 @@ class WorkerSide:
     """Plain class behind KVShareConnector's worker-role methods."""
 
     def __init__(self, client: Any, keys: ModelKeys, page_tokens: int, *, tp_rank: int = 0,
-                 tp_size: int = 1) -> None:
+                 tp_size: int = 1, groups: EngineGroups | None = None) -> None:
         self.client: KVClient = client
         self._client: Any = client
         self.keys = keys
@@ -66,6 +67,8 @@ class WorkerSide:
         self.page_tokens = page_tokens
         self.tp_rank = tp_rank
         self.tp_size = tp_size
+        self.groups = groups or EngineGroups.single(keys.layout.num_layers)
+        self._failed_recv: set[str] = set()  # loads that failed, reported per request
         self._marker: SaveMarker | None = None  # the scheduler side's mark file, mapped
         self._unmappable = ""  # a mark file this process could not map (not tried again)
         self.pages: PageViews | None = None
@@ -111,8 +114,8 @@ class WorkerSide:
                 continue
             plan = Plan.from_dict(spec.plan)
             sub = replace(plan, blocks=plan.blocks[spec.first_block:])
-            target = PagedRequestKV(self._views(), self.layout, spec.page_ids, spec.first_block,
-                                    spec.keep_tokens)
+            target = self._request_kv(spec.page_ids, spec.group_pages, spec.first_block,
+                                      spec.keep_tokens)
             t0 = time.perf_counter()
             fut: Future[LoadResult] = Future()
             try:
@@ -138,6 +141,7 @@ class WorkerSide:
         ``SYNC_SAVE_WAIT_S``."""
         marker = self._marker_for(meta.marks)
         sync: list[Future[StoreResult]] = []
+        copies: list[tuple[CopySignal, Future[StoreResult]]] = []
         for spec in meta.saves:
             self._saved.add(spec.req_id)
             if self.tp_size > 1 and not (self.tp_rank == 0 and self.layout.kind is AttentionKind.MLA):
@@ -145,7 +149,8 @@ class WorkerSide:
                 self._count("store_skipped_tp", len(spec.hashes) - spec.start_block)
                 self._mark(marker, spec.seq)
                 continue
-            src = PagedRequestKV(self._views(), self.layout, spec.page_ids)
+            copied = CopySignal() if spec.group_pages else None
+            src = self._request_kv(spec.page_ids, spec.group_pages, copied=copied)
             hashes = [BlockHash(h) for h in spec.hashes]
             try:
                 fut = self._client.store(range(len(hashes) * self.layout.block_tokens), src,
@@ -158,6 +163,9 @@ class WorkerSide:
                 fut.add_done_callback(lambda _f, seq=spec.seq: self._mark(marker, seq))
             if spec.sync:
                 sync.append(fut)
+            if copied is not None:
+                copies.append((copied, fut))
+        self._wait_copies(copies)
         if sync:
             t0 = time.perf_counter()
             _, late = wait(sync, timeout=SYNC_SAVE_WAIT_S)
@@ -165,6 +173,32 @@ class WorkerSide:
             self._count("sync_save_s", time.perf_counter() - t0)
             if late:
                 self._count("sync_saves_late")
+
+    def _request_kv(self, page_ids: tuple[int, ...], group_pages: tuple[tuple[int, ...], ...],
+                    first_block: int = 0, keep_tokens: int = 0,
+                    copied: CopySignal | None = None) -> PagedRequestKV | GroupedRequestKV:
+        """The request's pages: one list (one KV-cache group), or one per group."""
+        if group_pages:
+            return GroupedRequestKV(self._views(), self.layout, self.groups, group_pages,
+                                    first_block, keep_tokens, copied)
+        return PagedRequestKV(self._views(), self.layout, page_ids, first_block, keep_tokens)
+
+    def _wait_copies(self, copies: list[tuple[CopySignal, Future[StoreResult]]]) -> None:
+        """Wait until this step's stores over several KV-cache groups have read their pages
+        (not for their commits): vLLM frees a sliding group's pages behind the window at the
+        next step's allocation whatever the connector does, and another request may write
+        them in that step's forward pass. Counted ``save_copy_wait_s``; a store that takes
+        longer than its deadline is counted ``save_copy_late``."""
+        if not copies:
+            return
+        t0 = time.perf_counter()
+        deadline = t0 + float(getattr(self._client, "store_deadline_s", 10.0))
+        for signal, fut in copies:
+            while not signal.event.wait(0.002) and not fut.done():
+                if time.perf_counter() > deadline:
+                    self._count("save_copy_late")
+                    break
+        self._count("save_copy_wait_s", time.perf_counter() - t0)
 
     def _marker_for(self, path: str) -> SaveMarker | None:
         """The mark file named by the metadata, mapped once (rank 0 only: with TP>1 every
@@ -268,9 +302,20 @@ class WorkerSide:
         keep_pages = -(-spec.keep_tokens // self.page_tokens)
         bad = spec.page_ids[max(first_page, keep_pages):(spec.first_block + n) * per]
         self._count("failed_blocks", n - good)
+        if spec.group_pages:  # several KV-cache groups: vLLM takes the request, not pages
+            with self._lock:
+                self._failed_recv.add(spec.req_id)
+            return where
         with self._lock:
             self._errors.update(int(p) for p in bad)
         return where
+
+    def failed_loads(self) -> set[str]:
+        """Requests whose load (over several KV-cache groups) failed, each reported once:
+        ``failed_recving`` (vLLM recomputes the request from its first token)."""
+        with self._lock:
+            out, self._failed_recv = self._failed_recv, set()
+        return out
 
     def load_errors(self) -> set[int]:
         """``get_block_ids_with_load_errors`` (each reported once)."""

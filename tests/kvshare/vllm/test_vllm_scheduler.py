@@ -748,8 +748,8 @@ def test_a_lookup_held_longer_than_it_could_save_becomes_a_miss(model: str) -> N
 def test_bad_config_fails_at_start_up_naming_the_fix(model: str, tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"not a multiple of vLLM's --block-size 32.*e\.g\. 32"):
         make_scheduler(model, block_tokens=48)
-    with pytest.raises(ValueError, match="sliding-window attention.*remove the KVShareConnector"):
-        make_scheduler(model, sliding_window=128)
+    with pytest.raises(ValueError, match="chunked local attention.*remove the KVShareConnector"):
+        make_scheduler(model, attention_chunk_size=128)
     with pytest.raises(ValueError, match="unknown kv_connector_extra_config keys"):
         from kvshare.vllm.connector.config import ConnectorSettings
 
