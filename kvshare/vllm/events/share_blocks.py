@@ -86,7 +86,7 @@ class _Page(NamedTuple):
 class ShareBlocks:
     """Which kvshare share blocks one vLLM engine holds, from its page events."""
 
-    def __init__(self, hasher: Hasher, page_tokens: int) -> None:
+    def __init__(self, hasher: Hasher, page_tokens: int, group: int = 0) -> None:
         block_tokens = hasher.block_tokens
         if page_tokens <= 0 or block_tokens <= 0 or block_tokens % page_tokens:
             raise ValueError(
@@ -97,6 +97,7 @@ class ShareBlocks:
         self.page_tokens = page_tokens
         self.k = block_tokens // page_tokens
         self.hasher = hasher
+        self.group = group  # the KV-cache group whose pages this tracks (others: counted)
         self._pages: dict[Tier, dict[VllmHash, _Page]] = {}
         # resident share block -> its pages (first..last); a page -> the share blocks it is in
         self._members: dict[Tier, dict[BlockHash, tuple[VllmHash, ...]]] = {}
@@ -110,6 +111,11 @@ class ShareBlocks:
     def inventory(self) -> dict[BlockHash, Tier]:
         """Every resident share block and its best tier."""
         return {h: t if isinstance(t, Tier) else _best(t) for h, t in self._tiers.items()}
+
+    def tier_of(self, share: BlockHash) -> Tier | None:
+        """The share block's best tier in this tracker (None: not resident)."""
+        t = self._tiers.get(share)
+        return t if t is None or isinstance(t, Tier) else _best(t)
 
     def __len__(self) -> int:
         return len(self._tiers)
@@ -194,7 +200,8 @@ class ShareBlocks:
         pages = self._pages.get(tier) if tier is not None else None
         if pages is None or tier is None:
             return []
-        members, inside = self._members[tier], self._in[tier]
+        # (pages stored but no share block made of them yet: neither map has the tier)
+        members, inside = self._members.get(tier, {}), self._in.get(tier, {})
         out: list[Change] = []
         gone = [vh for vh in ev.block_hashes if pages.pop(vh, None) is not None]  # tracked ones
         self.counters["pages_removed"] += len(gone)
@@ -218,8 +225,8 @@ class ShareBlocks:
 
     # ------------------------------------------------------------------ internals
     def _tier(self, medium: str, group: int, n: int) -> Tier | None:
-        if group != 0:
-            self.counters["other_groups"] += n  # hybrid models: only group 0 is tracked
+        if group != self.group:
+            self.counters["other_groups"] += n  # another KV-cache group's (events/groups.py)
             return None
         tier = MEDIUM_TIERS.get(medium.upper())
         if tier is None:

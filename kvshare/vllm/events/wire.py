@@ -38,7 +38,10 @@ class PagesStored:
 
     ``token_ids`` holds ``len(block_hashes) * block_size`` ids; ``extra_keys`` one entry per
     page (vLLM's untagged keys: LoRA name, ``(mm_id, offset)`` pairs, the cache salt on the
-    first page, prompt-embeds digests) or None.
+    first page, prompt-embeds digests) or None. ``group_idx``: the KV-cache group the pages
+    are in; ``spec_kind`` / ``sliding_window``: that group's kind (vLLM's
+    ``kv_cache_spec_kind``: ``full_attention``, ``sliding_window``, ...) and window (None:
+    not sent, or full attention).
     """
 
     block_hashes: tuple[VllmHash, ...]
@@ -49,6 +52,8 @@ class PagesStored:
     lora_name: str | None = None
     extra_keys: tuple[tuple[Any, ...] | None, ...] | None = None
     group_idx: int = 0
+    spec_kind: str | None = None
+    sliding_window: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +90,8 @@ class _StoredM(msgspec.Struct, tag="BlockStored"):
     lora_name: str | None = None
     extra_keys: list[list[Any] | None] | None = None
     group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
 
 
 class _RemovedM(msgspec.Struct, tag="BlockRemoved"):
@@ -197,7 +204,8 @@ def _stored(ev: _StoredM) -> PagesStored:
         keys = tuple(None if k is None else tuple(k) for k in extra)
     return PagesStored(tuple(ev.block_hashes), ev.parent_block_hash, ev.token_ids,
                        ev.block_size, ev.medium or "GPU", ev.lora_name, keys,
-                       _group(ev.group_idx))
+                       _group(ev.group_idx), ev.kv_cache_spec_kind,
+                       ev.kv_cache_spec_sliding_window)
 
 
 def _group(value: int | None) -> int:

@@ -37,11 +37,11 @@ class OfflineEngine:
     def __init__(self, model: str, *, kv_transfer: Mapping[str, Any] | None = None,
                  dtype: str = "float32", block_size: int = 32, max_model_len: int = 2048,
                  num_pages: int | None = None, env: Mapping[str, str] | None = None,
-                 **llm_args: Any) -> None:
+                 kv_events: Mapping[str, Any] | None = None, **llm_args: Any) -> None:
         for k, v in {**ENGINE_ENV, **dict(env or {})}.items():
             os.environ.setdefault(k, v)
         from vllm import LLM
-        from vllm.config import KVTransferConfig
+        from vllm.config import KVEventsConfig, KVTransferConfig
 
         args: dict[str, Any] = dict(
             model=model, dtype=dtype, block_size=block_size, max_model_len=max_model_len,
@@ -51,6 +51,8 @@ class OfflineEngine:
             args["num_gpu_blocks_override"] = num_pages
         if kv_transfer is not None:
             args["kv_transfer_config"] = KVTransferConfig(**dict(kv_transfer))
+        if kv_events is not None:  # vLLM's --kv-events-config, e.g. a zmq publisher
+            args["kv_events_config"] = KVEventsConfig(**dict(kv_events))
         self.llm = LLM(**args)
 
     def ready(self) -> dict[str, Any]:

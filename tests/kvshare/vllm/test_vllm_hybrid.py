@@ -47,14 +47,17 @@ class Env:
         self.layout = layout
         self.refs: dict[int, dict[str, Any]] = {}
         self.engines: dict[str, Any] = {}
+        self.events = ""  # engine A's KV events (ZMQ) endpoint
 
-    def engine(self, name: str, node: str, connector: bool = True) -> Any:
+    def engine(self, name: str, node: str, connector: bool = True,
+               kv_events: dict[str, Any] | None = None) -> Any:
         actor_cls = ray.remote(OfflineEngine)
         kvt = kv_transfer_config(NS, block_tokens=BLOCK) if connector else None
         actor = actor_cls.options(  # type: ignore[attr-defined]
             num_cpus=0, resources={node: 0.01}, max_concurrency=2,
             runtime_env={"env_vars": {**ENGINE_ENV, "OMP_NUM_THREADS": "2"}},
-        ).remote(self.model, kv_transfer=kvt, max_model_len=704, num_pages=PAGES)
+        ).remote(self.model, kv_transfer=kvt, max_model_len=704, num_pages=PAGES,
+                 kv_events=kv_events)
         ray.get(actor.ready.remote(), timeout=300)
         self.engines[name] = actor
         return actor
@@ -109,7 +112,11 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
             assert warm["cached_tokens"] == N_BLOCKS * BLOCK
             e.refs[seed] = {"cold": cold, "warm": warm}
         ray.kill(ref)
-        e.engine("A", "node_0")
+        ev_dir = tmp_path_factory.mktemp("ev")
+        e.events = f"ipc://{ev_dir}/kv.sock"
+        e.engine("A", "node_0", kv_events={
+            "enable_kv_cache_events": True, "publisher": "zmq", "endpoint": e.events,
+            "replay_endpoint": f"ipc://{ev_dir}/kv-replay.sock", "topic": "kv"})
         e.engine("B", "node_1")
         yield e
     finally:
@@ -209,3 +216,44 @@ def test_pool_killed_is_a_recompute_with_the_same_output(env: Env) -> None:
     delta = {k: after.get(k, 0) - before.get(k, 0) for k in after}
     assert delta.get("miss_source_dead", 0) > 0 or delta.get("no_external_hit", 0) > 0
     same_as_cold(got, env.refs[5])
+
+
+def test_events_reach_the_index_as_the_engines_gpu_tier(env: Env) -> None:
+    """Engine A's KV events (two KV-cache groups) through kvshare's consumer into the index:
+    a prompt it computed is held at its gpu tier once both groups hold it."""
+    from kvshare.actors.deploy import get_index_client
+    from kvshare.types import NodeId, Tier, WorkerId
+    from kvshare.vllm.events.consumer import EventsConfig, KVEventsConsumer
+    from kvshare.vllm.server.presence import Presence
+    from kvshare.vllm.server.worker import VllmKeys
+    from kvshare.workers import WorkerInfo
+
+    index = get_index_client()
+    hasher = VllmKeys.from_model(env.model, BLOCK, "float32").hasher()
+    presence = Presence(WorkerInfo(WorkerId("hybrid-A"), NodeId("node_0"), (NS,),
+                                   "http://127.0.0.1:1"), index).start()
+    cfg = EventsConfig(env.events, NS, BLOCK, 32, replay_endpoint=env.events.replace(
+        "kv.sock", "kv-replay.sock"), topic="kv")
+    consumer = KVEventsConsumer(cfg, presence, hasher).start()
+    try:
+        tokens = prompt(6)
+        env.run("A", tokens)
+        hashes = hasher.hashes(tokens)
+
+        def held() -> int:
+            n = 0
+            for holders in index.lookup(NS, hashes):
+                if holders.get(presence.location) != Tier.GPU:
+                    break
+                n += 1
+            return n
+
+        deadline = time.monotonic() + 30
+        while held() < N_BLOCKS:
+            assert time.monotonic() < deadline, (held(), consumer.stats())
+            time.sleep(0.05)
+        stats = consumer.stats()
+        assert stats["blocks_kv_cache_groups"] == 2 and stats["blocks_other_group_pages"] == 0
+    finally:
+        consumer.stop()
+        presence.stop()
