@@ -117,6 +117,19 @@ class ShareBlocks:
         t = self._tiers.get(share)
         return t if t is None or isinstance(t, Tier) else _best(t)
 
+    def members(self, tier: Tier) -> dict[BlockHash, tuple[VllmHash, ...]]:
+        """The share blocks resident in ``tier``, each with its pages (first..last)."""
+        return self._members.get(tier, {})
+
+    def page_parent(self, tier: Tier, vh: VllmHash) -> VllmHash | None:
+        """The page before ``vh`` in its chain (None: ``vh`` starts it or is not tracked)."""
+        page = self._pages.get(tier, {}).get(vh)
+        return None if page is None else page.parent
+
+    def share_ending(self, tier: Tier, vh: VllmHash) -> BlockHash | None:
+        """The resident share block whose last page is ``vh``."""
+        return self._share_ending(tier, vh)
+
     def __len__(self) -> int:
         return len(self._tiers)
 
