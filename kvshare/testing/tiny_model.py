@@ -183,7 +183,7 @@ def build_tiny_gemma2(path: str, spec: TinyHybridSpec | None = None) -> str:
 
     os.makedirs(path, exist_ok=True)
     tokenizer = tf.PreTrainedTokenizerFast(
-        tokenizer_object=_train_tokenizer(spec.vocab_size), bos_token="<s>", eos_token="</s>",
+        tokenizer_object=train_tokenizer(spec.vocab_size), bos_token="<s>", eos_token="</s>",
         pad_token="<pad>", model_max_length=spec.max_position_embeddings)
     tokenizer.chat_template = CHAT_TEMPLATE
     tokenizer.save_pretrained(path)
