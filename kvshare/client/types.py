@@ -32,6 +32,18 @@ REMOTE_SOURCES = (TRANSPORT_NIXL, TRANSPORT_OBJSTORE)
 """The transports that bring a block from another node's pool, fastest first."""
 
 
+def hit_source(transport: str, tier: str) -> str:
+    """Where a reused block came from, in vLLM's ``CacheHitSource`` names (the labels of its
+    ``vllm:prompt_tokens_cached_by_source`` counter): ``device`` (the worker's own cache),
+    ``p2p`` (another node's pool, any tier), ``disk`` (this node's disk tier), ``host`` (this
+    node's pool in memory). ``tier`` is the tier that held the block (``Tier.value``)."""
+    if transport == TRANSPORT_GPU:
+        return "device"
+    if transport in REMOTE_SOURCES:
+        return "p2p"
+    return "disk" if tier == Tier.DISK.value else "host"
+
+
 @dataclass(frozen=True)
 class PlannedBlock:
     """One block of the plan: where it is and how it will travel."""

@@ -57,6 +57,7 @@ def _kv_summary(c: Completion, job: Job, received: float) -> dict[str, Any]:
             "loaded_blocks": s.loaded_blocks, "planned_blocks": s.planned_blocks,
             "ttft_s": s.ttft_s, "load_s": s.load_s, "prefill_s": s.prefill_s,
             "bytes_by_transport": s.bytes_by_transport, "bytes_by_tier": s.bytes_by_tier,
+            "tokens_by_source": s.tokens_by_source,
             "misses": s.misses, "plan": s.plan, "ended": c.ended, "queue_s": job.queue_s,
             "ahead": job.ahead, "store_wait_s": s.store_wait_s, "breakdown": breakdown_of(s),
             "worker_s": time.perf_counter() - received}

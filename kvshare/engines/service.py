@@ -43,6 +43,7 @@ def completion_dict(c: Completion, with_logits: bool = False) -> dict[str, Any]:
         "planned_blocks": s.planned_blocks, "loaded_blocks": s.loaded_blocks,
         "ttft_s": s.ttft_s, "lookup_s": s.lookup_s, "load_s": s.load_s, "prefill_s": s.prefill_s,
         "bytes_by_transport": dict(s.bytes_by_transport), "bytes_by_tier": dict(s.bytes_by_tier),
+        "tokens_by_source": dict(s.tokens_by_source),
         "misses": dict(s.misses),
         "plan": dict(s.plan),
         "breakdown": breakdown_of(s),

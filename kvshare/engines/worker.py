@@ -17,7 +17,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvshare.client.types import KVClient, LoadResult, Plan, StoreResult
+from kvshare.client.types import KVClient, LoadResult, Plan, StoreResult, hit_source
 from kvshare.engines.hf import HFEngine, cache_layers
 from kvshare.kv_convert import new_contiguous
 from kvshare.types import BlockHash
@@ -50,6 +50,11 @@ class RequestStats:
     """Admitted until the engine started on it (set by :class:`WorkerRuntime`)."""
     bytes_by_transport: dict[str, int] = field(default_factory=dict)
     bytes_by_tier: dict[str, int] = field(default_factory=dict)
+    tokens_by_source: dict[str, int] = field(default_factory=dict)
+    """The reused tokens by where they came from (:func:`~kvshare.client.types.hit_source`);
+    they sum to ``reused_tokens``."""
+    block_sources: list[str] = field(default_factory=list, repr=False)
+    """The source of each loaded block of the reused prefix, in order (set by the load)."""
     misses: dict[str, int] = field(default_factory=dict)
     plan: dict[str, Any] = field(default_factory=dict)
 
@@ -134,10 +139,12 @@ class ReferenceWorker:
             stats.misses[key] = stats.misses.get(key, 0) + 1
         stats.loaded_blocks = result.loaded_blocks
         stats.bytes_by_transport = result.bytes_by_transport()
-        for o in result.outcomes:
+        for o in sorted(result.outcomes, key=lambda o: o.index):
             if o.ok:
                 tier = plan.blocks[o.index].tier.value
                 stats.bytes_by_tier[tier] = stats.bytes_by_tier.get(tier, 0) + o.nbytes
+                if o.index < result.loaded_blocks:
+                    stats.block_sources.append(hit_source(o.transport, tier))
         return kv, result.loaded_blocks * self.engine.layout.block_tokens
 
     def _store(
@@ -207,6 +214,8 @@ class ReferenceWorker:
             pre = self.engine.prefill(tokens, kv, reuse)
             del kv
             stats.reused_tokens, stats.computed_tokens = pre.reused_tokens, pre.computed_tokens
+            stats.tokens_by_source = _by_source(stats.block_sources,
+                                                self.engine.layout.block_tokens, pre.reused_tokens)
             stats.prefill_s = pre.seconds
             observe = getattr(getattr(self.client, "cut_policy", None), "observe", None)
             if callable(observe):  # a cost-model cut policy learns from live timings
@@ -249,3 +258,17 @@ class ReferenceWorker:
         for reason, n in s.misses.items():
             c.add(f"miss_{reason}", n)
         c.add("ttft_s_sum", s.ttft_s)
+
+
+def _by_source(block_sources: Sequence[str], block_tokens: int, reused: int) -> dict[str, int]:
+    """Tokens per source for a reused prefix of ``reused`` tokens whose blocks came from
+    ``block_sources`` in order (the engine may reuse fewer tokens than it loaded)."""
+    out: dict[str, int] = {}
+    left = reused
+    for src in block_sources:
+        if left <= 0:
+            break
+        n = min(block_tokens, left)
+        out[src] = out.get(src, 0) + n
+        left -= n
+    return out

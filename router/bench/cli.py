@@ -155,6 +155,8 @@ async def _one(args: argparse.Namespace, url: str, source: Trace | Workload,
         await asyncio.sleep(SETTLE_S)
         stop.set()
         await scraping
-        for problem in sampler.errors[:3]:
-            print(f"{url}: tier counters: {problem}", file=sys.stderr)
-        return summarize(run, target, sampler if target.metrics_urls else None)
+        summary = summarize(run, target, sampler if target.metrics_urls else None)
+        if summary["hit_rate_from"] != ["usage"]:  # else the answers said where hits came from
+            for problem in sampler.errors[:3]:
+                print(f"{url}: tier counters: {problem}", file=sys.stderr)
+        return summary

@@ -37,6 +37,7 @@ class RequestResult:
     completion_tokens: int = 0
     worker: str = ""  # the gateway's x-kvshare-worker
     gateway: bool = False  # the answer carried the gateway's usage extension
+    sources: dict[str, int] | None = None  # a kvshare worker's reused tokens by source
 
 
 @dataclass(frozen=True)
@@ -110,6 +111,9 @@ async def send(http: httpx.AsyncClient, url: str, model: str, req: BenchRequest,
                     res.completion_tokens = int(usage.get("completion_tokens") or 0)
                 if "kvshare" in event:
                     res.gateway = True
+                    by_source = (event["kvshare"] or {}).get("tokens_by_source")
+                    if isinstance(by_source, dict):
+                        res.sources = {str(k): int(v) for k, v in by_source.items()}
     except (httpx.HTTPError, ValueError) as e:
         res.error = f"{type(e).__name__}: {e}"
         return res

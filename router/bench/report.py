@@ -3,7 +3,8 @@
 One JSON object: ``{"runs": [run, ...], "ratios": {...} | null}``; a run has ``requests``
 (sent, completed, failed, skipped), ``ttft_s``, ``itl_s`` and ``tpot_s`` (p50/p90/p99/mean, seconds),
 ``requests_per_s`` and ``output_tokens_per_s`` (completed, over the run's wall time),
-``hit_rate`` (tier -> share of prompt tokens, :mod:`.tiers`; null when no counters were read)
+``hit_rate`` (tier -> share of prompt tokens, :mod:`.tiers`; from vLLM's counters, or else from
+the kvshare workers' usage objects, ``hit_rate_from`` says which; null when neither was read)
 and ``hit_rate_over_time``. ``ratios``: the second run's value over the first's.
 """
 
@@ -15,9 +16,19 @@ from typing import Any
 import numpy as np
 
 from kvshare.router.bench.client import RunResult
-from kvshare.router.bench.tiers import COMPUTED, TIERS, Target, TierSampler
+from kvshare.router.bench.tiers import (
+    COMPUTED,
+    TIERS,
+    Target,
+    TierSampler,
+    hit_rates,
+    usage_counters,
+    usage_series,
+)
 
 PCTS = (50, 90, 99)
+USAGE_INTERVAL_S = 1.0
+"""The chart's window when the hit rates come from the answers' usage objects."""
 RATIO_KEYS = ("ttft_p50", "ttft_p90", "ttft_p99", "itl_p50", "tpot_p50", "requests_per_s",
               "output_tokens_per_s", "hit_rate")
 
@@ -36,6 +47,15 @@ def summarize(run: RunResult, target: Target, tiers: TierSampler | None) -> dict
     ok = [r for r in run.results if r.error is None]
     errors = sorted({r.error for r in run.results if r.error is not None})
     rates = tiers.total() if tiers is not None else None
+    series = tiers.series() if tiers is not None else []
+    source = list(target.metrics_urls)
+    answers = [r for r in ok if r.sources is not None]
+    if rates is None and answers:  # no vLLM counters: the kvshare workers' own usage objects
+        rates = hit_rates(usage_counters([]),
+                          usage_counters([(r.prompt_tokens, r.sources or {}) for r in answers]))
+        series = usage_series([(r.done_s or r.sent_s, r.prompt_tokens, r.sources or {})
+                               for r in answers], USAGE_INTERVAL_S)
+        source = ["usage"]
     if rates is not None:
         rates = {t: round(v, 4) for t, v in rates.items()}
     hit = None if rates is None else round(sum(v for t, v in rates.items() if t != COMPUTED), 4)
@@ -55,9 +75,9 @@ def summarize(run: RunResult, target: Target, tiers: TierSampler | None) -> dict
         "output_tokens": sum(r.completion_tokens for r in ok),
         "hit_rate": hit,
         "hit_rate_by_tier": rates,
-        "hit_rate_from": list(target.metrics_urls),
+        "hit_rate_from": source,
         "hit_rate_over_time": [{"t_s": round(t, 3), **{k: round(v, 4) for k, v in r.items()}}
-                               for t, r in tiers.series()] if tiers else [],
+                               for t, r in series],
         "workers": sorted({r.worker for r in ok if r.worker}),  # the gateway's x-kvshare-worker
         "usage_extension": any(r.gateway for r in ok),  # the gateway's kvshare usage object
         "errors": errors[:5],

@@ -8,6 +8,10 @@ kv_connector._SOURCES``), next to ``vllm:prompt_tokens_total``. The rest was com
 Scraped before, during (for the chart) and after a run on every server the run reaches: the
 URL itself for a vLLM server, the workers a kvshare gateway's ``/health`` lists for a gateway.
 The counters are the servers' whole traffic: other clients' requests during the run count too.
+
+Workers without those counters (kvshare's reference workers) say in each answer's ``kvshare``
+usage object where its reused tokens came from (``tokens_by_source``, the same source names);
+:func:`usage_counters` sums those over a run's own answers, so only the run's requests count.
 """
 
 from __future__ import annotations
@@ -53,6 +57,30 @@ def hit_rates(before: Mapping[str, float], after: Mapping[str, float]) -> dict[s
     rates = {t: max(0.0, after[t] - before[t]) / prompt for t in TIERS.values()}
     rates[COMPUTED] = max(0.0, 1.0 - sum(rates.values()))
     return rates
+
+
+def usage_counters(answers: Sequence[tuple[int, Mapping[str, int]]]) -> dict[str, float]:
+    """:func:`parse_tier_counters`'s counters summed over answers ``(prompt_tokens,
+    tokens_by_source)`` (each answer's ``kvshare.tokens_by_source``)."""
+    out = {"prompt": 0.0, **{t: 0.0 for t in TIERS.values()}}
+    for prompt, by_source in answers:
+        out["prompt"] += prompt
+        for source, n in by_source.items():
+            if source in TIERS:
+                out[TIERS[source]] += n
+    return out
+
+
+def usage_series(answers: Sequence[tuple[float, int, Mapping[str, int]]], interval_s: float
+                 ) -> list[tuple[float, dict[str, float]]]:
+    """Hit rate per tier of the answers ``(done_s, prompt_tokens, tokens_by_source)`` that
+    completed in each ``interval_s`` window (the end of the window, its rates)."""
+    buckets: dict[int, list[tuple[int, Mapping[str, int]]]] = {}
+    for done_s, prompt, by_source in answers:
+        buckets.setdefault(int(done_s // interval_s), []).append((prompt, by_source))
+    zero = usage_counters([])
+    return [((k + 1) * interval_s, hit_rates(zero, usage_counters(buckets[k])))
+            for k in sorted(buckets)]
 
 
 @dataclass(frozen=True)

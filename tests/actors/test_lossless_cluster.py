@@ -106,6 +106,7 @@ def test_own_node_host_tier(env: Env) -> None:
     res = env.run("B", request)
     assert res["reused_tokens"] == 5 * BLOCK and set(res["bytes_by_transport"]) == {"shm"}
     assert res["bytes_by_tier"] == {"host": 5 * env.engine.layout.bytes_per_block}
+    assert res["tokens_by_source"] == {"host": 5 * BLOCK}
     same(res, env.reference(request))
 
 
@@ -119,6 +120,7 @@ def test_own_node_disk_tier(env: Env) -> None:
     res = env.run("B", request)
     assert res["reused_tokens"] == 4 * BLOCK and set(res["bytes_by_transport"]) == {"shm"}
     assert res["bytes_by_tier"] == {"disk": 4 * env.engine.layout.bytes_per_block}
+    assert res["tokens_by_source"] == {"disk": 4 * BLOCK}
     same(res, env.reference(request))
 
 
@@ -131,6 +133,7 @@ def test_remote_node(env: Env, worker: str, transport: str) -> None:
     res = env.run(worker, request)
     assert res["reused_tokens"] == 6 * BLOCK
     assert set(res["bytes_by_transport"]) == {transport}, res
+    assert res["tokens_by_source"] == {"p2p": 6 * BLOCK}  # another node's pool, as vLLM names it
     same(res, env.reference(request))
 
 

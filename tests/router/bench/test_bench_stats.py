@@ -68,3 +68,27 @@ def test_a_gateway_is_told_by_its_health_and_its_workers_read_for_tiers() -> Non
     assert (gw.kind, gw.metrics_urls) == ("gateway", ("http://w1:1", "http://w2:2"))
     assert (vllm.kind, vllm.metrics_urls) == ("vllm", ("http://v:8000",))
     assert given.metrics_urls == ("http://w3:3",)
+
+
+def test_a_kvshare_workers_usage_objects_give_the_hit_rate_per_tier() -> None:
+    from kvshare.router.bench.tiers import hit_rates, usage_counters, usage_series
+
+    answers = [(100, {"host": 64}), (100, {"p2p": 32, "disk": 16}), (50, {})]
+    got = hit_rates(usage_counters([]), usage_counters(answers))
+    assert got["local_pool"] == pytest.approx(64 / 250) and got["remote_pool"] == pytest.approx(32 / 250)
+    assert got["disk"] == pytest.approx(16 / 250) and got["computed"] == pytest.approx(138 / 250)
+    series = usage_series([(0.2, *answers[0]), (0.9, *answers[2]), (2.5, *answers[1])], 1.0)
+    assert [t for t, _ in series] == [1.0, 3.0]
+    assert series[0][1]["local_pool"] == pytest.approx(64 / 150) and series[1][1]["disk"] == 0.16
+
+
+def test_a_reused_prefix_is_told_by_source_in_vllms_names() -> None:
+    from kvshare.client.types import hit_source
+    from kvshare.engines.worker import _by_source
+
+    assert [hit_source(t, tier) for t, tier in [("gpu", "gpu"), ("nixl", "disk"),
+            ("objstore", "host"), ("shm", "disk"), ("shm", "host"), ("local", "host")]] == [
+        "device", "p2p", "p2p", "disk", "host", "host"]
+    # the engine reused 40 of the 48 tokens loaded: the last block counts only its first 8
+    assert _by_source(["host", "host", "p2p"], 16, 40) == {"host": 32, "p2p": 8}
+    assert _by_source(["disk"], 16, 0) == {}

@@ -239,3 +239,29 @@ def test_a_gateway_on_the_index_replica_routes_as_one_on_the_index(env: Env) -> 
             (r0, e0), (r1, e1) = ranked[0][w], ranked[1][w]
             assert r0 == r1 and e0 == pytest.approx(e1, rel=0.02, abs=2e-4), (w, ranked)
         assert decided[0] == decided[1], (decided, ranked)  # a near-tie too: the reader wins
+
+
+def test_kvshare_bench_reads_the_hit_rate_per_tier_from_the_workers_answers(
+        env: Env, tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    """Reference workers export no vLLM counters: ``kvshare bench`` through the gateway takes
+    each answer's ``kvshare.tokens_by_source`` instead (row 2 reuses row 1's 3 blocks)."""
+    import json
+
+    from kvshare.cli import main
+
+    trace = tmp_path / "trace.jsonl"
+    rows = [{"timestamp": 0, "input_length": 4 * BLOCK, "output_length": 2, "hash_ids": [1, 2, 3, 4]},
+            {"timestamp": 3000, "input_length": 4 * BLOCK, "output_length": 2,
+             "hash_ids": [1, 2, 3, 5]}]
+    trace.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    rc = main(["bench", "--url", env.url(), "--trace", str(trace), "--block-tokens", str(BLOCK),
+               "--vocab", "500", "--json", "--metrics-interval", "0.5"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    run = json.loads(out.strip().splitlines()[-1])["runs"][0]
+    assert run["kind"] == "gateway" and run["requests"]["completed"] == 2, run
+    assert run["hit_rate_from"] == ["usage"], run
+    tiers = run["hit_rate_by_tier"]
+    reused = tiers["local_pool"] + tiers["remote_pool"]  # whichever worker the router chose
+    assert reused == pytest.approx(3 * BLOCK / (8 * BLOCK), abs=0.01), tiers
+    assert tiers["computed"] == pytest.approx(1 - reused, abs=1e-3)
