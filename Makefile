@@ -108,7 +108,7 @@ $(SGLANG_STAMP): $(STAMP)
 	  + '/kvshare_base_venv.pth', 'w').write('import site; site.addsitedir(%r)\n' \
 	  % '$(abspath $(VENV))/lib/python3.11/site-packages')"
 	$(SGLANG_VENV)/bin/python -m pip install --quiet --no-deps "sglang==0.5.23"
-	$(SGLANG_VENV)/bin/python -m pip install --quiet orjson IPython gguf "torch==2.14.1" \
+	$(SGLANG_VENV)/bin/python -m pip install --quiet orjson IPython gguf soundfile==0.13.1 "torch==2.14.1" \
 	  "torchvision==0.29.1"
 	$(SGLANG_VENV)/bin/python -c "import sglang.srt.mem_cache.pool_host.mha, kvshare.sglang.pages"
 	touch $(SGLANG_STAMP)

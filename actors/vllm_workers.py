@@ -93,20 +93,22 @@ def start_workers(model: str, nodes: Sequence[str], *, namespace: str, block_tok
     return list(ray.get([a.info.remote() for a in actors]))
 
 
-def _named(ray_namespace: str) -> list[Any]:
+def named_actors(ray_namespace: str, prefix: str = PREFIX) -> list[Any]:
+    """The live actors of ``ray_namespace`` whose names start with ``prefix``."""
     names = ray.util.list_named_actors(all_namespaces=True)
     return [ray.get_actor(e["name"], namespace=ray_namespace) for e in names
-            if e.get("namespace") == ray_namespace and str(e.get("name", "")).startswith(PREFIX)]
+            if e.get("namespace") == ray_namespace and str(e.get("name", "")).startswith(prefix)]
 
 
-def list_workers(ray_namespace: str = RAY_NAMESPACE) -> list[dict[str, Any]]:
+def list_workers(ray_namespace: str = RAY_NAMESPACE, prefix: str = PREFIX) -> list[dict[str, Any]]:
     return [dict(ray.get(a.info.remote(), timeout=30), **ray.get(a.stats.remote(), timeout=30))
-            for a in _named(ray_namespace)]
+            for a in named_actors(ray_namespace, prefix)]
 
 
-def stop_workers(ray_namespace: str = RAY_NAMESPACE) -> int:
-    """Stop every vLLM worker of the deployment; returns how many."""
-    actors = _named(ray_namespace)
+def stop_workers(ray_namespace: str = RAY_NAMESPACE, prefix: str = PREFIX) -> int:
+    """Stop every vLLM worker of the deployment (``prefix``: another engine's workers);
+    returns how many."""
+    actors = named_actors(ray_namespace, prefix)
     for a in actors:
         try:
             ray.get(a.stop.remote(), timeout=60)
@@ -117,7 +119,7 @@ def stop_workers(ray_namespace: str = RAY_NAMESPACE) -> int:
 
 
 # ---------------------------------------------------------------------- CLI
-def _nodes(spec: str) -> list[str]:
+def alive_nodes(spec: str) -> list[str]:
     nodes = ray.nodes()  # type: ignore[no-untyped-call]
     alive = [n["NodeID"] for n in nodes if n.get("Alive") and n["Resources"].get("CPU", 0) > 0]
     if spec == "all":
@@ -129,8 +131,9 @@ def _nodes(spec: str) -> list[str]:
     return chosen
 
 
-def _json_object(text: str) -> dict[str, Any]:
-    """``--connector-settings``: a JSON object, or an error naming what to fix."""
+def json_object_arg(text: str) -> dict[str, Any]:
+    """``--connector-settings`` (and other JSON-object options): a JSON object, or an error
+    naming what to fix."""
     try:
         value = json.loads(text)
     except ValueError as exc:
@@ -145,7 +148,7 @@ def _cmd(args: argparse.Namespace) -> int:
 
     _connect(args.address, args.ray_namespace, start=False)
     if args.vllm_cmd == "start":
-        infos = start_workers(args.model, _nodes(args.nodes), namespace=args.namespace,
+        infos = start_workers(args.model, alive_nodes(args.nodes), namespace=args.namespace,
                               block_tokens=args.block_tokens, page_tokens=args.block_size,
                               kv_cache_gb=args.kv_cache_gb, max_model_len=args.max_model_len,
                               connector=args.connector, dtype=args.dtype,
@@ -179,7 +182,7 @@ def register(sub: Any) -> None:
                          "bfloat16 on CPUs without AVX512-BF16 or AMX, which emulate bfloat16")
     st.add_argument("--connector", action="store_true",
                     help="load/store KV through the kvshare connector (kvshare.vllm.connector)")
-    st.add_argument("--connector-settings", type=_json_object, default={},
+    st.add_argument("--connector-settings", type=json_object_arg, default={},
                     help='more kv_connector_extra_config keys as JSON, e.g. \'{"sync_save_mib": 0}\' '
                          "(kvshare.vllm.connector.config lists them)")
     vs.add_parser("list", help="the running vLLM workers and their event counters")

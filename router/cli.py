@@ -117,10 +117,11 @@ def register(subparsers: Any) -> None:
     gw.add_argument("--engine-config", default=None,
                     help="JSON of kvshare.engines.hf.EngineConfig fields (e.g. '{}'): tokenize and "
                     "hash exactly like the reference workers (identity, layout, tokenizer)")
-    gw.add_argument("--vllm-model", default=None,
-                    help="the local model directory the vLLM workers serve (kvshare vllm start):"
-                    " tokenize with its tokenizer and chat template, hash with its identity")
-    gw.add_argument("--dtype", default="", help="with --vllm-model: the dtype vLLM serves in")
+    gw.add_argument("--vllm-model", "--sglang-model", dest="vllm_model", default=None,
+                    help="the local model directory the vLLM or SGLang workers serve (kvshare "
+                    "vllm|sglang start): tokenize with its tokenizer and chat template, hash "
+                    "with its identity (SGLang: --block-tokens is its --page-size)")
+    gw.add_argument("--dtype", default="", help="with --vllm-model: the dtype the engine serves in")
     gw.add_argument("--bandwidth", default="",
                     help="GB/s per transport for the cost model, e.g. shm=20,nixl=8,disk=3 (the "
                     "same syntax as KVSHARE_BANDWIDTH_GBPS); with --address these override what "

@@ -14,6 +14,10 @@
   ``kv_transfer_params`` (:mod:`kvshare.vllm.router_hint`: how much of the prompt the cluster
   held when it was routed, and which pools held it), so the engine's connector plans its load
   from the router's index answer and does not ask the index again.
+- SGLang servers (``engine == "sglang"``, registered by :mod:`kvshare.sglang.worker`): the
+  same, less ``kv_transfer_params`` (SGLang has no such field; its kvshare storage backend
+  asks the index itself): completions carry the token ids as ``prompt``, chat requests their
+  ``messages`` (SGLang renders them with the same chat template), the salt as ``cache_salt``.
 """
 
 from __future__ import annotations
@@ -26,9 +30,17 @@ from kvshare.router.core.policy import Ranking
 from kvshare.vllm import router_hint
 from kvshare.workers import WorkerInfo
 
+ENGINES = ("vllm", "sglang")
+"""Registered ``engine`` values of OpenAI servers that take their own fields (not kvshare's)."""
+
 
 def is_vllm(info: WorkerInfo | None) -> bool:
     return info is not None and info.meta.get("engine") == "vllm"
+
+
+def is_engine(info: WorkerInfo | None) -> bool:
+    """An engine's own OpenAI server (vLLM, SGLang), not a kvshare worker."""
+    return info is not None and info.meta.get("engine") in ENGINES
 
 
 def forward_body(body: Mapping[str, Any], routed: Routed, info: WorkerInfo | None,
@@ -39,7 +51,7 @@ def forward_body(body: Mapping[str, Any], routed: Routed, info: WorkerInfo | Non
     # the salt is the tenant's, the KV connector's parameters and the deadline the gateway's
     out = {k: v for k, v in body.items()
            if k not in ("kvshare", "cache_salt", "kv_transfer_params", "deadline_s")}
-    if not is_vllm(info):
+    if not is_engine(info):
         kv = routed.kvshare_field()
         if deadline_s is not None:
             kv["deadline_s"] = round(max(deadline_s, 0.001), 3)
@@ -48,6 +60,10 @@ def forward_body(body: Mapping[str, Any], routed: Routed, info: WorkerInfo | Non
     out["model"] = info.meta.get("model", out.get("model"))
     if routed.tenant.salt:
         out["cache_salt"] = routed.tenant.salt
+    if not is_vllm(info):  # SGLang: no kv_transfer_params
+        if not chat:
+            out["prompt"] = routed.token_list()
+        return out
     params: dict[str, Any] = {}
     hint = vllm_hint(routed.ranking, routed.block_tokens) if routed.ranking is not None else None
     if hint is not None:

@@ -28,7 +28,7 @@ from kvshare.router.gateway import stream_resume, timing, upstream
 from kvshare.router.gateway.admin_routes import checked_body, json_object
 from kvshare.router.gateway.admission import Admission, AdmissionConfig
 from kvshare.router.gateway.errors import Errors
-from kvshare.router.gateway.forward import forward_body, is_vllm
+from kvshare.router.gateway.forward import forward_body, is_engine
 from kvshare.router.gateway.limits import Limits
 from kvshare.router.gateway.relay import StreamRelay
 from kvshare.router.gateway.requests import ChatRequest, CompletionRequest
@@ -257,7 +257,7 @@ class Gateway:
         relayed by a :class:`StreamRelay`, which takes over ``slot``."""
         stages = timing.stream_stages(answer.routed.timings, first_s)
         headers["x-kvshare-breakdown"] = timing.header(stages)
-        vllm = is_vllm(answer.routed.info)
+        vllm = is_engine(answer.routed.info)
         if vllm:  # no worker stages will come: what the gateway saw is the whole breakdown
             timing.observe(self.metrics.ttft_stages, stages)
         relay = StreamRelay(self.router, self.http, out, answer, slot, stages=stages, vllm=vllm,

@@ -34,9 +34,10 @@ from kvshare.hashing import tokens_to_u32le
 from kvshare.types import BlockHash, Tier
 from kvshare.vllm.events.wire import PagesRemoved, PagesStored, VllmHash
 
-MEDIUM_TIERS: dict[str, Tier] = {"GPU": Tier.GPU, "CPU": Tier.HOST, "STORAGE": Tier.DISK,
-                                 "DISK": Tier.DISK}
-"""vLLM ``medium`` -> the worker's kvshare tier (vLLM's CPU offload is the host tier)."""
+MEDIUM_TIERS: dict[str, Tier] = {"GPU": Tier.GPU, "CPU": Tier.HOST, "CPU_PINNED": Tier.HOST,
+                                 "STORAGE": Tier.DISK, "DISK": Tier.DISK}
+"""vLLM's (and SGLang's) ``medium`` -> the worker's kvshare tier (vLLM's CPU offload and
+SGLang's HiCache host pool, ``CPU_PINNED``, are the host tier)."""
 
 Change = tuple[BlockHash, Tier | None, Tier | None]
 """A share block's best tier at this worker went from ``old`` to ``new`` (None = absent)."""

@@ -17,9 +17,32 @@ import sys
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, Protocol
 
 import httpx
+
+
+class ServerSpec(Protocol):
+    """What :class:`VllmProcess` needs of a server's spec (:class:`VllmSpec`, and
+    ``kvshare.sglang.launch.SglangSpec`` for SGLang)."""
+
+    @property
+    def port(self) -> int: ...
+
+    @property
+    def events_dir(self) -> str: ...
+
+    @property
+    def cpus(self) -> tuple[int, ...]: ...
+
+    def on_this_node(self) -> Any: ...
+
+    @property
+    def endpoint(self) -> str: ...
+
+    def argv(self) -> list[str]: ...
+
+    def environ(self) -> dict[str, str]: ...
 
 
 @dataclass(frozen=True)
@@ -108,11 +131,16 @@ class VllmSpec:
 
 
 class VllmProcess:
-    """A running vLLM server (its own process group)."""
+    """A running OpenAI server of an engine (its own process group); ``engine`` names it in
+    messages and its log file."""
 
-    def __init__(self, spec: VllmSpec, log_path: str | None = None) -> None:
-        self.spec = spec = spec.on_this_node()
-        self.log_path = log_path or os.path.join(spec.events_dir, f"vllm-{spec.port}.log")
+    engine = "vLLM"
+
+    def __init__(self, spec: ServerSpec, log_path: str | None = None) -> None:
+        self.spec: ServerSpec = spec.on_this_node()
+        spec = self.spec
+        self.log_path = log_path or os.path.join(spec.events_dir,
+                                                 f"{self.engine.lower()}-{spec.port}.log")
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> VllmProcess:
@@ -135,14 +163,14 @@ class VllmProcess:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"vLLM exited with {self.proc.returncode}:\n{self.log_tail()}")
+                raise RuntimeError(f"{self.engine} exited with {self.proc.returncode}:\n{self.log_tail()}")
             try:
                 if httpx.get(f"{self.spec.endpoint}/health", timeout=2).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass
             time.sleep(0.5)
-        raise RuntimeError(f"vLLM not ready after {timeout_s:.0f} s:\n{self.log_tail()}")
+        raise RuntimeError(f"{self.engine} not ready after {timeout_s:.0f} s:\n{self.log_tail()}")
 
     def log_tail(self, n: int = 4000, cause: int = 3000) -> str:
         """The log's last ``n`` bytes, preceded by up to ``cause`` bytes from its first

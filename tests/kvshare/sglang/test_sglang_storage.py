@@ -154,3 +154,43 @@ def test_an_unknown_namespace_or_another_page_size_fails_the_attach(env: dict[st
         storage(env["model"], namespace="nope").register_mem_pool_host(host_pool())
     with pytest.raises(ValueError, match="block-tokens 32"):
         storage(env["model"]).register_mem_pool_host(host_pool(page=32))
+
+
+def test_no_ray_address_outside_ray_fails_the_attach_naming_the_setting(
+        env: dict[str, Any]) -> None:
+    """A server process outside Ray with no ``ray_address`` (and no ``$RAY_ADDRESS``) stops at
+    the attach, naming the key to set (in a process of its own: this one is inside Ray)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    here = Path(__file__).resolve()
+    code = ("from test_sglang_storage import host_pool, storage\n"
+            "try:\n"
+            f"    storage({env['model']!r}).register_mem_pool_host(host_pool())\n"
+            "except ValueError as e:\n    print(e)\n")
+    run_env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    run_env["PYTHONPATH"] = os.pathsep.join(map(str, (here.parent, here.parents[2],
+                                                      here.parents[3])))
+    out = subprocess.run([sys.executable, "-c", code], env=run_env, capture_output=True,
+                         text=True, timeout=180)
+    assert 'set "ray_address" in --hicache-storage-backend-extra-config' in out.stdout, \
+        out.stdout + out.stderr
+
+
+def test_the_index_down_makes_every_page_a_counted_miss(env: dict[str, Any]) -> None:
+    """Last in this module: the index actor is killed. Lookups and loads become misses
+    (SGLang recomputes), counted by cause, never an error."""
+    import ray
+
+    from kvshare.discovery import index_name
+
+    a, _ = attached(env, "node_0")
+    keys = [f"{os.getpid():x}-down-{i}" for i in range(2)]
+    assert a.batch_set_v1(keys, indices([1, 2])) == [True, True]
+    assert a.batch_exists(keys) == 2
+    ray.kill(ray.get_actor(index_name(0), namespace="kvshare-test"), no_restart=True)
+    assert a.batch_exists(keys) == 0
+    assert a.batch_get_v1(keys, indices([3, 4])) == [False, False]
+    assert a.client is not None and a.client.counters["index_unavailable"] >= 2, \
+        a.client.counters

@@ -147,3 +147,19 @@ def test_batches_of_known_events_decode_alike_in_either_encoding_in_any_order() 
     assert [type(e) for e in want] == [PagesStored, PagesRemoved, AllPagesCleared]
     for payload in (as_array, as_map, as_array, as_array, as_map):  # one C call each, whichever first
         assert decode_batch(payload)[1] == want
+
+
+def test_sglangs_events_decode_and_its_host_pool_is_the_host_tier() -> None:
+    """SGLang 0.5.23 publishes vLLM's wire format (tagged maps, ``omit_defaults``: optional
+    fields left out when None) with fields of its own (``cache_salt``, ``session_id``) and its
+    HiCache host pool as medium ``CPU_PINNED``."""
+    sb = tracker()
+    page = {"type": "BlockStored", "block_hashes": [40, 41, 42, 43], "parent_block_hash": None,
+            "token_ids": TOKENS[:4 * PAGE], "block_size": PAGE, "lora_id": None,
+            "medium": "CPU_PINNED", "session_id": "s"}
+    payload = msgspec.msgpack.encode([2.0, [page], 0])
+    (plain,) = block_hashes(root(""), TOKENS[:4 * PAGE], BLOCK)
+    apply(sb, payload)
+    assert sb.inventory() == {plain: Tier.HOST}
+    apply(sb, msgspec.msgpack.encode([3.0, [{**page, "medium": "GPU"}], 0]))
+    assert sb.inventory() == {plain: Tier.GPU}

@@ -89,3 +89,16 @@ def test_packed_token_ids_reach_a_worker_as_a_json_list_of_ints() -> None:
             out = json.loads(json.dumps(forward_body({"prompt": "x"}, r, info, chat=chat)))
             assert out == json.loads(json.dumps(forward_body({"prompt": "x"}, routed(), info,
                                                              chat=chat)))
+
+
+SGLANG = WorkerInfo(WorkerId("s0"), NodeId("n0"), ("ns",), "http://127.0.0.1:3", 1, "",
+                    {"engine": "sglang", "model": "/models/tiny"})
+
+
+def test_sglang_gets_token_ids_and_the_salt_but_no_vllm_parameters() -> None:
+    out = forward_body({"model": "tiny", "prompt": "hello", "kv_transfer_params": {"x": 1}},
+                       routed("s1"), SGLANG, chat=False)
+    assert out == {"model": "/models/tiny", "prompt": IDS, "cache_salt": "s1"}
+    msgs = [{"role": "user", "content": "hi"}]
+    chat = forward_body({"model": "tiny", "messages": msgs}, routed(), SGLANG, chat=True)
+    assert chat == {"model": "/models/tiny", "messages": msgs}
