@@ -97,8 +97,9 @@ gpu-wheels: $(STAMP)
 # it lives in $(SGLANG_VENV): layered over .venv like .venv-bench (kvshare, Ray, NIXL come from
 # .venv), adding SGLang without its CUDA kernel packages plus the few modules its HiCache and
 # memory-pool imports need, and torch 2.14.1 (its CUDA build runs on CPU; ~5 GB with its
-# libraries). test-sglang runs SGLang's HiCacheStorage contract suite there; .ci/run runs it
-# after `make test`.
+# libraries). test-sglang runs SGLang's HiCacheStorage contract suite and real SGLang servers
+# (with the test-only CPU provisions of tests/kvshare/sglang/cpu_provisions) there; .ci/run
+# runs it after `make test`.
 SGLANG_VENV := .venv-sglang
 SGLANG_STAMP := $(SGLANG_VENV)/.installed
 
@@ -111,6 +112,9 @@ $(SGLANG_STAMP): $(STAMP)
 	$(SGLANG_VENV)/bin/python -m pip install --quiet orjson IPython gguf soundfile==0.13.1 "torch==2.14.1" \
 	  "torchvision==0.29.1"
 	$(SGLANG_VENV)/bin/python -c "import sglang.srt.mem_cache.pool_host.mha, kvshare.sglang.pages"
+	# SGLang builds its HiCache page-hash extension (C++, ninja) at first use: once, here
+	$(SGLANG_VENV)/bin/python -c "from sglang.srt.mem_cache.cpp_utils.native_hash import \
+	  _load_native_hash_module as build; build()"
 	touch $(SGLANG_STAMP)
 
 sglang-install: $(SGLANG_STAMP)

@@ -94,6 +94,7 @@ def main() -> int:
 
     import ray
     from conftest import start_cluster, stop_cluster
+    from sglang.srt.mem_cache.cpp_utils.native_hash import _load_native_hash_module
 
     from kvshare.actors.deploy import deploy, shutdown
     from kvshare.actors.sglang_workers import PREFIX as ACTORS
@@ -103,6 +104,7 @@ def main() -> int:
     from kvshare.sglang.launch import SglangProcess, SglangSpec, only_models
     from kvshare.testing.tiny_model import TinyModelSpec, build_tiny_llama
 
+    _load_native_hash_module()  # built once here: servers starting together race on it
     tmp = tempfile.mkdtemp(prefix="kvs-sglang-ttft-")
     model = build_tiny_llama(os.path.join(tmp, "tiny"), TinyModelSpec(num_layers=args.layers))
     env = {"PYTHONPATH": os.pathsep.join(p for p in (args.provisions, str(ROOT),

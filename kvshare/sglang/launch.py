@@ -141,6 +141,8 @@ def only_models(*modules: str) -> dict[str, str]:
 
 class SglangProcess(VllmProcess):
     """A running SGLang server (its own process group: the HTTP server, its scheduler and
-    detokenizer processes)."""
+    detokenizer processes); it is sent SIGTERM when the process that started it dies (a worker
+    actor killed by Ray), and SGLang then ends its own processes."""
 
     engine = "SGLang"
+    die_with_parent = True

@@ -135,6 +135,9 @@ class VllmProcess:
     messages and its log file."""
 
     engine = "vLLM"
+    die_with_parent = False
+    """Whether the server gets SIGTERM when the process that started it dies (Linux), so a
+    killed worker actor leaves no server behind."""
 
     def __init__(self, spec: ServerSpec, log_path: str | None = None) -> None:
         self.spec: ServerSpec = spec.on_this_node()
@@ -151,7 +154,9 @@ class VllmProcess:
         os.makedirs(self.spec.events_dir, exist_ok=True)
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(self.spec.argv(), env=self.spec.environ(), stdout=log,
-                                         stderr=subprocess.STDOUT, start_new_session=True)
+                                         stderr=subprocess.STDOUT, start_new_session=True,
+                                         preexec_fn=_term_with_parent if self.die_with_parent
+                                         else None)
         if self.spec.cpus:  # before the server spawns its EngineCore: children inherit it
             os.sched_setaffinity(self.proc.pid, self.spec.cpus)
         return self
@@ -215,6 +220,16 @@ class VllmProcess:
             os.killpg(self.proc.pid, sig)
         except ProcessLookupError:
             pass
+
+
+def _term_with_parent() -> None:
+    """In the child before exec: SIGTERM when the parent dies (``PR_SET_PDEATHSIG``)."""
+    import ctypes
+
+    try:
+        ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG = 1
+    except (OSError, AttributeError):
+        pass  # not Linux: the caller stops the server itself
 
 
 def reset_prefix_cache(endpoint: str, timeout_s: float = 60.0, every_s: float = 0.1) -> bool:

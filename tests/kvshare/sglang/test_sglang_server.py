@@ -106,6 +106,7 @@ def started_cluster(attempts: int = 3) -> Any:
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     import ray
+    from sglang.srt.mem_cache.cpp_utils.native_hash import _load_native_hash_module
 
     from kvshare.actors.deploy import deploy, get_index_client, shutdown
     from kvshare.actors.sglang_workers import PREFIX as ACTORS
@@ -113,6 +114,9 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     from kvshare.actors.vllm_workers import stop_workers
 
     t0 = time.monotonic()
+    # SGLang builds its page-hash C++ extension at first use; servers starting together race
+    # on the build (one fails, and its storage queries with it): build it here, once
+    _load_native_hash_module()
     tmp = tmp_path_factory.mktemp("sglang")
     model = build_tiny_llama(str(tmp / "tiny"), SPEC)
     log = str(tmp / "standin-calls.log")
