@@ -113,7 +113,15 @@ def main() -> int:
     flags = ("--hicache-storage-prefetch-policy", "wait_complete")
     common: dict[str, Any] = {"page_size": args.page_size, "cpu": args.cpu,
                               "max_total_tokens": args.max_total_tokens}
-    cluster = start_cluster(num_workers=2, object_store_mb=300)
+    for attempt in range(3):  # a raylet can miss Ray's fixed 30 s start deadline on a loaded host
+        try:
+            cluster = start_cluster(num_workers=2, object_store_mb=300)
+            break
+        except Exception:
+            if attempt == 2:
+                raise
+            ray.shutdown()
+            time.sleep(5)
     file_dir = os.path.join(tmp, "file-tier")
     peer = SglangProcess(SglangSpec(model, storage="file", extra_args=flags, events_dir=tmp,
                                     env={**env, "SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR": file_dir},
