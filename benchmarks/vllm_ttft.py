@@ -21,7 +21,9 @@ vLLM's own prefix cache does not hold the prefix, except ``vllm_prefix_s``:
 - ``kvshare_remote_s``: a fresh engine on the other node, the prefix only in node 1's pool;
 - ``lmcache_s``: LMCache 0.5.6's multi-process server (``lmcache server``) with
   ``LMCacheMPConnector``, after ``reset_prefix_cache``: ``benchmarks/lmcache_leg.py``, run in
-  ``.venv-bench`` (``make bench-install``) as a subprocess of this run, same model and prompts.
+  ``.venv-bench`` (``make bench-install``) as a subprocess of this run, same model and prompts,
+  at the kvshare engines' niceness (Ray runs its workers, the engines here, at nice 15: on a
+  loaded machine a nice-0 peer would get a larger share of the CPUs; ``engine_niceness``).
 
 Ratios: ``speedup_local = cold_s / kvshare_local_s``, ``vs_lmcache = lmcache_s /
 kvshare_local_s``, ``local_vs_vllm_prefix = kvshare_local_s / vllm_prefix_s``,
@@ -32,7 +34,8 @@ pages; ~0 when the copy is straight), ``load_reported_s`` (load started -> vLLM 
 done: for a synchronous load, the load itself inside the step; for an asynchronous one, plus
 the idle steps until it is noticed), the rest (scheduling + the suffix's compute), how many
 engine steps the request took (``load_polls`` of them spent polling an asynchronous load) and
-``sync_loads``. Medians over ``--repeats``. Last line: one JSON object.
+``sync_loads``. Medians over ``--repeats`` (the loads and LMCache's: ``--repeats`` x
+``--loads``, each after ``reset_prefix_cache``). Last line: one JSON object.
 """
 
 from __future__ import annotations
@@ -112,17 +115,25 @@ def reset(actor: Any) -> None:
         raise RuntimeError("reset_prefix_cache failed")
 
 
+def niceness(actor: Any) -> int:
+    """The scheduling niceness of an engine actor's process (Ray starts workers at 15)."""
+    return os.getpriority(os.PRIO_PROCESS, int(ray.get(actor.ready.remote())["pid"]))
+
+
 def lmcache_leg(python: str, model: str, max_len: int, warm: list[int],
-                prompts: list[tuple[list[int], list[int], list[int]]], page: int = 32
-                ) -> dict[str, Any]:
-    """Run ``benchmarks/lmcache_leg.py`` with ``python`` (the bench venv); its JSON result."""
+                prompts: list[tuple[list[int], list[int], list[int]]], page: int = 32,
+                nice: int = 0, loads: int = 1) -> dict[str, Any]:
+    """Run ``benchmarks/lmcache_leg.py`` with ``python`` (the bench venv) at niceness ``nice``
+    (the kvshare engines' own: on a loaded machine a niced engine gets a smaller share of the
+    CPUs, so both peers must run at the same one); its JSON result."""
     if not os.path.exists(python):
         raise RuntimeError(f"{python} not found: run make bench-install")
-    job = {"model": model, "max_len": max_len, "chunk": BLOCK, "warm": warm, "page": page,
+    job = {"model": model, "max_len": max_len, "chunk": BLOCK, "warm": warm, "page": page, "loads": loads,
            "prompts": [list(p) for p in prompts]}
     leg = os.path.join(os.path.dirname(os.path.abspath(__file__)), "lmcache_leg.py")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_", "RAY_ADDRESS"))}
     proc = subprocess.run([python, leg], input=json.dumps(job), capture_output=True, text=True,
+                          preexec_fn=lambda: os.setpriority(os.PRIO_PROCESS, 0, nice),
                           env=env, timeout=1200)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("lmcache_s ")]
     for ln in lines:
@@ -142,6 +153,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokens", type=int, default=8192, help="shared prefix tokens")
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--loads", type=int, default=1,
+                    help="kvshare local and remote loads timed per prefix (each after a reset)")
     ap.add_argument("--warm-tokens", type=int, default=0,
                     help="tokens of the warm-up prompt (default: --tokens)")
     ap.add_argument("--model-kind", choices=sorted(PAGE), default="llama",
@@ -175,6 +188,7 @@ def main() -> None:
         warm = tokens(args.warm_tokens or n, 7)
 
         plain = engine(model, "node_0", None, max_len, {}, page)
+        engine_nice = niceness(plain)
         ttft(plain, warm)
         for prefix, s1, s2 in prompts:
             add("cold_s", ttft(plain, prefix + s1)[0])
@@ -189,11 +203,11 @@ def main() -> None:
         reset(a)
         ttft(a, warm)
         ttft(b, warm)
-        for prefix, s1, s2 in prompts:
-            add("cold_connector_s", ttft(a, prefix + s1)[0])
-            reset(a)
+
+        def local_load(prompt: list[int]) -> None:
+            """Time ``prompt`` on engine a (its prefix in this node's pool) and split it."""
             before = ray.get(a.counters.remote())
-            t, cached = ttft(a, prefix + s2)
+            t, cached = ttft(a, prompt)
             after = ray.get(a.counters.remote())
             add("kvshare_local_s", t)
             lookup = delta(after, before, "lookup_seconds")
@@ -209,15 +223,23 @@ def main() -> None:
                          ("sync_loads", delta(after, before, "sync_loads")),
                          ("loaded_tokens", cached)):
                 split.setdefault(k, []).append(v)
-            t, cached = ttft(b, prefix + s1)
-            add("kvshare_remote_s", t)
+
+        for prefix, s1, s2 in prompts:
+            add("cold_connector_s", ttft(a, prefix + s1)[0])
+            for _ in range(args.loads):
+                reset(a)
+                local_load(prefix + s2)
+                reset(b)
+                t, cached = ttft(b, prefix + s1)
+                add("kvshare_remote_s", t)
         remote = ray.get(b.counters.remote())
         ray.kill(a)
         ray.kill(b)
 
         if not args.no_lmcache:  # in .venv-bench (LMCache pins an older numpy), same run
             try:
-                leg = lmcache_leg(args.lmcache_python, model, max_len, warm, prompts, page)
+                leg = lmcache_leg(args.lmcache_python, model, max_len, warm, prompts, page,
+                                  engine_nice, args.loads)
                 res["lmcache_s"] = list(leg["lmcache_s"])
                 lmcache_cached = list(leg["cached_tokens"])
             except Exception as exc:  # the peer failed to run: say so, keep our figures
@@ -243,6 +265,7 @@ def main() -> None:
         out["lmcache_cached_tokens"] = min(lmcache_cached)
     if lmcache_error:
         out["lmcache_error"] = lmcache_error
+    out["engine_niceness"] = engine_nice
     out["load_avg_1m"] = round(os.getloadavg()[0], 1)
     print(json.dumps(out))
 
