@@ -40,7 +40,7 @@ class VllmKeys:
     @classmethod
     def from_model(cls, model_dir: str, block_tokens: int, dtype: str = "") -> VllmKeys:
         """Keys of the model in ``model_dir`` served in ``dtype`` (default: its config's);
-        ValueError for attention kinds the vLLM side does not share yet (MLA)."""
+        ValueError for attention kinds the vLLM side does not share yet (:func:`refuse_kind`)."""
         with open(os.path.join(model_dir, "config.json")) as f:
             cfg = json.load(f)
         dt = normalize_dtype(dtype or str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"))
