@@ -51,7 +51,7 @@ class VllmSpec:
     ``""``, ``0``, ``""`` mean "chosen on the node that runs it" (:meth:`on_this_node`: the
     node's address, a port free there, a new directory there); :class:`VllmProcess` resolves
     them where it starts, so a driver never picks them for another host.
-    ``kv_cache_gb``: ``VLLM_CPU_KVCACHE_SPACE``; ``num_blocks``: cap on vLLM's KV pages
+    ``kv_cache_gb``: ``VLLM_CPU_KVCACHE_SPACE`` (whole GiB); ``num_blocks``: cap on vLLM's KV pages
     (``--num-gpu-blocks-override``, small values force evictions); ``kv_transfer_config``:
     the KV connector's ``--kv-transfer-config`` (None: no connector); ``cpus``: the CPU cores
     the server (API process and EngineCore) runs on, one OpenMP thread per core (empty: any
@@ -75,6 +75,9 @@ class VllmSpec:
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.block_size % 32:
             raise ValueError(f"block_size must be a multiple of 32 on vLLM-CPU, got {self.block_size}")
+        if not (self.kv_cache_gb >= 1 and float(self.kv_cache_gb).is_integer()):
+            raise ValueError(f"kv_cache_gb must be a whole number of GiB >= 1 (vLLM-CPU reads "
+                             f"VLLM_CPU_KVCACHE_SPACE as an integer), got {self.kv_cache_gb}")
         if any(c < 0 for c in self.cpus):
             raise ValueError(f"cpus must be core numbers >= 0, got {self.cpus}")
         if not os.path.isdir(self.model):

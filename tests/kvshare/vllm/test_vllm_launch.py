@@ -52,6 +52,8 @@ def test_a_pinned_server_and_its_children_run_on_its_cores_one_thread_each(tmp_p
 def test_cores_that_do_not_exist_are_refused_before_anything_starts(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="cpus must be core numbers"):
         ReportingSpec(model=str(tmp_path), port=1, events_dir=str(tmp_path), cpus=(-1,))
+    with pytest.raises(ValueError, match="kv_cache_gb must be a whole number of GiB"):
+        ReportingSpec(model=str(tmp_path), kv_cache_gb=0.25)  # vLLM-CPU would fail to start
     missing = max(os.sched_getaffinity(0)) + 1000
     proc = VllmProcess(ReportingSpec(model=str(tmp_path), port=1, events_dir=str(tmp_path),
                                      cpus=(missing,)))
