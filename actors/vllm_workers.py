@@ -71,6 +71,7 @@ def start_workers(model: str, nodes: Sequence[str], *, namespace: str, block_tok
     any worker starts."""
     if cpus and len(cpus) != len(nodes):
         raise ValueError(f"cpus: one core set per node, got {len(cpus)} for {len(nodes)} nodes")
+    check_model_on_nodes(os.path.abspath(model), nodes)
     actors = []
     for i, node in enumerate(nodes):
         # Address, port (unless base_port) and events dir are chosen by the worker on its node.
@@ -91,6 +92,30 @@ def start_workers(model: str, nodes: Sequence[str], *, namespace: str, block_tok
         stop_workers(ray_namespace)
         raise
     return list(ray.get([a.info.remote() for a in actors]))
+
+
+def _model_here(model: str) -> tuple[bool, str, str]:
+    """On a node: whether ``model`` is a model directory there, the hostname, the node IP."""
+    import socket
+
+    ok = os.path.isfile(os.path.join(model, "config.json")) and os.access(model, os.R_OK)
+    return ok, socket.gethostname(), ray.util.get_node_ip_address()  # type: ignore[no-untyped-call]
+
+
+def check_model_on_nodes(model: str, nodes: Sequence[str], timeout_s: float = 60.0) -> None:
+    """ValueError naming every node of ``nodes`` on which ``model`` (an absolute path) is not a
+    readable model directory: each vLLM server reads the model on its own node, so the path
+    must be one every node can read (a shared filesystem, or the same copy on each node)."""
+    probe = ray.remote(num_cpus=0)(_model_here)
+    refs = [probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n, soft=False))
+            .remote(model) for n in nodes]
+    missing = [f"{node} ({ip}, host {host})"
+               for node, (ok, host, ip) in zip(nodes, ray.get(refs, timeout=timeout_s),
+                                               strict=True) if not ok]
+    if missing:
+        raise ValueError(f"model {model!r} is not a readable model directory (no config.json) on "
+                         f"node(s) {', '.join(missing)}: give a path every node can read (a "
+                         "shared filesystem, or the same copy on each node)")
 
 
 def named_actors(ray_namespace: str, prefix: str = PREFIX) -> list[Any]:
