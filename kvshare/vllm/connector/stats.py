@@ -9,6 +9,9 @@ server's ``/metrics``, next to vLLM's own:
   pages, per transport (``shm`` from this node's pool, ``nixl`` / ``objstore`` from another
   node's);
 - ``vllm:kvshare_stored_bytes_total``: KV bytes it saved to this node's pool;
+- ``vllm:kvshare_load_failed_blocks_total``: share blocks a load planned that did not arrive
+  (their holder's host cut off or gone, or too slow for ``load_deadline_s``): vLLM recomputed
+  them;
 - ``vllm:kvshare_load_seconds_total{where}`` and ``vllm:kvshare_loads_total{where}``: how long
   requests waited for their loads (submitted until vLLM was told they are done) and how
   many, ``where`` = ``local`` (this node's pool) or ``remote`` (a block from another node):
@@ -80,7 +83,7 @@ WAITS = ("local", "remote")
 LOAD_TRANSFER = "load_seconds"
 """The worker side's seconds spent in loads themselves (fetch and copy)."""
 _WAIT_KEYS = tuple(f"{p}{w}" for w in WAITS
-                   for p in ("load_reported_seconds_", "loads_")) + (LOAD_TRANSFER,)
+                   for p in ("load_reported_seconds_", "loads_")) + (LOAD_TRANSFER, "failed_blocks")
 LOOKUP_KEYS = (LOOKUP_WAIT, LOOKUPS_ANSWERED, "lookup_seconds", "lookups", "lookups_abandoned",
                "lookups_skipped", "lookups_skipped_router", "router_hints_malformed",
                "router_hints_expired", "router_hints_mismatched", "lookups_from_router",
@@ -177,6 +180,9 @@ class KVSharePromMetrics(KVConnectorPromMetrics):
             "load_seconds", "Seconds requests waited for kvshare loads, from this node's pool "
             "(local) or with blocks from another node (remote).", "where")
         self.loads = counter("loads", "kvshare loads completed, local or remote.", "where")
+        self.load_failed = counter(
+            "load_failed_blocks", "Share blocks kvshare loads planned that did not arrive (their "
+            "source gone or too slow for the load deadline): vLLM recomputed them.")
         self.load_transfer = counter(
             "load_transfer_seconds", "Seconds kvshare loads spent fetching and copying (the "
             "rest of load_seconds: the engine steps until vLLM learnt they were done).")
@@ -256,6 +262,8 @@ class KVSharePromMetrics(KVConnectorPromMetrics):
                 self.load_stage.labels(*labels, key.removeprefix(LOAD_STAGE)).inc(value)
             elif key.startswith("load_reported_seconds_"):
                 self.load_seconds.labels(*labels, key.rsplit("_", 1)[1]).inc(value)
+            elif key == "failed_blocks":
+                self.load_failed.labels(*labels).inc(value)
             elif key.startswith("loads_"):
                 self.loads.labels(*labels, key.removeprefix("loads_")).inc(value)
             elif key == LOOKUP_KEYS[0]:

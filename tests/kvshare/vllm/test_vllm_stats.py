@@ -87,12 +87,12 @@ def test_load_waits_become_counters_a_load_report_reads() -> None:
     worker = {"load_reported_seconds": 9.0, "load_reported_seconds_remote": 3.0,
               "loads_remote": 2, "load_reported_seconds_local": 0.5, "loads_local": 5,
               "load_polls": 40, "load_seconds": 1.25, "load_stage_seconds_shm": 0.75,
-              "load_stage_seconds_copy": 0.5}
+              "load_stage_seconds_copy": 0.5, "failed_blocks": 3, "load_errors": 1}
     waits = wait_counters(worker)
     assert waits == {"load_reported_seconds_remote": 3.0, "loads_remote": 2.0,
                      "load_reported_seconds_local": 0.5, "loads_local": 5.0,
                      "load_seconds": 1.25, "load_stage_seconds_shm": 0.75,
-                     "load_stage_seconds_copy": 0.5}
+                     "load_stage_seconds_copy": 0.5, "failed_blocks": 3.0}
     load = MetricsLoad(WorkerId("w"), "http://127.0.0.1:1")
     try:
         load.from_metrics(parse_metrics(generate_latest(registry).decode()), 0.0)
@@ -103,6 +103,8 @@ def test_load_waits_become_counters_a_load_report_reads() -> None:
     assert report.remote_load_s == 1.5 and report.local_load_s == 0.1
     text = generate_latest(registry).decode()  # the loads' own part of their waits
     assert 'vllm:kvshare_load_transfer_seconds_total{engine="0",model_name="tiny"} 1.25' in text
+    # blocks planned that never arrived (vLLM recomputed them)
+    assert 'vllm:kvshare_load_failed_blocks_total{engine="0",model_name="tiny"} 3.0' in text
     for stage, value in (("shm", 0.75), ("copy", 0.5)):
         assert (f'vllm:kvshare_load_stage_seconds_total{{engine="0",model_name="tiny",'
                 f'stage="{stage}"}} {value}' in text)
