@@ -4,7 +4,10 @@
 every failure is retried on another worker (routed again, excluding those tried; the cache is
 advisory, so the other worker recomputes and answers the same): a refused or dropped
 connection (the worker is marked down), a worker that died before answering or before its
-first streamed chunk, a 5xx, and a 429 (its queue is full). At most ``max_tries`` workers are
+first streamed chunk, a 5xx, a 429 (its queue is full), and a worker whose registration
+lapsed while the gateway waited for its answer (``lapsed``: its host's link is down or its
+node died, so nothing would come back before the request's deadline; the routers' worker list,
+checked every :data:`LAPSE_CHECK_S`, no longer has it). At most ``max_tries`` workers are
 tried. A request a fault displaced (its worker died or failed) is not bounced when the workers
 left are full: it waits for a queue slot on them (backing off up to their ``Retry-After``,
 within its deadline), as it would have waited in the dead worker's queue. What comes back is
@@ -20,7 +23,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 from starlette.responses import StreamingResponse
@@ -31,6 +34,8 @@ from kvshare.types import WorkerId
 
 DEADLINE_GRACE_S = 2.0  # the worker ends at the deadline itself; the gateway waits this longer
 FIRST_WAIT_S = 0.05  # a displaced request's first wait for a full worker; it doubles up to Retry-After
+T = TypeVar("T")
+LAPSE_CHECK_S = 0.25  # how often a request waiting for a worker checks it is still registered
 
 
 @dataclass
@@ -85,7 +90,8 @@ async def send(http: httpx.AsyncClient, router: CacheAwareRouter, routed: Routed
             return Failure(504, "the request's deadline passed before a worker answered",
                            "deadline_exceeded", tried=tuple(tried))
         try:
-            outcome = await _try(http, routed, out, left)
+            outcome = (await unless_lapsed(router, d.worker, _try(http, routed, out, left))
+                       or ("lapsed", 0))
         except BaseException:  # cancelled (the client went away): not in flight any more
             router.finished(routed.request_id)
             raise
@@ -133,6 +139,28 @@ async def send(http: httpx.AsyncClient, router: CacheAwareRouter, routed: Routed
                            tuple(tried))
         return Failure(502, f"no worker could answer (tried {sorted(set(tried))}, last: {last})",
                        "worker_unreachable", tried=tuple(tried))
+
+
+async def unless_lapsed(router: CacheAwareRouter, worker: WorkerId,
+                        answer: Awaitable[T]) -> T | None:
+    """``answer``, or None (``answer`` cancelled) once ``worker`` is no longer among the
+    router's workers: its lease lapsed while its answer was awaited (its host cut off or
+    dead, so the answer would come late or never)."""
+    task = asyncio.ensure_future(answer)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=LAPSE_CHECK_S)
+            if done:
+                return task.result()
+            infos, _ = await router.workers.snapshot()
+            if infos and all(i.worker_id != worker for i in infos):
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)  # (its response closed)
+                return None
+    finally:
+        if not task.done():  # this request was cancelled (the client went away)
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
 
 
 async def _try(http: httpx.AsyncClient, routed: Routed, out: Outgoing,
