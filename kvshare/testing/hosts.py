@@ -14,7 +14,8 @@ so killing the anchor kills every process of the host (the kernel does it).
 Ray's head runs in the root namespace on the bridge address: a driver needs a raylet with
 its own IP, and the driver stays in the root namespace, so the head is its node (``num_cpus``
 0: no work lands there). One Ray node per host joins it over the bridge with
-``--node-ip-address`` the host's address and a custom resource ``{host.name: 1}``. The head
+``--node-ip-address`` the host's address and custom resources ``{host.name: 1,
+HOST_RESOURCE: 1}``. The head
 has its own PID namespace too (an anchor without a network namespace), so teardown is "kill
 the anchors" for every Ray process the harness started and for nothing else.
 
@@ -53,6 +54,10 @@ MAX_SLOTS = 16
 TOOLS = ("ip", "tc", "unshare", "nsenter")
 _PR_SET_PDEATHSIG = 1
 HOST_AGENT_PORTS = (52011, 52012, 52013, 52014)
+NODE_START_TRIES = 3
+HOST_RESOURCE = "kvs-host"
+"""A custom resource every host's Ray node has one of: ``{HOST_RESOURCE: 1}`` places one of
+something (a Serve replica) per host, never on the head."""
 # Ray's temp dir inside every host: short, as Ray's unix sockets live under it (AF_UNIX paths
 # are at most 107 bytes; a pytest tmp path plus Ray's session name is ~150). Each host
 # bind-mounts its own ``run_dir/h<i>/ray`` there, so the logs stay readable from outside.
@@ -423,33 +428,48 @@ class EmulatedHosts:
             p = subprocess.Popen([*self._nsenter(self.head_anchor, net=False), *head],
                                  env=self.env(), stdout=log, stderr=subprocess.STDOUT)
         self._procs.append(p)
-        for h in self.hosts:
-            node = [self._ray(), "start", f"--address={self.ray_address}",
-                    f"--node-ip-address={h.ip}", f"--num-cpus={self.num_cpus}",
-                    *_agent_ports(HOST_AGENT_PORTS),  # the host's own network: always free
-                    f"--resources={json.dumps({h.name: 1})}",
-                    f"--temp-dir={HOST_RAY_DIR}", *common]
-            with open(h.run_dir / "ray-start.log", "wb") as hlog:
-                self.popen(h, node, stdout=hlog, stderr=subprocess.STDOUT)
-        self._wait_ray_nodes()
+        nodes = {h.ip: self._start_node(h, common) for h in self.hosts}
+        self._wait_ray_nodes(p, nodes, common)
 
-    def _wait_ray_nodes(self) -> None:
-        """Block until the head and every host's node are alive in the GCS."""
+    def _start_node(self, h: Host, common: Sequence[str]) -> subprocess.Popen[bytes]:
+        """``ray start`` on ``h``, joining the head (its log appended to ``ray-start.log``)."""
+        node = [self._ray(), "start", f"--address={self.ray_address}",
+                f"--node-ip-address={h.ip}", f"--num-cpus={self.num_cpus}",
+                *_agent_ports(HOST_AGENT_PORTS),  # the host's own network: always free
+                f"--resources={json.dumps({h.name: 1, HOST_RESOURCE: 1})}",
+                f"--temp-dir={HOST_RAY_DIR}", *common]
+        with open(h.run_dir / "ray-start.log", "ab") as hlog:
+            return self.popen(h, node, stdout=hlog, stderr=subprocess.STDOUT)
+
+    def _wait_ray_nodes(self, head: subprocess.Popen[bytes],
+                        nodes: dict[str, subprocess.Popen[bytes]], common: Sequence[str]) -> None:
+        """Block until the head and every host's node are alive in the GCS. A host's ``ray
+        start`` that gives up before its node joined (Ray waits 30 s for it, which a loaded
+        machine can exceed) is started again, at most :data:`NODE_START_TRIES` times."""
         from ray._raylet import GcsClient  # type: ignore[attr-defined]
 
         deadline = time.monotonic() + self.start_timeout_s
         want = {self.bridge_ip, *(h.ip for h in self.hosts)}
         seen: set[str] = set()
+        tries = dict.fromkeys(nodes, 1)
         gcs: Any = None
         while time.monotonic() < deadline:
-            for p in self._procs:
-                if p.poll() is not None:
-                    raise RuntimeError(f"a Ray node exited: {p.args!r}; "
-                                       f"logs in {self.run_dir}")
+            for h in self.hosts:
+                if nodes[h.ip].poll() is not None and h.ip not in seen:
+                    if tries[h.ip] >= NODE_START_TRIES:
+                        raise RuntimeError(f"the Ray node of {h.name} exited {tries[h.ip]} "
+                                           f"times while starting; logs in {h.run_dir}")
+                    tries[h.ip] += 1
+                    nodes[h.ip] = self._start_node(h, common)
+            if head.poll() is not None:
+                raise RuntimeError(f"Ray's head exited: {head.args!r}; logs in {self.run_dir}")
             if gcs is None and _accepts(self.ray_address):
                 gcs = GcsClient(address=self.ray_address)
             if gcs is not None:
-                infos = gcs.get_all_node_info(timeout=5).values()
+                try:
+                    infos = gcs.get_all_node_info(timeout=5).values()
+                except Exception:  # (a GCS still starting, or overloaded: asked again)
+                    infos = []
                 seen = {i.node_manager_address for i in infos if i.state == 0}  # 0: ALIVE
                 if want <= seen:
                     return
