@@ -25,8 +25,8 @@ pytest.importorskip("vllm")
 from http_helpers import wait_idle  # noqa: E402
 from vllm_helpers import DTYPE, tiny_model, wait_for  # noqa: E402
 
+from benchmarks.vllm_hosts import VllmHostsStack, vllm_hosts_stack  # noqa: E402
 from kvshare.testing.hosts import requires_root  # noqa: E402
-from kvshare.testing.vllm_hosts import VllmHostsStack, vllm_hosts_stack  # noqa: E402
 from kvshare.types import Tier  # noqa: E402
 
 pytestmark = [pytest.mark.hosts, pytest.mark.slow, requires_root()]

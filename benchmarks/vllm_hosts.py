@@ -1,5 +1,7 @@
-"""vLLM workers on emulated hosts behind a gateway: the stack cross-host tests and
-``benchmarks/partition.py`` share (root only, like :mod:`kvshare.testing.hosts`).
+"""vLLM workers on emulated hosts behind a gateway: the stack ``benchmarks/partition.py`` and
+the cross-host vLLM tests (``tests/kvshare/vllm/test_vllm_hosts.py``) share (root only, like
+:mod:`kvshare.testing.hosts`). It composes the whole stack (actors, router), so it lives here,
+not in ``kvshare.testing``, which the library's layering keeps below them.
 
 :func:`vllm_hosts_stack` starts N emulated hosts with Ray, deploys kvshare (index and watcher
 on the head, in the root namespace; one pool per host), starts one vLLM-CPU server with the
