@@ -4,6 +4,12 @@ One batch per (holder, transport), all in flight at once; a holder whose NIXL ag
 is asked again over the object store (it always works). Per block the answer is ``""`` or a
 miss reason; a holder that died is looked up again on the next load. Every batch is timed
 into the worker's :class:`~kvshare.transfer.estimate.BandwidthEstimator` and counted.
+
+A holder on another node none of whose blocks in a batch arrived because it was unreachable or
+too slow (``source_dead``, ``deadline``: its host cut off, its node dead) is *backed off* for
+:data:`BACKOFF_S`: meanwhile :meth:`BlockFetcher.reachable` says no, plans leave it out
+(``KVShareClient`` plans around it) and a batch for it misses at once instead of waiting out
+the deadline again. A holder that was only slow is asked again when the back-off ends.
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ from collections.abc import Callable
 import numpy as np
 
 from kvshare.client.types import TRANSPORT_NIXL, TRANSPORT_SHM, Plan
-from kvshare.transfer.base import HOLDER_DEAD, NIXL_UNAVAILABLE, Transfer, Transport
+from kvshare.transfer.base import DEADLINE, HOLDER_DEAD, NIXL_UNAVAILABLE, Transfer, Transport
 from kvshare.transfer.estimate import BandwidthEstimator
 from kvshare.transfer.reader.objstore import ObjStoreTransport
 from kvshare.transfer.reader.shm import KnownSlots, ShmTransport, SlotCopy
@@ -25,6 +31,10 @@ log = logging.getLogger(__name__)
 
 Count = Callable[[str, float], None]
 """``(counter, amount)``: the worker's counters."""
+BACKOFF_S = 10.0
+"""Seconds a remote holder that could not be reached (or not within the deadline) is left out
+of plans and loads."""
+UNREACHABLE = frozenset({HOLDER_DEAD, DEADLINE})
 
 
 def start_nixl(namespace: str, worker_id: str) -> tuple[Transport | None, str]:
@@ -65,6 +75,18 @@ class BlockFetcher:
         self.deadline_s = deadline_s
         self._count = count
         self._controls: dict[str, BlockControl] = {}
+        self._backoff: dict[str, float] = {}  # location -> time.monotonic() it ends
+
+    def reachable(self, location: str) -> bool:
+        """False while ``location`` (``node:<id>``) is backed off (module docstring)."""
+        until = self._backoff.get(location)
+        return until is None or time.monotonic() >= until
+
+    def _back_off(self, location: str) -> None:
+        self._backoff[location] = time.monotonic() + BACKOFF_S
+        self._count("holders_backed_off", 1)
+        log.warning("kvshare: holder %s unreachable, left out of loads for %.0f s", location,
+                    BACKOFF_S)
 
     def control(self, node_id: str) -> BlockControl | None:
         """The node's pool control (cached); None (not cached) when it cannot be found."""
@@ -100,7 +122,7 @@ class BlockFetcher:
         retry: list[tuple[str, list[int]]] = []
         for (loc, transport), idx in groups.items():
             node = loc.removeprefix("node:")
-            control = self.control(node)
+            control = self.control(node) if self.reachable(loc) else None
             if control is None:
                 for i in idx:
                     reasons[i] = HOLDER_DEAD
@@ -126,6 +148,8 @@ class BlockFetcher:
                 retry.append((plan.blocks[idx[0]].location, idx))
             if all(reasons[i] == HOLDER_DEAD for i in idx):  # look the pool up again next time
                 self._controls.pop(plan.blocks[idx[0]].location.removeprefix("node:"), None)
+            if tr is not self.shm and all(reasons[i] in UNREACHABLE for i in idx):
+                self._back_off(loc)
         for loc, idx in retry:  # the holder has no NIXL agent: the object store always works
             control = self.control(loc.removeprefix("node:"))
             if control is None:

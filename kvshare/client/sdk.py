@@ -282,13 +282,15 @@ class KVShareClient:
                     tuple(blocks[:cut]), f"cut {cut}/{len(blocks)}")
 
     def _best_holder(self, holders: dict[Any, Tier]) -> tuple[str, Tier, str] | None:
-        """This node's pool first, then the remote pool with the fastest tier."""
+        """This node's pool first, then the remote pool with the fastest tier (a holder the
+        fetcher backed off, unreachable of late, is left out)."""
         own = holders.get(self.location)
         if own is not None and own != Tier.GPU:
             return str(self.location), own, TRANSPORT_SHM
         remote = sorted(
             (t.rank, str(loc)) for loc, t in holders.items()
             if str(loc).startswith("node:") and t != Tier.GPU
+            and self.fetcher.reachable(str(loc))
         )
         if not remote:
             return None
