@@ -172,6 +172,10 @@ class EmulatedHosts:
         self._timers: list[threading.Timer] = []
         self._closed = False
         self._old_sigterm: Any = None
+        self._head: subprocess.Popen[bytes] | None = None  # ray start --head
+        self._nodes: dict[str, subprocess.Popen[bytes]] = {}  # each host's ray start, by IP
+        self._common: Sequence[str] = ()  # the flags every ray start takes
+        self._head_argv: list[str] = []
 
     # ---------------------------------------------------------------- lifecycle
     def __enter__(self) -> EmulatedHosts:
@@ -424,12 +428,32 @@ class EmulatedHosts:
                 *_agent_ports([_free_port(self.bridge_ip) for _ in range(4)]),
                 f"--port={port}", f"--dashboard-port={_free_port(self.bridge_ip)}",
                 "--num-cpus=0", "--include-dashboard=false", f"--temp-dir={head_ray}", *common]
-        with open(head_dir / "ray-start.log", "wb") as log:
-            p = subprocess.Popen([*self._nsenter(self.head_anchor, net=False), *head],
-                                 env=self.env(), stdout=log, stderr=subprocess.STDOUT)
+        self._head_argv = [*self._nsenter(self.head_anchor, net=False), *head]
+        self._head = self._start_head()
+        self._common = common
+        self._nodes = {h.ip: self._start_node(h, common) for h in self.hosts}
+        self._wait_ray_nodes()
+
+    def _start_head(self) -> subprocess.Popen[bytes]:
+        """``ray start --head`` (its log appended to ``head/ray-start.log``)."""
+        with open(self.run_dir / "head" / "ray-start.log", "ab") as log:
+            p = subprocess.Popen(self._head_argv, env=self.env(), stdout=log,
+                                 stderr=subprocess.STDOUT)
         self._procs.append(p)
-        nodes = {h.ip: self._start_node(h, common) for h in self.hosts}
-        self._wait_ray_nodes(p, nodes, common)
+        return p
+
+    def restart_ray_node(self, host: Host) -> None:
+        """Reboot ``host``: end every process on it (its PID namespace: Ray, and what its
+        actors started, e.g. vLLM servers in their own sessions), then start its Ray node
+        again and wait until it is alive (a new node id). What a host whose node Ray declared
+        dead needs (a partition longer than the node-death timeout ends its raylet when the
+        link returns, and leaves its actors' servers behind)."""
+        if self._head is None:
+            raise ValueError("start the hosts with ray=True to restart a host's Ray node")
+        _kill_namespace(host.anchor)
+        self._nodes[host.ip].wait(timeout=30)
+        self._nodes[host.ip] = self._start_node(host, self._common)
+        self._wait_ray_nodes()
 
     def _start_node(self, h: Host, common: Sequence[str]) -> subprocess.Popen[bytes]:
         """``ray start`` on ``h``, joining the head (its log appended to ``ray-start.log``)."""
@@ -441,28 +465,33 @@ class EmulatedHosts:
         with open(h.run_dir / "ray-start.log", "ab") as hlog:
             return self.popen(h, node, stdout=hlog, stderr=subprocess.STDOUT)
 
-    def _wait_ray_nodes(self, head: subprocess.Popen[bytes],
-                        nodes: dict[str, subprocess.Popen[bytes]], common: Sequence[str]) -> None:
-        """Block until the head and every host's node are alive in the GCS. A host's ``ray
-        start`` that gives up before its node joined (Ray waits 30 s for it, which a loaded
-        machine can exceed) is started again, at most :data:`NODE_START_TRIES` times."""
+    def _wait_ray_nodes(self) -> None:
+        """Block until the head and every host's node are alive in the GCS. A ``ray start``
+        that gives up before its node joined (Ray waits 30 s for it, which a loaded machine
+        can exceed) is started again, at most :data:`NODE_START_TRIES` times each."""
         from ray._raylet import GcsClient  # type: ignore[attr-defined]
 
         deadline = time.monotonic() + self.start_timeout_s
         want = {self.bridge_ip, *(h.ip for h in self.hosts)}
         seen: set[str] = set()
-        tries = dict.fromkeys(nodes, 1)
+        tries = dict.fromkeys(want, 1)
         gcs: Any = None
         while time.monotonic() < deadline:
-            for h in self.hosts:
-                if nodes[h.ip].poll() is not None and h.ip not in seen:
-                    if tries[h.ip] >= NODE_START_TRIES:
-                        raise RuntimeError(f"the Ray node of {h.name} exited {tries[h.ip]} "
-                                           f"times while starting; logs in {h.run_dir}")
-                    tries[h.ip] += 1
-                    nodes[h.ip] = self._start_node(h, common)
-            if head.poll() is not None:
-                raise RuntimeError(f"Ray's head exited: {head.args!r}; logs in {self.run_dir}")
+            procs = {self.bridge_ip: self._head, **self._nodes}
+            for ip, proc in procs.items():
+                if proc is None or proc.poll() is None or ip in seen:
+                    continue
+                if tries[ip] >= NODE_START_TRIES:
+                    raise RuntimeError(f"the Ray node on {ip} exited {tries[ip]} times while "
+                                       f"starting; logs in {self.run_dir}")
+                tries[ip] += 1
+                if ip == self.bridge_ip:  # what the failed start left (its GCS holds the port)
+                    _kill_namespace(self.head_anchor)
+                    self._head, gcs = self._start_head(), None
+                else:
+                    host = next(h for h in self.hosts if h.ip == ip)
+                    _kill_namespace(host.anchor)
+                    self._nodes[ip] = self._start_node(host, self._common)
             if gcs is None and _accepts(self.ray_address):
                 gcs = GcsClient(address=self.ray_address)
             if gcs is not None:
@@ -529,6 +558,23 @@ def _clean_slot(slot: int) -> None:
             name = parts[1].strip().split("@")[0]
             if name.startswith(prefix) or name == f"kvs-br{slot}":
                 _sh("ip", "link", "del", name, check=False)
+
+
+def _kill_namespace(anchor: int) -> None:
+    """SIGKILL every process in the PID namespace whose init is ``anchor`` (not ``anchor``):
+    the harness's own namespaces, so only processes it started there."""
+    try:
+        ns = os.readlink(f"/proc/{anchor}/ns/pid")
+    except OSError:
+        return
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == anchor:
+            continue
+        try:
+            if os.readlink(entry / "ns" / "pid") == ns:
+                os.kill(int(entry.name), signal.SIGKILL)
+        except OSError:  # (gone meanwhile)
+            continue
 
 
 def _is_anchor(pid: int) -> bool:

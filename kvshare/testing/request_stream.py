@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -165,17 +165,19 @@ def decisions(router: Any) -> list[tuple[float, str]]:
 def summary(outcomes: Sequence[Outcome], expected: Sequence[str], *, deadline_s: float,
             cut_at: float, up_at: float, cut_worker: str, lapsed_at: float | None,
             listed_again_at: float | None, routed: Sequence[tuple[float, str]],
-            settle_s: float = 1.0) -> dict[str, Any]:
+            settle_s: float = 1.0, served_again_by: Collection[str] = ()) -> dict[str, Any]:
     """The counts a partition is judged by. ``routed_to_cut_while_lapsed``: decisions for
     ``cut_worker`` from ``settle_s`` after its lease lapsed (the routers' worker lists refresh
     at their own pace) until it was listed again; ``recover_s``: from the link's return to the
-    end of the first answer ``cut_worker`` gave to a request sent after that."""
+    end of the first answer ``cut_worker`` (or one of ``served_again_by``: its replacement)
+    gave to a request sent after that."""
     ok = [o for o in outcomes if o.status == 200]
     wrong = [o for o in ok if o.text != expected[o.prompt]]
     until = listed_again_at if listed_again_at is not None else float("inf")
     bad_routes = ([t for t, w in routed if w == cut_worker and lapsed_at + settle_s <= t < until]
                   if lapsed_at is not None else [])
-    served_again = [o.end for o in ok if o.worker == cut_worker and o.start >= up_at]
+    back = {cut_worker, *served_again_by}
+    served_again = [o.end for o in ok if o.worker in back and o.start >= up_at]
     during = [o for o in outcomes if o.start < up_at and o.end > cut_at]
     return {
         "requests": len(outcomes),
