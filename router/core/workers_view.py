@@ -92,33 +92,43 @@ class IndexWorkers:
         self._empty_since: float | None = None  # the first empty listing after some workers
         self._at = -1e18
         self._cache: tuple[list[WorkerInfo], dict[WorkerId, WorkerLoad]] = ([], {})
+        self._refreshing: asyncio.Future[None] | None = None
 
     def report(self, load: WorkerLoad) -> None:
         """Ignored: the loads are the ones the workers report to the index."""
 
     async def snapshot(self) -> tuple[list[WorkerInfo], dict[WorkerId, WorkerLoad]]:
-        now = time.monotonic()
-        if now - self._at >= self.refresh_s:
-            try:
-                # both at once: a refresh waits for one index round trip, not two
-                infos, loads = await asyncio.gather(self.client.workers_async(),
-                                                    self.client.loads_async())
-            except Exception as exc:  # the index is a hint: keep the workers we knew
-                self._at = now
-                self.failures += 1
-                log.warning("index did not list workers (%s): keeping the last %d",
-                            type(exc).__name__, len(self._cache[0]))
-                return self._cache
-            self._at = now
-            if infos:
-                self._empty_since = None
-            elif self._cache[0]:
-                if self._empty_since is None:
-                    self._empty_since = now
-                if now - self._empty_since < self.empty_grace_s:
-                    return self._cache
-            self._cache = (list(infos), dict(loads))
+        """The cached workers and loads, refreshed first when older than ``refresh_s``; callers
+        that arrive while a refresh runs wait for that one (one index round trip for all:
+        every request waiting on a worker checks it is still listed, ``upstream.unless_lapsed``)."""
+        if time.monotonic() - self._at >= self.refresh_s:
+            task = self._refreshing
+            if task is None or task.done() or task.get_loop() is not asyncio.get_running_loop():
+                task = self._refreshing = asyncio.ensure_future(self._refresh())
+            await asyncio.shield(task)
         return self._cache
+
+    async def _refresh(self) -> None:
+        now = time.monotonic()
+        try:
+            # both at once: a refresh waits for one index round trip, not two
+            infos, loads = await asyncio.gather(self.client.workers_async(),
+                                                self.client.loads_async())
+        except Exception as exc:  # the index is a hint: keep the workers we knew
+            self._at = now
+            self.failures += 1
+            log.warning("index did not list workers (%s): keeping the last %d",
+                        type(exc).__name__, len(self._cache[0]))
+            return
+        self._at = now
+        if infos:
+            self._empty_since = None
+        elif self._cache[0]:
+            if self._empty_since is None:
+                self._empty_since = now
+            if now - self._empty_since < self.empty_grace_s:
+                return
+        self._cache = (list(infos), dict(loads))
 
 
 class InFlight:

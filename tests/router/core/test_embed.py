@@ -7,6 +7,7 @@ import asyncio
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import replace
+from typing import Any
 
 import pytest
 from conftest import wait_dead
@@ -273,3 +274,28 @@ def test_an_index_that_lists_no_workers_is_believed_only_after_the_grace_from_it
     assert run(view.snapshot())[0] == []
     with pytest.raises(NoEligibleWorker, match="no worker serves namespace"):
         run(r.route(prompt=PROMPT))
+
+
+def test_callers_arriving_during_a_refresh_share_it() -> None:
+    """Every request waiting on a worker checks the list (upstream.unless_lapsed): a stale
+    list is fetched once for all of them, not once each."""
+    info = WorkerInfo(WorkerId("w0"), NodeId("n0"), (NS,), "http://w0")
+    calls: list[int] = []
+
+    class SlowIndex:
+        async def workers_async(self) -> list[WorkerInfo]:
+            calls.append(1)
+            await asyncio.sleep(0.05)
+            return [info]
+
+        async def loads_async(self) -> dict[WorkerId, Any]:
+            return {}
+
+    view = IndexWorkers(SlowIndex(), refresh_s=0.0)
+
+    async def many() -> list[Any]:
+        return await asyncio.gather(*(view.snapshot() for _ in range(50)))
+
+    assert all(got[0] == [info] for got in asyncio.run(many())) and len(calls) == 1
+    asyncio.run(view.snapshot())  # a new loop (the old one's refresh is done): fetched again
+    assert len(calls) == 2
