@@ -22,10 +22,17 @@
 
 Exits non-zero if no prefix was reused. About 2-3 minutes on 2 CPU cores.
 ``make demo-reference`` is the same job on the reference transformers workers.
+
+``python examples/demo.py --hosts [--link 1gbit]`` (root) runs the same job on two emulated
+hosts instead (:class:`kvshare.testing.hosts.EmulatedHosts`: each its own network namespace,
+address, ``/dev/shm`` and hostname on a private bridge), host 1's link shaped to ``--link``:
+the other node's blocks really cross a link, over NIXL/UCX TCP, and the pools' probes, the
+cost model and the live page see that link's own figures.
 """
 
 from __future__ import annotations
 
+import argparse
 import logging
 import math
 import os
@@ -54,10 +61,11 @@ def start_workers(model: str) -> list[dict[str, Any]]:
 
     from kvshare.actors.vllm_workers import start_workers as start_vllm
 
-    nodes = sorted((n["NodeID"], next(k for k in n["Resources"] if k.startswith("node_")))
-                   for n in ray.nodes()
-                   if n["Alive"] and any(k.startswith("node_") for k in n["Resources"]))
-    infos = start_vllm(model, [n for n, _ in sorted(nodes, key=lambda x: x[1])],
+    def name(n: dict[str, Any]) -> str:  # node_0.. (local cluster) or kvs-h0.. (hosts)
+        return next((k for k in n["Resources"] if k.startswith(("node_", "kvs-h"))), "")
+
+    nodes = sorted((name(n), n["NodeID"]) for n in ray.nodes() if n["Alive"] and name(n))
+    infos = start_vllm(model, [n for _, n in nodes],
                        namespace=NAMESPACE, block_tokens=BLOCK, kv_cache_gb=1.0,
                        max_model_len=4096, connector=True, dtype=DTYPE)
     for info in infos:
@@ -67,7 +75,7 @@ def start_workers(model: str) -> list[dict[str, Any]]:
 
 def start_gateway(model: str) -> tuple[str, Any]:
     from kvshare.actors.admin import ClusterAdmin
-    from kvshare.actors.deploy import get_index_client, measured_bandwidths
+    from kvshare.actors.deploy import get_index_client, measured_bandwidths, measured_links
     from kvshare.cost import Bandwidths
     from kvshare.router.core.embed import CacheAwareRouter, RouterConfig
     from kvshare.router.core.workers_view import IndexWorkers
@@ -78,11 +86,14 @@ def start_gateway(model: str) -> tuple[str, Any]:
     keys = VllmKeys.from_model(model, BLOCK, DTYPE)  # what the workers' blocks are keyed by
     index = get_index_client()
     measured = measured_bandwidths(wait_s=20.0)  # bytes/s the pools probed at start
+    links = measured_links()  # and per link: what a pull from one node to another costs
     print("  measured bandwidths (GB/s): "
           + ", ".join(f"{k}={v / 1e9:.2f}" for k, v in sorted(measured.items())))
-    cfg = RouterConfig.from_model_keys(keys, namespace=NAMESPACE, policy="cost",
-                                       prefill_tokens_per_s=4000.0,
-                                       bandwidths=Bandwidths.from_measured(measured))
+    for holder, reader, bps in links.pairs:
+        print(f"  link {holder[:8]} -> {reader[:8]}: {bps / 1e9:.3f} GB/s")
+    cfg = RouterConfig.from_model_keys(
+        keys, namespace=NAMESPACE, policy="cost", prefill_tokens_per_s=4000.0,
+        bandwidths=Bandwidths.from_measured(measured, Bandwidths(links=links)))
     router = CacheAwareRouter(index, IndexWorkers(index), cfg, HFTokenizer(model))
     return serve_gateway(create_app(router, admin=ClusterAdmin()))  # admin: the live page
 
@@ -171,7 +182,20 @@ def report(turns: list[demo_common.Turn], counters: dict[str, float],
                                      "kvshare demo (vLLM workers): time to first token per request")
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="kvshare end to end on vLLM-CPU workers")
+    ap.add_argument("--hosts", action="store_true",
+                    help="two emulated hosts with a shaped link instead of one (root only)")
+    ap.add_argument("--link", default="1gbit",
+                    help="with --hosts: host 1's link rate (tc tbf, e.g. 300mbit, 1gbit)")
+    args = ap.parse_args(argv)
+    if args.hosts:
+        from kvshare.testing.hosts import root_missing_reason
+
+        if (why := root_missing_reason()) is not None:
+            print(f"error: --hosts: {why}; run `make demo` for the one-host demo",
+                  file=sys.stderr)
+            return 2
     logging.basicConfig(level=logging.WARNING)
     from kvshare.actors.deploy import deploy, status
     from kvshare.actors.vllm_workers import stop_workers
@@ -181,11 +205,17 @@ def main() -> int:
     t0 = time.monotonic()
     model = timed(f"tiny Llama (24M parameters, bf16 weights, served in {DTYPE}) ready",
                   lambda: os.path.abspath(build_tiny_llama(MODEL_DIR)))
-    print("starting a local Ray cluster with 2 emulated nodes ...", flush=True)
-    with demo_common.cluster() as cluster:
+    if args.hosts:
+        print("starting 2 emulated hosts with a Ray node each ...", flush=True)
+        where = demo_common.hosts_cluster(args.link)
+    else:
+        print("starting a local Ray cluster with 2 emulated nodes ...", flush=True)
+        where = demo_common.cluster()
+    with where as cluster:
         try:
             layout = VllmKeys.from_model(model, BLOCK, DTYPE).layout  # 4 MiB per 256-token block
-            deploy(cluster.address, namespace=NAMESPACE, layout=layout, host_gb=0.25,
+            address = cluster.ray_address if args.hosts else cluster.address
+            deploy(address, namespace=NAMESPACE, layout=layout, host_gb=0.25,
                    disk_gb=0.5, disk_dir=tempfile.mkdtemp(prefix="kvshare-demo-disk-"))
             print("kvshare deployed; starting a vLLM-CPU worker per node (connector on) ...",
                   flush=True)

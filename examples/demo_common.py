@@ -7,12 +7,13 @@ transformers workers, ``make demo-reference``) import it from this folder.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -62,6 +63,28 @@ def cluster() -> Any:
 
     return local_cluster(2, node_cpus=2, ray_namespace="kvshare-demo",
                          temp_prefix="kvshare-demo-ray-")
+
+
+@contextlib.contextmanager
+def hosts_cluster(link: str) -> Iterator[Any]:
+    """Two emulated hosts (:class:`kvshare.testing.hosts.EmulatedHosts`: own network, /dev/shm
+    and hostname each, on a private bridge; root only) with a Ray node each, this process
+    joined; host 1's link shaped to ``link`` (tbf both ways). Yields the harness; its
+    ``ray_address`` is the cluster's."""
+    import ray
+
+    from kvshare.testing.hosts import EmulatedHosts
+
+    with EmulatedHosts(2, ray=True, num_cpus=2, shm_mb=1024, object_store_mb=300,
+                       start_timeout_s=600) as hs:
+        hs.connect_ray("kvshare-demo")
+        hs.shape(hs[1], link)
+        for h in hs.hosts:
+            print(f"  host {h.name} at {h.ip}" + (f", its link shaped to {link}" if h.index else ""))
+        try:
+            yield hs
+        finally:
+            ray.shutdown()
 
 
 def serve_gateway(app: Any) -> tuple[str, Any]:

@@ -375,7 +375,10 @@ class EmulatedHosts:
         path = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH", "")) if p)
         return {**os.environ, **LOCAL_RAY_DEFAULTS, "PYTHONPATH": path,
                 # a multi-node cluster: Ray refuses to join one without it
-                "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1", **self._extra_env}
+                "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1",
+                # every emulated host's memory monitor reads the whole machine's memory, and
+                # would kill this harness's workers for what other programs on it use
+                "RAY_memory_monitor_refresh_ms": "0", **self._extra_env}
 
     def popen(self, host: Host, argv: Sequence[str], **kw: Any) -> subprocess.Popen[bytes]:
         """Start a long-lived process on ``host``; it dies with the host at teardown."""

@@ -101,6 +101,21 @@ def shared_client(settings: ConnectorSettings, keys: ModelKeys) -> Any:
         return client
 
 
+def refresh_bandwidths() -> list[dict[str, Any]]:
+    """Every kvshare client of this process re-reads its node pool's bandwidth figures (after
+    the pool re-probed its peers, e.g. a link changed): per client the remote transport it
+    chose, the bytes/s per transport and per peer its cut now prices with, and the prefill
+    speed its cost cut assumes (0 for another cut)."""
+    out = []
+    for c in list(_CLIENTS.values()):
+        c.choose_remote()
+        model = getattr(getattr(c, "cut_policy", None), "model", None)
+        out.append({"remote": c.remote, "bandwidths": dict(c.bandwidths),
+                    "peer_bandwidths": dict(c.choice.peer_bandwidths),
+                    "prefill_tokens_per_s": model.prefill.tokens_per_s if model else 0.0})
+    return out
+
+
 def process_counters() -> dict[str, float]:
     """Counters of every kvshare client and connector side in this process, summed."""
     out: dict[str, float] = {}

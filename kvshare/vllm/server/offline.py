@@ -107,6 +107,12 @@ class OfflineEngine:
         self.drain()
         return bool(self.llm.reset_prefix_cache())
 
+    def refresh_bandwidths(self) -> list[dict[str, Any]]:
+        """:func:`kvshare.vllm.connector.kv_connector.refresh_bandwidths` in this engine."""
+        from kvshare.vllm.connector.kv_connector import refresh_bandwidths
+
+        return refresh_bandwidths()
+
     def counters(self) -> dict[str, float]:
         from kvshare.vllm.connector.kv_connector import process_counters
 
