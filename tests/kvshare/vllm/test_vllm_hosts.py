@@ -196,12 +196,6 @@ def test_start_names_the_nodes_that_cannot_read_the_model(
     assert len(list_workers(RAY_NS)) == 2  # nothing started, nothing stopped
 
 
-UNSEEN = pytest.mark.xfail(strict=False, reason=(
-    "written 2026-12-06 and not yet seen to pass: the shared machine (load 45-85) could not "
-    "start the two-host stack again after it was added; an XPASS says it does"))
-
-
-@UNSEEN
 def test_serve_router_in_front_of_replicas_on_both_hosts(
         stack: VllmHostsStack) -> None:
     """Ray Serve with kvshare's request router (in this driver, the root namespace) and one
@@ -245,7 +239,6 @@ def test_serve_router_in_front_of_replicas_on_both_hosts(
         serve.shutdown()
 
 
-@UNSEEN
 def test_host_a_cut_off_while_host_b_pulls_its_blocks_is_a_recompute(
         stack: VllmHostsStack) -> None:
     """B's engine loads a prefix only host A's pool holds, over A's link slowed to 2 Mbit/s
