@@ -10,8 +10,7 @@ the client receives, in order:
   (:func:`timing.stream_tail`);
 - past the request's deadline (plus :data:`upstream.DEADLINE_GRACE_S`): what is buffered,
   then ``data: [DONE]``;
-- a worker that fails mid-stream (an ``httpx.HTTPError``, or its registration lapses while
-  the relay waits for its next chunk: :func:`upstream.unless_lapsed`) on a resumable request
+- a worker that fails mid-stream (an ``httpx.HTTPError``) on a resumable request
   (:func:`stream_resume.resumable`) is replaced once: the request is routed again without it
   and the new stream is relayed from where the client is (:class:`stream_resume.Skip`);
 - when it cannot be resumed (sampled, no other worker, a second failure, or
@@ -117,10 +116,7 @@ class StreamRelay:
     async def _next(self) -> bytes:
         """The live stream's next chunk (filtered after a resume); raises
         ``StopAsyncIteration`` at its end, ``httpx.HTTPError`` or :class:`Diverged`."""
-        chunk = await upstream.unless_lapsed(self._router, self.live.decision.worker,
-                                             self.rest.__anext__())
-        if chunk is None:  # its lease lapsed mid-stream: as good as dead (resumed elsewhere)
-            raise httpx.ReadError(f"worker {self.live.decision.worker}'s registration lapsed")
+        chunk = await self.rest.__anext__()
         if self.skip is not None:
             chunk = self.skip.feed(chunk)
         return chunk

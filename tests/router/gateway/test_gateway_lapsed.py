@@ -1,7 +1,8 @@
 """A worker whose registration lapses while the gateway waits on it (its host cut off: the
 connection stays open, nothing comes back) is given up at once, not at the request's
-deadline: a request it never answered goes to another worker, a greedy stream it stopped
-mid-way is resumed on another (router/gateway/upstream.py ``unless_lapsed``)."""
+deadline: a request it never answered goes to another worker (router/gateway/upstream.py
+``unless_lapsed``). A stream it stopped mid-way is not watched for a lapse (that broke freeing
+the worker when a client hangs up); it ends at the request's deadline."""
 
 from __future__ import annotations
 
@@ -96,22 +97,15 @@ def lapse_later(env: dict[str, Any], after_s: float) -> None:
     threading.Thread(target=lapse, daemon=True).start()
 
 
-@pytest.mark.parametrize("stream", [False, True])
-def test_a_worker_whose_lease_lapses_while_awaited_is_replaced(env: dict[str, Any],
-                                                               stream: bool) -> None:
+def test_a_worker_whose_lease_lapses_while_awaited_is_replaced(env: dict[str, Any]) -> None:
     env["workers"].workers = [env["infos"]["cut"]]
     lapse_later(env, 0.5)
     t0 = time.monotonic()
     r = httpx.post(f"{env['url']}/v1/completions", timeout=30,
                    json={"model": NS, "prompt": "a lapse", "max_tokens": 4, "temperature": 0,
-                         "stream": stream, "deadline_s": 20})
+                         "deadline_s": 20})
     took = time.monotonic() - t0
     assert r.status_code == 200, r.text
-    if stream:  # one word from the cut worker, the rest from the other: each word once
-        chunks = [json.loads(e[6:]) for e in r.text.split("\n\n") if e.startswith("data: {")]
-        assert "".join(c["choices"][0]["text"] for c in chunks) == "".join(WORDS)
-        assert r.headers["x-kvshare-worker"] == "cut" and r.text.endswith("data: [DONE]\n\n")
-    else:
-        assert r.json()["choices"][0]["text"] == "".join(WORDS)
-        assert r.headers["x-kvshare-worker"] == "ok" and r.headers["x-kvshare-tries"] == "2"
+    assert r.json()["choices"][0]["text"] == "".join(WORDS)
+    assert r.headers["x-kvshare-worker"] == "ok" and r.headers["x-kvshare-tries"] == "2"
     assert took < 10, took  # given up within a lapse check, not at the 20 s deadline
