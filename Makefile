@@ -69,8 +69,13 @@ lint: $(STAMP)
 	# kvshare/actors and kvshare/router link to the top-level folders: mypy sees one name
 	$(BIN)/mypy kvshare
 
+# Two runs of one suite: the tests without a Ray cluster or emulated hosts on two processes
+# (pytest-xdist, a file per process at a time: module fixtures start once), then the cluster
+# and hosts tests one at a time (they start Ray clusters, vLLM engines and network namespaces,
+# and time what they wait for).
 test: lint browser
-	$(BIN)/python -m pytest -q -p no:cacheprovider
+	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not cluster and not hosts" -n 2 --dist loadfile
+	$(BIN)/python -m pytest -q -p no:cacheprovider -m "cluster or hosts"
 
 # The manual (MkDocs, docs/): regenerate the configuration reference from the settings
 # dataclasses, then build strictly (a broken link or a page missing from the nav fails).

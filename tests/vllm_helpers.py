@@ -55,3 +55,66 @@ def wait_for(what: Callable[[], Any], timeout_s: float = 15.0, every_s: float = 
 def prompt_tokens(seed: int, n: int) -> list[int]:
     """Deterministic token ids (in the tiny vocabulary) distinct per seed."""
     return [(seed * 7919 + i * 31) % 200 + 20 for i in range(n)]
+
+
+class OfflineEngines:
+    """vLLM ``OfflineEngine`` actors by name, each pinned to a test cluster's node (its custom
+    resource ``node_<i>``). :meth:`start` returns at once, so engines that are all needed start
+    side by side (their imports and set-up overlap; :meth:`ready` waits for them)."""
+
+    def __init__(self, model: str, **engine_kwargs: Any) -> None:
+        self.model = model
+        self.kwargs = engine_kwargs
+        self.engines: dict[str, Any] = {}
+        self._ready: dict[str, Any] = {}
+
+    def start(self, name: str, node: str, kv_transfer: dict[str, Any] | None = None,
+              **extra: Any) -> Any:
+        import ray
+
+        from kvshare.vllm.server.offline import ENGINE_ENV, OfflineEngine
+
+        actor = ray.remote(OfflineEngine).options(
+            num_cpus=0, resources={node: 0.01}, max_concurrency=2,
+            runtime_env={"env_vars": {**ENGINE_ENV, "OMP_NUM_THREADS": "2"}},
+        ).remote(self.model, kv_transfer=kv_transfer, **{**self.kwargs, **extra})
+        self.engines[name] = actor
+        self._ready[name] = actor.ready.remote()  # type: ignore[attr-defined]
+        return actor
+
+    def ready(self, *names: str, timeout_s: float = 300) -> None:
+        """Wait until the named engines (default: every one started) have started."""
+        import ray
+
+        refs = [self._ready.pop(n) for n in (names or list(self._ready)) if n in self._ready]
+        ray.get(refs, timeout=timeout_s)
+
+    def run(self, name: str, tokens: list[int], gen: int) -> dict[str, Any]:
+        """Greedy ``gen`` tokens of ``tokens`` on engine ``name``, with logprobs."""
+        import ray
+
+        self.ready(name)
+        out: dict[str, Any] = ray.get(
+            self.engines[name].generate.remote([tokens], gen, logprobs=1), timeout=300)[0]
+        return out
+
+    def counters(self, name: str) -> dict[str, float]:
+        import ray
+
+        got: dict[str, float] = ray.get(self.engines[name].counters.remote(), timeout=60)
+        return got
+
+    def reset(self, name: str) -> None:
+        import ray
+
+        assert ray.get(self.engines[name].reset_prefix_cache.remote(), timeout=60)
+
+    def kill(self, name: str) -> None:
+        import ray
+
+        self._ready.pop(name, None)
+        ray.kill(self.engines.pop(name))
+
+    def close(self) -> None:
+        for name in list(self.engines):
+            self.kill(name)

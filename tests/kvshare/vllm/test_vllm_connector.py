@@ -19,10 +19,11 @@ from typing import Any
 import pytest
 import ray
 from conftest import start_cluster, stop_cluster
+from vllm_helpers import OfflineEngines
 
 from kvshare.layout import KVLayout
 from kvshare.testing.tiny_model import TinyModelSpec, build_tiny_llama
-from kvshare.vllm.server.offline import ENGINE_ENV, OfflineEngine, kv_transfer_config
+from kvshare.vllm.server.offline import kv_transfer_config
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
@@ -38,35 +39,21 @@ def prompt(seed: int, n: int = 4 * BLOCK + 1) -> list[int]:
     return [rng.randrange(10, 1000) for _ in range(n)]
 
 
-class Env:
+class Env(OfflineEngines):
     def __init__(self, cluster: Any, model: str) -> None:
-        self.cluster = cluster
-        self.model = model
+        super().__init__(model, max_model_len=1280, num_pages=PAGES)
+        self.cluster = cluster  # ray.cluster_utils.Cluster: a test removes a node
         self.refs: dict[int, dict[str, Any]] = {}
-        self.engines: dict[str, Any] = {}
 
     def engine(self, name: str, node: str, connector: bool = True, **extra: Any) -> Any:
-        actor_cls = ray.remote(OfflineEngine)
-        kvt = kv_transfer_config(NS, block_tokens=BLOCK, **extra) if connector else None
-        actor = actor_cls.options(  # type: ignore[attr-defined]
-            num_cpus=0, resources={node: 0.01}, max_concurrency=2,
-            runtime_env={"env_vars": {**ENGINE_ENV, "OMP_NUM_THREADS": "2"}},
-        ).remote(self.model, kv_transfer=kvt, max_model_len=1280, num_pages=PAGES)
-        ray.get(actor.ready.remote(), timeout=300)
-        self.engines[name] = actor
-        return actor
+        """Engine ``name`` on ``node``, started (with the connector unless told not to)."""
+        self.start(name, node, kv_transfer_config(NS, block_tokens=BLOCK, **extra)
+                   if connector else None)
+        self.ready(name)
+        return self.engines[name]
 
-    def run(self, name: str, tokens: list[int]) -> dict[str, Any]:
-        out: dict[str, Any] = ray.get(
-            self.engines[name].generate.remote([tokens], GEN, logprobs=1), timeout=300)[0]
-        return out
-
-    def counters(self, name: str) -> dict[str, float]:
-        got: dict[str, float] = ray.get(self.engines[name].counters.remote(), timeout=60)
-        return got
-
-    def reset(self, name: str) -> None:
-        assert ray.get(self.engines[name].reset_prefix_cache.remote(), timeout=60)
+    def run(self, name: str, tokens: list[int], gen: int = GEN) -> dict[str, Any]:
+        return super().run(name, tokens, gen)
 
 
 def chosen(res: dict[str, Any]) -> list[float]:
@@ -89,19 +76,21 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
         layout = KVLayout.from_hf_config(f"{model}/config.json", dtype="fp32", block_tokens=BLOCK)
         deploy(namespace=NS, layout=layout, host_gb=0.25)
         e = Env(cluster, model)
-        ref = e.engine("ref", "node_0", connector=False)
+        e.start("ref", "node_0")  # vLLM without a connector: the reference
+        kvt = kv_transfer_config(NS, block_tokens=BLOCK)
+        e.start("A", "node_0", kvt)  # (the three start side by side)
+        e.start("B", "node_1", kvt)
         for seed in range(1, 7):
             cold = e.run("ref", prompt(seed))
             warm = e.run("ref", prompt(seed))  # vLLM's own prefix hit
             assert warm["cached_tokens"] == 4 * BLOCK
             e.refs[seed] = {"cold": cold, "warm": warm}
-        ray.kill(ref)
-        e.engine("A", "node_0")
-        e.engine("B", "node_1")
+        e.kill("ref")
+        e.ready()
         yield e
     finally:
-        for actor in list(locals().get("e", Env(None, "")).engines.values()):
-            ray.kill(actor)
+        if "e" in locals():
+            e.close()
         stop_cluster(cluster)
 
 

@@ -20,10 +20,11 @@ from typing import Any
 import pytest
 import ray
 from conftest import start_cluster, stop_cluster
+from vllm_helpers import OfflineEngines
 
 from kvshare.layout import KVLayout
 from kvshare.testing.tiny_model import TinyHybridSpec, build_tiny_gemma2
-from kvshare.vllm.server.offline import ENGINE_ENV, OfflineEngine, kv_transfer_config
+from kvshare.vllm.server.offline import kv_transfer_config
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
@@ -40,39 +41,23 @@ def prompt(seed: int, n: int = N_BLOCKS * BLOCK + 1) -> list[int]:
     return [rng.randrange(10, 1000) for _ in range(n)]
 
 
-class Env:
-    def __init__(self, cluster: Any, model: str, layout: KVLayout) -> None:
-        self.cluster = cluster
-        self.model = model
+class Env(OfflineEngines):
+    def __init__(self, model: str, layout: KVLayout) -> None:
+        super().__init__(model, max_model_len=704, num_pages=PAGES)
         self.layout = layout
         self.refs: dict[int, dict[str, Any]] = {}
-        self.engines: dict[str, Any] = {}
         self.events = ""  # engine A's KV events (ZMQ) endpoint
 
     def engine(self, name: str, node: str, connector: bool = True,
                kv_events: dict[str, Any] | None = None) -> Any:
-        actor_cls = ray.remote(OfflineEngine)
-        kvt = kv_transfer_config(NS, block_tokens=BLOCK) if connector else None
-        actor = actor_cls.options(  # type: ignore[attr-defined]
-            num_cpus=0, resources={node: 0.01}, max_concurrency=2,
-            runtime_env={"env_vars": {**ENGINE_ENV, "OMP_NUM_THREADS": "2"}},
-        ).remote(self.model, kv_transfer=kvt, max_model_len=704, num_pages=PAGES,
-                 kv_events=kv_events)
-        ray.get(actor.ready.remote(), timeout=300)
-        self.engines[name] = actor
-        return actor
+        """Engine ``name`` on ``node``, started (with the connector unless told not to)."""
+        self.start(name, node, kv_transfer_config(NS, block_tokens=BLOCK) if connector else None,
+                   kv_events=kv_events)
+        self.ready(name)
+        return self.engines[name]
 
-    def run(self, name: str, tokens: list[int]) -> dict[str, Any]:
-        out: dict[str, Any] = ray.get(
-            self.engines[name].generate.remote([tokens], GEN, logprobs=1), timeout=300)[0]
-        return out
-
-    def counters(self, name: str) -> dict[str, float]:
-        got: dict[str, float] = ray.get(self.engines[name].counters.remote(), timeout=60)
-        return got
-
-    def reset(self, name: str) -> None:
-        assert ray.get(self.engines[name].reset_prefix_cache.remote(), timeout=60)
+    def run(self, name: str, tokens: list[int], gen: int = GEN) -> dict[str, Any]:
+        return super().run(name, tokens, gen)
 
     def hit_bytes(self) -> int:
         """Bytes a whole-prompt hit moves: every block, all layers (the share block format)."""
@@ -100,28 +85,29 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
 
     model = build_tiny_gemma2(str(tmp_path_factory.mktemp("model") / "gemma2"), SPEC)
     cluster = start_cluster(object_store_mb=200)
-    e = Env(cluster, model, KVLayout.from_hf_config(f"{model}/config.json", dtype="fp32",
-                                                    block_tokens=BLOCK))
+    e = Env(model, KVLayout.from_hf_config(f"{model}/config.json", dtype="fp32",
+                                           block_tokens=BLOCK))
     try:
         assert e.layout.kind == "sliding"
         deploy(namespace=NS, layout=e.layout, host_gb=0.25)
-        ref = e.engine("ref", "node_0", connector=False)
+        ev_dir = tmp_path_factory.mktemp("ev")
+        e.events = f"ipc://{ev_dir}/kv.sock"
+        e.start("ref", "node_0")  # vLLM without a connector: the reference
+        kvt = kv_transfer_config(NS, block_tokens=BLOCK)
+        e.start("A", "node_0", kvt, kv_events={  # (the three start side by side)
+            "enable_kv_cache_events": True, "publisher": "zmq", "endpoint": e.events,
+            "replay_endpoint": f"ipc://{ev_dir}/kv-replay.sock", "topic": "kv"})
+        e.start("B", "node_1", kvt)
         for seed in range(1, 6):
             cold = e.run("ref", prompt(seed))
             warm = e.run("ref", prompt(seed))  # vLLM's own prefix hit (hybrid allocator)
             assert warm["cached_tokens"] == N_BLOCKS * BLOCK
             e.refs[seed] = {"cold": cold, "warm": warm}
-        ray.kill(ref)
-        ev_dir = tmp_path_factory.mktemp("ev")
-        e.events = f"ipc://{ev_dir}/kv.sock"
-        e.engine("A", "node_0", kv_events={
-            "enable_kv_cache_events": True, "publisher": "zmq", "endpoint": e.events,
-            "replay_endpoint": f"ipc://{ev_dir}/kv-replay.sock", "topic": "kv"})
-        e.engine("B", "node_1")
+        e.kill("ref")
+        e.ready()
         yield e
     finally:
-        for actor in list(e.engines.values()):
-            ray.kill(actor)
+        e.close()
         stop_cluster(cluster)
 
 

@@ -22,10 +22,11 @@ from typing import Any
 import pytest
 import ray
 from conftest import start_cluster, stop_cluster
+from vllm_helpers import OfflineEngines
 
 from kvshare.layout import KVLayout
 from kvshare.testing.tiny_mla import TinyMLASpec, build_tiny_deepseek
-from kvshare.vllm.server.offline import ENGINE_ENV, OfflineEngine, kv_transfer_config
+from kvshare.vllm.server.offline import kv_transfer_config
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 
@@ -45,32 +46,21 @@ def prompt(seed: int, n: int = 4 * BLOCK + 16) -> list[int]:
     return [rng.randrange(10, 1000) for _ in range(n)]
 
 
-class Env:
-    def __init__(self, cluster: Any, model: str, layout: KVLayout) -> None:
-        self.cluster = cluster
-        self.model = model
+class Env(OfflineEngines):
+    def __init__(self, model: str, layout: KVLayout) -> None:
+        super().__init__(model, block_size=16, max_model_len=1024, num_pages=80)
         self.layout = layout
         self.refs: dict[int, dict[str, Any]] = {}
-        self.engines: dict[str, Any] = {}
 
-    def start(self, node: str, kvt: dict[str, Any] | None) -> Any:
-        actor = ray.remote(OfflineEngine).options(  # type: ignore[attr-defined]
-            num_cpus=0, resources={node: 0.01}, max_concurrency=2,
-            runtime_env={"env_vars": {**ENGINE_ENV, "OMP_NUM_THREADS": "2"}},
-        ).remote(self.model, kv_transfer=kvt, block_size=16, max_model_len=1024, num_pages=80)
-        ray.get(actor.ready.remote(), timeout=300)
-        return actor
-
-    def run(self, name: str, tokens: list[int]) -> dict[str, Any]:
-        out: dict[str, Any] = ray.get(
-            self.engines[name].generate.remote([tokens], GEN, logprobs=1), timeout=300)[0]
-        return out
+    def run(self, name: str, tokens: list[int], gen: int = GEN) -> dict[str, Any]:
+        return super().run(name, tokens, gen)
 
     def counted(self, name: str, tokens: list[int]) -> tuple[dict[str, Any], dict[str, float]]:
         """Run ``tokens`` on engine ``name``; the result and how its counters moved."""
-        before = ray.get(self.engines[name].counters.remote(), timeout=60)
+        self.ready(name)
+        before = self.counters(name)
         got = self.run(name, tokens)
-        after = ray.get(self.engines[name].counters.remote(), timeout=60)
+        after = self.counters(name)
         return got, {k: after.get(k, 0) - before.get(k, 0) for k in after}
 
 
@@ -95,23 +85,21 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
     layout = KVLayout.from_hf_config(f"{model}/config.json", dtype="fp32", block_tokens=BLOCK)
     assert layout.kind.value == "mla" and layout.bytes_per_token == 2 * 576 * 4
     cluster = start_cluster(object_store_mb=200)
-    e = Env(cluster, model, layout)
+    e = Env(model, layout)
     try:
         deploy(namespace=NS, layout=layout, host_gb=0.1)
-        ref = e.start("node_0", None)
-        e.engines["ref"] = ref
+        e.start("ref", "node_0")  # vLLM without a connector: the reference
+        kvt = kv_transfer_config(NS, block_tokens=BLOCK)
+        e.start("A", "node_0", kvt)  # (the three start side by side)
+        e.start("B", "node_1", kvt)
         for seed in range(1, 4):
             e.refs[seed] = e.run("ref", prompt(seed))
             assert e.refs[seed]["cached_tokens"] == 0  # vLLM-CPU: no prefix cache for MLA
-        ray.kill(ref)
-        del e.engines["ref"]
-        kvt = kv_transfer_config(NS, block_tokens=BLOCK)
-        e.engines["A"] = e.start("node_0", kvt)
-        e.engines["B"] = e.start("node_1", kvt)
+        e.kill("ref")
+        e.ready()
         yield e
     finally:
-        for actor in e.engines.values():
-            ray.kill(actor)
+        e.close()
         stop_cluster(cluster)
 
 
@@ -204,12 +192,11 @@ def test_dead_pool_is_a_recompute_with_the_same_output(env: Env) -> None:
 def test_block_tokens_not_a_multiple_of_the_forced_mla_page_fails_the_start(env: Env) -> None:
     """vLLM-CPU runs MLA in 16-token pages whatever --block-size says (here 32): kvshare
     blocks of 40 tokens cannot be cut from them, and the engine does not start."""
-    actor = ray.remote(OfflineEngine).options(  # type: ignore[attr-defined]
-        num_cpus=0, resources={"node_0": 0.01},
-        runtime_env={"env_vars": {**ENGINE_ENV, "OMP_NUM_THREADS": "2"}},
-    ).remote(env.model, kv_transfer=kv_transfer_config(NS, block_tokens=40), block_size=32,
-             max_model_len=1024, num_pages=80)
-    with pytest.raises(Exception, match=r"(?s)block_tokens 40 is not a multiple of the page "
-                                        r"size 16 .*MLA.*set \"block_tokens\" to a multiple of 16"):
-        ray.get(actor.ready.remote(), timeout=300)
-    ray.kill(actor)
+    env.start("bad", "node_0", kv_transfer_config(NS, block_tokens=40), block_size=32)
+    try:
+        with pytest.raises(Exception, match=r"(?s)block_tokens 40 is not a multiple of the page "
+                                            r"size 16 .*MLA.*set \"block_tokens\" to a multiple "
+                                            r"of 16"):
+            env.ready("bad")
+    finally:
+        env.kill("bad")

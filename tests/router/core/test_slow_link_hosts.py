@@ -93,10 +93,11 @@ def shaped(stack: dict[str, Any]) -> Iterator[dict[str, float]]:
     hs.shape(hs[0], SLOW)
     try:
         t0 = time.monotonic()
+        blocks = 2  # reads of 2 and 4 MiB: enough for the fit, short on the slow link
         ray.get([_pool(nodes[b]).transfer_measure.remote(
-            PROBE_NAMESPACE, {nodes[a]: _pool(nodes[a]), nodes[c]: _pool(nodes[c])}, 4),
+            PROBE_NAMESPACE, {nodes[a]: _pool(nodes[a]), nodes[c]: _pool(nodes[c])}, blocks),
             _pool(nodes[c]).transfer_measure.remote(
-            PROBE_NAMESPACE, {nodes[a]: _pool(nodes[a])}, 4)], timeout=300)
+            PROBE_NAMESPACE, {nodes[a]: _pool(nodes[a])}, blocks)], timeout=300)
         print(f"B probed A (shaped) and C, C probed A, in {time.monotonic() - t0:.1f} s")
         yield ray.get(stack["workers"][b].refresh.remote(), timeout=60)
     finally:
