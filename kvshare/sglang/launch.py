@@ -145,4 +145,3 @@ class SglangProcess(VllmProcess):
     actor killed by Ray), and SGLang then ends its own processes."""
 
     engine = "SGLang"
-    die_with_parent = True

@@ -138,9 +138,11 @@ class VllmProcess:
     messages and its log file."""
 
     engine = "vLLM"
-    die_with_parent = False
+    die_with_parent = True
     """Whether the server gets SIGTERM when the process that started it dies (Linux), so a
-    killed worker actor leaves no server behind."""
+    killed worker actor, or one whose node died, leaves no server behind (the server then ends
+    its own processes). The starting thread must outlive the server (Ray runs an actor's tasks
+    on its main thread)."""
 
     def __init__(self, spec: ServerSpec, log_path: str | None = None) -> None:
         self.spec: ServerSpec = spec.on_this_node()

@@ -6,6 +6,7 @@ reports what it was given (the launch wiring is what is under test, not vLLM).""
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -89,3 +90,48 @@ def test_a_failed_start_names_the_root_cause_printed_long_before_the_end(tmp_pat
     assert "the root cause, printed first" in text
     assert "an API-server traceback line 399" in text  # and the end of the log
     assert "an API-server traceback line 100\n" not in text  # not the whole log
+
+
+ORPHAN = """
+import os, sys, time
+from dataclasses import dataclass
+from kvshare.vllm.server.launch import VllmProcess, VllmSpec
+
+@dataclass(frozen=True)
+class Sleeper(VllmSpec):
+    def argv(self):
+        return [sys.executable, "-c", "import os, sys, time; open(sys.argv[1] + '.tmp', 'w')"
+                ".write(str(os.getpid())); os.replace(sys.argv[1] + '.tmp', sys.argv[1]); "
+                "time.sleep(120)", os.path.join(self.events_dir, "server.pid")]
+
+VllmProcess(Sleeper(model=sys.argv[1], port=1, events_dir=sys.argv[1])).start()
+time.sleep(120)
+"""
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return any(line.startswith("State:") and "Z" in line.split()[1] for line in f)
+    except FileNotFoundError:
+        return True
+
+
+def test_the_server_ends_when_the_process_that_started_it_is_killed(tmp_path: Path) -> None:
+    """A worker actor killed with SIGKILL (or whose node died) cannot stop its server: the
+    server gets SIGTERM from the kernel (``die_with_parent``) instead of living on."""
+    if sys.platform != "linux":
+        pytest.skip("PR_SET_PDEATHSIG is Linux only")
+    root = Path(__file__).resolve().parents[3]
+    parent = subprocess.Popen([sys.executable, "-c", ORPHAN, str(tmp_path)],
+                              env={**os.environ, "PYTHONPATH": str(root)})
+    try:
+        pid_file = tmp_path / "server.pid"
+        wait_for(pid_file.exists, timeout_s=60)
+        server = int(pid_file.read_text())
+        assert not _gone(server)
+        parent.kill()  # SIGKILL: nothing of the parent's own code runs
+        parent.wait(timeout=10)
+        wait_for(lambda: _gone(server), timeout_s=10)
+    finally:
+        parent.kill()
