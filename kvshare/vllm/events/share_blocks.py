@@ -350,6 +350,8 @@ def _best(tiers: tuple[Tier, ...]) -> Tier:
 
 
 def _salt_of(ev: PagesStored) -> str:
+    if ev.cache_salt:  # SGLang's
+        return ev.cache_salt
     if not ev.extra_keys:
         return ""
     return split_page_keys(ev.lora_name, ev.extra_keys[0])[0]

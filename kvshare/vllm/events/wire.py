@@ -41,7 +41,8 @@ class PagesStored:
     first page, prompt-embeds digests) or None. ``group_idx``: the KV-cache group the pages
     are in; ``spec_kind`` / ``sliding_window``: that group's kind (vLLM's
     ``kv_cache_spec_kind``: ``full_attention``, ``sliding_window``, ...) and window (None:
-    not sent, or full attention).
+    not sent, or full attention). ``cache_salt``: the tenant salt as SGLang sends it (a field
+    of its own, not a page key); None from vLLM, whose salt is in ``extra_keys``.
     """
 
     block_hashes: tuple[VllmHash, ...]
@@ -54,6 +55,7 @@ class PagesStored:
     group_idx: int = 0
     spec_kind: str | None = None
     sliding_window: int | None = None
+    cache_salt: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,6 +94,7 @@ class _StoredM(msgspec.Struct, tag="BlockStored"):
     group_idx: int | None = None
     kv_cache_spec_kind: str | None = None
     kv_cache_spec_sliding_window: int | None = None
+    cache_salt: str | None = None  # SGLang's: the storing request's salt, a field of its own
 
 
 class _RemovedM(msgspec.Struct, tag="BlockRemoved"):
@@ -205,7 +208,7 @@ def _stored(ev: _StoredM) -> PagesStored:
     return PagesStored(tuple(ev.block_hashes), ev.parent_block_hash, ev.token_ids,
                        ev.block_size, ev.medium or "GPU", ev.lora_name, keys,
                        _group(ev.group_idx), ev.kv_cache_spec_kind,
-                       ev.kv_cache_spec_sliding_window)
+                       ev.kv_cache_spec_sliding_window, ev.cache_salt or None)
 
 
 def _group(value: int | None) -> int:

@@ -163,3 +163,22 @@ def test_sglangs_events_decode_and_its_host_pool_is_the_host_tier() -> None:
     assert sb.inventory() == {plain: Tier.HOST}
     apply(sb, msgspec.msgpack.encode([3.0, [{**page, "medium": "GPU"}], 0]))
     assert sb.inventory() == {plain: Tier.GPU}
+
+
+def test_a_salted_sglang_prefix_is_a_block_of_that_tenant_only() -> None:
+    """SGLang sends the storing request's salt as ``cache_salt`` (vLLM: in the first page's
+    extra keys): the share block is the one a gateway computes for that tenant's prompt, not
+    the unsalted one (where an unsalted prompt would be routed to a cache it cannot hit)."""
+    sb = tracker()
+    page = {"type": "BlockStored", "block_hashes": [50, 51, 52, 53], "parent_block_hash": None,
+            "token_ids": TOKENS[:4 * PAGE], "block_size": PAGE, "medium": "GPU",
+            "cache_salt": "acme", "session_id": "s"}
+    apply(sb, msgspec.msgpack.encode([2.0, [page], 0]))
+    (salted,) = block_hashes(root("acme"), TOKENS[:4 * PAGE], BLOCK)
+    (plain,) = block_hashes(root(""), TOKENS[:4 * PAGE], BLOCK)
+    assert salted != plain and sb.inventory() == {salted: Tier.GPU}
+    # the rest of the chain continues the salted block (the salt is read where a chain starts)
+    more = {**page, "block_hashes": [54, 55, 56, 57], "parent_block_hash": 53,
+            "token_ids": TOKENS[4 * PAGE:8 * PAGE]}
+    apply(sb, msgspec.msgpack.encode([3.0, [more], 0]))
+    assert set(sb.inventory()) == set(block_hashes(root("acme"), TOKENS[:8 * PAGE], BLOCK))
