@@ -125,7 +125,10 @@ def register(subparsers: Any) -> None:
     gw.add_argument("--bandwidth", default="",
                     help="GB/s per transport for the cost model, e.g. shm=20,nixl=8,disk=3 (the "
                     "same syntax as KVSHARE_BANDWIDTH_GBPS); with --address these override what "
-                    "the cluster's pools measured at start")
+                    "the cluster's pools measured")
+    gw.add_argument("--links-refresh-s", type=float, default=60.0,
+                    help="with --address: re-read the pools' probed bandwidths (per transport "
+                    "and per link; pools re-probe every 10 min) this often; 0: read them once")
     gw.add_argument("--prefill-tokens-per-s", type=float, default=5000.0,
                     help="initial prefill speed; refitted from the workers' measured timings")
     gw.add_argument("--no-worker-wait-s", type=float, default=10.0,

@@ -168,6 +168,14 @@ class RoutingCore:
         self._base = inputs
         self._use(inputs.measured(self._reports))
 
+    def use_bandwidths(self, bandwidths: Bandwidths) -> bool:
+        """Price transfers with ``bandwidths`` from now on (the front end's other inputs kept);
+        False when they are the ones in use (nothing rebuilt)."""
+        if bandwidths == self._base.bandwidths:
+            return False
+        self.use_cost(replace(self._base, bandwidths=bandwidths))
+        return True
+
     def _use(self, inputs: CostInputs) -> None:
         if inputs == self._inputs:
             return

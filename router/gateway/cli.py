@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-from dataclasses import replace
 from typing import Any
 from urllib.parse import urlparse
 
@@ -20,6 +19,7 @@ from kvshare.router.core.embed import CacheAwareRouter, RouterConfig
 from kvshare.router.core.workers_view import IndexWorkers, StaticWorkers
 from kvshare.router.gateway.api_keys import load_api_keys
 from kvshare.router.gateway.app import create_app
+from kvshare.router.gateway.link_figures import LinkFigures, priced
 from kvshare.types import NodeId, WorkerId
 from kvshare.workers import WorkerInfo
 
@@ -65,19 +65,17 @@ def serve_from_args(args: argparse.Namespace) -> int:
     from kvshare.cost import Bandwidths
     from kvshare.transfer.probe import parse_overrides
 
-    measured: dict[str, float] = {}  # bytes/s the cluster's pools probed (--address only)
-    base = Bandwidths()
     given = parse_overrides(args.bandwidth) if args.bandwidth else {}  # --bandwidth wins
-    if args.address:
+    if args.links_refresh_s < 0:
+        raise SystemExit(f"--links-refresh-s must be >= 0 seconds, got {args.links_refresh_s}")
+    bandwidths = Bandwidths.from_measured(given)
+    if args.address:  # bytes/s the cluster's pools probed, per link where they probed links
         from kvshare.actors.deploy import measured_bandwidths, measured_links
 
-        measured = measured_bandwidths(wait_s=10.0)
-        if not set(given) & {"nixl", "objstore", "remote"}:  # per link, as probed
-            base = replace(base, links=measured_links())
+        bandwidths = priced(measured_bandwidths(wait_s=10.0), measured_links(), given)
     common: dict[str, Any] = {
         "namespace": args.namespace, "policy": args.policy,
-        "prefill_tokens_per_s": args.prefill_tokens_per_s,
-        "bandwidths": Bandwidths.from_measured({**measured, **given}, base),
+        "prefill_tokens_per_s": args.prefill_tokens_per_s, "bandwidths": bandwidths,
     }
     tokenizer: Any = None
     if getattr(args, "vllm_model", None):
@@ -100,6 +98,11 @@ def serve_from_args(args: argparse.Namespace) -> int:
         cfg = RouterConfig(block_tokens=args.block_tokens, model_id=args.model_id,
                            layout_fingerprint=args.layout_fingerprint, **common)
     router = CacheAwareRouter(index, workers, cfg, tokenizer)
+    if args.address and args.links_refresh_s:
+        from kvshare.actors.deploy import measured_bandwidths, measured_links
+
+        LinkFigures(router.core, lambda: (measured_bandwidths(), measured_links()), given,
+                    args.links_refresh_s).start()
     secret = cluster_secret() if args.address else secret_from_env()
     if secret is None:
         log.warning("no cluster secret (KVSHARE_CLUSTER_SECRET): tenant salts are this "

@@ -128,6 +128,32 @@ def test_legacy_flat_pages_and_a_miss(env: dict[str, Any]) -> None:
     assert a.batch_get_v1(["never-stored"], indices([3])) == [False]
 
 
+def test_a_corrupt_block_is_a_miss_counted_and_the_page_never_lands(env: dict[str, Any]) -> None:
+    """Bit rot in the holder's slab: the checksum fails, the page is a miss (SGLang recomputes
+    it, never using the slot it was to fill) and the cause is counted."""
+    import ray
+
+    from kvshare.discovery import find_pool
+
+    a, pool_a = attached(env, "node_0")
+    keys = [f"{os.getpid():x}-rot-{i}" for i in range(2)]
+    src = indices([1, 2])
+    pool_a.kv_buffer[:, :, src] = torch.randn(2, LAYERS, len(src), HEADS, DIM).to(torch.bfloat16)
+    assert a.batch_set_v1(keys, src) == [True, True]
+    stats = ray.get(find_pool(env["nodes"]["node_0"], "kvshare-test").stats.remote(), timeout=30)
+    per = KVLayout(LAYERS, HEADS, DIM, "bf16", block_tokens=PAGE).bytes_per_block
+    with open(os.path.join("/dev/shm", stats["namespaces"][NS]["shm_name"]), "r+b") as f:
+        data = bytearray(f.read())  # every used slot of node_0's host slab
+        for slot in range(len(data) // per):
+            data[slot * per + 64] ^= 0xFF
+        f.seek(0)
+        f.write(data)
+    b, _ = attached(env, "node_1")
+    assert b.batch_get_v1(keys, indices([5, 6])) == [False, False]
+    assert b.counters["pages_missed"] == 2 and b.client is not None
+    assert b.client.counters.get("miss_corrupt", 0) >= 1
+
+
 def test_a_dead_pool_is_a_miss_counted_never_an_error(env: dict[str, Any]) -> None:
     import ray
 
