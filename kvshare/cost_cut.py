@@ -23,7 +23,15 @@ class CostCut:
     Remote blocks are priced at the probed link from their holder node to this one where
     :meth:`set_peer_bandwidths` gave it (the slowest such link when a plan pulls from several
     holders), else at the node's remote figure (:meth:`set_bandwidths`).
+
+    ``deadline_s``: the load's deadline (the SDK's ``load_deadline_s``). A load still running
+    at its deadline is dropped whole and the prompt recomputed after the wait, so a cut whose
+    fetch is predicted to take longer than ``DEADLINE_SHARE`` of it is never chosen: the best
+    cut among the shorter ones is (on a slow link, a leading part of the prefix, or nothing).
     """
+
+    DEADLINE_SHARE = 0.8
+    """Of the deadline, what a planned fetch may take (probes and live transfers vary)."""
 
     def __init__(
         self,
@@ -33,8 +41,12 @@ class CostCut:
         *,
         refit_every: int = 16,
         max_samples: int = 256,
+        deadline_s: float | None = None,
     ) -> None:
+        if deadline_s is not None and not deadline_s > 0:
+            raise ValueError(f"deadline_s must be positive seconds or None, got {deadline_s}")
         self.layout = layout
+        self.deadline_s = deadline_s
         self._bw = Bandwidths.from_measured(dict(bandwidths or {}))
         self._node = ""  # the reader's node (set_peer_bandwidths)
         self._speed = 0.0  # the engine's measured tokens/s while no timings are fitted
@@ -103,5 +115,12 @@ class CostCut:
             model = model.for_pull({h for h, s in zip(holders, sources, strict=False) if s.remote},
                                    self._node)
         plan = model.plan(prompt_tokens, sources)
+        if self.deadline_s is not None:
+            budget = self.DEADLINE_SHARE * self.deadline_s
+            while plan.cut and plan.fetch_s > budget:  # that fetch would miss the deadline
+                per_block = plan.fetch_s / plan.cut  # shorten in proportion, then re-plan
+                fits = min(plan.cut - 1, int(budget / per_block))
+                plan = model.plan(prompt_tokens, sources[:fits]) if fits else replace(
+                    plan, cut=0, fetch_s=0.0)
         return int(plan.cut)
 

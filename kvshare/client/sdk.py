@@ -46,6 +46,7 @@ from kvshare.client.types import (
     StoreResult,
 )
 from kvshare.cost import Source
+from kvshare.cost_cut import CostCut
 from kvshare.discovery import RAY_NAMESPACE, find_index, find_pool, this_node
 from kvshare.hasher import Hasher
 from kvshare.kv_convert import (
@@ -120,6 +121,8 @@ class KVShareClient:
         self.index = index
         self.worker_id = worker_id
         self.cut_policy = cut_policy
+        if isinstance(cut_policy, CostCut) and cut_policy.deadline_s is None:
+            cut_policy.deadline_s = load_deadline_s  # no cut whose fetch would miss it
         self.store_deadline_s = store_deadline_s
         self._store_shm = ShmTransport(node, holder=f"{worker_id}-store")
         self._nixl, self.nixl_error = (None, "") if remote == TRANSPORT_OBJSTORE else start_nixl(

@@ -103,3 +103,25 @@ def test_source_map_names_the_nodes_a_reader_pulls_from() -> None:
     view = SourceMap(match, {})
     assert view.pull_nodes(NodeId("C")) == {"A"}  # the best holder of each segment
     assert view.pull_nodes(NodeId("A")) == {"B"}  # (it holds them itself: a superset)
+
+
+def test_the_cut_never_plans_a_fetch_that_would_miss_the_load_deadline() -> None:
+    """A load still running at its deadline is dropped whole (the prompt is recomputed after
+    the wait): on a link where loading beats recompute only without a deadline, the cut loads
+    the leading blocks that arrive in time, or none."""
+    layout = KVLayout(num_layers=1, num_kv_heads=1, head_dim=125, dtype="fp32", block_tokens=BT)
+    srcs = [Source.REMOTE_HOST] * 8
+
+    def cut_at(deadline_s: float | None) -> tuple[int, float]:
+        cut = CostCut(layout, [(1000, 0, 1.0), (2000, 0, 2.0)], deadline_s=deadline_s)
+        cut.set_bandwidths({"nixl": 1.6e6})  # 10 ms a block, 1 ms latency: beats 16 ms
+        k = cut(128, srcs)
+        return k, cut.model.plan(128, srcs[:k]).fetch_s if k else 0.0
+
+    assert cut_at(None) == (8, pytest.approx(0.081))  # no deadline: all 8 (81 ms)
+    k, fetch = cut_at(0.05)  # 40 ms of it may be planned
+    assert k == 3 and fetch <= 0.8 * 0.05 < cut_at(None)[1]
+    assert cut_at(0.02)[0] == 1 and cut_at(0.005)[0] == 0  # nothing arrives in 4 ms: recompute
+    with pytest.raises(ValueError, match="deadline_s must be positive"):
+        CostCut(layout, deadline_s=0)
+

@@ -242,3 +242,14 @@ def test_the_cut_sees_each_blocks_holder_and_load_all_overrides_it(cluster: Clus
     assert reader.lookup(toks, load_all=True).load_blocks == 5
     cut.set_peer_bandwidths("A", {"B": 1e12})
     assert reader.lookup(toks).load_blocks == 5
+    # a link where each block arrives sooner than it computes (5 ms vs 8 ms), but not all
+    # five within a 20 ms load deadline: the client gives its cut the deadline, and the plan
+    # takes the leading blocks that arrive in time
+    timed = CostCut(LAYOUT, [(1000, 0, 1.0), (2000, 0, 2.0)])
+    hurried = KVShareClient(namespace=cluster.ns, layout=LAYOUT, root=ROOT, node="A",
+                            index=cluster.index, control_for=cluster.controls.get,
+                            worker_id="wdeadline", remote="objstore", cut_policy=timed,
+                            load_deadline_s=0.02)
+    assert timed.deadline_s == 0.02
+    timed.set_peer_bandwidths("A", {"B": LAYOUT.bytes_per_block / 0.005})
+    assert 0 < hurried.lookup(toks).load_blocks < 5
