@@ -425,12 +425,13 @@ class EmulatedHosts:
         self._write_state()
         common = ["--block", "--disable-usage-stats",
                   f"--object-store-memory={self.object_store_mb * 2**20}"]
-        if self.system_config:
-            common.append(f"--system-config={json.dumps(self.system_config)}")
+        # Ray takes system config on the head only (the nodes get it from the GCS)
+        config = [f"--system-config={json.dumps(self.system_config)}"] if self.system_config else []
         head = [self._ray(), "start", "--head", f"--node-ip-address={self.bridge_ip}",
                 *_agent_ports([_free_port(self.bridge_ip) for _ in range(4)]),
                 f"--port={port}", f"--dashboard-port={_free_port(self.bridge_ip)}",
-                "--num-cpus=0", "--include-dashboard=false", f"--temp-dir={head_ray}", *common]
+                "--num-cpus=0", "--include-dashboard=false", f"--temp-dir={head_ray}", *common,
+                *config]
         self._head_argv = [*self._nsenter(self.head_anchor, net=False), *head]
         self._head = self._start_head()
         self._common = common

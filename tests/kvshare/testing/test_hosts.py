@@ -218,7 +218,10 @@ def ray_hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmulatedHost
     import ray
 
     t0 = time.monotonic()
-    with EmulatedHosts(2, ray=True, base_dir=tmp_path_factory.mktemp("rayhosts")) as hs:
+    # a Ray system config (set on the head only; the nodes read it from the GCS): here a more
+    # patient node-death threshold than Ray's 5, for a starved CI machine
+    with EmulatedHosts(2, ray=True, base_dir=tmp_path_factory.mktemp("rayhosts"),
+                       system_config={"health_check_failure_threshold": 10}) as hs:
         print(f"2-host Ray cluster up in {time.monotonic() - t0:.1f} s")
         hs.connect_ray("kvs-test-hosts")
         try:
