@@ -13,8 +13,10 @@ Ray declares B's node dead; when the link returns, B's raylet learns it and exit
 worker actor and pool with it. B is then *replaced* as an operator would: B is rebooted
 (every process on it ended, its old vLLM server too), a new Ray node starts on B (the watcher
 gives it a pool) and
-``kvshare vllm start``'s code path starts a new worker there. The stream runs until the new
-worker has answered a request (or ``--recover-timeout-s``).
+``kvshare vllm start``'s code path starts a new worker there. By then A holds the six prompts'
+blocks and rightly keeps them, so the stream adds two prompts computed cold on B before the cut
+(held by nobody after B's replacement): they go where no queue waits, B's new worker. The
+stream runs until the new worker has answered a request (or ``--recover-timeout-s``).
 
 Last line, JSON: ``requests``, ``status_5xx``, ``failed``, ``wrong`` (an answer other than the
 prompt's recomputed one), ``max_latency_s``, ``over_deadline`` (past ``--deadline-s``),
@@ -56,13 +58,14 @@ def build_model(root: str) -> str:
     return build_tiny_llama(os.path.join(root, "tiny-vllm"), spec)
 
 
-def cold_answers(st: VllmHostsStack, prompts: list[str]) -> list[str]:
-    """Each prompt computed once, nothing cached anywhere: half on each host."""
+def cold_answers(st: VllmHostsStack, prompts: list[str], on: Any = None) -> list[str]:
+    """Each prompt computed once, nothing cached anywhere: half on each host (all on host
+    ``on`` where given)."""
     import httpx
 
     out = []
     for i, text in enumerate(prompts):
-        info = st.worker(st.hosts[i % len(st.hosts)])
+        info = st.worker(on if on is not None else st.hosts[i % len(st.hosts)])
         r = httpx.post(f"{info['endpoint']}/v1/completions", timeout=120, json={
             "model": st.model, "prompt": st.router.tokenize(prompt=text), "temperature": 0,
             "max_tokens": MAX_TOKENS})
@@ -107,7 +110,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         old = st.worker(b)
         prompts = [f"Partition note {i}: what crosses a link must survive its loss. " * 6
                    for i in range(6)]
-        expected = cold_answers(st, prompts)
+        # two more, computed on B only: after B is replaced nobody holds them, so the stream
+        # sends them once B is back (the six above stay on A, which holds them by then)
+        fresh = [f"Fresh note {i}: a replaced host serves new prefixes first. " * 6
+                 for i in range(2)]
+        expected = cold_answers(st, prompts) + cold_answers(st, fresh, on=b)
         a_failed = failed_blocks(st.worker(a)["endpoint"])
         members = Membership(st.index.workers).start()
         routed = decisions(st.router)
@@ -132,6 +139,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             replace_s = time.monotonic() - t0
             print(f"{b.name} replaced in {replace_s:.1f} s: worker {new['worker_id']}",
                   flush=True)
+            stream.add(fresh)
             deadline = time.monotonic() + args.recover_timeout_s
             while time.monotonic() < deadline and not any(
                     o.worker == new["worker_id"] for o in stream.snapshot()):

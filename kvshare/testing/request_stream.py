@@ -69,6 +69,12 @@ class RequestStream:
         with self._lock:
             return sorted(self.outcomes, key=lambda o: o.start)
 
+    def add(self, prompts: Sequence[str]) -> None:
+        """Send ``prompts`` too from now on (their :attr:`Outcome.prompt` indices follow the
+        ones given so far)."""
+        with self._lock:
+            self.prompts.extend(prompts)
+
     def snapshot(self) -> list[Outcome]:
         with self._lock:
             return list(self.outcomes)
