@@ -118,3 +118,35 @@ class OfflineEngines:
     def close(self) -> None:
         for name in list(self.engines):
             self.kill(name)
+
+
+def pool_blocks(node_key: str) -> int:
+    """Blocks the index lists in the pool of the node with custom resource ``node_key``."""
+    import ray
+
+    from kvshare.actors.deploy import get_index_client
+    from kvshare.types import node_location
+
+    node = next(n["NodeID"] for n in ray.nodes() if n["Alive"] and node_key in n["Resources"])
+    loc = node_location(node)
+    return sum(shard["locations"].get(loc, 0) for shard in get_index_client().stats())
+
+
+def kill_pool(node: str, timeout_s: float = 30.0) -> None:
+    """Kill node ``node``'s pool actor (Ray may restart it) and wait until its process has
+    ended: ``ray.kill`` returns before, and until then the pool still serves."""
+    import ray
+
+    from kvshare.actors.deploy import get_pool
+
+    pool = get_pool(node)
+    pid = ray.get(pool.__ray_call__.remote(lambda _self: os.getpid()))
+    ray.kill(pool, no_restart=False)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"process {pid} still runs {timeout_s} s after ray.kill")

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import ray
 from conftest import start_cluster, stop_cluster
-from vllm_helpers import OfflineEngines
+from vllm_helpers import OfflineEngines, kill_pool, pool_blocks
 
 from kvshare.layout import KVLayout
 from kvshare.testing.tiny_model import TinyModelSpec, build_tiny_llama
@@ -94,16 +94,6 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
         stop_cluster(cluster)
 
 
-def pool_blocks(node_key: str) -> int:
-    """Blocks the index lists in the pool of the node with custom resource ``node_key``."""
-    from kvshare.actors.deploy import get_index_client
-    from kvshare.types import node_location
-
-    node = next(n["NodeID"] for n in ray.nodes() if n["Alive"] and node_key in n["Resources"])
-    loc = node_location(node)
-    return sum(shard["locations"].get(loc, 0) for shard in get_index_client().stats())
-
-
 def test_engine_on_another_node_loads_the_prefix(env: Env) -> None:
     held = pool_blocks("node_0")
     first = env.run("A", prompt(1))
@@ -143,8 +133,6 @@ def test_vllm_cache_too_small_gets_the_prefix_from_this_nodes_host_tier(env: Env
 
 
 def test_corrupt_block_is_recomputed_counted_and_stored_again(env: Env) -> None:
-    import os
-
     from kvshare.actors.deploy import get_pool
 
     env.run("A", prompt(4))
@@ -178,28 +166,13 @@ def test_corrupt_block_is_recomputed_counted_and_stored_again(env: Env) -> None:
     assert again["tokens"] == env.refs[4]["cold"]["tokens"]
 
 
-def wait_gone(pid: int, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"process {pid} still runs {timeout_s} s after ray.kill")
-
-
 def test_pool_killed_is_a_recompute_and_counted(env: Env) -> None:
-    from kvshare.actors.deploy import get_pool
 
     env.run("B", prompt(5))  # B stores prompt 5 in node_1's pool
     time.sleep(0.3)
     env.reset("B")
     node1 = ray.get(env.engines["B"].ready.remote())["node"]
-    pool = get_pool(node1)
-    pid = ray.get(pool.__ray_call__.remote(lambda _self: os.getpid()))
-    ray.kill(pool, no_restart=False)
-    wait_gone(pid)  # (ray.kill returns before the process ends; until then the pool serves)
+    kill_pool(node1)
     before = env.counters("B")
     got = env.run("B", prompt(5))
     after = env.counters("B")

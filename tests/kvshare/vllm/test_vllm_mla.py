@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 import ray
 from conftest import start_cluster, stop_cluster
-from vllm_helpers import OfflineEngines
+from vllm_helpers import OfflineEngines, kill_pool, pool_blocks
 
 from kvshare.layout import KVLayout
 from kvshare.testing.tiny_mla import TinyMLASpec, build_tiny_deepseek
@@ -103,16 +103,6 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
         stop_cluster(cluster)
 
 
-def pool_blocks(node_key: str) -> int:
-    """Blocks the index lists in the pool of the node with custom resource ``node_key``."""
-    from kvshare.actors.deploy import get_index_client
-    from kvshare.types import node_location
-
-    node = next(n["NodeID"] for n in ray.nodes() if n["Alive"] and node_key in n["Resources"])
-    loc = node_location(node)
-    return sum(shard["locations"].get(loc, 0) for shard in get_index_client().stats())
-
-
 def test_engine_on_another_node_loads_the_latents_and_this_node_reloads_them(env: Env) -> None:
     held = pool_blocks("node_0")
     first, moved = env.counted("A", prompt(1))
@@ -162,26 +152,11 @@ def test_corrupt_block_is_recomputed_and_stored_again(env: Env) -> None:
     same_as_recompute(again, env.refs[2])
 
 
-def wait_gone(pid: int, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"process {pid} still runs {timeout_s} s after ray.kill")
-
-
 def test_dead_pool_is_a_recompute_with_the_same_output(env: Env) -> None:
-    from kvshare.actors.deploy import get_pool
 
     env.run("B", prompt(3))  # B stores prompt 3 in node_1's pool
     time.sleep(0.3)
-    pool = get_pool(ray.get(env.engines["B"].ready.remote())["node"])
-    pid = ray.get(pool.__ray_call__.remote(lambda _self: os.getpid()))
-    ray.kill(pool, no_restart=False)
-    wait_gone(pid)
+    kill_pool(ray.get(env.engines["B"].ready.remote())["node"])
     got, moved = env.counted("B", prompt(3))
     assert moved.get("miss_source_dead", 0) > 0 or moved.get("no_external_hit", 0) > 0
     assert got["tokens"] == env.refs[3]["tokens"]
