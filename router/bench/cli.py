@@ -135,6 +135,8 @@ async def _one(args: argparse.Namespace, url: str, source: Trace | Workload,
         sampler = TierSampler(target.metrics_urls, args.metrics_interval)
         stop = asyncio.Event()
         t0 = time.perf_counter()
+        if target.metrics_urls:  # the baseline, before any request of the run is admitted
+            await sampler.scrape(http, t0)
         scraping = asyncio.create_task(sampler.run(http, t0, stop))
         show = args.progress or sys.stderr.isatty()
         n = len(workload.requests)

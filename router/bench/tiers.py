@@ -136,15 +136,19 @@ class TierSampler:
         self.samples.append((time.perf_counter() - t0, total))
 
     async def run(self, http: httpx.AsyncClient, t0: float, stop: asyncio.Event) -> None:
-        """Scrape until ``stop`` is set, then once more."""
+        """Scrape every ``interval_s`` until ``stop`` is set, then once more. The first sample
+        is the run's baseline: take it with :meth:`scrape` before the first request is sent
+        (``run`` takes one at once only when there is none), else a request admitted while the
+        servers are being scraped counts in the baseline, not in the run."""
         if not self.urls:
             return
-        while not stop.is_set():
+        if not self.samples:
             await self.scrape(http, t0)
+        while not stop.is_set():
             try:
                 await asyncio.wait_for(stop.wait(), self.interval_s)
             except TimeoutError:
-                pass
+                await self.scrape(http, t0)
         await self.scrape(http, t0)
 
     def total(self) -> dict[str, float] | None:

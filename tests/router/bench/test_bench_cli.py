@@ -19,9 +19,10 @@ from kvshare.cli import main
 BLOCK = 16
 
 
-def stub_vllm() -> tuple[FastAPI, dict[str, Any]]:
+def stub_vllm(metrics_delay_s: float = 0.0) -> tuple[FastAPI, dict[str, Any]]:
     """Streams ``max_tokens`` one-token chunks; counts a prompt's leading 16-token blocks seen
-    before as ``device`` hits, like a prefix cache that never evicts."""
+    before as ``device`` hits, like a prefix cache that never evicts. ``/metrics`` reads the
+    counters ``metrics_delay_s`` after it is asked (a busy server's slow scrape)."""
     app = FastAPI()
     state: dict[str, Any] = {"seen": set(), "prompt": 0, "device": 0, "requests": 0}
 
@@ -70,6 +71,7 @@ def stub_vllm() -> tuple[FastAPI, dict[str, Any]]:
 
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:
+        await asyncio.sleep(metrics_delay_s)
         return PlainTextResponse(
             f'vllm:prompt_tokens_total{{engine="0"}} {state["prompt"]}.0\n'
             f'vllm:prompt_tokens_cached_by_source_total{{engine="0",source="device"}} {state["device"]}.0\n')
@@ -156,3 +158,22 @@ def test_a_chat_log_is_sent_to_chat_completions(tmp_path: Path, capsys: pytest.C
     assert rc == 0 and state["requests"] == 3 and state["messages"] == msgs
     assert run["requests"]["completed"] == 3 and run["output_tokens"] == 9
     assert run["prompt_tokens"] == 21 and run["ttft_s"]["p99"] > 0
+
+
+def test_the_tier_baseline_is_read_before_the_first_request(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A scrape slower than the first request's admission (CI's busy machine) must not count
+    that request in the baseline: the hit rate is the run's, 48 of 160 tokens, not 48 of 96."""
+    app, state = stub_vllm(metrics_delay_s=0.3)
+    served = Served(app)
+    try:
+        rc = main(["bench", "--url", served.url, "--trace", str(trace(tmp_path)),
+                   "--block-tokens", str(BLOCK), "--vocab", "1024", "--speed", "2", "--json",
+                   "--metrics-interval", "0.05"])
+    finally:
+        served.stop()
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    run = json.loads(out.strip().splitlines()[-1])["runs"][0]
+    assert state["requests"] == 3
+    assert run["hit_rate_by_tier"]["engine"] == pytest.approx(48 / 160), run
