@@ -28,8 +28,9 @@ vLLM's own prefix cache does not hold the prefix, except ``vllm_prefix_s``:
 Ratios: ``speedup_local = cold_s / kvshare_local_s``, ``vs_lmcache = lmcache_s /
 kvshare_local_s``, ``local_vs_vllm_prefix = kvshare_local_s / vllm_prefix_s``,
 ``remote_vs_local = kvshare_remote_s / kvshare_local_s``, ``cold_overhead = cold_connector_s
-/ cold_s``; ``breakdown_local`` splits kvshare_local_s: lookup, ``transfer_s`` (this node's
-slab -> vLLM's pages: one straight copy), ``copy_into_pages_s`` (a second copy, staging ->
+/ cold_s``; ``breakdown_local`` splits kvshare_local_s (``breakdown_remote`` the remote one,
+its transfer over NIXL): lookup, ``transfer_s`` (this node's slab -> vLLM's pages: one
+straight copy), ``copy_into_pages_s`` (a second copy, staging ->
 pages; ~0 when the copy is straight), ``load_reported_s`` (load started -> vLLM told it is
 done: for a synchronous load, the load itself inside the step; for an asynchronous one, plus
 the idle steps until it is noticed), the rest (scheduling + the suffix's compute), how many
@@ -156,10 +157,14 @@ def main() -> None:
     ap.add_argument("--loads", type=int, default=1,
                     help="kvshare local and remote loads timed per prefix (each after a reset)")
     ap.add_argument("--warm-tokens", type=int, default=0,
-                    help="tokens of the warm-up prompt (default: --tokens)")
+                    help="tokens of the warm-up prompt every engine computes first (default: "
+                         "--tokens; fewer leaves the engines' first long prefill unwarmed)")
     ap.add_argument("--model-kind", choices=sorted(PAGE), default="llama",
                     help="llama (MHA/GQA), mla (DeepSeek-style latent) or hybrid (Gemma2-style "
                          "sliding-window + full attention, vLLM's hybrid allocator)")
+    ap.add_argument("--sync-local-mib", type=float, default=None,
+                    help="the connector's sync_local_mib (loads from this node's pool up to "
+                         "this size run inside the step; 0: every load is asynchronous)")
     ap.add_argument("--no-lmcache", action="store_true")
     ap.add_argument("--lmcache-python", default=os.path.join(
         os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".venv-bench", "bin",
@@ -170,7 +175,7 @@ def main() -> None:
     max_len = n + SUFFIX + 64
     model = build_model(kind, max_len)
     res: dict[str, list[float]] = {}
-    split: dict[str, list[float]] = {}
+    split: dict[str, dict[str, list[float]]] = {}
     lmcache_error = ""
     lmcache_cached: list[int] = []
 
@@ -196,22 +201,31 @@ def main() -> None:
                 add("vllm_prefix_s", ttft(plain, prefix + s2)[0])
         ray.kill(plain)
 
-        kvt = kv_transfer_config(NS, block_tokens=BLOCK)
+        extra = {} if args.sync_local_mib is None else {"sync_local_mib": args.sync_local_mib}
+        kvt = kv_transfer_config(NS, block_tokens=BLOCK, **extra)
         a = engine(model, "node_0", kvt, max_len, {}, page)
         b = engine(model, "node_1", kvt, max_len, {}, page)
-        ttft(a, warm)  # warm-up: compile paths, page faults in the staging buffers
-        reset(a)
-        ttft(a, warm)
-        ttft(b, warm)
+        # warm-up: each engine computes a prompt of its own (B computing A's would load it,
+        # and an engine that never ran a long prefill pays its first one's allocations later:
+        # ~0.3 s on vLLM-CPU's MLA), then loads it from its node's pool (the staging buffers)
+        for eng, seed in ((a, 7), (b, 8)):
+            ttft(eng, tokens(len(warm), seed))
+            reset(eng)
+            ttft(eng, tokens(len(warm), seed))
 
-        def local_load(prompt: list[int]) -> None:
-            """Time ``prompt`` on engine a (its prefix in this node's pool) and split it."""
-            before = ray.get(a.counters.remote())
-            t, cached = ttft(a, prompt)
-            after = ray.get(a.counters.remote())
-            add("kvshare_local_s", t)
+        def timed_load(eng: Any, prompt: list[int], key: str, transport: str) -> None:
+            """Time ``prompt`` on ``eng`` (its prefix in the cluster) and split it into
+            ``split[key]``: lookup, the transfer over ``transport``, the copy into pages, when
+            the load was reported, and what scheduling and the suffix's compute took."""
+            before = ray.get(eng.counters.remote())
+            t, cached = ttft(eng, prompt)
+            after = ray.get(eng.counters.remote())
+            add(f"kvshare_{key}_s", t)
+            moved = {k: round(delta(after, before, k), 4) for k in sorted(after)
+                     if isinstance(after[k], (int, float)) and delta(after, before, k)}
+            print(f"  {key} load's counters: {moved}", file=sys.stderr, flush=True)
             lookup = delta(after, before, "lookup_seconds")
-            transfer = delta(after, before, "transfer_seconds_shm")
+            transfer = delta(after, before, f"transfer_seconds_{transport}")
             load = delta(after, before, "load_seconds")
             reported = delta(after, before, "load_reported_seconds")
             for k, v in (("lookup_s", lookup), ("transfer_s", transfer),
@@ -222,16 +236,15 @@ def main() -> None:
                          ("load_polls", delta(after, before, "load_polls")),
                          ("sync_loads", delta(after, before, "sync_loads")),
                          ("loaded_tokens", cached)):
-                split.setdefault(k, []).append(v)
+                split.setdefault(key, {}).setdefault(k, []).append(v)
 
         for prefix, s1, s2 in prompts:
             add("cold_connector_s", ttft(a, prefix + s1)[0])
             for _ in range(args.loads):
                 reset(a)
-                local_load(prefix + s2)
+                timed_load(a, prefix + s2, "local", "shm")
                 reset(b)
-                t, cached = ttft(b, prefix + s1)
-                add("kvshare_remote_s", t)
+                timed_load(b, prefix + s1, "remote", "nixl")
         remote = ray.get(b.counters.remote())
         ray.kill(a)
         ray.kill(b)
@@ -259,7 +272,8 @@ def main() -> None:
     out["local_vs_vllm_prefix"] = ratio("kvshare_local_s", "vllm_prefix_s")
     out["remote_vs_local"] = ratio("kvshare_remote_s", "kvshare_local_s")
     out["cold_overhead"] = ratio("cold_connector_s", "cold_s")
-    out["breakdown_local"] = {k: round(statistics.median(v), 4) for k, v in split.items()}
+    for key, parts in split.items():
+        out[f"breakdown_{key}"] = {k: round(statistics.median(v), 4) for k, v in parts.items()}
     out["remote_transport_bytes"] = {k: v for k, v in remote.items() if k.startswith("bytes_")}
     if lmcache_cached:
         out["lmcache_cached_tokens"] = min(lmcache_cached)
