@@ -39,7 +39,8 @@ class SglangSpec:
     tier: ``"kvshare"`` (``storage_settings`` are the backend's keys,
     :class:`~kvshare.sglang.settings.StorageSettings`), ``"file"`` (SGLang's own, in
     ``$SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR``) or ``""`` (no HiCache at all). ``cpu``: serve
-    on the CPU (``--device cpu``, the torch attention backend, HiCache's ``direct`` I/O);
+    on the CPU (``--device cpu``, the torch attention backend, HiCache's ``direct`` I/O, an
+    idle scheduler that sleeps);
     ``extra_args``/``env``: more of SGLang's flags and environment; ``cpus``: cores to pin to."""
 
     model: str
@@ -102,7 +103,11 @@ class SglangSpec:
         if self.served_name:
             args += ["--served-model-name", self.served_name]
         if self.cpu:
-            args += ["--device", "cpu", "--attention-backend", "torch_native"]
+            # --sleep-on-idle: an idle scheduler otherwise spins a core (its idle loop runs
+            # its sanity checks back to back); on a host of a few cores, servers then starve
+            # each other. It sleeps only when no request is in it (a request waiting on a
+            # storage prefetch still polls), and wakes on the next request.
+            args += ["--device", "cpu", "--attention-backend", "torch_native", "--sleep-on-idle"]
         if self.storage:
             args += ["--enable-hierarchical-cache", "--hicache-ratio", f"{self.hicache_ratio:g}",
                      "--hicache-mem-layout", "layer_first",

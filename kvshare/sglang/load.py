@@ -41,25 +41,43 @@ def parse_sglang_metrics(text: str) -> dict[str, float]:
 
 
 class SglangLoad:
-    """Polls one SGLang server's ``/metrics``; None when it does not answer."""
+    """Polls one SGLang server's ``/metrics``, at most every ``min_interval_s``: a call sooner
+    answers the last load, whose ``ts`` says when it was read (routers count what they sent
+    since then on top of it). SGLang renders ``/metrics`` in its HTTP process from every
+    process's multiprocess files, a cost the lease's 10 Hz renewal would pay ten times a
+    second beside the scheduler. None when the server does not answer."""
 
-    def __init__(self, worker_id: WorkerId, endpoint: str, timeout_s: float = 1.0) -> None:
+    def __init__(self, worker_id: WorkerId, endpoint: str, timeout_s: float = 1.0,
+                 min_interval_s: float = 0.5) -> None:
+        if min_interval_s < 0:
+            raise ValueError(f"min_interval_s must be >= 0, got {min_interval_s}")
         self.worker_id = worker_id
         self.url = f"{endpoint}/metrics"
         self.http = httpx.Client(timeout=timeout_s)
+        self.min_interval_s = min_interval_s
         self.last: dict[str, float] = {}
+        self._last_load: WorkerLoad | None = None
+        self._read_at = -float("inf")
+        self.scrapes = 0
 
     def load(self) -> WorkerLoad | None:
+        now = time.monotonic()
+        if self._last_load is not None and now - self._read_at < self.min_interval_s:
+            return self._last_load
         try:
             r = self.http.get(self.url)
             r.raise_for_status()
         except httpx.HTTPError:
+            self._last_load = None
             return None
+        self.scrapes += 1
+        self._read_at = now
         self.last = m = parse_sglang_metrics(r.text)
-        return WorkerLoad(self.worker_id, running=int(m.get("sglang:num_running_reqs", 0)),
-                          waiting=int(m.get("sglang:num_queue_reqs", 0)),
-                          kv_usage=min(1.0, max(0.0, m.get("sglang:token_usage", 0.0))),
-                          ts=time.time())
+        self._last_load = WorkerLoad(
+            self.worker_id, running=int(m.get("sglang:num_running_reqs", 0)),
+            waiting=int(m.get("sglang:num_queue_reqs", 0)),
+            kv_usage=min(1.0, max(0.0, m.get("sglang:token_usage", 0.0))), ts=time.time())
+        return self._last_load
 
     def cached_tokens(self) -> dict[str, int]:
         """Prompt tokens served from each cache source so far (``device``, ``host``,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -34,6 +35,7 @@ def test_cpu_and_the_file_peer_and_no_hicache(tmp_path: Path) -> None:
     cpu = SglangSpec(str(tmp_path), host="h", port=1, storage="file", cpu=True).argv()
     assert cpu[cpu.index("--hicache-storage-backend") + 1] == "file"
     assert cpu[cpu.index("--device") + 1] == "cpu" and "--hicache-io-backend" in cpu
+    assert "--sleep-on-idle" in cpu  # an idle CPU server must not spin a core
     assert SglangSpec(str(tmp_path), storage="file", cpu=True).environ()[
         "SGLANG_USE_CPU_ENGINE"] == "1"
     plain = SglangSpec(str(tmp_path), host="h", port=1, storage="").argv()
@@ -80,3 +82,38 @@ def test_metrics_give_the_load_and_the_cache_hits_per_source() -> None:
     m = parse_sglang_metrics(text)
     assert m["sglang:num_running_reqs"] == 2 and m["sglang:num_queue_reqs"] == 3
     assert m["cached:storage"] == 512 and m["cached:device"] == 64
+
+
+def test_the_load_is_read_at_most_every_min_interval() -> None:
+    """The lease renews at 10 Hz; SGLang's /metrics is read at most every ``min_interval_s``
+    (a sooner call answers the last load, ``ts`` as read), again after it; a silent server is
+    None at once."""
+    from fastapi import FastAPI
+    from fastapi.responses import PlainTextResponse
+    from http_helpers import Served
+
+    from kvshare.sglang.load import SglangLoad
+
+    app, hits = FastAPI(), {"n": 0}
+
+    @app.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        hits["n"] += 1
+        return PlainTextResponse(f'sglang:num_running_reqs{{model_name="m"}} {hits["n"]}.0\n')
+
+    served = Served(app)
+    try:
+        load = SglangLoad("w", served.url, min_interval_s=0.3)
+        first = [load.load() for _ in range(5)]
+        assert hits["n"] == 1 and all(x is first[0] for x in first) and first[0] is not None
+        assert first[0].running == 1
+        time.sleep(0.35)
+        again = load.load()
+        assert hits["n"] == 2 and again is not None and again.running == 2 and again.ts > first[0].ts
+    finally:
+        served.stop()
+    assert load.load() is again  # within the interval: the last load, the server not asked
+    time.sleep(0.35)
+    assert load.load() is None  # the server is gone
+    with pytest.raises(ValueError, match="min_interval_s"):
+        SglangLoad("w", "http://127.0.0.1:1", min_interval_s=-1)
