@@ -15,7 +15,8 @@ by ``host_indices`` (one copy per page through the SDK, shm on this node, NIXL o
 store from others), returning one bool per page. Stores are write-through into this node's
 pool; a page is visible to every server once its store returns. A fault (the index down, a
 dead pool, a corrupt or late page, a holder gone mid-load) is a miss: the call returns False
-for that page, SGLang recomputes it, and the cause is counted (:attr:`KVShareStorage.counters`).
+for that page, SGLang recomputes it, and the cause is counted (:attr:`KVShareStorage.counters`;
+the seconds each kind of call took in :attr:`KVShareStorage.seconds`, a debug line per call).
 
 Configuration errors fail SGLang's start when the host pool is attached
 (:meth:`KVShareStorage.register_mem_pool_host`), naming the fix: settings
@@ -32,7 +33,12 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
+import time
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import replace
 from typing import Any, TypeVar
 
 import torch
@@ -40,7 +46,7 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageC
 
 from kvshare.client.join import check_deployed, join_ray
 from kvshare.client.sdk import KVShareClient
-from kvshare.client.types import StoreResult
+from kvshare.client.types import Plan, StoreResult
 from kvshare.hashing import namespace_root
 from kvshare.identity import path_identity
 from kvshare.sglang.pages import HostPages, host_layout, page_hashes
@@ -50,6 +56,10 @@ from kvshare.types import BlockHash
 log = logging.getLogger(__name__)
 ENGINE = "kvshare's SGLang storage backend"
 _T = TypeVar("_T")
+PLAN_REUSE_S = 2.0
+"""How long ``batch_exists``' plan serves the ``batch_get_v1`` that follows it (seconds)."""
+PLANS_KEPT = 64
+"""Plans kept at most (one per prefetch in flight)."""
 
 
 class KVShareStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is untyped here
@@ -59,6 +69,9 @@ class KVShareStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is untyped
         self.config = storage_config
         self.settings = StorageSettings.from_extra(storage_config.extra_config)
         self.counters: Counter[str] = Counter()
+        self.seconds: dict[str, float] = {}
+        self._plans: dict[str, tuple[tuple[str, ...], float, Plan]] = {}
+        self._plans_lock = threading.Lock()
         self.client: KVShareClient | None = None
         self.root: BlockHash | None = None
         self.page_size = 0
@@ -92,13 +105,45 @@ class KVShareStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is untyped
             raise RuntimeError(f"{ENGINE}: used before SGLang attached its host pool")
         return self.client, self.root
 
-    def _plan(self, keys: list[str]) -> tuple[KVShareClient, Any]:
+    def _plan(self, keys: list[str]) -> tuple[KVShareClient, Plan]:
         client, root = self._ready()
         return client, client.lookup([0] * (len(keys) * self.page_size), page_hashes(root, keys))
 
+    def _remember(self, keys: list[str], plan: Plan | None) -> None:
+        """Keep ``batch_exists``' plan for the ``batch_get_v1`` SGLang sends next for the same
+        pages (or a leading part of them): one index query per prefetch, not two. The latest
+        answer for the pages wins: one that found nothing (or failed) drops the plan kept."""
+        with self._plans_lock:
+            self._plans.pop(keys[0], None)
+            if plan is None or not plan.load_blocks:
+                return
+            while len(self._plans) >= PLANS_KEPT:
+                self._plans.pop(next(iter(self._plans)))
+            self._plans[keys[0]] = (tuple(keys), time.monotonic(), plan)
+
+    def _recall(self, keys: list[str]) -> Plan | None:
+        """The plan kept for ``keys`` (at most :data:`PLAN_REUSE_S` old), cut to them; None
+        when there is none. A plan that has gone stale meanwhile only fails blocks of the load
+        (checksums and epochs are verified), which are then misses."""
+        with self._plans_lock:
+            kept = self._plans.pop(keys[0], None)
+        if kept is None:
+            return None
+        known, at, plan = kept
+        n = len(keys)
+        if time.monotonic() - at > PLAN_REUSE_S or tuple(keys) != known[:n]:
+            return None
+        self.counters["plans_reused"] += 1
+        return replace(plan, num_tokens=n * self.page_size, hashes=plan.hashes[:n],
+                       available_blocks=min(plan.available_blocks, n), blocks=plan.blocks[:n])
+
     def _load(self, keys: list[str], pages: HostPages) -> int:
         """Leading pages of ``keys`` loaded into ``pages`` (raises on a fault)."""
-        client, plan = self._plan(keys)
+        plan = self._recall(keys)
+        if plan is None:
+            client, plan = self._plan(keys)
+        else:
+            client = self._ready()[0]
         return client.load(plan, pages).loaded_blocks if plan.load_blocks else 0
 
     def _store(self, keys: list[str], pages: HostPages) -> StoreResult:
@@ -107,6 +152,18 @@ class KVShareStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is untyped
         return client.store([0] * (len(keys) * self.page_size), pages,
                             hashes=page_hashes(root, keys)).result(
             self.settings.store_deadline_s + 5.0)
+
+    @contextmanager
+    def _timed(self, op: str, pages: int) -> Iterator[None]:
+        """Count the call and its seconds under ``op`` (:attr:`seconds`); one debug line each."""
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            dt = time.perf_counter() - t0
+            self.seconds[op] = self.seconds.get(op, 0.0) + dt
+            self.counters[f"{op}_calls"] += 1
+            log.debug("%s: %s of %d pages took %.1f ms", ENGINE, op, pages, dt * 1e3)
 
     def _host(self, host_indices: torch.Tensor) -> HostPages:
         return HostPages.from_indices(self.mem_pool_host.kv_buffer, self.page_size, host_indices)
@@ -117,9 +174,12 @@ class KVShareStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is untyped
         if not keys:
             return 0
         try:
-            _, plan = self._plan(keys)
+            with self._timed("exists", len(keys)):
+                _, plan = self._plan(keys)
         except Exception as exc:  # noqa: BLE001 - any fault is a miss
+            self._remember(keys, None)
             return self._fault("exists", exc, 0)
+        self._remember(keys, plan)
         self.counters["exists_pages"] += plan.load_blocks
         return int(plan.load_blocks)
 
@@ -128,7 +188,8 @@ class KVShareStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is untyped
         """Load ``keys`` into the host pool pages at ``host_indices``; True per page loaded
         (a contiguous leading run: a page after a miss is not used)."""
         try:
-            loaded = self._load(keys, self._host(host_indices))
+            with self._timed("get", len(keys)):
+                loaded = self._load(keys, self._host(host_indices))
         except Exception as exc:  # noqa: BLE001
             return self._fault("get", exc, [False] * len(keys))
         self.counters["pages_loaded"] += loaded
@@ -140,7 +201,8 @@ class KVShareStorage(HiCacheStorage):  # type: ignore[misc]  # SGLang is untyped
         """Store the host pool pages at ``host_indices`` under ``keys`` (write-through to this
         node's pool); True per page stored or already held."""
         try:
-            result = self._store(keys, self._host(host_indices))
+            with self._timed("set", len(keys)):
+                result = self._store(keys, self._host(host_indices))
         except Exception as exc:  # noqa: BLE001
             return self._fault("set", exc, [False] * len(keys))
         missed = set(result.missed)

@@ -107,10 +107,34 @@ class HostPages:
     def read_block(self, index: int, out: torch.Tensor) -> None:
         out.copy_(self._page(index).permute(1, 0, 3, 2, 4))
 
+    def _runs(self, first: int, n: int) -> list[tuple[int, int, int]]:
+        """Blocks ``first..first+n`` as runs of pages adjacent in the buffer: (first block of
+        the run, its pages, its first token)."""
+        runs: list[tuple[int, int, int]] = []
+        for i in range(first, first + n):
+            s = self.starts[i]
+            if runs and runs[-1][2] + runs[-1][1] * self.page_size == s:
+                runs[-1] = (runs[-1][0], runs[-1][1] + 1, runs[-1][2])
+            else:
+                runs.append((i, 1, s))
+        return runs
+
+    def _run_view(self, pages: int, start: int) -> torch.Tensor:
+        """``pages`` adjacent pages from token ``start`` as ``[2, L, pages, page, H, D]``."""
+        kv, layers, _, heads, dim = self.kv_buffer.shape
+        return self.kv_buffer[:, :, start : start + pages * self.page_size].view(
+            kv, layers, pages, self.page_size, heads, dim)
+
+    # canonical blocks [n, L, 2, H, T, D] <-> a run [2, L, n, T, H, D]: one permutation, its
+    # own inverse; one copy per run of adjacent pages (SGLang allocates them mostly in order)
+    _PERM = (2, 1, 0, 4, 3, 5)
+
     def write_blocks(self, first: int, blocks: torch.Tensor) -> None:
-        for i in range(blocks.shape[0]):
-            self.write_block(first + i, blocks[i])
+        for i, pages, start in self._runs(first, blocks.shape[0]):
+            self._run_view(pages, start).copy_(
+                blocks[i - first : i - first + pages].permute(*self._PERM))
 
     def read_blocks(self, first: int, out: torch.Tensor) -> None:
-        for i in range(out.shape[0]):
-            self.read_block(first + i, out[i])
+        for i, pages, start in self._runs(first, out.shape[0]):
+            out[i - first : i - first + pages].copy_(
+                self._run_view(pages, start).permute(*self._PERM))

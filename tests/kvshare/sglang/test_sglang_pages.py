@@ -65,6 +65,22 @@ def test_host_pages_store_and_load_through_the_sdk_byte_for_byte() -> None:
     client.close()
 
 
+def test_batched_copies_equal_page_by_page_over_runs_gaps_and_reversals() -> None:
+    """write_blocks/read_blocks copy one run of adjacent pages at a time: the same bytes, in
+    the same pages, as write_block/read_block one page each, whatever the pages' order."""
+    starts = [p * PAGE for p in (1, 2, 3, 7, 6, 0, 9, 10)]  # a run, a jump, a reversal, a run
+    blocks = torch.randn(len(starts), LAYERS, 2, HEADS, PAGE, DIM).to(torch.bfloat16)
+    batched, one_by_one = buffer(12 * PAGE), buffer(12 * PAGE)
+    HostPages(batched, PAGE, starts).write_blocks(2, blocks[2:7])
+    for i in range(2, 7):
+        HostPages(one_by_one, PAGE, starts).write_block(i, blocks[i])
+    assert torch.equal(batched, one_by_one) and batched.any()
+    assert not batched[:, :, 1 * PAGE : 3 * PAGE].any()  # blocks 0-1 were not written
+    out = torch.zeros(5, LAYERS, 2, HEADS, PAGE, DIM, dtype=torch.bfloat16)
+    HostPages(batched, PAGE, starts).read_blocks(2, out)
+    assert torch.equal(out, blocks[2:7])
+
+
 def test_host_pages_refuse_what_is_not_a_page_naming_it() -> None:
     with pytest.raises(ValueError, match="not a page"):
         HostPages(buffer(), PAGE, [3])

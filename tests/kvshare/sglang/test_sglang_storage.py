@@ -154,6 +154,30 @@ def test_a_corrupt_block_is_a_miss_counted_and_the_page_never_lands(env: dict[st
     assert b.client.counters.get("miss_corrupt", 0) >= 1
 
 
+def test_the_exists_plan_serves_the_get_and_a_stale_one_is_a_miss(env: dict[str, Any]) -> None:
+    """SGLang asks batch_exists, then batch_get_v1 for those pages (or a leading part): the
+    get loads by the exists' plan, no second index query. If the blocks went in between, the
+    pages are misses and the host pool is left as it was."""
+    from kvshare.actors.admin import clear
+
+    a, pool_a = attached(env, "node_0")
+    keys = [f"{os.getpid():x}-plan-{i}" for i in range(3)]
+    src = indices([1, 2, 3])
+    pool_a.kv_buffer[:, :, src] = torch.randn(2, LAYERS, len(src), HEADS, DIM).to(torch.bfloat16)
+    assert a.batch_set_v1(keys, src) == [True] * 3
+    b, pool_b = attached(env, "node_1")
+    assert b.batch_exists(keys) == 3
+    assert b.batch_get_v1(keys[:2], indices([5, 6])) == [True, True]
+    assert b.counters["plans_reused"] == 1
+    assert torch.equal(pool_b.kv_buffer[:, :, indices([5, 6])], pool_a.kv_buffer[:, :, indices([1, 2])])
+    assert b.batch_exists(keys) == 3
+    assert clear(NS, ray_namespace="kvshare-test") >= 3  # gone before the get
+    before = pool_b.kv_buffer[:, :, indices([8, 9, 10])].clone()
+    assert b.batch_get_v1(keys, indices([8, 9, 10])) == [False] * 3
+    assert b.counters["plans_reused"] == 2 and b.counters["pages_missed"] == 3
+    assert torch.equal(pool_b.kv_buffer[:, :, indices([8, 9, 10])], before)
+
+
 def test_a_dead_pool_is_a_miss_counted_never_an_error(env: dict[str, Any]) -> None:
     import ray
 
