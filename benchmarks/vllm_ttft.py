@@ -18,7 +18,8 @@ vLLM's own prefix cache does not hold the prefix, except ``vllm_prefix_s``:
 - ``vllm_prefix_s``: vLLM's own prefix-cache hit (the floor; MLA: none, vLLM-CPU turns its
   prefix cache off for MLA, so ``cold_s`` is what a repeat costs without kvshare);
 - ``kvshare_local_s``: after ``reset_prefix_cache``, the prefix comes from this node's host tier;
-- ``kvshare_remote_s``: a fresh engine on the other node, the prefix only in node 1's pool;
+- ``kvshare_remote_s``: the engine on the other node, the prefix only in the first one's pool
+  (the two engines swap roles each repeat; each warmed up on a prompt it computed itself);
 - ``lmcache_s``: LMCache 0.5.6's multi-process server (``lmcache server``) with
   ``LMCacheMPConnector``, after ``reset_prefix_cache``: ``benchmarks/lmcache_leg.py``, run in
   ``.venv-bench`` (``make bench-install``) as a subprocess of this run, same model and prompts,
@@ -238,14 +239,21 @@ def main() -> None:
                          ("loaded_tokens", cached)):
                 split.setdefault(key, {}).setdefault(k, []).append(v)
 
-        for prefix, s1, s2 in prompts:
-            add("cold_connector_s", ttft(a, prefix + s1)[0])
+        for r, (prefix, s1, s2) in enumerate(prompts):
+            # the engines swap roles each repeat (A computes and loads locally, B loads
+            # remotely; then the other way), so neither engine's own speed biases a ratio
+            home, away = (a, b) if r % 2 == 0 else (b, a)
+            add("cold_connector_s", ttft(home, prefix + s1)[0])
             for _ in range(args.loads):
-                reset(a)
-                timed_load(a, prefix + s2, "local", "shm")
-                reset(b)
-                timed_load(b, prefix + s1, "remote", "nixl")
-        remote = ray.get(b.counters.remote())
+                reset(home)
+                timed_load(home, prefix + s2, "local", "shm")
+                reset(away)
+                timed_load(away, prefix + s1, "remote", "nixl")
+        remote: dict[str, float] = {}
+        for counters in ray.get([a.counters.remote(), b.counters.remote()]):
+            for k, v in counters.items():
+                if k.startswith("bytes_") and k != "bytes_shm" and k != "bytes_stored":
+                    remote[k] = remote.get(k, 0) + v
         ray.kill(a)
         ray.kill(b)
 
