@@ -121,7 +121,11 @@ class SglangSpec:
         return args + list(self.extra_args)
 
     def environ(self) -> dict[str, str]:
+        """The server's environment: this process's, without the ``OMP_NUM_THREADS`` Ray puts
+        in its workers (1 for a zero-CPU actor: SGLang's torch would compute on one core; the
+        server is not one of Ray's tasks); ``cpus`` sets it to their count, ``env`` to any."""
         env = dict(os.environ)
+        env.pop("OMP_NUM_THREADS", None)
         env.update({"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"})
         if self.cpu:
             env["SGLANG_USE_CPU_ENGINE"] = "1"

@@ -117,3 +117,14 @@ def test_the_load_is_read_at_most_every_min_interval() -> None:
     assert load.load() is None  # the server is gone
     with pytest.raises(ValueError, match="min_interval_s"):
         SglangLoad("w", "http://127.0.0.1:1", min_interval_s=-1)
+
+
+def test_the_server_does_not_inherit_rays_one_thread(tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ray puts OMP_NUM_THREADS=1 in its (zero-CPU) workers; an SGLang server started from one
+    must not compute on one core. ``cpus`` or ``env`` still set it."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    assert "OMP_NUM_THREADS" not in SglangSpec(str(tmp_path), storage="", cpu=True).environ()
+    assert SglangSpec(str(tmp_path), storage="", cpus=(0, 1)).environ()["OMP_NUM_THREADS"] == "2"
+    assert SglangSpec(str(tmp_path), storage="", env={"OMP_NUM_THREADS": "3"}).environ()[
+        "OMP_NUM_THREADS"] == "3"
