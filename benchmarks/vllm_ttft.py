@@ -282,7 +282,7 @@ def main() -> None:
     out["cold_overhead"] = ratio("cold_connector_s", "cold_s")
     for key, parts in split.items():
         out[f"breakdown_{key}"] = {k: round(statistics.median(v), 4) for k, v in parts.items()}
-    out["remote_transport_bytes"] = {k: v for k, v in remote.items() if k.startswith("bytes_")}
+    out["remote_transport_bytes"] = remote
     if lmcache_cached:
         out["lmcache_cached_tokens"] = min(lmcache_cached)
     if lmcache_error:

@@ -58,7 +58,6 @@ class SglangLoad:
         self.last: dict[str, float] = {}
         self._last_load: WorkerLoad | None = None
         self._read_at = -float("inf")
-        self.scrapes = 0
 
     def load(self) -> WorkerLoad | None:
         now = time.monotonic()
@@ -70,7 +69,6 @@ class SglangLoad:
         except httpx.HTTPError:
             self._last_load = None
             return None
-        self.scrapes += 1
         self._read_at = now
         self.last = m = parse_sglang_metrics(r.text)
         self._last_load = WorkerLoad(

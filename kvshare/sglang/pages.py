@@ -13,8 +13,7 @@ Bytes. SGLang's host pool (``MHATokenToKVPoolHost``, ``layer_first``) holds one 
 start. kvshare's canonical block is ``[layers, 2, kv_heads, tokens, head_dim]``.
 :class:`HostPages` is the SDK's :class:`~kvshare.block_io.BlockIO` over a list of page starts
 in that tensor, so the SDK's loads and stores copy straight between the cluster and SGLang's
-host pool (the v1 zero-copy interface), and :func:`page_view` is one page in SGLang's flat
-``get_data_page`` order for the legacy interface.
+host pool (the v1 zero-copy interface).
 """
 
 from __future__ import annotations
@@ -54,12 +53,6 @@ def host_layout(kv_buffer: torch.Tensor, page_size: int, layout: str) -> KVLayou
     return KVLayout(int(layers), int(heads), int(dim), dtype, block_tokens=page_size)
 
 
-def page_view(kv_buffer: torch.Tensor, start: int, page_size: int) -> torch.Tensor:
-    """Page ``start..start+page_size`` of a ``layer_first`` host buffer, ``[2, L, page, H, D]``
-    (what SGLang's ``get_data_page(start, flat=False)`` returns)."""
-    return kv_buffer[:, :, start : start + page_size]
-
-
 class HostPages:
     """Blocks ``0..n-1`` are the pages starting at ``starts[i]`` of an SGLang host buffer
     (:class:`~kvshare.block_io.BlockIO`). The buffer is written only through the page views,
@@ -97,15 +90,11 @@ class HostPages:
         if tokens > self.num_tokens:
             raise ValueError(f"{tokens} tokens do not fit {len(self.starts)} pages")
 
-    def _page(self, index: int) -> torch.Tensor:
-        return page_view(self.kv_buffer, self.starts[index], self.page_size)
-
     def write_block(self, index: int, block: torch.Tensor) -> None:
-        # canonical [L, 2, H, T, D] -> host [2, L, T, H, D]
-        self._page(index).copy_(block.permute(1, 0, 3, 2, 4))
+        self.write_blocks(index, block.unsqueeze(0))
 
     def read_block(self, index: int, out: torch.Tensor) -> None:
-        out.copy_(self._page(index).permute(1, 0, 3, 2, 4))
+        self.read_blocks(index, out.unsqueeze(0))
 
     def _runs(self, first: int, n: int) -> list[tuple[int, int, int]]:
         """Blocks ``first..first+n`` as runs of pages adjacent in the buffer: (first block of
