@@ -74,8 +74,8 @@ lint: $(STAMP)
 # and hosts tests one at a time (they start Ray clusters, vLLM engines and network namespaces,
 # and time what they wait for).
 test: lint browser
-	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not cluster and not hosts" -n 2 --dist loadfile
-	$(BIN)/python -m pytest -q -p no:cacheprovider -m "cluster or hosts"
+	$(BIN)/python -m pytest -q -p no:cacheprovider -m "not cluster and not hosts" -n 2 --dist loadfile --durations=15
+	$(BIN)/python -m pytest -q -p no:cacheprovider -m "cluster or hosts" --durations=25
 
 # The manual (MkDocs, docs/): regenerate the configuration reference from the settings
 # dataclasses, then build strictly (a broken link or a page missing from the nav fails).

