@@ -66,19 +66,21 @@ def start_workers(model: str, nodes: Sequence[str], *, namespace: str, block_tok
                   connector_settings: Mapping[str, Any] | None = None) -> list[dict[str, Any]]:
     """One vLLM worker per node id in ``nodes`` (vLLM servers start in parallel); returns
     each worker's :meth:`VllmWorkerService.info`. Needs ``ray.init`` and a deployed index.
-    ``cpus``: each worker's cores on its node (:class:`VllmSpec`; empty: unpinned);
+    ``cpus``: each worker's cores on its node (:class:`VllmSpec`; empty: unpinned, and the
+    servers of nodes on one machine, by hostname, split its cores as OpenMP threads);
     ``connector_settings``: more connector keys (:class:`VllmWorkerConfig`), checked before
     any worker starts."""
     if cpus and len(cpus) != len(nodes):
         raise ValueError(f"cpus: one core set per node, got {len(cpus)} for {len(nodes)} nodes")
-    check_model_on_nodes(os.path.abspath(model), nodes)
+    hosts = check_model_on_nodes(os.path.abspath(model), nodes)
     actors = []
     for i, node in enumerate(nodes):
         # Address, port (unless base_port) and events dir are chosen by the worker on its node.
         spec = VllmSpec(model=os.path.abspath(model), port=base_port + i if base_port else 0,
                         block_size=page_tokens, max_model_len=max_model_len,
                         kv_cache_gb=kv_cache_gb, num_blocks=num_blocks,
-                        cpus=tuple(cpus[i]) if cpus else ())
+                        cpus=tuple(cpus[i]) if cpus else (),
+                        host_servers=hosts.count(hosts[i]))  # Ray nodes sharing one machine
         wid = f"vllm-{node[:8]}-{spec.port or secrets.token_hex(3)}"
         cfg = VllmWorkerConfig(wid, node, namespace, spec, block_tokens, dtype, connector,
                                ray_namespace, connector_settings=dict(connector_settings or {}))
@@ -102,20 +104,22 @@ def _model_here(model: str) -> tuple[bool, str, str]:
     return ok, socket.gethostname(), ray.util.get_node_ip_address()  # type: ignore[no-untyped-call]
 
 
-def check_model_on_nodes(model: str, nodes: Sequence[str], timeout_s: float = 60.0) -> None:
-    """ValueError naming every node of ``nodes`` on which ``model`` (an absolute path) is not a
-    readable model directory: each vLLM server reads the model on its own node, so the path
-    must be one every node can read (a shared filesystem, or the same copy on each node)."""
+def check_model_on_nodes(model: str, nodes: Sequence[str], timeout_s: float = 60.0) -> list[str]:
+    """Each node's hostname; ValueError naming every node of ``nodes`` on which ``model`` (an
+    absolute path) is not a readable model directory: each vLLM server reads the model on its
+    own node, so the path must be one every node can read (a shared filesystem, or the same
+    copy on each node)."""
     probe = ray.remote(num_cpus=0)(_model_here)
     refs = [probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n, soft=False))
             .remote(model) for n in nodes]
+    found = ray.get(refs, timeout=timeout_s)
     missing = [f"{node} ({ip}, host {host})"
-               for node, (ok, host, ip) in zip(nodes, ray.get(refs, timeout=timeout_s),
-                                               strict=True) if not ok]
+               for node, (ok, host, ip) in zip(nodes, found, strict=True) if not ok]
     if missing:
         raise ValueError(f"model {model!r} is not a readable model directory (no config.json) on "
                          f"node(s) {', '.join(missing)}: give a path every node can read (a "
                          "shared filesystem, or the same copy on each node)")
+    return [str(host) for _, host, _ in found]
 
 
 def named_actors(ray_namespace: str, prefix: str = PREFIX) -> list[Any]:

@@ -1,6 +1,7 @@
 """A vLLM server pinned to its cores (``VllmSpec.cpus``): the server and what it spawns run
-on those cores with one OpenMP thread each; a core the node does not have is refused before
-anything starts. The process is a stand-in for ``vllm.entrypoints.openai.api_server`` that
+on those cores with one OpenMP thread each; an unpinned one computes on its share of the
+machine's cores, not on the one thread of the Ray worker that starts it; a core the node does
+not have is refused before anything starts. The process is a stand-in for ``vllm.entrypoints.openai.api_server`` that
 reports what it was given (the launch wiring is what is under test, not vLLM)."""
 
 from __future__ import annotations
@@ -8,7 +9,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
@@ -61,8 +62,23 @@ def test_cores_that_do_not_exist_are_refused_before_anything_starts(tmp_path: Pa
     with pytest.raises(ValueError, match=f"cpus \\[{missing}\\] are not usable on this node"):
         proc.start()
     assert proc.proc is None and not (tmp_path / "report").exists()
+
+
+def test_a_server_started_from_a_ray_worker_does_not_compute_on_one_thread(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ray puts OMP_NUM_THREADS=1 in its (zero-CPU) workers, and vLLM-CPU started with
+    nobind keeps it: the server is not one of Ray's tasks, so it must not inherit it."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    cores = len(os.sched_getaffinity(0))
     unpinned = ReportingSpec(model=str(tmp_path), port=1, events_dir=str(tmp_path))
-    assert unpinned.environ().get("OMP_NUM_THREADS") == os.environ.get("OMP_NUM_THREADS")
+    assert unpinned.environ()["OMP_NUM_THREADS"] == str(cores)
+    # two Ray nodes on one machine split its cores; never below one thread
+    assert replace(unpinned, host_servers=2).environ()["OMP_NUM_THREADS"] == str(max(1, cores // 2))
+    assert replace(unpinned, host_servers=cores + 1).environ()["OMP_NUM_THREADS"] == "1"
+    assert replace(unpinned, cpus=(0, 1)).environ()["OMP_NUM_THREADS"] == "2"
+    assert replace(unpinned, env={"OMP_NUM_THREADS": "3"}).environ()["OMP_NUM_THREADS"] == "3"
+    with pytest.raises(ValueError, match="host_servers must be >= 1"):
+        replace(unpinned, host_servers=0)
 
 
 FAILING = """
@@ -94,7 +110,7 @@ def test_a_failed_start_names_the_root_cause_printed_long_before_the_end(tmp_pat
 
 ORPHAN = """
 import os, sys, time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from kvshare.vllm.server.launch import VllmProcess, VllmSpec
 
 @dataclass(frozen=True)
