@@ -67,12 +67,12 @@ def start_workers(model: str, nodes: Sequence[str], *, namespace: str, block_tok
     """One vLLM worker per node id in ``nodes`` (vLLM servers start in parallel); returns
     each worker's :meth:`VllmWorkerService.info`. Needs ``ray.init`` and a deployed index.
     ``cpus``: each worker's cores on its node (:class:`VllmSpec`; empty: unpinned, and the
-    servers of nodes on one machine, by hostname, split its cores as OpenMP threads);
+    servers of nodes on one machine (:func:`machine_id`) split its cores as OpenMP threads);
     ``connector_settings``: more connector keys (:class:`VllmWorkerConfig`), checked before
     any worker starts."""
     if cpus and len(cpus) != len(nodes):
         raise ValueError(f"cpus: one core set per node, got {len(cpus)} for {len(nodes)} nodes")
-    hosts = check_model_on_nodes(os.path.abspath(model), nodes)
+    machines = check_model_on_nodes(os.path.abspath(model), nodes)
     actors = []
     for i, node in enumerate(nodes):
         # Address, port (unless base_port) and events dir are chosen by the worker on its node.
@@ -80,7 +80,7 @@ def start_workers(model: str, nodes: Sequence[str], *, namespace: str, block_tok
                         block_size=page_tokens, max_model_len=max_model_len,
                         kv_cache_gb=kv_cache_gb, num_blocks=num_blocks,
                         cpus=tuple(cpus[i]) if cpus else (),
-                        host_servers=hosts.count(hosts[i]))  # Ray nodes sharing one machine
+                        host_servers=machines.count(machines[i]))  # nodes on one machine
         wid = f"vllm-{node[:8]}-{spec.port or secrets.token_hex(3)}"
         cfg = VllmWorkerConfig(wid, node, namespace, spec, block_tokens, dtype, connector,
                                ray_namespace, connector_settings=dict(connector_settings or {}))
@@ -96,16 +96,31 @@ def start_workers(model: str, nodes: Sequence[str], *, namespace: str, block_tok
     return list(ray.get([a.info.remote() for a in actors]))
 
 
-def _model_here(model: str) -> tuple[bool, str, str]:
-    """On a node: whether ``model`` is a model directory there, the hostname, the node IP."""
+def machine_id() -> str:
+    """Which machine this process runs on: the kernel's boot id, shared by every Ray node on
+    one machine, containers and network namespaces (emulated hosts) included, and by nothing
+    on another; the hostname where it cannot be read."""
+    import socket
+
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip() or socket.gethostname()
+    except OSError:
+        return socket.gethostname()
+
+
+def _model_here(model: str) -> tuple[bool, str, str, str]:
+    """On a node: whether ``model`` is a model directory there, the hostname, the node IP and
+    :func:`machine_id`."""
     import socket
 
     ok = os.path.isfile(os.path.join(model, "config.json")) and os.access(model, os.R_OK)
-    return ok, socket.gethostname(), ray.util.get_node_ip_address()  # type: ignore[no-untyped-call]
+    ip = ray.util.get_node_ip_address()  # type: ignore[no-untyped-call]
+    return ok, socket.gethostname(), ip, machine_id()
 
 
 def check_model_on_nodes(model: str, nodes: Sequence[str], timeout_s: float = 60.0) -> list[str]:
-    """Each node's hostname; ValueError naming every node of ``nodes`` on which ``model`` (an
+    """Each node's :func:`machine_id`; ValueError naming every node of ``nodes`` on which ``model`` (an
     absolute path) is not a readable model directory: each vLLM server reads the model on its
     own node, so the path must be one every node can read (a shared filesystem, or the same
     copy on each node)."""
@@ -114,12 +129,12 @@ def check_model_on_nodes(model: str, nodes: Sequence[str], timeout_s: float = 60
             .remote(model) for n in nodes]
     found = ray.get(refs, timeout=timeout_s)
     missing = [f"{node} ({ip}, host {host})"
-               for node, (ok, host, ip) in zip(nodes, found, strict=True) if not ok]
+               for node, (ok, host, ip, _) in zip(nodes, found, strict=True) if not ok]
     if missing:
         raise ValueError(f"model {model!r} is not a readable model directory (no config.json) on "
                          f"node(s) {', '.join(missing)}: give a path every node can read (a "
                          "shared filesystem, or the same copy on each node)")
-    return [str(host) for _, host, _ in found]
+    return [str(machine) for _, _, _, machine in found]
 
 
 def named_actors(ray_namespace: str, prefix: str = PREFIX) -> list[Any]:

@@ -7,6 +7,8 @@ reports what it was given (the launch wiring is what is under test, not vLLM).""
 from __future__ import annotations
 
 import os
+import shutil
+import socket
 import subprocess
 import sys
 from dataclasses import dataclass, replace
@@ -151,3 +153,20 @@ def test_the_server_ends_when_the_process_that_started_it_is_killed(tmp_path: Pa
         wait_for(lambda: _gone(server), timeout_s=10)
     finally:
         parent.kill()
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("unshare") is None,
+                    reason="needs root and unshare (a new hostname and network namespace)")
+def test_an_emulated_host_on_this_machine_counts_as_this_machine() -> None:
+    """The servers of Ray nodes on one machine split its cores: an emulated host (its own
+    hostname and network, as kvshare.testing.hosts makes) shares this machine's cores, so it
+    must report this machine's id, whatever its hostname."""
+    from kvshare.actors.vllm_workers import machine_id
+
+    probe = "import socket; from kvshare.actors.vllm_workers import machine_id; " \
+            "print(socket.gethostname(), machine_id())"
+    out = subprocess.run(["unshare", "--uts", "--net", "sh", "-c",
+                          f"hostname kvs-elsewhere && {sys.executable} -c '{probe}'"],
+                         capture_output=True, text=True, timeout=120, check=True).stdout.split()
+    assert out[0] == "kvs-elsewhere" != socket.gethostname()
+    assert out[1] == machine_id() != ""
