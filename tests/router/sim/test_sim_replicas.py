@@ -16,6 +16,7 @@ from kvshare.router.sim.trace import Trace
 from kvshare.router.sim.trace_read import read_trace
 
 DYNAMO = TRACES / "dynamo_mooncake_trace_1000.jsonl"
+needs_dynamo = pytest.mark.skipif(not DYNAMO.exists(), reason=f"trace {DYNAMO} not present")
 
 
 def _by_row(requests: object) -> dict[int, tuple[float, int, int, tuple[int, ...], int]]:
@@ -23,6 +24,7 @@ def _by_row(requests: object) -> dict[int, tuple[float, int, int, tuple[int, ...
             for r in requests}  # type: ignore[attr-defined]
 
 
+@needs_dynamo
 def test_a_replica_moves_each_arrival_within_the_bound_and_keeps_every_request() -> None:
     trace = read_trace(DYNAMO)
     assert jittered(trace, 0, 5e-4) is trace  # replica 0: the trace as it is
@@ -40,6 +42,7 @@ def test_a_replica_moves_each_arrival_within_the_bound_and_keeps_every_request()
     assert not np.array_equal(jittered(trace, 4, 5e-4).arrival_s, rep.arrival_s)
 
 
+@needs_dynamo
 def test_a_slice_of_requests_is_jittered_too_and_no_arrival_goes_below_zero() -> None:
     part = read_trace(DYNAMO)[:50]
     rep = jittered(part, 1, 5.0)  # (a large offset: arrivals near 0 are clipped at 0)
@@ -49,6 +52,7 @@ def test_a_slice_of_requests_is_jittered_too_and_no_arrival_goes_below_zero() ->
     assert {k: v[1:] for k, v in _by_row(rep).items()} == {k: v[1:] for k, v in _by_row(part).items()}
 
 
+@needs_dynamo
 @pytest.mark.parametrize(("seed", "within"), [(-1, 1e-3), (1, -1e-3), (1, math.nan), (1, math.inf)])
 def test_bad_replica_arguments_are_refused(seed: int, within: float) -> None:
     with pytest.raises(ValueError, match="jittered needs seed >= 0 and a finite within_s >= 0"):
@@ -64,6 +68,7 @@ def test_paired_gap_is_the_mean_difference_and_its_standard_error() -> None:
         paired_gap([1.0], [1.0, 2.0])
 
 
+@needs_dynamo
 def test_replicas_of_one_replay_differ_by_more_than_rounding() -> None:
     """What replicas are for: a replay's outcome moves when arrivals move by less than the
     trace's timestamp resolution (chaos, not a policy's merit), so a single replay's small gap

@@ -12,6 +12,7 @@ from kvshare.router.sim.report import format_table
 from kvshare.router.sim.trace_read import read_trace
 
 DYNAMO = TRACES / "dynamo_mooncake_trace_1000.jsonl"
+needs_dynamo = pytest.mark.skipif(not DYNAMO.exists(), reason=f"trace {DYNAMO} not present")
 
 
 def _write(tmp_path: Path, rows: list[dict[str, object]], name: str = "t.jsonl") -> Path:
@@ -31,6 +32,7 @@ def test_a_good_trace_reads_in_arrival_order(tmp_path: Path) -> None:
     assert t[0].hash_ids == [1, 3] and t[1].input_tokens == 10 and t.warnings == ()
 
 
+@needs_dynamo
 def test_block_size_mismatch_names_the_row_and_the_block_size(tmp_path: Path) -> None:
     # the public trace uses 512-token blocks: replayed as 64-token blocks, it must be refused
     with pytest.raises(ValueError, match=r"line 1 .*needs ceil.*--block-tokens 512"):
@@ -86,6 +88,7 @@ def test_seconds_in_a_millisecond_format_warn(tmp_path: Path) -> None:
     assert read_trace(_write(tmp_path, ok)).warnings == ()
 
 
+@needs_dynamo
 def test_limit_and_missing_file(tmp_path: Path) -> None:
     for bad in (0, -5):
         with pytest.raises(ValueError, match="limit must be >= 1"):
